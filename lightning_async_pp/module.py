@@ -1,0 +1,87 @@
+"""``PipelineModule``: the model contract shared by ordinary Lightning training and the pipeline."""
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any, Optional, Protocol
+
+import lightning as L
+from torch import Tensor, nn
+
+
+class PipelineExecutor(Protocol):
+    """What a pipeline strategy plugs into a ``PipelineModule`` to replace the sequential run."""
+
+    def train_loss(self, batch: Any) -> Tensor: ...  # runs forward and backward; returns the detached mean loss
+
+    def eval_loss(self, batch: Any) -> Tensor: ...  # forward only, newest weights
+
+
+class PipelineModule(L.LightningModule):
+    """A ``LightningModule`` described as an ordered list of layers and a loss.
+
+    Subclasses implement :meth:`pipeline_layers` and :meth:`pipeline_loss` (and optionally
+    :meth:`pipeline_input`). The ``training_step``/``validation_step``/``test_step`` supplied here run the
+    layers in order, so the same module trains under any Lightning strategy; ``AsyncPipelineStrategy``
+    replaces that sequential run by the pipeline.
+    """
+
+    #: Set by a pipeline strategy while it drives this module; ``None`` means "run the layers in order here".
+    _pipeline_executor: Optional[PipelineExecutor] = None
+
+    # ---- the contract ------------------------------------------------------------------------------------
+    def pipeline_layers(self) -> Sequence[nn.Module]:
+        """The layers in order; each takes the previous layer's output (a tensor or a tuple of tensors)."""
+        raise NotImplementedError(f"{type(self).__name__} must implement pipeline_layers()")
+
+    def pipeline_loss(self, output: Any, batch: Any) -> Tensor:
+        """The mean loss of the last layer's ``output`` for ``batch`` (a microbatch under the pipeline)."""
+        raise NotImplementedError(f"{type(self).__name__} must implement pipeline_loss(output, batch)")
+
+    def pipeline_input(self, batch: Any) -> Any:
+        """What the first layer takes. Default: the batch itself if it is a tensor, its first element if it is
+        a tuple or list, its ``"input"``/``"inputs"`` entry if it is a mapping."""
+        if isinstance(batch, Tensor):
+            return batch
+        if isinstance(batch, (tuple, list)) and batch:
+            return batch[0]
+        if isinstance(batch, Mapping):
+            for key in ("input", "inputs", "input_ids", "x"):
+                if key in batch:
+                    return batch[key]
+        raise TypeError(
+            f"Cannot tell the inputs of a batch of type {type(batch).__name__}; override pipeline_input(batch)"
+        )
+
+    # ---- sequential run (what the pipeline reproduces) ---------------------------------------------------------
+    def pipeline_forward(self, batch: Any) -> Any:
+        """Run every layer in order on ``batch``'s inputs."""
+        x = self.pipeline_input(batch)
+        for layer in self.pipeline_layers():
+            x = layer(x)
+        return x
+
+    def forward(self, batch: Any) -> Any:
+        return self.pipeline_forward(batch)
+
+    def _loss(self, batch: Any, train: bool) -> Tensor:
+        executor = self._pipeline_executor
+        if executor is None:
+            return self.pipeline_loss(self.pipeline_forward(batch), batch)
+        return executor.train_loss(batch) if train else executor.eval_loss(batch)
+
+    def training_step(self, batch: Any, batch_idx: int) -> Tensor:
+        loss = self._loss(batch, train=True)
+        # Under the pipeline every rank already holds the data-parallel mean, so no sync here (a per-step
+        # collective across stages would put a barrier back into a schedule built to avoid one).
+        self.log("train_loss", loss, prog_bar=True)
+        return loss
+
+    def validation_step(self, batch: Any, batch_idx: int) -> Tensor:
+        loss = self._loss(batch, train=False)
+        self.log("val_loss", loss, prog_bar=True, sync_dist=True)
+        return loss
+
+    def test_step(self, batch: Any, batch_idx: int) -> Tensor:
+        loss = self._loss(batch, train=False)
+        self.log("test_loss", loss, sync_dist=True)
+        return loss
