@@ -1,0 +1,238 @@
+"""``lightning_async_pp.optim.ErrorFeedback``: ``W_{k+1} = W_k - u_k - c (u_k - u_{k-1})`` around any optimizer,
+one buffer of state, checkpoints, bad input, and the nested LightningCLI YAML."""
+from __future__ import annotations
+
+import copy
+import io
+import math
+from functools import partial
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_async_pp.optim import PREV_UPDATE, ErrorFeedback, Muon
+
+A = torch.tensor([0.3, -1.2, 0.7, 2.0], dtype=torch.float64)
+W0 = torch.tensor([0.5, -0.4, 1.1, -0.9], dtype=torch.float64)
+
+
+def grad_at(w: torch.Tensor) -> torch.Tensor:
+    """Gradient of f(w) = sum(w^4)/4 + sum(A w): depends on w, so a wrong weight gives a wrong update."""
+    return w**3 + A
+
+
+def run(opt_factory, steps: int, coefficient: float) -> torch.Tensor:
+    w = nn.Parameter(W0.clone())
+    opt = ErrorFeedback([w], optimizer=opt_factory, coefficient=coefficient)
+    for _ in range(steps):
+        opt.zero_grad()
+        (w.pow(4).sum() / 4 + (A * w).sum()).backward()
+        opt.step()
+    return w.detach()
+
+
+def test_coefficient_zero_is_exactly_the_wrapped_optimizer():
+    factory = partial(torch.optim.AdamW, lr=0.05, weight_decay=0.1)
+    bare = nn.Parameter(W0.clone())
+    bare_opt = factory([bare])
+    for _ in range(5):
+        bare_opt.zero_grad()
+        (bare.pow(4).sum() / 4 + (A * bare).sum()).backward()
+        bare_opt.step()
+    assert torch.equal(run(factory, 5, coefficient=0.0), bare.detach())
+
+
+def test_sgd_with_coefficient_one_follows_the_formula_written_out():
+    lr = 0.1
+    W1 = W0 - lr * grad_at(W0)
+    u0 = W0 - W1
+    u1 = lr * grad_at(W1)
+    W2 = W1 - u1 - (u1 - u0)
+    u2 = lr * grad_at(W2)
+    W3 = W2 - u2 - (u2 - u1)
+    assert torch.allclose(run(partial(torch.optim.SGD, lr=lr), 3, coefficient=1.0), W3, rtol=0, atol=1e-12)
+
+
+def test_adamw_with_coefficient_half_matches_a_hand_written_adamw_and_correction():
+    lr, wd, (b1, b2), eps, c = 0.05, 0.1, (0.9, 0.95), 1e-8, 0.5
+    w, m, v, prev = W0.clone(), torch.zeros(4, dtype=torch.float64), torch.zeros(4, dtype=torch.float64), None
+    for k in range(1, 6):
+        g = grad_at(w)  # the wrapped optimizer sees the corrected weights W_k, weight decay included
+        m = b1 * m + (1 - b1) * g
+        v = b2 * v + (1 - b2) * g * g
+        u = lr * wd * w + (lr / (1 - b1**k)) * m / (v.sqrt() / math.sqrt(1 - b2**k) + eps)
+        w = w - u if prev is None else w - u - c * (u - prev)
+        prev = u
+    factory = partial(torch.optim.AdamW, lr=lr, weight_decay=wd, betas=(b1, b2), eps=eps)
+    assert torch.allclose(run(factory, 5, coefficient=c), w, rtol=0, atol=1e-12)
+
+
+def test_the_wrapped_optimizer_moments_advance_once_per_step():
+    w = nn.Parameter(W0.clone())
+    opt = ErrorFeedback([w], optimizer=partial(torch.optim.Adam, lr=0.01), coefficient=1.0)
+    for _ in range(3):
+        opt.zero_grad()
+        w.sum().backward()
+        opt.step()
+    assert opt.wrapped.state[w]["step"].item() == 3
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embedding = nn.Embedding(7, 6)
+        self.hidden = nn.Linear(6, 6)
+        self.head = nn.Linear(6, 7)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.hidden(self.embedding(idx))))
+
+
+def net(seed: int = 0) -> Net:
+    torch.manual_seed(seed)
+    return Net()
+
+
+def train(model: Net, opt: torch.optim.Optimizer, steps: range) -> None:
+    for step in steps:
+        idx = torch.randint(0, 7, (4, 5), generator=torch.Generator().manual_seed(step))
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(idx).reshape(-1, 7), idx.roll(1, dims=1).reshape(-1)).backward()
+        opt.step()
+
+
+WRAPPED = {
+    "adamw": partial(torch.optim.AdamW, lr=0.01),
+    "sgd_momentum": partial(torch.optim.SGD, lr=0.05, momentum=0.9),
+    "muon": partial(Muon, lr=0.02),
+}
+
+
+@pytest.mark.parametrize("name", sorted(WRAPPED))
+def test_state_dict_round_trip_through_torch_save_continues_exactly_as_uninterrupted(name):
+    model = net()
+    opt = ErrorFeedback(model.named_parameters(), optimizer=WRAPPED[name], coefficient=0.7)
+    train(model, opt, range(3))
+    buffer = io.BytesIO()
+    torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, buffer)
+    train(model, opt, range(3, 6))
+
+    buffer.seek(0)
+    checkpoint = torch.load(buffer, weights_only=True)
+    resumed = net(seed=1)
+    resumed.load_state_dict(checkpoint["model"])
+    resumed_opt = ErrorFeedback(resumed.named_parameters(), optimizer=WRAPPED[name], coefficient=0.7)
+    resumed_opt.load_state_dict(checkpoint["opt"])
+    assert all(PREV_UPDATE in resumed_opt.state[p] for p in resumed.parameters())
+    train(resumed, resumed_opt, range(3, 6))
+    for p, q in zip(model.parameters(), resumed.parameters()):
+        assert torch.equal(p, q)
+
+
+def test_losing_the_buffer_changes_the_trajectory():
+    """Guards the round-trip test above: the buffer really matters after a restart."""
+    model = net()
+    opt = ErrorFeedback(model.parameters(), optimizer=WRAPPED["adamw"], coefficient=0.7)
+    train(model, opt, range(3))
+    saved = copy.deepcopy(opt.state_dict())
+    for entry in saved["state"].values():
+        del entry[PREV_UPDATE]
+    forked = copy.deepcopy(model)
+    forked_opt = ErrorFeedback(forked.parameters(), optimizer=WRAPPED["adamw"], coefficient=0.7)
+    forked_opt.load_state_dict(saved)
+    train(model, opt, range(3, 4))
+    train(forked, forked_opt, range(3, 4))
+    assert not torch.equal(model.hidden.weight, forked.hidden.weight)
+
+
+@pytest.mark.parametrize("name", sorted(WRAPPED))
+def test_persistent_state_is_one_parameter_sized_buffer_beyond_the_wrapped_optimizers_own(name):
+    model, bare_model = net(), net()
+    opt = ErrorFeedback(model.named_parameters(), optimizer=WRAPPED[name], coefficient=0.5)
+    bare = WRAPPED[name](bare_model.named_parameters())
+    train(model, opt, range(3))
+    train(bare_model, bare, range(3))
+    ours, theirs = opt.state_dict()["state"], bare.state_dict()["state"]
+    params = [p for group in opt.param_groups for p in group["params"]]  # state_dict's index order
+    assert ours.keys() == theirs.keys() or not theirs  # plain SGD-like optimizers may keep no state at all
+    for index, param in enumerate(params):
+        assert set(ours[index]) - set(theirs.get(index, {})) == {PREV_UPDATE}
+        assert ours[index][PREV_UPDATE].shape == param.shape
+
+
+def test_buffer_holds_the_last_update_of_the_wrapped_optimizer():
+    w = nn.Parameter(W0.clone())
+    opt = ErrorFeedback([w], optimizer=partial(torch.optim.SGD, lr=0.1), coefficient=1.0)
+    for _ in range(2):
+        opt.zero_grad()
+        (w.pow(4).sum() / 4 + (A * w).sum()).backward()
+        before = w.detach().clone()
+        opt.step()
+    assert torch.allclose(opt.state[w][PREV_UPDATE], 0.1 * grad_at(before), rtol=0, atol=1e-12)
+
+
+def test_parameters_without_a_gradient_are_left_alone():
+    used, unused = nn.Parameter(W0.clone()), nn.Parameter(W0.clone())
+    opt = ErrorFeedback([used, unused], optimizer=partial(torch.optim.SGD, lr=0.1), coefficient=1.0)
+    for _ in range(2):
+        opt.zero_grad()
+        used.sum().backward()
+        opt.step()
+    assert torch.equal(unused, W0) and PREV_UPDATE not in opt.state[unused]
+
+
+def test_a_scheduler_acts_on_the_wrapped_optimizers_learning_rate():
+    model = net()
+    opt = ErrorFeedback(model.named_parameters(), optimizer=WRAPPED["muon"], coefficient=1.0)
+    scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    train(model, opt, range(1))
+    scheduler.step()
+    assert [g["lr"] for g in opt.wrapped.muon.param_groups + opt.wrapped.adamw.param_groups] == [0.01, 0.01]
+    assert opt.param_groups is opt.wrapped.param_groups
+
+
+def test_negative_coefficient_is_refused_naming_the_value():
+    with pytest.raises(ValueError, match=r"coefficient must be >= 0, got -0\.25"):
+        ErrorFeedback([nn.Parameter(W0.clone())], optimizer=partial(torch.optim.SGD, lr=0.1), coefficient=-0.25)
+
+
+def test_optimizer_that_builds_no_torch_optimizer_is_refused_naming_what_it_built():
+    with pytest.raises(TypeError, match="must build a torch.optim.Optimizer.*returned object"):
+        ErrorFeedback([nn.Parameter(W0.clone())], optimizer=lambda params: object())
+
+
+# ---- LightningCLI ---------------------------------------------------------------------------------------------------
+
+NESTED_YAML = """
+optimizer:
+  class_path: lightning_async_pp.optim.ErrorFeedback
+  init_args:
+    coefficient: 1.0
+    optimizer:
+      class_path: lightning_async_pp.optim.Muon
+      init_args: {lr: 0.02}
+"""
+
+
+def test_nested_yaml_builds_error_feedback_around_muon_that_trains_under_lightning(tmp_path, monkeypatch):
+    from lightning.pytorch.cli import LightningCLI
+    from lightning.pytorch.demos.boring_classes import BoringDataModule, BoringModel
+
+    monkeypatch.setattr("sys.argv", ["lightning-async-pp"])  # pytest's own arguments are not for the CLI
+    config = tmp_path / "optimizer.yaml"
+    config.write_text(NESTED_YAML)
+    cli = LightningCLI(
+        BoringModel, BoringDataModule, run=False, save_config_callback=None,
+        args=["--config", str(config), "--trainer.max_steps=3", "--trainer.logger=false",
+              f"--trainer.default_root_dir={tmp_path}", "--trainer.enable_checkpointing=false",
+              "--trainer.enable_progress_bar=false", "--trainer.enable_model_summary=false"],
+    )
+    before = cli.model.layer.weight.detach().clone()
+    cli.trainer.fit(cli.model, cli.datamodule)
+    opt = cli.trainer.optimizers[0]
+    assert isinstance(opt, ErrorFeedback) and opt.coefficient == 1.0
+    assert isinstance(opt.wrapped, Muon) and opt.wrapped.muon.param_groups[0]["lr"] == 0.02
+    assert [g["use_muon"] for g in opt.param_groups] == [True, False]  # Linear weight -> Muon, bias -> AdamW
+    assert not torch.equal(cli.model.layer.weight, before)
+    assert PREV_UPDATE in opt.state[cli.model.layer.weight]
