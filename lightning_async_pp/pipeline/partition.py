@@ -1,0 +1,83 @@
+"""Assigning layers to pipeline stages: by parameter count, uniformly, or by an explicit list."""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Union
+
+from torch import nn
+
+PartitionSpec = Union[str, Sequence[int]]
+PARTITION_METHODS = ("parameters", "uniform")
+
+
+def partition_layers(layers: Sequence[nn.Module], num_stages: int, method: PartitionSpec = "parameters") -> list[range]:
+    """Split ``layers`` into ``num_stages`` contiguous, non-empty ranges of layer indices.
+
+    ``method`` is ``"parameters"`` (balance parameter counts; default), ``"uniform"`` (balance layer counts)
+    or a list of layer counts per stage.
+    """
+    n = len(layers)
+    if num_stages < 1:
+        raise ValueError(f"num_stages must be >= 1, got {num_stages}")
+    if n < num_stages:
+        raise ValueError(
+            f"pipeline_layers() returned {n} layer(s), fewer than the {num_stages} pipeline stages; "
+            f"every stage needs at least one layer: use at most {n} stage(s) or split the model into more layers"
+        )
+    if isinstance(method, str):
+        if method == "uniform":
+            counts = _balanced_counts([1] * n, num_stages)
+        elif method == "parameters":
+            # A layer without parameters still costs compute; weigh it as one parameter so it is placed.
+            weights = [max(1, sum(p.numel() for p in layer.parameters())) for layer in layers]
+            counts = _balanced_counts(weights, num_stages)
+        else:
+            raise ValueError(
+                f"Unknown partition method {method!r}; use one of {PARTITION_METHODS} or a list of layer counts"
+            )
+    else:
+        counts = [int(c) for c in method]
+        if len(counts) != num_stages or any(c < 1 for c in counts) or sum(counts) != n:
+            raise ValueError(
+                f"Explicit partition {list(method)} is invalid: it needs {num_stages} positive layer counts that sum "
+                f"to the {n} layers of pipeline_layers()"
+            )
+    ranges, start = [], 0
+    for c in counts:
+        ranges.append(range(start, start + c))
+        start += c
+    return ranges
+
+
+def stage_for_layer(ranges: Sequence[range], layer_index: int) -> int:
+    for stage, r in enumerate(ranges):
+        if layer_index in r:
+            return stage
+    raise IndexError(f"layer {layer_index} is in no stage")
+
+
+def _balanced_counts(weights: Sequence[int], parts: int) -> list[int]:
+    """Contiguous split of ``weights`` into ``parts`` non-empty groups minimising the heaviest group."""
+
+    def greedy(bound: int) -> list[int]:
+        counts, acc = [0], 0
+        for w in weights:
+            if counts[-1] and acc + w > bound:
+                counts.append(0)
+                acc = 0
+            counts[-1] += 1
+            acc += w
+        return counts
+
+    lo, hi = max(weights), sum(weights)
+    while lo < hi:  # smallest bound whose greedy split needs at most `parts` groups
+        mid = (lo + hi) // 2
+        if len(greedy(mid)) <= parts:
+            hi = mid
+        else:
+            lo = mid + 1
+    counts = greedy(lo)
+    while len(counts) < parts:  # the bound allowed fewer groups: split the largest until every stage has one
+        i = max(range(len(counts)), key=lambda j: counts[j])
+        counts[i : i + 1] = [counts[i] - counts[i] // 2, counts[i] // 2]
+    return counts
