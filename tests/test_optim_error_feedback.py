@@ -215,19 +215,23 @@ optimizer:
 """
 
 
-def test_nested_yaml_builds_error_feedback_around_muon_that_trains_under_lightning(tmp_path, monkeypatch):
+def build_cli(tmp_path, max_steps: int):
     from lightning.pytorch.cli import LightningCLI
     from lightning.pytorch.demos.boring_classes import BoringDataModule, BoringModel
 
-    monkeypatch.setattr("sys.argv", ["lightning-async-pp"])  # pytest's own arguments are not for the CLI
     config = tmp_path / "optimizer.yaml"
     config.write_text(NESTED_YAML)
-    cli = LightningCLI(
+    return LightningCLI(
         BoringModel, BoringDataModule, run=False, save_config_callback=None,
-        args=["--config", str(config), "--trainer.max_steps=3", "--trainer.logger=false",
+        args=["--config", str(config), f"--trainer.max_steps={max_steps}", "--trainer.logger=false",
               f"--trainer.default_root_dir={tmp_path}", "--trainer.enable_checkpointing=false",
               "--trainer.enable_progress_bar=false", "--trainer.enable_model_summary=false"],
     )
+
+
+def test_nested_yaml_builds_error_feedback_around_muon_that_trains_under_lightning(tmp_path, monkeypatch):
+    monkeypatch.setattr("sys.argv", ["lightning-async-pp"])  # pytest's own arguments are not for the CLI
+    cli = build_cli(tmp_path, max_steps=3)
     before = cli.model.layer.weight.detach().clone()
     cli.trainer.fit(cli.model, cli.datamodule)
     opt = cli.trainer.optimizers[0]
@@ -236,3 +240,18 @@ def test_nested_yaml_builds_error_feedback_around_muon_that_trains_under_lightni
     assert [g["use_muon"] for g in opt.param_groups] == [True, False]  # Linear weight -> Muon, bias -> AdamW
     assert not torch.equal(cli.model.layer.weight, before)
     assert PREV_UPDATE in opt.state[cli.model.layer.weight]
+
+
+def test_lightning_checkpoint_resume_restores_the_buffer(tmp_path, monkeypatch):
+    monkeypatch.setattr("sys.argv", ["lightning-async-pp"])
+    cli = build_cli(tmp_path, max_steps=2)
+    cli.trainer.fit(cli.model, cli.datamodule)
+    cli.trainer.save_checkpoint(tmp_path / "two.ckpt")
+    saved = cli.trainer.optimizers[0].state[cli.model.layer.weight][PREV_UPDATE].clone()
+
+    resumed = build_cli(tmp_path, max_steps=2)  # nothing left to train: the restored state is what we see
+    resumed.trainer.fit(resumed.model, resumed.datamodule, ckpt_path=tmp_path / "two.ckpt")
+    opt = resumed.trainer.optimizers[0]
+    assert resumed.trainer.global_step == 2
+    assert torch.equal(opt.state[resumed.model.layer.weight][PREV_UPDATE], saved)
+    assert opt.wrapped.muon.state[resumed.model.layer.weight][PREV_UPDATE] is opt.state[resumed.model.layer.weight][PREV_UPDATE]

@@ -233,3 +233,22 @@ def test_a_parameter_in_two_groups_is_refused():
     p = nn.Parameter(torch.zeros(3, 3))
     with pytest.raises(ValueError, match="more than one parameter group"):
         Muon([{"params": [p]}, {"params": [p], "use_muon": False}])
+
+
+def test_lightning_cli_yaml_builds_muon_from_the_optimizer_key(tmp_path, monkeypatch):
+    from lightning.pytorch.cli import LightningCLI
+    from lightning.pytorch.demos.boring_classes import BoringDataModule, BoringModel
+
+    monkeypatch.setattr("sys.argv", ["lightning-async-pp"])  # pytest's own arguments are not for the CLI
+    config = tmp_path / "optimizer.yaml"
+    config.write_text("optimizer:\n  class_path: lightning_async_pp.optim.Muon\n  init_args: {lr: 0.02}\n")
+    cli = LightningCLI(
+        BoringModel, BoringDataModule, run=False, save_config_callback=None,
+        args=["--config", str(config), "--trainer.max_steps=2", "--trainer.logger=false",
+              f"--trainer.default_root_dir={tmp_path}", "--trainer.enable_checkpointing=false",
+              "--trainer.enable_progress_bar=false", "--trainer.enable_model_summary=false"],
+    )
+    cli.trainer.fit(cli.model, cli.datamodule)
+    opt = cli.trainer.optimizers[0]
+    assert isinstance(opt, Muon) and [g["lr"] for g in opt.param_groups] == [0.02, 0.02]
+    assert set(opt.state[cli.model.layer.weight]) == {"momentum_buffer"}
