@@ -204,6 +204,9 @@ def test_load_state_dict_refuses_a_checkpoint_routed_differently():
     with pytest.raises(ValueError, match="parameter group 0 goes to AdamW here but to Muon"):
         swapped.load_state_dict(Muon([{"params": [model.blocks[0].attn.weight], "use_muon": True},
                                       {"params": [model.head.norm.weight], "use_muon": False}]).state_dict())
+    plain = torch.optim.AdamW([model.head.norm.weight]).state_dict()
+    with pytest.raises(ValueError, match="no use_muon tag"):
+        Muon([{"params": [model.head.norm.weight]}]).load_state_dict(plain)
 
 
 def test_state_is_a_view_of_both_parts_keyed_by_parameter():

@@ -150,10 +150,11 @@ class Muon(Optimizer):
         shares: dict[bool, dict[str, Any]] = {True: {"state": {}, "param_groups": []}, False: {"state": {}, "param_groups": []}}
         for index, (group, saved) in enumerate(zip(self.param_groups, saved_groups)):
             use_muon = group["use_muon"]
-            if saved.get("use_muon") != use_muon:
+            if saved.get("use_muon") is not use_muon:
+                where = {True: "Muon", False: "AdamW"}
                 raise ValueError(
-                    f"parameter group {index} goes to {'Muon' if use_muon else 'AdamW'} here but to "
-                    f"{'Muon' if saved.get('use_muon') else 'AdamW'} in the loaded state dict"
+                    f"parameter group {index} goes to {where[use_muon]} here but to "
+                    f"{where.get(saved.get('use_muon'), 'neither (no use_muon tag)')} in the loaded state dict"
                 )
             share = shares[use_muon]
             start = sum(len(g["params"]) for g in share["param_groups"])
