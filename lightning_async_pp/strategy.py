@@ -197,16 +197,17 @@ class AsyncPipelineStrategy(DDPStrategy):
         super().setup_environment()
 
     def setup_distributed(self) -> None:
+        if not self.is_multiprocess:
+            return  # one process needs no process group: every stage runs here
         super().setup_distributed()
         self._board = FailureBoard.from_default_group()
         topology = self.topology
-        if self.is_multiprocess:
-            self._dp_group = topology.create_dp_group()
-            # One group per pipeline, for the cross-stage gradient norm when clipping is on.
-            for d in range(topology.data_parallel_size):
-                group = dist.new_group([topology.rank_of(s, d) for s in range(topology.num_stages)])
-                if d == topology.dp_rank:
-                    self._pipeline_group = group
+        self._dp_group = topology.create_dp_group()
+        # One group per pipeline, for the cross-stage gradient norm when clipping is on.
+        for d in range(topology.data_parallel_size):
+            group = dist.new_group([topology.rank_of(s, d) for s in range(topology.num_stages)])
+            if d == topology.dp_rank:
+                self._pipeline_group = group
 
     # ---- building the pipeline --------------------------------------------------------------------------------
     def setup(self, trainer: Trainer) -> None:

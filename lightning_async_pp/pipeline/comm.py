@@ -3,8 +3,8 @@
 Activations go forward and gradients backward as non-blocking sends and receives. What crosses a boundary is a
 tensor or a tuple of tensors; their shapes and dtypes travel once, in a small header before the first
 microbatch, and are reused after that (training), or travel with every transfer (evaluation, whose batch
-shapes may differ). Every wait polls for completion with a deadline and looks at a shared failure board, so a
-stage that raised or died stops its neighbours within ``timeout`` seconds instead of hanging them.
+shapes may differ). Every wait is bounded by the process group's timeout and, when it breaks, reads a
+shared failure board, so a stage that raised or died stops its neighbours (naming it) instead of hanging them.
 """
 from __future__ import annotations
 
@@ -117,7 +117,7 @@ def needs_grad(meta: TensorMeta) -> bool:
 
 
 class StageLink:
-    """The links of one stage to its previous and next stage (global ranks), with deadline-bounded waits."""
+    """The links of one stage to its previous and next stage (global ranks)."""
 
     def __init__(
         self,
@@ -150,29 +150,23 @@ class StageLink:
         return f"stage {self.rank_to_stage.get(rank, '?')} (rank {rank})"
 
     def wait(self, work: Any, peer: Optional[int], what: str) -> None:
+        """Block until ``work`` completes (gloo marks completion only inside ``wait``, so there is no polling).
+
+        The process group's timeout bounds the wait. When a peer fails its process exits, the connection
+        closes and the wait raises at once; the failure board then tells which stage failed first and why.
+        """
         start = time.monotonic()
-        deadline = start + self.timeout
-        next_board_check = start + 0.05
-        pause = 1e-5
         try:
-            while not work.is_completed():
-                now = time.monotonic()
-                if now >= next_board_check:
-                    self.board.check()
-                    next_board_check = now + 0.1
-                if now >= deadline:
-                    raise PipelineFailure(
-                        f"stage {self.stage} (rank {self.rank}) waited {self.timeout:.0f}s for {what} from "
-                        f"{self._describe(peer)}, which did not answer: it failed, died or hangs"
-                    )
-                time.sleep(pause)
-                pause = min(pause * 2, 5e-4)
             work.wait()
-        except PipelineFailure:
-            raise
-        except Exception as err:  # the transport broke: most likely the peer died; prefer its own report
-            time.sleep(0.2)
+        except Exception as err:
+            waited = time.monotonic() - start
+            time.sleep(0.2)  # give the failing stage a moment to post its report
             self.board.check()
+            if waited >= 0.9 * self.timeout:
+                raise PipelineFailure(
+                    f"stage {self.stage} (rank {self.rank}) waited {waited:.0f}s for {what} from "
+                    f"{self._describe(peer)}, which did not answer: it failed, died or hangs"
+                ) from err
             raise PipelineFailure(
                 f"stage {self.stage} (rank {self.rank}) lost {self._describe(peer)} while waiting for {what}: {err}"
             ) from err
@@ -182,7 +176,8 @@ class StageLink:
     def _isend(self, tensor: Tensor, dst: int, tag: int) -> None:
         tensor = tensor.contiguous()
         self._pending_sends.append((dist.isend(tensor, dst=dst, tag=tag), tensor, dst))
-        # Bound the number of sends in flight; completing the oldest keeps memory flat.
+        # A gloo send completes only once the receiver has posted its receive, which for 2BW's lookahead can
+        # be a step later, so sends are not awaited per step; the oldest are completed past a bound.
         while len(self._pending_sends) > 64:
             self._complete_oldest_send()
 

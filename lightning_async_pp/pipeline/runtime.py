@@ -242,7 +242,8 @@ class DistributedPipeline(_Executor):
         else:
             link.wait(loss_recv[0], last_rank, "the batch loss")
             loss = loss_recv[1][0]
-        link.flush_sends()
+        if not lookahead:
+            link.flush_sends()  # nothing of the next batch is in flight: every send here has its receive
         self.gradients = stage.take_gradients(k)
         if self.dp_size > 1:
             self._all_reduce_mean(self.gradients, loss)
@@ -281,5 +282,4 @@ class DistributedPipeline(_Executor):
                 link.send_scalar(total, rank, TAG_EVAL_LOSS)
         else:
             total = link.recv_scalar(last_rank, TAG_EVAL_LOSS)
-        link.flush_sends()
         return total.to(torch.float32)
