@@ -1,0 +1,110 @@
+"""Tiny models and data shared by the tests."""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import nn
+from torch.utils.data import TensorDataset
+
+from lightning_async_pp import PipelineModule
+
+
+class TwoOutputs(nn.Module):
+    """A layer whose output is a tuple, to check that tuples cross stage boundaries."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.proj = nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = self.proj(x)
+        return torch.tanh(h), h.sum(-1, keepdim=True)
+
+
+class TupleIn(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.proj = nn.Linear(width, width)
+
+    def forward(self, xs: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        x, s = xs
+        return torch.tanh(self.proj(x)) + 0.1 * s
+
+
+class TinyLM(PipelineModule):
+    """Regression MLP with enough layers to split into 4 stages; optionally a tuple crossing a boundary."""
+
+    def __init__(self, width: int = 8, depth: int = 4, tuple_boundary: bool = False, optimizer: str = "sgd",
+                 fail_at: Optional[dict] = None, seed: int = 0) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        layers: list[nn.Module] = [nn.Linear(4, width)]
+        for i in range(depth - 2):
+            if tuple_boundary and i == 0:
+                layers += [TwoOutputs(width), TupleIn(width)]
+            else:
+                layers.append(nn.Sequential(nn.Tanh(), nn.Linear(width, width)))
+        layers.append(nn.Sequential(nn.Tanh(), nn.Linear(width, 1)))
+        self.layers = nn.ModuleList(layers)
+        self.optimizer_name = optimizer
+        self.fail_at = fail_at  # {"stage": s, "step": k}: raise there (failure tests)
+
+    def pipeline_layers(self):
+        return list(self.layers)
+
+    def pipeline_loss(self, output, batch):
+        return ((output - batch[1]) ** 2).mean()
+
+    def training_step(self, batch, batch_idx):
+        if self.fail_at and self.global_step == self.fail_at["step"]:
+            strategy = self.trainer.strategy
+            if getattr(strategy, "topology", None) is not None and strategy.topology.stage == self.fail_at["stage"]:
+                raise RuntimeError(f"injected failure at step {self.global_step}")
+        return super().training_step(batch, batch_idx)
+
+    def configure_optimizers(self):
+        return make_optimizer_factory(self.optimizer_name)(self.parameters())
+
+
+def make_optimizer_factory(name: str):
+    if name == "sgd":
+        return lambda params: torch.optim.SGD(params, lr=0.1)
+    if name == "adamw":
+        return lambda params: torch.optim.AdamW(params, lr=0.01, weight_decay=0.1)
+    raise ValueError(name)
+
+
+def make_dataset(samples: int = 64, seed: int = 1) -> TensorDataset:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(samples, 4, generator=g)
+    y = torch.sin(x.sum(-1, keepdim=True))
+    return TensorDataset(x, y)
+
+
+class ResumableLoader:
+    """Batches in a fixed order, with ``state_dict``/``load_state_dict`` so that Lightning can checkpoint the data
+    position mid-epoch (plain DataLoaders restart their epoch on resume)."""
+
+    def __init__(self, dataset, batch_size: int) -> None:
+        from torch.utils.data import DataLoader
+
+        self.loader = DataLoader(dataset, batch_size=batch_size, shuffle=False, drop_last=True)
+        self.position = 0
+        self._resume_at = 0
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    def __iter__(self):
+        start, self._resume_at = self._resume_at, 0
+        for i, batch in enumerate(self.loader):
+            if i >= start:
+                self.position = i + 1
+                yield batch
+
+    def state_dict(self) -> dict:
+        return {"position": self.position}
+
+    def load_state_dict(self, state: dict) -> None:
+        self._resume_at = state["position"]

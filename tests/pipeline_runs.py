@@ -1,0 +1,56 @@
+"""Running the multi-process script and the one-device reference the multi-process tests compare against."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import lightning as L
+import torch
+from torch.utils.data import DataLoader
+
+from helpers import TinyLM, make_dataset
+from lightning_async_pp import AsyncPipelineStrategy
+
+SCRIPT = Path(__file__).parent / "scripts" / "pipeline_fit.py"
+
+
+def run_multiprocess(cfg: dict, tmp_path: Path, timeout: float = 240) -> subprocess.CompletedProcess:
+    out = tmp_path / "final.pt"
+    # A clean environment: no rendezvous variables left by an earlier run in this process.
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK", "LOCAL_WORLD_SIZE")}
+    env.update(PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
+    return subprocess.run(
+        [sys.executable, str(SCRIPT), "--config", json.dumps(cfg), "--out", str(out)],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=timeout,
+    )
+
+
+def multiprocess_weights(cfg: dict, tmp_path: Path) -> dict[str, torch.Tensor]:
+    proc = run_multiprocess(cfg, tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    return torch.load(tmp_path / "final.pt")
+
+
+def one_device_weights(cfg: dict, batch: int | None = None, strategy: bool = True, **strategy_kwargs) -> dict[str, torch.Tensor]:
+    """The same run on one device (all stages in one process), or with no strategy at all."""
+    torch.manual_seed(0)
+    model = TinyLM(**cfg.get("model", {}), optimizer=cfg.get("optimizer", "sgd"))
+    kwargs = dict(accelerator="cpu", devices=1, max_steps=cfg["steps"], logger=False, enable_checkpointing=False,
+                  enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+                  gradient_clip_val=cfg.get("clip"))
+    if strategy:
+        kwargs["strategy"] = AsyncPipelineStrategy(
+            schedule=cfg["schedule"], num_microbatches=cfg["microbatches"] * cfg.get("dp", 1), **strategy_kwargs
+        )
+    loader = DataLoader(make_dataset(cfg.get("samples", 64)), batch_size=batch or cfg["batch"], shuffle=False, drop_last=True)
+    L.Trainer(**kwargs).fit(model, loader)
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def max_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    assert a.keys() == b.keys(), (sorted(a), sorted(b))
+    return max((a[k].float() - b[k].float()).abs().max().item() for k in a)

@@ -1,0 +1,57 @@
+"""Trains a tiny PipelineModule with AsyncPipelineStrategy in several processes; rank 0 saves the final weights.
+
+Run by the multi-process tests in a subprocess with a timeout (Lightning's launcher re-executes this script for
+the other ranks, which would re-run a whole pytest session if the test itself were the script).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import lightning as L
+import torch
+from torch.utils.data import DataLoader, Subset
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from helpers import TinyLM, make_dataset, make_optimizer_factory  # noqa: E402
+
+from lightning_async_pp import AsyncPipelineStrategy  # noqa: E402
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--config", required=True, help="JSON: schedule, stages, dp, microbatches, steps, ...")
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    cfg = json.loads(args.config)
+    torch.set_num_threads(1)
+    model = TinyLM(**cfg.get("model", {}), optimizer=cfg.get("optimizer", "sgd"), fail_at=cfg.get("fail_at"))
+    strategy = AsyncPipelineStrategy(
+        schedule=cfg["schedule"], num_microbatches=cfg["microbatches"],
+        data_parallel_size=cfg.get("dp", 1), partition=cfg.get("partition", "parameters"),
+        pipeline_timeout=cfg.get("timeout", 60.0),
+    )
+    trainer = L.Trainer(
+        strategy=strategy, accelerator="cpu", devices=cfg["stages"] * cfg.get("dp", 1), max_steps=cfg["steps"],
+        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        use_distributed_sampler=False, gradient_clip_val=cfg.get("clip"),
+        num_sanity_val_steps=0, limit_val_batches=cfg.get("val_batches", 0),
+    )
+    dataset = make_dataset(cfg.get("samples", 64))
+    dp = cfg.get("dp", 1)
+    if dp > 1:
+        # Shard by data-parallel rank only (rows r::dp), as the strategy's distributed_sampler_kwargs say; the
+        # launcher sets LOCAL_RANK in the processes it starts, so the shard is known before the Trainer exists.
+        dp_rank = int(os.environ.get("LOCAL_RANK", 0)) // cfg["stages"]
+        dataset = Subset(dataset, list(range(dp_rank, len(dataset), dp)))
+    loader = DataLoader(dataset, batch_size=cfg["batch"], shuffle=False, drop_last=True)
+    trainer.fit(model, loader, loader if cfg.get("val_batches") else None)
+    if trainer.is_global_zero:
+        torch.save({k: v.detach().cpu() for k, v in model.state_dict().items()}, args.out)
+        print("SAMPLER_KWARGS", json.dumps(trainer.strategy.distributed_sampler_kwargs))
+
+
+if __name__ == "__main__":
+    main()
