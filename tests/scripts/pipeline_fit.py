@@ -38,6 +38,7 @@ def main() -> None:
         logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
         use_distributed_sampler=False, gradient_clip_val=cfg.get("clip"),
         num_sanity_val_steps=0, limit_val_batches=cfg.get("val_batches", 0),
+        val_check_interval=cfg["steps"] if cfg.get("val_batches") else None,
     )
     dataset = make_dataset(cfg.get("samples", 64))
     dp = cfg.get("dp", 1)
@@ -51,6 +52,8 @@ def main() -> None:
     if trainer.is_global_zero:
         torch.save({k: v.detach().cpu() for k, v in model.state_dict().items()}, args.out)
         print("SAMPLER_KWARGS", json.dumps(trainer.strategy.distributed_sampler_kwargs))
+        if "val_loss" in trainer.callback_metrics:
+            print("VAL_LOSS", trainer.callback_metrics["val_loss"].item())
 
 
 if __name__ == "__main__":

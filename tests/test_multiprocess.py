@@ -1,0 +1,116 @@
+"""The real pipeline: one process per stage (gloo on CPU), compared with the one-device semantics."""
+from __future__ import annotations
+
+import time
+
+import lightning as L
+import pytest
+import torch
+from helpers import TinyLM, make_dataset
+from pipeline_runs import max_difference, multiprocess_weights, one_device_weights, run_multiprocess
+from torch.utils.data import DataLoader, Subset
+
+from lightning_async_pp import AsyncPipelineStrategy
+
+pytestmark = pytest.mark.multiprocess
+BASE = dict(microbatches=4, steps=6, batch=8)
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
+def test_2bw_two_stages_equal_the_one_device_2bw_run(tmp_path, optimizer):
+    cfg = dict(BASE, schedule="2bw", stages=2, optimizer=optimizer)
+    multi = multiprocess_weights(cfg, tmp_path)
+    assert max_difference(multi, one_device_weights(cfg)) < 1e-5
+    # and it is really asynchronous: the synchronous schedule ends elsewhere
+    assert max_difference(multi, one_device_weights(dict(cfg, schedule="1f1b"))) > 1e-4
+
+
+def test_2bw_four_stages_equal_the_one_device_2bw_run(tmp_path):
+    cfg = dict(BASE, schedule="2bw", stages=4, model={"depth": 5})
+    assert max_difference(multiprocess_weights(cfg, tmp_path), one_device_weights(cfg)) < 1e-5
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_synchronous_schedules_two_stages_equal_the_one_device_run(tmp_path, schedule):
+    cfg = dict(BASE, schedule=schedule, stages=2, optimizer="adamw")
+    assert max_difference(multiprocess_weights(cfg, tmp_path), one_device_weights(cfg)) < 1e-5
+
+
+def test_clipping_uses_the_norm_over_all_stages(tmp_path):
+    cfg = dict(BASE, schedule="2bw", stages=2, optimizer="adamw", clip=0.05)
+    multi = multiprocess_weights(cfg, tmp_path)
+    assert max_difference(multi, one_device_weights(cfg)) < 1e-5
+    assert max_difference(multi, one_device_weights(dict(cfg, clip=None))) > 1e-4
+
+
+def test_tuple_across_a_boundary_and_uneven_partition(tmp_path):
+    # 6 layers as [2, 4]: the boundary after layer 2 carries the tuple (tanh(h), sum(h)).
+    cfg = dict(BASE, schedule="2bw", stages=2, model={"depth": 5, "tuple_boundary": True}, partition=[2, 4])
+    multi = multiprocess_weights(cfg, tmp_path)
+    assert max_difference(multi, one_device_weights(cfg)) < 1e-5
+
+
+def test_data_parallel_two_by_two_stages_equals_one_device_on_concatenated_batches(tmp_path):
+    cfg = dict(schedule="2bw", stages=2, dp=2, microbatches=2, steps=5, batch=4, samples=64, optimizer="adamw")
+    proc = run_multiprocess(cfg, tmp_path)
+    assert proc.returncode == 0, proc.stderr[-5000:]
+    assert 'SAMPLER_KWARGS {"num_replicas": 2, "rank": 0}' in proc.stdout
+    multi = torch.load(tmp_path / "final.pt")
+
+    # Reference: one device, batch k = replica 0's batch k followed by replica 1's (shards are rows r::2).
+    dataset = make_dataset(64)
+    shards = [list(range(r, 64, 2)) for r in range(2)]
+    order = [i for k in range(len(shards[0]) // 4) for shard in shards for i in shard[4 * k : 4 * k + 4]]
+    model = TinyLM(optimizer="adamw")
+    L.Trainer(
+        strategy=AsyncPipelineStrategy("2bw", num_microbatches=4), accelerator="cpu", devices=1, max_steps=5,
+        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+    ).fit(model, DataLoader(Subset(dataset, order), batch_size=8, shuffle=False, drop_last=True))
+    assert max_difference(multi, model.state_dict()) < 1e-5
+
+
+def test_validation_across_stages_reports_the_newest_weights_loss(tmp_path):
+    cfg = dict(BASE, schedule="2bw", stages=2, val_batches=2)
+    proc = run_multiprocess(cfg, tmp_path)
+    assert proc.returncode == 0, proc.stderr[-5000:]
+    reported = float(proc.stdout.split("VAL_LOSS")[1].split()[0])
+    model = TinyLM()
+    model.load_state_dict(torch.load(tmp_path / "final.pt"))
+    batches = list(DataLoader(make_dataset(64), batch_size=8))[:2]
+    with torch.no_grad():
+        expected = sum(model.pipeline_loss(model.pipeline_forward(b), b).item() for b in batches) / 2
+    assert abs(reported - expected) < 1e-5
+
+
+def test_a_stage_that_raises_stops_every_process_within_the_timeout(tmp_path):
+    cfg = dict(BASE, schedule="2bw", stages=2, steps=8, timeout=30, fail_at={"stage": 1, "step": 3})
+    start = time.monotonic()
+    proc = run_multiprocess(cfg, tmp_path, timeout=120)
+    elapsed = time.monotonic() - start
+    assert proc.returncode != 0
+    assert "injected failure at step 3" in proc.stderr
+    # rank 0 (stage 0) names the stage that failed
+    assert "PipelineFailure: stage 1 (rank 1) failed: RuntimeError: injected failure at step 3" in proc.stderr
+    assert elapsed < 30 + 60  # the timeout plus start-up; in practice a few seconds after the failure
+
+
+def test_too_few_layers_for_the_stages_is_a_clear_error_before_training(tmp_path):
+    cfg = dict(BASE, schedule="2bw", stages=4, model={"depth": 3})  # 3 layers, 4 stages
+    proc = run_multiprocess(cfg, tmp_path, timeout=120)
+    assert proc.returncode != 0
+    assert "returned 3 layer(s), fewer than the 4 pipeline stages" in proc.stderr
+
+
+def test_fewer_microbatches_than_stages_under_2bw_is_a_clear_error_before_any_process_starts():
+    with pytest.raises(ValueError, match=r"num_microbatches >= the number of pipeline stages.*num_microbatches=2 for 4 stages"):
+        L.Trainer(strategy=AsyncPipelineStrategy("2bw", num_microbatches=2), accelerator="cpu", devices=4)
+
+
+def test_devices_not_divisible_by_data_parallel_size_is_a_clear_error_before_any_process_starts():
+    with pytest.raises(ValueError, match=r"3 process\(es\) cannot be split into data_parallel_size=2"):
+        L.Trainer(strategy=AsyncPipelineStrategy("2bw", num_microbatches=4, data_parallel_size=2), accelerator="cpu", devices=3)
+
+
+def test_delay_variants_are_refused_across_processes():
+    with pytest.raises(ValueError, match=r"delay=2 is a one-device research variant"):
+        L.Trainer(strategy=AsyncPipelineStrategy("2bw", num_microbatches=4, delay=2), accelerator="cpu", devices=2)
