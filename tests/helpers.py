@@ -72,6 +72,8 @@ def make_optimizer_factory(name: str):
         return lambda params: torch.optim.SGD(params, lr=0.1)
     if name == "adamw":
         return lambda params: torch.optim.AdamW(params, lr=0.01, weight_decay=0.1)
+    if name == "muon_ef":
+        return muon_with_correction
     raise ValueError(name)
 
 
@@ -108,3 +110,9 @@ class ResumableLoader:
 
     def load_state_dict(self, state: dict) -> None:
         self._resume_at = state["position"]
+
+
+def muon_with_correction(params):
+    from lightning_async_pp.optim import ErrorFeedback, Muon
+
+    return ErrorFeedback(params, optimizer=lambda p: Muon(p, lr=0.02), coefficient=1.0)

@@ -16,7 +16,7 @@ pytestmark = pytest.mark.multiprocess
 BASE = dict(microbatches=4, steps=6, batch=8)
 
 
-@pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
+@pytest.mark.parametrize("optimizer", ["sgd", "adamw", "muon_ef"])
 def test_2bw_two_stages_equal_the_one_device_2bw_run(tmp_path, optimizer):
     cfg = dict(BASE, schedule="2bw", stages=2, optimizer=optimizer)
     multi = multiprocess_weights(cfg, tmp_path)
