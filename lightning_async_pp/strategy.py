@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from collections.abc import Mapping, Sequence
 from datetime import timedelta
 from typing import Any, Optional, Union
@@ -114,6 +115,7 @@ class AsyncPipelineStrategy(DDPStrategy):
         self._stage_of_layer: list[int] = []
         self._pipeline_group: Any = None
         self._board = FailureBoard(None)
+        self._update_started: Optional[float] = None
 
     # ---- shape of the run -------------------------------------------------------------------------------------
     @property
@@ -349,9 +351,17 @@ class AsyncPipelineStrategy(DDPStrategy):
             self._clip_across_stages(float(module.trainer.gradient_clip_val), module.trainer.gradient_clip_algorithm)
         # From here the optimizer writes W_{k+1} into the other slot; the stash W_k stays for batch k+1.
         self.executor.prepare_update()
+        self._update_started = time.perf_counter()
         closure_loss = self.precision_plugin.post_backward(closure_loss, module)
         self.post_backward(closure_loss)
         return closure_loss
+
+    def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
+        output = super().optimizer_step(optimizer, closure, model, **kwargs)
+        if self.executor is not None and self._update_started is not None:
+            self.executor.record_optimizer(self._update_started, time.perf_counter())
+            self._update_started = None
+        return output
 
     @torch.no_grad()
     def _clip_across_stages(self, clip_val: float, algorithm: Optional[str]) -> None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -143,7 +143,9 @@ class StageLink:
         self._pending_sends: deque = deque()
         self._posted_act: deque = deque()  # pre-posted activation receives, oldest first
         self._posted_grad: deque = deque()
-        self.wait_seconds = 0.0  # time spent blocked on receives (communication wait)
+        self.wait_seconds = 0.0  # time spent blocked waiting for a neighbour (communication wait)
+        # Called with (name, start, end, args) for every wait, when a trace is being recorded.
+        self.recorder: Optional[Callable[[str, float, float, dict], None]] = None
 
     # ---- waiting ------------------------------------------------------------------------------------------
     def _describe(self, rank: Optional[int]) -> str:
@@ -155,11 +157,11 @@ class StageLink:
         The process group's timeout bounds the wait. When a peer fails its process exits, the connection
         closes and the wait raises at once; the failure board then tells which stage failed first and why.
         """
-        start = time.monotonic()
+        start = time.perf_counter()
         try:
             work.wait()
         except Exception as err:
-            waited = time.monotonic() - start
+            waited = time.perf_counter() - start
             time.sleep(0.2)  # give the failing stage a moment to post its report
             self.board.check()
             if waited >= 0.9 * self.timeout:
@@ -171,7 +173,10 @@ class StageLink:
                 f"stage {self.stage} (rank {self.rank}) lost {self._describe(peer)} while waiting for {what}: {err}"
             ) from err
         finally:
-            self.wait_seconds += time.monotonic() - start
+            end = time.perf_counter()
+            self.wait_seconds += end - start
+            if self.recorder is not None:
+                self.recorder("send" if what.startswith("a send") else "recv", start, end, {"what": what, "peer": peer})
 
     def _isend(self, tensor: Tensor, dst: int, tag: int) -> None:
         tensor = tensor.contiguous()

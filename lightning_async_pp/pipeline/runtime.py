@@ -43,13 +43,15 @@ class Span:
 class StepTimes:
     """Where one stage's wall time went during one training step, in seconds."""
 
-    total: float = 0.0
-    compute: float = 0.0
-    comm_wait: float = 0.0
+    total: float = 0.0  # from the start of the step's pipeline work to the end of its optimizer update
+    compute: float = 0.0  # forward and backward
+    comm_wait: float = 0.0  # blocked waiting for a neighbour's activation, gradient or loss
+    optimizer: float = 0.0  # the update (set by the caller that runs the optimizer)
 
     @property
     def idle(self) -> float:
-        return max(0.0, self.total - self.compute - self.comm_wait)
+        """Everything else: scheduling, Python overhead, data handling."""
+        return max(0.0, self.total - self.compute - self.comm_wait - self.optimizer)
 
 
 class _Executor:
@@ -89,6 +91,21 @@ class _Executor:
         if self.trace is not None:
             self.trace.append(Span(stage, name, start, end, args))
         return end - start
+
+    def start_trace(self) -> None:
+        """Record a :class:`Span` for every forward, backward and wait from now on (see ``trace``)."""
+        self.trace = []
+
+    def stop_trace(self) -> list[Span]:
+        spans, self.trace = self.trace or [], None
+        return spans
+
+    def record_optimizer(self, start: float, end: float) -> None:
+        """The caller ran the optimizer update of the last step from ``start`` to ``end``."""
+        self.last_times.optimizer = end - start
+        self.last_times.total += end - start
+        if self.trace is not None:
+            self.trace.append(Span(self.stages[0].index if len(self.stages) == 1 else 0, "optimizer", start, end, {}))
 
 
 class LocalPipeline(_Executor):
@@ -165,6 +182,11 @@ class DistributedPipeline(_Executor):
         self._inflight: dict[tuple[int, int], tuple[Optional[tuple[Tensor, ...]], Any]] = {}
         self._losses: dict[int, Tensor] = {}  # last stage: running loss sum of batches in flight
         self.last_actions: list[Action] = []
+        link.recorder = self._record_wait
+
+    def _record_wait(self, name: str, start: float, end: float, args: dict) -> None:
+        if self.trace is not None:
+            self.trace.append(Span(self.stage.index, name, start, end, args))
 
     def uses_lookahead(self, next_batch_exists: bool) -> bool:
         """2BW starts the next batch during this step when there is one and it is itself asynchronous."""
