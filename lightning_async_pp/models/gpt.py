@@ -1,0 +1,153 @@
+"""A small nanoGPT-style decoder, written as a ``PipelineModule``.
+
+The model is a flat list of layers (embedding, transformer blocks, head) so that a pipeline strategy can cut it
+anywhere. Nothing is shared between layers: the input embedding and the output projection are separate matrices
+(no weight tying), because they usually live on different pipeline stages.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from lightning_async_pp.module import PipelineModule
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, n_embd: int, n_head: int, dropout: float, bias: bool) -> None:
+        super().__init__()
+        if n_embd % n_head != 0:
+            raise ValueError(f"n_embd ({n_embd}) must be divisible by n_head ({n_head})")
+        self.n_head = n_head
+        self.dropout = dropout
+        self.qkv = nn.Linear(n_embd, 3 * n_embd, bias=bias)
+        self.out_proj = nn.Linear(n_embd, n_embd, bias=bias)
+        self.resid_dropout = nn.Dropout(dropout)
+
+    def forward(self, x: Tensor) -> Tensor:
+        B, T, C = x.shape
+        q, k, v = self.qkv(x).split(C, dim=2)
+        # (B, T, C) -> (B, n_head, T, head_dim)
+        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
+        y = F.scaled_dot_product_attention(
+            q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True
+        )
+        y = y.transpose(1, 2).contiguous().view(B, T, C)
+        return self.resid_dropout(self.out_proj(y))
+
+
+class MLP(nn.Module):
+    def __init__(self, n_embd: int, dropout: float, bias: bool) -> None:
+        super().__init__()
+        self.fc = nn.Linear(n_embd, 4 * n_embd, bias=bias)
+        self.gelu = nn.GELU()
+        self.out_proj = nn.Linear(4 * n_embd, n_embd, bias=bias)
+        self.dropout = nn.Dropout(dropout)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.dropout(self.out_proj(self.gelu(self.fc(x))))
+
+
+class Block(nn.Module):
+    """Pre-LayerNorm transformer block."""
+
+    def __init__(self, n_embd: int, n_head: int, dropout: float, bias: bool) -> None:
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(n_embd, bias=bias)
+        self.attn = CausalSelfAttention(n_embd, n_head, dropout, bias)
+        self.ln_2 = nn.LayerNorm(n_embd, bias=bias)
+        self.mlp = MLP(n_embd, dropout, bias)
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+class Embedding(nn.Module):
+    """Token ids (B, T) -> token + position embeddings (B, T, C)."""
+
+    def __init__(self, vocab_size: int, block_size: int, n_embd: int, dropout: float) -> None:
+        super().__init__()
+        self.block_size = block_size
+        self.token = nn.Embedding(vocab_size, n_embd)
+        self.position = nn.Embedding(block_size, n_embd)
+        self.dropout = nn.Dropout(dropout)
+
+    def forward(self, idx: Tensor) -> Tensor:
+        T = idx.shape[1]
+        if T > self.block_size:
+            raise ValueError(f"Sequence of length {T} is longer than block_size {self.block_size}")
+        pos = torch.arange(T, device=idx.device)
+        return self.dropout(self.token(idx) + self.position(pos))
+
+
+class Head(nn.Module):
+    """Final LayerNorm and the projection to vocabulary logits (B, T, vocab_size)."""
+
+    def __init__(self, n_embd: int, vocab_size: int, bias: bool) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(n_embd, bias=bias)
+        self.proj = nn.Linear(n_embd, vocab_size, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.proj(self.norm(x))
+
+
+class GPT(PipelineModule):
+    """Byte-level GPT. A batch is a LongTensor (B, block_size + 1) of token ids; inputs are all but the last
+    token, targets all but the first."""
+
+    def __init__(
+        self,
+        vocab_size: int = 256,
+        block_size: int = 128,
+        n_layer: int = 4,
+        n_head: int = 4,
+        n_embd: int = 128,
+        dropout: float = 0.0,
+        bias: bool = True,
+        learning_rate: float = 3e-4,
+        weight_decay: float = 0.1,
+    ) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.embedding = Embedding(vocab_size, block_size, n_embd, dropout)
+        self.blocks = nn.ModuleList(Block(n_embd, n_head, dropout, bias) for _ in range(n_layer))
+        self.head = Head(n_embd, vocab_size, bias)
+        self.apply(self._init_weights)
+        # GPT-2: scale the projections that write into the residual stream by 1/sqrt(2 * n_layer), so that the
+        # residual stream's variance does not grow with depth.
+        for name, p in self.named_parameters():
+            if name.endswith("out_proj.weight"):
+                nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * n_layer))
+
+    @staticmethod
+    def _init_weights(module: nn.Module) -> None:
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+        if isinstance(module, nn.Linear) and module.bias is not None:
+            nn.init.zeros_(module.bias)
+
+    # ---- the PipelineModule contract -------------------------------------------------------------------------
+    def pipeline_layers(self) -> Sequence[nn.Module]:
+        return [self.embedding, *self.blocks, self.head]
+
+    def pipeline_input(self, batch: Tensor) -> Tensor:
+        return batch[:, :-1]
+
+    def pipeline_loss(self, logits: Tensor, batch: Tensor) -> Tensor:
+        return F.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten())
+
+    # ---- optimizer ---------------------------------------------------------------------------------------------
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        # Weight decay on matrices (linear weights, embeddings) only; biases and norm gains are left alone.
+        # Named parameters so that the optimizer's state dict carries names.
+        named = [(n, p) for n, p in self.named_parameters() if p.requires_grad]
+        groups = [
+            {"params": [(n, p) for n, p in named if p.dim() >= 2], "weight_decay": self.hparams.weight_decay},
+            {"params": [(n, p) for n, p in named if p.dim() < 2], "weight_decay": 0.0},
+        ]
+        return torch.optim.AdamW(groups, lr=self.hparams.learning_rate, betas=(0.9, 0.95))
