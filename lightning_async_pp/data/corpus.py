@@ -1,0 +1,240 @@
+"""Byte-level corpora and their one-time tokenization into litdata chunks.
+
+Tokens are bytes (vocabulary 256), so tokenizing is reading a file. The default corpus is the Python standard
+library's own sources (about 12 MB of ``.py`` files, ``pydoc_data/topics.py`` among them), found at run time
+through ``sysconfig``: every Python installation carries it, so the demo needs no download.
+
+A corpus is cut into *segments* ``(path, start, stop)``: byte ranges of files. The held-out validation split is a
+deterministic set of whole files (or, for a single file, its tail), so validation text never appears in training.
+"""
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import json
+import multiprocessing
+import os
+import random
+import shutil
+import sysconfig
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Optional, Union
+
+import numpy as np
+import torch
+
+#: ``(path, start, stop)``: the bytes ``[start, stop)`` of a file.
+Segment = tuple[str, int, int]
+
+VOCAB_SIZE = 256
+#: Bump when the on-disk layout or the tokenization changes, so old caches are not reused.
+_CACHE_FORMAT = 1
+_COMPLETE_MARKER = "COMPLETE.json"
+_SKIP_DIRS = {"site-packages", "dist-packages", "__pycache__", "test", "tests", "idle_test"}
+
+
+# ---- tokens ------------------------------------------------------------------------------------------------------
+def encode(data: Union[str, bytes]) -> torch.Tensor:
+    """Text (UTF-8) or bytes -> 1-D LongTensor of token ids 0..255."""
+    raw = data.encode("utf-8") if isinstance(data, str) else bytes(data)
+    return torch.frombuffer(bytearray(raw), dtype=torch.uint8).long() if raw else torch.empty(0, dtype=torch.long)
+
+
+def decode(tokens: Union[torch.Tensor, Sequence[int]]) -> bytes:
+    """Token ids -> the bytes they stand for."""
+    values = tokens.tolist() if isinstance(tokens, torch.Tensor) else list(tokens)
+    return bytes(values)
+
+
+def tokenize_segment(segment: Segment) -> Iterator[torch.Tensor]:
+    """``litdata.optimize`` worker function: one segment -> one uint8 tensor of its bytes (one byte per token)."""
+    path, start, stop = segment
+    with open(path, "rb") as f:
+        f.seek(start)
+        data = f.read(stop - start)
+    if data:  # litdata cannot store empty items
+        yield torch.frombuffer(bytearray(data), dtype=torch.uint8)
+
+
+# ---- finding files -----------------------------------------------------------------------------------------------
+def stdlib_files() -> list[Path]:
+    """The standard library's ``.py`` sources (tests and installed packages left out), sorted."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    files = [
+        p
+        for p in root.rglob("*.py")
+        if not _SKIP_DIRS.intersection(p.relative_to(root).parts[:-1]) and p.is_file() and p.stat().st_size > 0
+    ]
+    topics = root / "pydoc_data" / "topics.py"
+    if topics.is_file() and topics not in files:
+        files.append(topics)
+    if not files:
+        raise FileNotFoundError(f"Found no Python sources under the standard library directory {root}")
+    return sorted(files)
+
+
+def text_files(path: Union[str, Path]) -> list[Path]:
+    """A file -> itself; a folder -> every non-hidden, non-empty file below it, sorted."""
+    path = Path(path)
+    if path.is_file():
+        return [path]
+    if not path.is_dir():
+        raise FileNotFoundError(f"data_path {str(path)!r} does not exist")
+    files = [
+        p
+        for p in path.rglob("*")
+        if p.is_file() and not any(part.startswith(".") for part in p.relative_to(path).parts)
+        and p.stat().st_size > 0
+    ]
+    if not files:
+        raise FileNotFoundError(f"data_path {str(path)!r} contains no non-empty files")
+    return sorted(files)
+
+
+# ---- splitting ---------------------------------------------------------------------------------------------------
+def split_corpus(
+    files: Sequence[Union[str, Path]], val_fraction: float, max_bytes: Optional[int] = None, seed: int = 42
+) -> tuple[list[Segment], list[Segment]]:
+    """Cut ``files`` into training and held-out validation segments, deterministically for a given ``seed``.
+
+    Files are visited in a seeded shuffle of their sorted order (so that a ``max_bytes`` cap still samples the
+    whole corpus); the cap truncates the last file taken. Validation takes whole files until it holds
+    ``val_fraction`` of the bytes; with a single file, the file's tail is held out instead.
+    """
+    if not 0.0 <= val_fraction < 1.0:
+        raise ValueError(f"val_fraction must be in [0, 1), got {val_fraction}")
+    if max_bytes is not None and max_bytes <= 0:
+        raise ValueError(f"max_bytes must be positive, got {max_bytes}")
+    order = sorted(str(f) for f in files)
+    random.Random(seed).shuffle(order)
+
+    segments: list[Segment] = []
+    total = 0
+    for path in order:
+        size = os.path.getsize(path)
+        if max_bytes is not None:
+            size = min(size, max_bytes - total)
+        if size > 0:
+            segments.append((path, 0, size))
+            total += size
+        if max_bytes is not None and total >= max_bytes:
+            break
+    if not segments:
+        raise ValueError("The corpus is empty")
+
+    val_target = int(total * val_fraction)
+    if val_target == 0:
+        return segments, []
+    if len(segments) == 1:
+        path, start, stop = segments[0]
+        cut = stop - val_target
+        return [(path, start, cut)], [(path, cut, stop)]
+    val: list[Segment] = []
+    val_bytes = 0
+    # Take from the end of the shuffled order; always leave at least one file for training.
+    while segments[1:] and val_bytes < val_target:
+        seg = segments.pop()
+        val.append(seg)
+        val_bytes += seg[2] - seg[1]
+    return segments, val
+
+
+def corpus_key(train: Sequence[Segment], val: Sequence[Segment]) -> str:
+    """A short hash naming the cache of this exact split (paths, byte ranges, file sizes and mtimes)."""
+    stats = {p: (s.st_size, s.st_mtime_ns) for p in {seg[0] for seg in (*train, *val)} for s in [os.stat(p)]}
+    blob = json.dumps(
+        {"format": _CACHE_FORMAT, "train": list(train), "val": list(val), "stats": sorted(stats.items())},
+        sort_keys=True,
+    )
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+# ---- one-time tokenization ---------------------------------------------------------------------------------------
+def is_complete(cache: Union[str, Path]) -> bool:
+    return (Path(cache) / _COMPLETE_MARKER).is_file()
+
+
+def build_token_cache(
+    train: Sequence[Segment],
+    val: Sequence[Segment],
+    cache: Union[str, Path],
+    num_workers: Optional[int] = None,
+    chunk_bytes: int = 1 << 20,
+) -> Path:
+    """Tokenize ``train`` into ``cache/train`` and ``val`` into ``cache/val`` with ``litdata.optimize``, once.
+
+    Safe to call from every process at once: an exclusive file lock serializes them, the first one builds, and
+    the others find the completion marker and return. A half-written cache (no marker) is rebuilt.
+    """
+    cache = Path(cache)
+    if is_complete(cache):
+        return cache
+    cache.parent.mkdir(parents=True, exist_ok=True)
+    with _file_lock(cache.with_name(cache.name + ".lock")):
+        if is_complete(cache):  # another process built it while we waited
+            return cache
+        shutil.rmtree(cache, ignore_errors=True)
+        nbytes = sum(stop - start for _, start, stop in (*train, *val))
+        print(f"Tokenizing {nbytes / 1e6:.1f} MB ({len(train)} train / {len(val)} val segments) into {cache} "
+              "(once; later runs reuse it)", flush=True)
+        t0 = time.perf_counter()
+        for split, segments in (("train", train), ("val", val)):
+            if segments:
+                _optimize(segments, cache / split, num_workers, chunk_bytes)
+        marker = {"train_bytes": sum(s[2] - s[1] for s in train), "val_bytes": sum(s[2] - s[1] for s in val),
+                  "seconds": round(time.perf_counter() - t0, 2)}
+        (cache / _COMPLETE_MARKER).write_text(json.dumps(marker))
+    return cache
+
+
+def _optimize(segments: Sequence[Segment], output_dir: Path, num_workers: Optional[int], chunk_bytes: int) -> None:
+    import litdata
+    from litdata.streaming.item_loader import TokensLoader
+
+    workers = num_workers or min(len(segments), os.cpu_count() or 1, 4)
+    # fork, not litdata's default spawn: a spawned worker re-imports torch and Lightning (~5 s each, longer than
+    # tokenizing the whole default corpus) and re-runs an unguarded ``__main__`` script. The workers only read
+    # files and copy bytes, which is safe in a forked child.
+    start_method = "fork" if "fork" in multiprocessing.get_all_start_methods() else None
+    # litdata.optimize reseeds the global RNGs and leaves an environment variable behind; neither should leak
+    # into the training process.
+    with _preserve_global_state():
+        litdata.optimize(
+            fn=tokenize_segment,
+            inputs=list(segments),
+            output_dir=str(output_dir),
+            chunk_bytes=chunk_bytes,
+            item_loader=TokensLoader(),
+            num_workers=max(1, min(workers, len(segments))),
+            reorder_files=False,
+            start_method=start_method,
+            verbose=False,
+        )
+
+
+@contextlib.contextmanager
+def _preserve_global_state() -> Iterator[None]:
+    py, np_state, torch_state = random.getstate(), np.random.get_state(), torch.random.get_rng_state()
+    env = dict(os.environ)
+    try:
+        yield
+    finally:
+        random.setstate(py)
+        np.random.set_state(np_state)
+        torch.random.set_rng_state(torch_state)
+        for key in [k for k in os.environ if k.startswith("DATA_OPTIMIZER_") and k not in env]:
+            del os.environ[key]
+        os.environ.update({k: v for k, v in env.items() if k.startswith("DATA_OPTIMIZER_")})
+
+
+@contextlib.contextmanager
+def _file_lock(path: Path) -> Iterator[None]:
+    with open(path, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)

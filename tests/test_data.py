@@ -1,0 +1,235 @@
+import json
+import os
+import socket
+import sysconfig
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from litdata import StreamingDataset
+from litdata.streaming.item_loader import TokensLoader
+
+from lightning_async_pp.data import TextDataModule, corpus, decode, encode, split_corpus, stdlib_files
+
+BLOCK = 32
+
+
+def data_parallel_trainer(num_replicas: int, rank: int) -> SimpleNamespace:
+    """What the datamodule reads from a pipeline strategy: its data-parallel size and rank."""
+    return SimpleNamespace(strategy=SimpleNamespace(distributed_sampler_kwargs={"num_replicas": num_replicas,
+                                                                                "rank": rank}))
+
+
+@pytest.fixture
+def count_optimize(monkeypatch):
+    calls = []
+    real = corpus._optimize
+
+    def counting(segments, output_dir, *args, **kwargs):
+        calls.append(output_dir)
+        return real(segments, output_dir, *args, **kwargs)
+
+    monkeypatch.setattr(corpus, "_optimize", counting)
+    return calls
+
+
+@pytest.fixture(scope="module")
+def numbered_corpus(tmp_path_factory) -> Path:
+    """A folder of text files in which every 33-byte window is unique (numbered lines), so data can be
+    identified by content."""
+    root = tmp_path_factory.mktemp("numbered")
+    for f in range(4):
+        lines = [f"file {f} line {i:06d}\n" for i in range(600)]
+        (root / f"part{f}.txt").write_text("".join(lines))
+    (root / ".hidden").write_text("never read")
+    return root
+
+
+def rows(loader) -> list[bytes]:
+    return [decode(row) for b in loader for row in b]
+
+
+# ---- corpus ---------------------------------------------------------------------------------------------------
+def test_stdlib_corpus_is_found_on_disk_without_tests_or_site_packages():
+    files = stdlib_files()
+    root = Path(sysconfig.get_paths()["stdlib"])
+    assert all(root in f.parents for f in files)
+    assert root / "pydoc_data" / "topics.py" in files and root / "json" / "decoder.py" in files
+    assert not any({"site-packages", "test", "tests"} & set(f.relative_to(root).parts) for f in files)
+    assert sum(f.stat().st_size for f in files) > 5_000_000
+
+
+def test_encode_decode_round_trip_bytes():
+    raw = bytes(range(256)) + "naïve 日本 \x00".encode()
+    tokens = encode(raw)
+    assert tokens.dtype == torch.long and tokens.min() >= 0 and tokens.max() <= 255 and len(tokens) == len(raw)
+    assert decode(tokens) == raw
+    assert decode(encode("naïve")).decode() == "naïve"
+    assert len(encode(b"")) == 0
+
+
+def test_split_holds_out_whole_files_and_respects_max_bytes():
+    files = stdlib_files()
+    train, val = split_corpus(files, val_fraction=0.1, max_bytes=300_000, seed=3)
+    assert split_corpus(files, 0.1, 300_000, 3) == (train, val)  # deterministic
+    assert split_corpus(files, 0.1, 300_000, 4) != (train, val)  # the seed picks the files
+    sizes = lambda segs: sum(stop - start for _, start, stop in segs)  # noqa: E731
+    assert sizes(train) + sizes(val) == 300_000
+    assert sizes(val) >= 30_000
+    assert not {p for p, _, _ in train} & {p for p, _, _ in val}
+
+
+def test_single_file_split_holds_out_its_tail(tmp_path):
+    f = tmp_path / "one.txt"
+    f.write_bytes(b"x" * 1000)
+    train, val = split_corpus([f], val_fraction=0.2)
+    assert train == [(str(f), 0, 800)] and val == [(str(f), 800, 1000)]
+
+
+# ---- tokenization cache ---------------------------------------------------------------------------------------
+def test_tokenized_cache_holds_exactly_the_corpus_bytes(tmp_path, monkeypatch):
+    def no_network(*args, **kwargs):
+        raise AssertionError("the corpus must not touch the network")
+
+    monkeypatch.setattr(socket.socket, "connect", no_network)
+    dm = TextDataModule(max_bytes=60_000, cache_dir=str(tmp_path), block_size=BLOCK)
+    train_dir, val_dir = dm.optimized_dirs()
+    train, val = split_corpus(stdlib_files(), dm.val_fraction, dm.max_bytes, dm.seed)
+    for segments, d in ((train, train_dir), (val, val_dir)):
+        source = b"".join(open(p, "rb").read()[a:b] for p, a, b in segments)
+        index = json.loads((Path(d) / "index.json").read_text())
+        assert sum(c["dim"] for c in index["chunks"]) == len(source)
+    # Read the held-out split back one token at a time: the same bytes (as a multiset; chunk order may differ).
+    tokens = torch.stack(list(StreamingDataset(val_dir, item_loader=TokensLoader(block_size=1)))).flatten()
+    source = b"".join(open(p, "rb").read()[a:b] for p, a, b in val)
+    assert torch.equal(torch.bincount(tokens.long(), minlength=256), torch.bincount(encode(source), minlength=256))
+
+
+def test_second_setup_reuses_the_cache(tmp_path, count_optimize):
+    kwargs = dict(max_bytes=50_000, cache_dir=str(tmp_path), block_size=BLOCK)
+    TextDataModule(**kwargs).setup("fit")
+    assert len(count_optimize) == 2  # train and val
+    marker = next(tmp_path.glob("*/COMPLETE.json"))
+    mtime = marker.stat().st_mtime_ns
+    dm = TextDataModule(**kwargs)
+    dm.prepare_data()
+    dm.setup("fit")
+    assert len(count_optimize) == 2 and marker.stat().st_mtime_ns == mtime
+    # A different corpus (another cap) gets its own cache.
+    TextDataModule(**{**kwargs, "max_bytes": 40_000}).setup("fit")
+    assert len(count_optimize) == 4 and len(list(tmp_path.glob("*/COMPLETE.json"))) == 2
+
+
+def test_half_written_cache_is_rebuilt(tmp_path, count_optimize):
+    kwargs = dict(max_bytes=30_000, cache_dir=str(tmp_path), block_size=BLOCK)
+    TextDataModule(**kwargs).setup("fit")
+    next(tmp_path.glob("*/COMPLETE.json")).unlink()  # as if the process died mid-way
+    dm = TextDataModule(**kwargs)
+    dm.setup("fit")
+    assert len(count_optimize) == 4
+    assert len(rows(dm.train_dataloader())) > 0
+
+
+def test_building_the_cache_leaves_global_rng_and_environment_alone(tmp_path):
+    torch.manual_seed(123)
+    before = torch.random.get_rng_state()
+    env = dict(os.environ)
+    TextDataModule(max_bytes=20_000, cache_dir=str(tmp_path)).prepare_data()
+    assert torch.equal(torch.random.get_rng_state(), before)
+    assert dict(os.environ) == env
+
+
+# ---- batches and sharding -------------------------------------------------------------------------------------
+def test_batches_are_batch_size_rows_of_block_size_plus_one_token_ids(tmp_path):
+    dm = TextDataModule(max_bytes=80_000, cache_dir=str(tmp_path), block_size=BLOCK, batch_size=5)
+    dm.setup("fit")
+    for loader in (dm.train_dataloader(), dm.val_dataloader()):
+        batches = list(loader)
+        assert len(batches) == len(loader) > 0
+        for b in batches:
+            assert b.shape == (5, BLOCK + 1) and b.dtype == torch.long
+            assert 0 <= b.min() and b.max() <= 255
+
+
+def test_train_and_val_rows_come_from_different_files(tmp_path, numbered_corpus):
+    dm = TextDataModule(data_path=str(numbered_corpus), cache_dir=str(tmp_path), block_size=BLOCK, batch_size=4,
+                        val_fraction=0.25)
+    dm.setup("fit")
+    file_of = lambda row: row.split(b"file ")[1][:1] if b"file " in row else None  # noqa: E731
+    train_files = {file_of(r) for r in rows(dm.train_dataloader())} - {None}
+    val_files = {file_of(r) for r in rows(dm.val_dataloader())} - {None}
+    assert len(train_files) == 3 and len(val_files) == 1 and not train_files & val_files
+    assert not any(b"never read" in r for r in rows(dm.train_dataloader()))  # hidden files are skipped
+
+
+def test_data_parallel_ranks_get_disjoint_data_and_stages_of_one_rank_identical_batches(
+    tmp_path, numbered_corpus, monkeypatch
+):
+    def loader(dp_rank: int, process_rank: int):
+        # Two pipeline stages x two data-parallel replicas = four processes; litdata would see WORLD_SIZE=4.
+        monkeypatch.setenv("WORLD_SIZE", "4")
+        monkeypatch.setenv("GLOBAL_RANK", str(process_rank))
+        dm = TextDataModule(data_path=str(numbered_corpus), cache_dir=str(tmp_path), block_size=BLOCK,
+                            batch_size=4, seed=7)
+        dm.trainer = data_parallel_trainer(num_replicas=2, rank=dp_rank)
+        dm.setup("fit")
+        return dm.train_dataloader()
+
+    stage0_rank0, stage1_rank0 = rows(loader(0, 0)), rows(loader(0, 1))
+    rank1 = rows(loader(1, 2))
+    assert stage0_rank0 == stage1_rank0  # same batches, same order
+    assert len(stage0_rank0) == len(rank1) > 0
+    assert not set(stage0_rank0) & set(rank1)
+    # Together the replicas cover (nearly) the whole training split: nothing but the remainder is dropped.
+    everything = TextDataModule(data_path=str(numbered_corpus), cache_dir=str(tmp_path), block_size=BLOCK,
+                                batch_size=4, seed=7)
+    everything.trainer = data_parallel_trainer(1, 0)
+    everything.setup("fit")
+    total = len(everything.train_dataset)
+    assert total - 2 * 4 * 2 < len(stage0_rank0) + len(rank1) <= total
+
+
+def test_loader_resumes_twice_in_a_row_under_the_data_parallel_world_size(tmp_path, numbered_corpus, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")  # one pipeline of two stages: data-parallel size 1
+    kwargs = dict(data_path=str(numbered_corpus), cache_dir=str(tmp_path), block_size=BLOCK, batch_size=4)
+
+    def fresh_loader():
+        dm = TextDataModule(**kwargs)
+        dm.trainer = data_parallel_trainer(1, 0)
+        dm.setup("fit")
+        return dm.train_dataloader()
+
+    uninterrupted = rows(fresh_loader())
+    first = fresh_loader()
+    it = iter(first)
+    head = [r for _ in range(3) for r in next(it)]
+    second = fresh_loader()
+    second.load_state_dict(first.state_dict())  # resume after 3 batches ...
+    it = iter(second)
+    middle = [r for _ in range(2) for r in next(it)]
+    third = fresh_loader()
+    third.load_state_dict(second.state_dict())  # ... and again 2 batches later
+    tail = rows(third)
+    assert [decode(r) for r in head + middle] + tail == uninterrupted
+
+
+def test_a_single_optimized_folder_is_split_into_train_and_val(tmp_path, numbered_corpus, count_optimize):
+    built = TextDataModule(data_path=str(numbered_corpus), cache_dir=str(tmp_path / "c"), block_size=BLOCK)
+    train_dir, _ = built.optimized_dirs()
+    calls = len(count_optimize)
+    dm = TextDataModule(data_path=train_dir, block_size=BLOCK, batch_size=2, val_fraction=0.2)
+    dm.setup("fit")
+    train, val = set(rows(dm.train_dataloader())), set(rows(dm.val_dataloader()))
+    assert train and val and not train & val
+    # A folder with train/ and val/ inside is used as it is.
+    cache_root = Path(train_dir).parent
+    assert TextDataModule(data_path=str(cache_root)).optimized_dirs() == (str(cache_root / "train"),
+                                                                          str(cache_root / "val"))
+    assert len(count_optimize) == calls  # nothing was tokenized again
+
+
+def test_missing_data_path_names_the_path(tmp_path):
+    missing = tmp_path / "no" / "such" / "corpus.txt"
+    with pytest.raises(FileNotFoundError, match=str(missing)):
+        TextDataModule(data_path=str(missing))
