@@ -12,9 +12,11 @@ calls, logging, checkpoints); this class only
 """
 from __future__ import annotations
 
+import copy
 import logging
 import os
 import time
+from collections import deque
 from collections.abc import Mapping, Sequence
 from datetime import timedelta
 from typing import Any, Optional, Union
@@ -116,6 +118,9 @@ class AsyncPipelineStrategy(DDPStrategy):
         self._pipeline_group: Any = None
         self._board = FailureBoard(None)
         self._update_started: Optional[float] = None
+        # Data-loader states recorded before each fetch, so a checkpoint can record the position before batches
+        # that were fetched ahead (by the lookahead and by the fetcher's refill after it) but not trained yet.
+        self._states_before_fetch: deque = deque(maxlen=8)
 
     # ---- shape of the run -------------------------------------------------------------------------------------
     @property
@@ -324,6 +329,8 @@ class AsyncPipelineStrategy(DDPStrategy):
         batches = getattr(fetcher, "batches", None)
         if fetcher is None or batches is None:
             return None
+        if not isinstance(fetcher.iterator, _StateRecordingIterator) and fetch_loop._combined_loader is not None:
+            fetcher.iterator = _StateRecordingIterator(fetcher.iterator, fetch_loop._combined_loader, self._states_before_fetch)
         if not batches:
             if fetcher.done:
                 return None
@@ -442,12 +449,22 @@ class AsyncPipelineStrategy(DDPStrategy):
                     "stages": stages if self.is_multiprocess else None,
                     "versions": stages[0]["versions"] if not self.is_multiprocess else None,
                 }
+        self._rewind_data_position(checkpoint)
         if self.is_global_zero:
             # Write beside the target and rename: a crash mid-write leaves the previous checkpoint intact.
             path = os.fspath(filepath)
             tmp = f"{path}.tmp-{os.getpid()}"
             self.checkpoint_io.save_checkpoint(checkpoint, tmp, storage_options=storage_options)
             os.replace(tmp, path)
+
+    def _rewind_data_position(self, checkpoint: dict[str, Any]) -> None:
+        """Record the data position before the batches fetched ahead: they have not been trained on yet."""
+        fit_state = checkpoint.get("loops", {}).get("fit_loop", {}).get("state_dict", {})
+        fetcher = self.lightning_module.trainer.fit_loop._data_fetcher
+        pending = len(getattr(fetcher, "batches", None) or [])
+        if "combined_loader" in fit_state and isinstance(getattr(fetcher, "iterator", None), _StateRecordingIterator):
+            if 0 < pending <= len(self._states_before_fetch):
+                fit_state["combined_loader"] = self._states_before_fetch[-pending]
 
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
         module = self.lightning_module
@@ -501,6 +518,23 @@ class AsyncPipelineStrategy(DDPStrategy):
         if isinstance(module, PipelineModule):
             module._pipeline_executor = None
         super().teardown()
+
+
+class _StateRecordingIterator:
+    """Wraps the fit loop's batch iterator to record the stateful loaders' states before every fetch."""
+
+    def __init__(self, iterator: Any, combined_loader: Any, states: deque) -> None:
+        self.iterator, self.combined_loader, self.states = iterator, combined_loader, states
+
+    def __iter__(self) -> "_StateRecordingIterator":
+        return self
+
+    def __next__(self) -> Any:
+        self.states.append(copy.deepcopy(self.combined_loader._state_dicts()))
+        return next(self.iterator)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.iterator, name)
 
 
 def _check_delay(delay: DelaySpec) -> None:

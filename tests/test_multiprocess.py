@@ -114,3 +114,17 @@ def test_devices_not_divisible_by_data_parallel_size_is_a_clear_error_before_any
 def test_delay_variants_are_refused_across_processes():
     with pytest.raises(ValueError, match=r"delay=2 is a one-device research variant"):
         L.Trainer(strategy=AsyncPipelineStrategy("2bw", num_microbatches=4, delay=2), accelerator="cpu", devices=2)
+
+
+def test_checkpoint_across_stages_resumes_to_the_uninterrupted_weights(tmp_path):
+    # Save after 3 updates (mid-epoch, while 2BW has the next batch's forwards in flight), resume to 7.
+    cfg = dict(BASE, schedule="2bw", stages=2, steps=7, samples=64, optimizer="adamw", resumable=True)
+    (tmp_path / "a").mkdir(), (tmp_path / "b").mkdir(), (tmp_path / "c").mkdir()
+    uninterrupted = multiprocess_weights(cfg, tmp_path / "a")
+    checkpoints = tmp_path / "checkpoints"
+    proc = run_multiprocess(dict(cfg, steps=3, save_every=3, checkpoint_dir=str(checkpoints)), tmp_path / "b")
+    assert proc.returncode == 0, proc.stderr[-5000:]
+    saved = torch.load(checkpoints / "last.ckpt", weights_only=False)
+    assert [s["versions"]["stages"][i]["num_updates"] for i, s in enumerate(saved["async_pipeline"]["stages"])] == [3, 3]
+    resumed = multiprocess_weights(dict(cfg, resume_from=str(checkpoints / "last.ckpt"), model={"seed": 7}), tmp_path / "c")
+    assert max_difference(resumed, uninterrupted) < 1e-6

@@ -15,7 +15,8 @@ import torch
 from torch.utils.data import DataLoader, Subset
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from helpers import TinyLM, make_dataset, make_optimizer_factory  # noqa: E402
+from helpers import ResumableLoader, TinyLM, make_dataset  # noqa: E402
+from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
 
 from lightning_async_pp import AsyncPipelineStrategy  # noqa: E402
 
@@ -33,13 +34,6 @@ def main() -> None:
         data_parallel_size=cfg.get("dp", 1), partition=cfg.get("partition", "parameters"),
         pipeline_timeout=cfg.get("timeout", 60.0),
     )
-    trainer = L.Trainer(
-        strategy=strategy, accelerator="cpu", devices=cfg["stages"] * cfg.get("dp", 1), max_steps=cfg["steps"],
-        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-        use_distributed_sampler=False, gradient_clip_val=cfg.get("clip"),
-        num_sanity_val_steps=0, limit_val_batches=cfg.get("val_batches", 0),
-        val_check_interval=cfg["steps"] if cfg.get("val_batches") else None,
-    )
     dataset = make_dataset(cfg.get("samples", 64))
     dp = cfg.get("dp", 1)
     if dp > 1:
@@ -47,8 +41,21 @@ def main() -> None:
         # launcher sets LOCAL_RANK in the processes it starts, so the shard is known before the Trainer exists.
         dp_rank = int(os.environ.get("LOCAL_RANK", 0)) // cfg["stages"]
         dataset = Subset(dataset, list(range(dp_rank, len(dataset), dp)))
-    loader = DataLoader(dataset, batch_size=cfg["batch"], shuffle=False, drop_last=True)
-    trainer.fit(model, loader, loader if cfg.get("val_batches") else None)
+    if cfg.get("resumable"):
+        loader = ResumableLoader(dataset, batch_size=cfg["batch"])
+    else:
+        loader = DataLoader(dataset, batch_size=cfg["batch"], shuffle=False, drop_last=True)
+    callbacks = []
+    if cfg.get("save_every"):
+        callbacks.append(ModelCheckpoint(dirpath=cfg["checkpoint_dir"], save_last=True, every_n_train_steps=cfg["save_every"]))
+    trainer = L.Trainer(
+        strategy=strategy, accelerator="cpu", devices=cfg["stages"] * cfg.get("dp", 1), max_steps=cfg["steps"],
+        logger=False, enable_checkpointing=bool(callbacks), callbacks=callbacks, enable_progress_bar=False, enable_model_summary=False,
+        use_distributed_sampler=False, gradient_clip_val=cfg.get("clip"),
+        num_sanity_val_steps=0, limit_val_batches=cfg.get("val_batches", 0),
+        val_check_interval=cfg["steps"] if cfg.get("val_batches") else None,
+    )
+    trainer.fit(model, loader, loader if cfg.get("val_batches") else None, ckpt_path=cfg.get("resume_from"))
     if trainer.is_global_zero:
         torch.save({k: v.detach().cpu() for k, v in model.state_dict().items()}, args.out)
         print("SAMPLER_KWARGS", json.dumps(trainer.strategy.distributed_sampler_kwargs))
