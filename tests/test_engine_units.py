@@ -1,0 +1,150 @@
+"""The engine's pieces on their own: schedules, partitioning, weight versions, transfer headers."""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_async_pp.pipeline.comm import TensorMeta, _decode, _encode
+from lightning_async_pp.pipeline.partition import partition_layers
+from lightning_async_pp.pipeline.schedule import check_schedule, step_actions
+from lightning_async_pp.pipeline.versions import WeightVersions
+
+
+def stream_of_actions(schedule: str, stage: int, p: int, m: int, steps: int) -> list[list[tuple[str, int, int]]]:
+    """Each step's actions with absolute batch indices, carrying 2BW's lookahead as the runtime does."""
+    out, carried = [], False
+    for k in range(steps):
+        lookahead = schedule == "2bw" and k + 1 < steps
+        actions = step_actions(schedule, stage, p, m, carried_in=carried, lookahead=lookahead)
+        out.append([(a.op, k + a.batch, a.microbatch) for a in actions])
+        carried = lookahead
+    return out
+
+
+def simulate(schedule: str, p: int, m: int, steps: int, forward: float = 1.0, backward: float = 2.0):
+    """Discrete-event run of every stage's action list with real dependencies (activation from the previous
+    stage, gradient from the next, and a stage's update before it starts a batch that needs it). Returns each
+    stage's per-step finish times; raises if the lists deadlock."""
+    lists = [[a for step in stream_of_actions(schedule, s, p, m, steps) for a in step] for s in range(p)]
+    step_ends = [[None] * steps for _ in range(p)]
+    position, clock = [0] * p, [0.0] * p
+    done: dict[tuple[str, int, int, int], float] = {}
+    while any(position[s] < len(lists[s]) for s in range(p)):
+        progressed = False
+        for s in range(p):
+            if position[s] >= len(lists[s]):
+                continue
+            op, b, j = lists[s][position[s]]
+            deps = []
+            if op == "F" and s > 0:
+                deps.append(("F", b, j, s - 1))
+            if op == "B" and s < p - 1:
+                deps.append(("B", b, j, s + 1))
+            if op == "B":
+                deps.append(("F", b, j, s))
+            if any(d not in done for d in deps):
+                continue
+            start = max([clock[s]] + [done[d] for d in deps])
+            clock[s] = start + (forward if op == "F" else backward)
+            done[(op, b, j, s)] = clock[s]
+            position[s] += 1
+            progressed = True
+            if op == "B" and j == m - 1:
+                step_ends[s][b] = clock[s]
+        if not progressed:
+            raise AssertionError(f"{schedule} deadlocks at positions {position}")
+    return step_ends
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "2bw"])
+@pytest.mark.parametrize("p,m", [(1, 1), (2, 2), (2, 4), (3, 5), (4, 4), (4, 8)])
+def test_every_microbatch_runs_forward_then_backward_exactly_once(schedule, p, m):
+    steps = 3
+    for s in range(p):
+        flat = [a for step in stream_of_actions(schedule, s, p, m, steps) for a in step]
+        assert sorted(flat) == sorted((op, b, j) for op in "FB" for b in range(steps) for j in range(m))
+        for b in range(steps):
+            for j in range(m):
+                assert flat.index(("F", b, j)) < flat.index(("B", b, j))
+        # 2BW weight versions: every batch's forwards start only after the update two batches back.
+        if schedule == "2bw":
+            for b in range(2, steps):
+                assert flat.index(("F", b, 0)) > flat.index(("B", b - 2, m - 1))
+    simulate(schedule, p, m, steps)  # no deadlock
+
+
+@pytest.mark.parametrize("p,m", [(2, 4), (4, 4), (4, 8)])
+def test_2bw_steady_state_has_no_bubble_while_synchronous_schedules_flush(p, m):
+    forward, backward, steps = 1.0, 2.0, 8
+    ideal = m * (forward + backward)
+    for schedule, expected in [("2bw", ideal), ("1f1b", ideal + (p - 1) * (forward + backward)),
+                               ("gpipe", ideal + (p - 1) * (forward + backward))]:
+        ends = simulate(schedule, p, m, steps, forward, backward)
+        per_step = [ends[0][k + 1] - ends[0][k] for k in range(2, steps - 2)]
+        assert all(abs(t - expected) < 1e-9 for t in per_step), (schedule, per_step, expected)
+
+
+def test_2bw_needs_at_least_one_microbatch_per_stage():
+    with pytest.raises(ValueError, match=r"num_microbatches=3 for 4 stages"):
+        check_schedule("2bw", 4, 3)
+    check_schedule("1f1b", 4, 3)  # synchronous schedules flush, any count works
+
+
+def test_partition_by_parameters_balances_the_heaviest_stage():
+    layers = [nn.Linear(4, 4), nn.Linear(4, 64), nn.Linear(64, 4), nn.ReLU(), nn.Linear(4, 4)]
+    ranges = partition_layers(layers, 2, "parameters")
+    assert [list(r) for r in ranges] == [[0, 1], [2, 3, 4]]
+    assert [list(r) for r in partition_layers(layers, 2, "uniform")] == [[0, 1, 2], [3, 4]]
+    assert [list(r) for r in partition_layers(layers, 3, [1, 1, 3])] == [[0], [1], [2, 3, 4]]
+    assert all(len(r) >= 1 for r in partition_layers(layers, 5, "parameters"))
+
+
+@pytest.mark.parametrize("bad,match", [
+    ([2, 2], r"Explicit partition \[2, 2\] is invalid.*sum to the 5 layers"),
+    ([5, 0], r"Explicit partition \[5, 0\] is invalid"),
+    ("by-flops", r"Unknown partition method 'by-flops'"),
+])
+def test_bad_partitions_are_clear_errors(bad, match):
+    layers = [nn.Linear(2, 2) for _ in range(5)]
+    with pytest.raises(ValueError, match=match):
+        partition_layers(layers, 2, bad)
+
+
+def test_fewer_layers_than_stages_is_a_clear_error():
+    with pytest.raises(ValueError, match=r"returned 2 layer\(s\), fewer than the 3 pipeline stages"):
+        partition_layers([nn.Linear(2, 2), nn.Linear(2, 2)], 3)
+
+
+def test_weight_versions_keep_the_stashed_version_intact_through_an_in_place_update():
+    p = nn.Parameter(torch.zeros(3))
+    versions = WeightVersions([p], delay=1)
+    leaf0 = versions.leaves_for_batch(0)[0]
+    loss = (leaf0 * torch.arange(3.0)).sum()  # batch 0 in flight on W_0
+    versions.prepare_update()
+    with torch.no_grad():
+        p.add_(1.0)  # the optimizer writes W_1 in place
+    loss.backward()  # still fine: W_0 was not touched
+    assert torch.equal(leaf0, torch.zeros(3)) and torch.equal(p.detach(), torch.ones(3))
+    assert torch.equal(versions.leaves_for_batch(1)[0], torch.zeros(3))  # batch 1 uses W_0
+    versions.take_gradients(1)
+    versions.prepare_update()
+    with torch.no_grad():
+        p.add_(1.0)
+    assert torch.equal(versions.leaves_for_batch(2)[0], torch.ones(3))  # batch 2 uses W_1
+    assert versions.stash_nbytes() == 3 * 4
+
+
+def test_weight_versions_refuse_a_version_no_longer_held():
+    p = nn.Parameter(torch.zeros(2))
+    versions = WeightVersions([p], delay=1)
+    for _ in range(3):
+        versions.prepare_update()
+    with pytest.raises(IndexError, match=r"version 0 is not held \(held: 2..3\)"):
+        versions.version(0)
+
+
+def test_transfer_header_round_trips_shapes_dtypes_and_grad_flags():
+    metas = [TensorMeta((2, 3, 4), torch.bfloat16, True), TensorMeta((5,), torch.int64, False)]
+    decoded, is_tuple = _decode(_encode(metas, True))
+    assert decoded == metas and is_tuple
