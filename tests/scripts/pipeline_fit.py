@@ -29,6 +29,7 @@ def main() -> None:
     cfg = json.loads(args.config)
     torch.set_num_threads(1)
     model = TinyLM(**cfg.get("model", {}), optimizer=cfg.get("optimizer", "sgd"), fail_at=cfg.get("fail_at"))
+    monitor_logger, monitors = _monitoring(cfg)
     strategy = AsyncPipelineStrategy(
         schedule=cfg["schedule"], num_microbatches=cfg["microbatches"],
         data_parallel_size=cfg.get("dp", 1), partition=cfg.get("partition", "parameters"),
@@ -50,7 +51,8 @@ def main() -> None:
         callbacks.append(ModelCheckpoint(dirpath=cfg["checkpoint_dir"], save_last=True, every_n_train_steps=cfg["save_every"]))
     trainer = L.Trainer(
         strategy=strategy, accelerator="cpu", devices=cfg["stages"] * cfg.get("dp", 1), max_steps=cfg["steps"],
-        logger=False, enable_checkpointing=bool(callbacks), callbacks=callbacks, enable_progress_bar=False, enable_model_summary=False,
+        logger=monitor_logger, enable_checkpointing=bool(callbacks), callbacks=callbacks + monitors,
+        log_every_n_steps=cfg.get("log_every_n_steps", 50), enable_progress_bar=False, enable_model_summary=False,
         use_distributed_sampler=False, gradient_clip_val=cfg.get("clip"),
         num_sanity_val_steps=0, limit_val_batches=cfg.get("val_batches", 0),
         val_check_interval=cfg["steps"] if cfg.get("val_batches") else None,
@@ -61,6 +63,29 @@ def main() -> None:
         print("SAMPLER_KWARGS", json.dumps(trainer.strategy.distributed_sampler_kwargs))
         if "val_loss" in trainer.callback_metrics:
             print("VAL_LOSS", trainer.callback_metrics["val_loss"].item())
+        if monitor_logger:
+            print("LOG_DIR", monitor_logger.log_dir)
+        for callback in monitors:
+            if getattr(callback, "trace_file", None):
+                print("TRACE_FILE", callback.trace_file)
+
+
+def _monitoring(cfg: dict) -> tuple:
+    """cfg["monitors"] = {"staleness": {kwargs}, "pipeline": {kwargs}}: attach those monitors and a TensorBoard
+    logger under ./lightning_logs (rank 0 prints LOG_DIR and TRACE_FILE). Without it: no logger, no callbacks."""
+    monitors = cfg.get("monitors")
+    if not monitors:
+        return False, []
+    from lightning.pytorch.loggers import TensorBoardLogger
+
+    from lightning_async_pp.callbacks import PipelineMonitor, StalenessMonitor
+
+    callbacks = []
+    if "staleness" in monitors:
+        callbacks.append(StalenessMonitor(**monitors["staleness"]))
+    if "pipeline" in monitors:
+        callbacks.append(PipelineMonitor(**monitors["pipeline"]))
+    return TensorBoardLogger(save_dir=os.getcwd(), name="lightning_logs"), callbacks
 
 
 if __name__ == "__main__":

@@ -1,0 +1,268 @@
+"""``PipelineMonitor``: throughput, per-stage timing, bubble, memory, and an optional timeline trace."""
+from __future__ import annotations
+
+import logging
+import os
+import resource
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+from lightning.fabric.utilities.exceptions import MisconfigurationException
+from lightning.pytorch import Callback, LightningModule, Trainer
+from torch import Tensor
+
+from lightning_async_pp.callbacks.figures import StageFigures, log_to_loggers, logging_step_due, pipeline_strategy
+from lightning_async_pp.callbacks.trace import ProcessSpans, clock_offset, spans_of, write_chrome_trace
+from lightning_async_pp.pipeline.microbatch import batch_size_of
+
+log = logging.getLogger(__name__)
+
+_TIMES = ("compute_s", "comm_wait_s", "optimizer_s", "idle_s", "overhead_s", "step_time_s")
+_MEAN_FIELDS = _TIMES + ("tokens_per_sec", "samples_per_sec")
+_MAX_FIELDS = ("peak_memory_mb",)
+_STAGE_FIELDS = _TIMES + ("bubble_fraction", "peak_memory_mb")
+
+
+class PipelineMonitor(Callback):
+    """Log how the pipeline spends its time under ``pipeline/``, and optionally write a timeline trace.
+
+    Figures are measured over the window of steps since the previous logging step (Lightning's
+    ``log_every_n_steps``). Each process splits its own wall time of the window (from the end of one logged step
+    to the end of the next, validation excluded) into, per step:
+
+    - ``compute_s``: forward and backward;
+    - ``comm_wait_s``: blocked waiting for a neighbour's activation, gradient or loss, or for a send to be taken;
+    - ``optimizer_s``: the optimizer update;
+    - ``idle_s``: the rest of the pipeline's step (its step time, from the start of the step's pipeline work to
+      the end of its update, minus the three above): scheduling and Python work between actions;
+    - ``overhead_s``: wall time outside the pipeline's steps: Lightning's loop and hooks (including its
+      per-step broadcast across ranks), data loading, logging;
+    - ``step_time_s``: wall time per step, the sum of the five.
+
+    These are logged per stage (``pipeline/stage{s}/...``, the mean over data-parallel replicas) and for the whole
+    model (``pipeline/...``, the mean over processes). On one device all stages run in one process and are timed
+    together: per-stage figures are then only logged when there is one stage.
+
+    - ``pipeline/bubble_fraction``: ``1 - sum_s C_s / (S x T)``, with ``S`` the number of stages, ``C_s`` the
+      forward+backward seconds per step of stage ``s`` and ``T = max_s T_s`` the pipeline's step time, where
+      ``T_s = compute_s + comm_wait_s + optimizer_s + idle_s`` is stage ``s``'s step from the start of its
+      pipeline work to the end of its update (the pipeline steps at the pace of its slowest stage). It is the
+      share of the stages' time within the pipeline's step not spent computing: fill and drain, waiting for
+      neighbours, the optimizer, imbalance between stages. Per stage, ``pipeline/stage{s}/bubble_fraction`` is
+      ``1 - C_s / T`` (the whole-model figure is their mean). Lightning's work between steps is left out (it is
+      ``overhead_s``), so the figure describes the schedule. 0 is a pipeline that computes all the time; GPipe
+      with ``S`` stages and ``m`` equal microbatches has at least ``(S-1)/(m+S-1)``; 2BW approaches 0 in steady
+      state. Data-parallel replicas: the per-stage figures are their means. On one device (all stages in one
+      process, no pipeline to wait for) it is the optimizer's share of the step.
+    - ``pipeline/tokens_per_sec`` and ``pipeline/samples_per_sec``: global throughput, summed over data-parallel
+      replicas. Tokens of a batch are the elements of ``pl_module.pipeline_input(batch)``; samples are its
+      batch size (dim 0).
+    - ``pipeline/peak_memory_mb`` and ``pipeline/stage{s}/peak_memory_mb``: peak memory since the start, the
+      largest over processes: the CUDA caching allocator's peak allocation on GPU, the process's peak resident
+      set size (``resource.getrusage``) on CPU (which includes Python and PyTorch themselves).
+
+    Across processes the figures are reduced with torchmetrics at logging steps only (one ``all_gather`` per
+    state on every rank) and logged once from rank 0; the time of that collective is not counted in the window.
+
+    Timeline: ``trace_steps=(a, b)`` records a span for every forward, backward, blocked receive, blocked send
+    (the engine posts sends asynchronously; a send span is the wait for one to be taken) and optimizer update
+    of steps ``a..b`` (0-based batch indices, inclusive), plus ``idle`` spans for the gaps between them, and
+    writes a Chrome trace (open it at https://ui.perfetto.dev or ``chrome://tracing``): one track per stage,
+    grouped by data-parallel replica. Each process's clock is converted to the shared wall clock. The spans are
+    gathered to rank 0 once, at the end of step ``b`` (or of training, if it ends first).
+
+    Args:
+        trace_steps: ``(a, b)``: trace steps ``a`` to ``b`` inclusive; ``None``: no trace.
+        trace_path: where to write the trace; default ``<logger's log_dir>/pipeline_trace.json``.
+        per_stage: also log the per-stage figures.
+    """
+
+    def __init__(self, trace_steps: Optional[Sequence[int]] = None, trace_path: Optional[str] = None,
+                 per_stage: bool = True) -> None:
+        if trace_steps is not None:
+            if (len(tuple(trace_steps)) != 2 or not all(isinstance(s, int) and not isinstance(s, bool) for s in trace_steps)
+                    or not 0 <= trace_steps[0] <= trace_steps[1]):
+                raise ValueError(f"trace_steps must be two step indices (a, b) with 0 <= a <= b, got {trace_steps!r}")
+            trace_steps = (int(trace_steps[0]), int(trace_steps[1]))
+        self.trace_steps: Optional[tuple[int, int]] = trace_steps
+        self.trace_path = trace_path
+        self.per_stage = per_stage
+        self.metrics: dict[str, float] = {}  # the figures of the last logging step, as logged
+        self.trace_file: Optional[str] = None  # set on rank 0 once the trace is written
+        self._figures: Optional[StageFigures] = None
+        self._due = False
+        self._reset_window(None)
+        self._validation_started: Optional[float] = None
+        self._trace_start: Optional[tuple[float, float]] = None  # (perf_counter, clock offset) while tracing
+        self._traced = False
+
+    # ---- setup ------------------------------------------------------------------------------------------
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        if stage != "fit":
+            return
+        pipeline_strategy(trainer, type(self).__name__)
+        if not trainer.loggers:
+            raise MisconfigurationException(f"Cannot use {type(self).__name__} with a Trainer that has no logger")
+
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        strategy = pipeline_strategy(trainer, type(self).__name__)
+        self._figures = StageFigures(self._rows(strategy), _MEAN_FIELDS, _MAX_FIELDS).to(strategy.root_device)
+        self._reset_window(None)
+
+    @staticmethod
+    def _rows(strategy: Any) -> int:
+        """Processes per pipeline: one per stage across processes, one for all stages on one device."""
+        return strategy.topology.num_stages if strategy.is_multiprocess else 1
+
+    def _reset_window(self, start: Optional[float]) -> None:
+        self._window_start = start
+        self._excluded = 0.0
+        self._steps = 0
+        self._compute = self._comm_wait = self._optimizer = self._pipeline = 0.0
+        self._tokens = self._samples = 0
+
+    # ---- per batch ----------------------------------------------------------------------------------------
+    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
+        self._due = logging_step_due(trainer)
+        if self._window_start is None:
+            self._window_start = time.perf_counter()
+        k = trainer.strategy.executor.batch_index
+        if self.trace_steps is not None and not self._traced and self._trace_start is None:
+            if self.trace_steps[0] <= k <= self.trace_steps[1]:
+                trainer.strategy.executor.start_trace()
+                self._trace_start = (time.perf_counter(), clock_offset())
+
+    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        executor = trainer.strategy.executor
+        times = executor.last_times
+        self._steps += 1
+        self._compute += times.compute
+        self._comm_wait += times.comm_wait
+        self._optimizer += times.optimizer
+        self._pipeline += times.total
+        inputs = pl_module.pipeline_input(batch)
+        self._tokens += sum(t.numel() for t in _tensors(inputs))
+        self._samples += batch_size_of(inputs)
+        if self._trace_start is not None and executor.batch_index - 1 >= self.trace_steps[1]:
+            self._finish_trace(trainer)
+        if self._due:
+            self._due = False
+            self._log_window(trainer)
+
+    def on_validation_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if self._window_start is not None:
+            self._validation_started = time.perf_counter()
+
+    def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if self._validation_started is not None:
+            self._excluded += time.perf_counter() - self._validation_started
+            self._validation_started = None
+
+    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if self._trace_start is not None:  # training ended inside the traced window: write what was traced
+            self._finish_trace(trainer)
+
+    def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
+        if self._trace_start is not None:
+            trainer.strategy.executor.stop_trace()  # no gather: the other processes may be gone
+            self._trace_start = None
+
+    # ---- figures --------------------------------------------------------------------------------------------
+    def _log_window(self, trainer: Trainer) -> None:
+        strategy = trainer.strategy
+        assert self._figures is not None and self._window_start is not None
+        wall = max(time.perf_counter() - self._window_start - self._excluded, 1e-12)
+        n = max(self._steps, 1)
+        per_pipeline = self._rows(strategy)  # every process of a pipeline sees the same batches
+        compute, comm, opt, pipeline = self._compute / n, self._comm_wait / n, self._optimizer / n, self._pipeline / n
+        step = wall / n
+        row = strategy.topology.stage if strategy.is_multiprocess else 0
+        self._figures.update(row, {
+            "compute_s": compute, "comm_wait_s": comm, "optimizer_s": opt,
+            "idle_s": max(0.0, pipeline - compute - comm - opt), "overhead_s": max(0.0, step - pipeline),
+            "step_time_s": step,
+            "tokens_per_sec": self._tokens / wall / per_pipeline,
+            "samples_per_sec": self._samples / wall / per_pipeline,
+        }, {"peak_memory_mb": peak_memory_mb(strategy.root_device)})
+        table = self._figures.reduce()  # across processes: every rank calls this at the same step
+        metrics = self._metrics(table, per_stage=self.per_stage and (strategy.is_multiprocess or strategy.num_stages == 1))
+        self.metrics = metrics
+        log_to_loggers(trainer, metrics)
+        self._reset_window(time.perf_counter())
+
+    @staticmethod
+    def _metrics(table: dict[int, dict[str, float]], per_stage: bool) -> dict[str, float]:
+        out: dict[str, float] = {}
+        rows = list(table.values())
+        # The pipeline's step time: the slowest stage's, from the start of its pipeline work to its update's end.
+        step = max(sum(r[f] for f in ("compute_s", "comm_wait_s", "optimizer_s", "idle_s")) for r in rows)
+        bubbles = {s: 1.0 - r["compute_s"] / step if step > 0 else 0.0 for s, r in table.items()}
+        if per_stage:
+            for s, row in sorted(table.items()):
+                row = dict(row, bubble_fraction=bubbles[s])
+                out.update({f"pipeline/stage{s}/{f}": row[f] for f in _STAGE_FIELDS})
+        mean = lambda f: sum(r[f] for r in rows) / len(rows)  # noqa: E731 - every row has the same replica count
+        out.update({f"pipeline/{f}": mean(f) for f in _TIMES})
+        out["pipeline/bubble_fraction"] = sum(bubbles.values()) / len(bubbles)
+        out["pipeline/tokens_per_sec"] = sum(r["tokens_per_sec:sum"] for r in rows)
+        out["pipeline/samples_per_sec"] = sum(r["samples_per_sec:sum"] for r in rows)
+        out["pipeline/peak_memory_mb"] = max(r["peak_memory_mb"] for r in rows)
+        return out
+
+    # ---- the trace ------------------------------------------------------------------------------------------
+    def _finish_trace(self, trainer: Trainer) -> None:
+        strategy = trainer.strategy
+        executor = strategy.executor
+        assert self._trace_start is not None and self.trace_steps is not None
+        spans = executor.stop_trace()
+        start, offset = self._trace_start
+        self._trace_start, self._traced = None, True
+        last = executor.batch_index - 1
+        record = ProcessSpans(
+            rank=strategy.global_rank,
+            replica=strategy.topology.dp_rank if strategy.is_multiprocess else 0,
+            stages=[stage.index for stage in executor.stages],
+            clock_offset=offset,
+            window=(start, time.perf_counter()),
+            spans=spans_of(spans),
+            steps=(self.trace_steps[0], min(last, self.trace_steps[1])),
+        )
+        if strategy.is_multiprocess:
+            gathered: Optional[list[Any]] = [None] * dist.get_world_size() if strategy.is_global_zero else None
+            dist.gather_object(record, gathered, dst=0)
+        else:
+            gathered = [record]
+        if strategy.is_global_zero:
+            assert gathered is not None
+            path = self.trace_path or os.path.join(_log_dir(trainer), "pipeline_trace.json")
+            self.trace_file = write_chrome_trace(path, [r for r in gathered if r is not None])
+            log.info("Pipeline trace of steps %d-%d written to %s", record.steps[0], record.steps[1], self.trace_file)
+
+
+def peak_memory_mb(device: torch.device) -> float:
+    """Peak memory of this process so far, in MiB: CUDA allocator peak on GPU, peak resident set size on CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak / 2**20 if sys.platform == "darwin" else peak / 2**10  # bytes on macOS, KiB on Linux
+
+
+def _tensors(x: Any) -> list[Tensor]:
+    if isinstance(x, Tensor):
+        return [x]
+    if isinstance(x, dict):
+        return [t for v in x.values() for t in _tensors(v)]
+    if isinstance(x, (list, tuple)):
+        return [t for v in x for t in _tensors(v)]
+    return []
+
+
+def _log_dir(trainer: Trainer) -> str:
+    logger = trainer.logger
+    directory = getattr(logger, "log_dir", None) if logger is not None else None
+    return directory or trainer.default_root_dir

@@ -1,0 +1,108 @@
+"""Chrome-trace (Perfetto, ``chrome://tracing``) timelines of the pipeline's spans.
+
+Each process records its spans with its own ``time.perf_counter()``; :class:`ProcessSpans` carries them with the
+offset to the wall clock (``time.time() - time.perf_counter()``, read once per process), so the spans of all
+processes land on one shared time axis. One track per stage (thread ``tid = stage``) inside one process track per
+data-parallel replica (``pid = replica``); gaps between a stage's spans inside the traced window become ``idle``
+spans.
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any, Optional, Sequence
+
+#: Trace categories, so that Perfetto can colour and filter by kind of work.
+CATEGORIES = {"forward": "compute", "backward": "compute", "recv": "communication", "send": "communication",
+              "optimizer": "optimizer", "idle": "idle"}
+
+
+def clock_offset() -> float:
+    """Seconds to add to this process's ``time.perf_counter()`` to get the wall clock (``time.time()``)."""
+    return time.time() - time.perf_counter()
+
+
+@dataclass
+class ProcessSpans:
+    """One process's spans over the traced window, in its own ``perf_counter`` seconds."""
+
+    rank: int
+    replica: int
+    stages: list[int]  # the stages this process runs (one across processes; all of them on one device)
+    clock_offset: float
+    window: tuple[float, float]  # perf_counter at the start and at the end of the traced steps
+    spans: list[tuple[int, str, float, float, dict]] = field(default_factory=list)  # (stage, name, start, end, args)
+    steps: tuple[int, int] = (0, 0)
+
+
+def spans_of(executor_spans: Sequence[Any]) -> list[tuple[int, str, float, float, dict]]:
+    """The engine's ``Span`` objects as plain tuples (picklable without importing the engine)."""
+    return [(s.stage, s.name, float(s.start), float(s.end), dict(s.args)) for s in executor_spans]
+
+
+def idle_gaps(spans: Sequence[tuple[float, float]], window: tuple[float, float]) -> list[tuple[float, float]]:
+    """The gaps inside ``window`` not covered by any of ``spans`` (``(start, end)`` pairs), in time order."""
+    gaps, cursor = [], window[0]
+    for start, end in sorted(spans):
+        if start > cursor:
+            gaps.append((cursor, min(start, window[1])))
+        cursor = max(cursor, end)
+    if cursor < window[1]:
+        gaps.append((cursor, window[1]))
+    return [(a, b) for a, b in gaps if b > a]
+
+
+def chrome_trace(processes: Sequence[ProcessSpans]) -> dict[str, Any]:
+    """The Chrome trace-event JSON object of ``processes`` (microseconds since the earliest window start)."""
+    origin = min(p.window[0] + p.clock_offset for p in processes)
+
+    def us(t: float, p: ProcessSpans) -> float:
+        return (t + p.clock_offset - origin) * 1e6
+
+    events: list[dict[str, Any]] = []
+    named_pids: set[int] = set()
+    for p in sorted(processes, key=lambda q: (q.replica, q.stages)):
+        pid = p.replica
+        if pid not in named_pids:
+            named_pids.add(pid)
+            events.append({"name": "process_name", "ph": "M", "pid": pid, "args": {"name": f"pipeline replica {pid}"}})
+            events.append({"name": "process_sort_index", "ph": "M", "pid": pid, "args": {"sort_index": pid}})
+        tid = p.stages[0]
+        label = (f"stage {tid} (rank {p.rank})" if len(p.stages) == 1
+                 else f"stages {p.stages[0]}-{p.stages[-1]} (one process, rank {p.rank})")
+        events.append({"name": "thread_name", "ph": "M", "pid": pid, "tid": tid, "args": {"name": label}})
+        events.append({"name": "thread_sort_index", "ph": "M", "pid": pid, "tid": tid, "args": {"sort_index": tid}})
+        # A process is one track: on one device every stage runs in it, one span at a time.
+        work = [(start, end) for _, _, start, end, _ in p.spans]
+        spans = [(name, start, end, args) for _, name, start, end, args in p.spans]
+        spans += [("idle", start, end, {}) for start, end in idle_gaps(work, p.window)]
+        for name, start, end, args in sorted(spans, key=lambda s: s[1]):
+            events.append({
+                "name": name, "cat": CATEGORIES.get(name, "other"), "ph": "X", "pid": pid, "tid": tid,
+                "ts": us(start, p), "dur": max(0.0, us(end, p) - us(start, p)),
+                "args": {k: _jsonable(v) for k, v in args.items()},
+            })
+    steps = sorted({p.steps for p in processes})
+    return {
+        "traceEvents": events,
+        "displayTimeUnit": "ms",
+        "otherData": {"origin_unix_time": origin, "steps": list(steps[0]) if steps else None,
+                      "ranks": sorted(p.rank for p in processes)},
+    }
+
+
+def write_chrome_trace(path: str, processes: Sequence[ProcessSpans]) -> str:
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(chrome_trace(processes), f)
+    os.replace(tmp, path)
+    return path
+
+
+def _jsonable(value: Any) -> Optional[Any]:
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    return str(value)

@@ -1,0 +1,293 @@
+"""StalenessMonitor and PipelineMonitor on one device: figures read back from TensorBoard's own event files and
+checked against references recomputed here from the weights saved at every step."""
+from __future__ import annotations
+
+import copy
+import json
+import math
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import lightning as L
+import pytest
+import torch
+from helpers import TinyLM, make_dataset
+from lightning.fabric.utilities.exceptions import MisconfigurationException
+from lightning.pytorch import Callback
+from lightning.pytorch.loggers import TensorBoardLogger
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from torch import nn
+from torch.utils.data import DataLoader
+
+from lightning_async_pp import AsyncPipelineStrategy
+from lightning_async_pp.callbacks import PipelineMonitor, StalenessMonitor
+
+STEPS = 6
+BATCH = 8
+MICROBATCHES = 4
+
+
+def loader() -> DataLoader:
+    return DataLoader(make_dataset(64), batch_size=BATCH, shuffle=False, drop_last=True)
+
+
+class WeightRecorder(Callback):
+    """Saves every stage's weights at the start of every batch (W_k) and at the end of training (W_N)."""
+
+    def __init__(self) -> None:
+        self.weights: dict[int, list[list[torch.Tensor]]] = {}
+
+    def _save(self, trainer) -> None:
+        executor = trainer.strategy.executor
+        self.weights[executor.batch_index] = [[p.detach().clone() for p in stage.params] for stage in executor.stages]
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        self._save(trainer)
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        self._save(trainer)
+
+
+def fit(tmp_path: Path, strategy: AsyncPipelineStrategy, callbacks=(), model=None, optimizer="sgd", steps=STEPS,
+        log_every_n_steps=1) -> tuple[TinyLM, L.Trainer]:
+    model = model if model is not None else TinyLM(optimizer=optimizer)
+    trainer = L.Trainer(
+        accelerator="cpu", devices=1, max_steps=steps, strategy=strategy, callbacks=list(callbacks),
+        logger=TensorBoardLogger(str(tmp_path), name="lightning_logs"), log_every_n_steps=log_every_n_steps,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+    )
+    trainer.fit(model, loader())
+    return model, trainer
+
+
+def scalars(trainer: L.Trainer) -> dict[str, dict[int, float]]:
+    """Every scalar of the run, read back with TensorBoard's own reader: ``{tag: {step: value}}``."""
+    accumulator = EventAccumulator(trainer.logger.log_dir, size_guidance={"scalars": 0})
+    accumulator.Reload()
+    return {tag: {e.step: e.value for e in accumulator.Scalars(tag)} for tag in accumulator.Tags()["scalars"]}
+
+
+def sq_dist(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
+    return sum(float(((x.double() - y.double()) ** 2).sum()) for x, y in zip(a, b))
+
+
+def sq_norm(a: list[torch.Tensor]) -> float:
+    return sum(float((x.double() ** 2).sum()) for x in a)
+
+
+def close(value: float, reference: float, rel: float = 1e-5, abs_: float = 1e-9) -> bool:
+    return abs(value - reference) <= rel * abs(reference) + abs_
+
+
+# ---- StalenessMonitor ----------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize(
+    "schedule, options, delays",
+    [
+        ("2bw", {}, lambda k, s: min(1, k)),
+        ("2bw", {"delay": 2}, lambda k, s: min(2, k)),
+        ("2bw", {"sync_steps": 2}, lambda k, s: 0 if k < 2 else 1),
+        ("2bw", {"delay": [1, 0]}, lambda k, s: min(1, k) if s == 0 else 0),
+        ("1f1b", {}, lambda k, s: 0),
+    ],
+    ids=["2bw", "delay2", "sync_steps2", "per_stage_delays", "1f1b"],
+)
+def test_drift_delay_and_update_norm_match_norms_recomputed_from_the_saved_weights(tmp_path, schedule, options, delays):
+    recorder = WeightRecorder()
+    strategy = AsyncPipelineStrategy(schedule, MICROBATCHES, num_stages=2, **options)
+    _, trainer = fit(tmp_path, strategy, [recorder, StalenessMonitor()])
+    logged = scalars(trainer)
+    W = recorder.weights  # W[k][stage] = the stage's tensors of W_k
+    for k in range(STEPS):
+        drift_sq, weight_sq, update_sq = 0.0, 0.0, 0.0
+        for s in range(2):
+            d = delays(k, s)
+            assert logged[f"staleness/stage{s}/delay"][k] == d
+            stage_drift_sq, stage_weight_sq = sq_dist(W[k][s], W[k - d][s]), sq_norm(W[k][s])
+            stage_update_sq = sq_dist(W[k][s], W[k + 1][s])  # plain SGD: u_k = W_k - W_{k+1}
+            assert close(logged[f"staleness/stage{s}/drift"][k], math.sqrt(stage_drift_sq / stage_weight_sq))
+            assert close(logged[f"staleness/stage{s}/update_norm"][k], math.sqrt(stage_update_sq))
+            if d == 0:
+                assert logged[f"staleness/stage{s}/drift"][k] == 0.0  # exactly: the same version
+            else:
+                assert logged[f"staleness/stage{s}/drift"][k] > 0.0
+            drift_sq, weight_sq, update_sq = drift_sq + stage_drift_sq, weight_sq + stage_weight_sq, update_sq + stage_update_sq
+        assert logged["staleness/delay"][k] == max(delays(k, s) for s in range(2))
+        assert close(logged["staleness/drift"][k], math.sqrt(drift_sq / weight_sq))
+        assert close(logged["staleness/update_norm"][k], math.sqrt(update_sq))
+    assert "staleness/correction_norm" not in logged  # no ErrorFeedback here
+    if schedule == "1f1b":
+        assert all(v == 0.0 for v in logged["staleness/drift"].values())
+
+
+def test_update_and_correction_norms_match_the_inverted_error_feedback_recurrence(tmp_path):
+    # Muon wrapped in ErrorFeedback(c=1): W_k - W_{k+1} = u_k + c (u_k - u_{k-1}), no correction at the first
+    # update. From the saved weights alone: u_0 = D_0, u_k = (D_k + c u_{k-1}) / (1 + c), correction = D_k - u_k.
+    recorder = WeightRecorder()
+    _, trainer = fit(tmp_path, AsyncPipelineStrategy("2bw", MICROBATCHES), [recorder, StalenessMonitor()],
+                     optimizer="muon_ef")
+    logged = scalars(trainer)
+    W = {k: [t.double() for t in w[0]] for k, w in recorder.weights.items()}
+    c, u_prev = 1.0, None
+    for k in range(STEPS):
+        D = [a - b for a, b in zip(W[k], W[k + 1])]
+        u = D if u_prev is None else [(d + c * p) / (1 + c) for d, p in zip(D, u_prev)]
+        correction = [d - x for d, x in zip(D, u)]
+        assert close(logged["staleness/update_norm"][k], math.sqrt(sq_norm(u)), rel=1e-4)
+        assert close(logged["staleness/correction_norm"][k], math.sqrt(sq_norm(correction)), rel=1e-3, abs_=1e-7)
+        u_prev = u
+    assert logged["staleness/correction_norm"][0] < 1e-7  # no correction at the first update
+    assert min(logged["staleness/correction_norm"][k] for k in range(2, STEPS)) > 1e-4  # and a real one later
+
+
+def test_probe_cosine_and_loss_delta_match_gradients_recomputed_from_the_saved_weights(tmp_path):
+    recorder = WeightRecorder()
+    model = TinyLM()
+    initial = copy.deepcopy(model)
+    _, trainer = fit(tmp_path, AsyncPipelineStrategy("2bw", MICROBATCHES), [recorder, StalenessMonitor(probe_every=2)],
+                     model=model, log_every_n_steps=50)
+    logged = scalars(trainer)
+    batches = list(loader())
+    probed = sorted(logged["staleness/grad_cosine"])
+    assert probed == [1, 3, 5]  # every 2nd step: k = 1, 3, 5, written whatever log_every_n_steps is
+    for k in probed:
+        mb = [t[: BATCH // MICROBATCHES] for t in batches[k]]  # the first microbatch of batch k
+        losses, grads = [], []
+        for version in (k, k - 1):  # fresh W_k, stale W_{k-1}
+            reference = copy.deepcopy(initial)
+            with torch.no_grad():
+                for p, w in zip(reference.parameters(), recorder.weights[version][0]):
+                    p.copy_(w)
+            loss = reference.pipeline_loss(reference.pipeline_forward(mb), mb)
+            grads.append(torch.cat([g.reshape(-1) for g in torch.autograd.grad(loss, list(reference.parameters()))]))
+            losses.append(loss.item())
+        cosine = torch.nn.functional.cosine_similarity(grads[0].double(), grads[1].double(), dim=0).item()
+        assert abs(logged["staleness/grad_cosine"][k] - cosine) < 1e-5
+        assert abs(logged["staleness/stage0/grad_cosine"][k] - cosine) < 1e-5
+        assert cosine < 1 - 1e-6  # stale and fresh gradients really differ under 2bw
+        assert close(logged["staleness/loss_delta"][k], losses[1] - losses[0], rel=1e-4, abs_=1e-7)
+
+
+def test_probe_cosine_is_one_and_loss_delta_zero_under_a_synchronous_schedule(tmp_path):
+    _, trainer = fit(tmp_path, AsyncPipelineStrategy("1f1b", MICROBATCHES, num_stages=2),
+                     [StalenessMonitor(probe_every=1)])
+    logged = scalars(trainer)
+    assert sorted(logged["staleness/grad_cosine"]) == list(range(STEPS))
+    for tag in ("staleness/grad_cosine", "staleness/stage0/grad_cosine", "staleness/stage1/grad_cosine"):
+        assert all(abs(v - 1.0) < 1e-6 for v in logged[tag].values()), logged[tag]
+    assert all(v == 0.0 for v in logged["staleness/loss_delta"].values())
+
+
+class DropoutTinyLM(TinyLM):
+    """TinyLM with dropout between layers: training consumes random numbers, so a probe that moved the RNG on
+    would change the weights."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([nn.Sequential(layer, nn.Dropout(0.2)) for layer in self.layers[:-1]]
+                                    + [self.layers[-1]])
+
+
+class ConsumesRandomNumbers(Callback):
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        torch.rand(1)
+
+
+def test_probe_leaves_the_final_weights_bit_identical(tmp_path):
+    def final(callbacks, name):
+        torch.manual_seed(0)
+        model, _ = fit(tmp_path / name, AsyncPipelineStrategy("2bw", MICROBATCHES), callbacks, model=DropoutTinyLM())
+        return model.state_dict()
+
+    without = final([], "without")
+    with_probe = final([StalenessMonitor(probe_every=1), PipelineMonitor()], "with")
+    assert without.keys() == with_probe.keys()
+    assert all(torch.equal(without[k], with_probe[k]) for k in without)
+    # The comparison can fail: drawing one random number per step (as an unguarded probe would) changes the run.
+    disturbed = final([ConsumesRandomNumbers()], "disturbed")
+    assert not all(torch.equal(without[k], disturbed[k]) for k in without)
+
+
+def test_probe_across_processes_is_refused_at_setup_naming_the_limitation():
+    strategy = AsyncPipelineStrategy("2bw", 2, parallel_devices=[torch.device("cpu")] * 2)
+    assert strategy.is_multiprocess
+    trainer = SimpleNamespace(strategy=strategy, loggers=[object()])
+    with pytest.raises(ValueError, match="whole model in one process.*devices=1"):
+        StalenessMonitor(probe_every=5).setup(trainer, None, "fit")
+    StalenessMonitor().setup(trainer, None, "fit")  # without the probe it is fine
+
+
+def test_monitors_need_the_pipeline_strategy_and_a_logger(tmp_path):
+    for monitor in (StalenessMonitor(), PipelineMonitor()):
+        trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=1, callbacks=[monitor],
+                            logger=TensorBoardLogger(str(tmp_path)), enable_progress_bar=False)
+        with pytest.raises(TypeError, match="AsyncPipelineStrategy"):
+            trainer.fit(TinyLM(), loader())
+        trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=1, callbacks=[monitor], logger=False,
+                            strategy=AsyncPipelineStrategy("2bw", 4), enable_progress_bar=False)
+        with pytest.raises(MisconfigurationException, match="no logger"):
+            trainer.fit(TinyLM(), loader())
+    with pytest.raises(ValueError, match="probe_every"):
+        StalenessMonitor(probe_every=0)
+    with pytest.raises(ValueError, match="trace_steps"):
+        PipelineMonitor(trace_steps=(3, 1))
+
+
+# ---- PipelineMonitor ------------------------------------------------------------------------------------------
+
+def test_both_monitors_write_every_documented_tag_to_tensorboard_and_all_values_are_finite(tmp_path):
+    _, trainer = fit(tmp_path, AsyncPipelineStrategy("2bw", MICROBATCHES),
+                     [StalenessMonitor(probe_every=2), PipelineMonitor()], optimizer="muon_ef", log_every_n_steps=2)
+    logged = scalars(trainer)
+    expected = {f"staleness/{n}" for n in ("drift", "delay", "update_norm", "correction_norm", "grad_cosine",
+                                            "loss_delta")}
+    expected |= {f"staleness/stage0/{n}" for n in ("drift", "delay", "update_norm", "correction_norm", "grad_cosine")}
+    timing = ("compute_s", "comm_wait_s", "optimizer_s", "idle_s", "overhead_s", "step_time_s", "bubble_fraction")
+    expected |= {f"pipeline/{n}" for n in timing + ("tokens_per_sec", "samples_per_sec", "peak_memory_mb")}
+    expected |= {f"pipeline/stage0/{n}" for n in timing + ("peak_memory_mb",)}
+    assert expected <= set(logged), expected - set(logged)
+    for tag in expected:
+        assert logged[tag] and all(math.isfinite(v) for v in logged[tag].values()), (tag, logged[tag])
+    assert sorted(logged["pipeline/bubble_fraction"]) == [1, 3, 5]  # logging steps: (k + 1) % 2 == 0
+    assert sorted(logged["staleness/drift"]) == [1, 3, 5]
+
+
+def test_throughput_and_timing_add_up_against_the_wall_clock(tmp_path):
+    monitor = PipelineMonitor()
+    start = time.perf_counter()
+    _, trainer = fit(tmp_path, AsyncPipelineStrategy("2bw", MICROBATCHES), [monitor], steps=8, log_every_n_steps=4)
+    elapsed = time.perf_counter() - start
+    logged = scalars(trainer)
+    assert sorted(logged["pipeline/step_time_s"]) == [3, 7]
+    # The windows (4 steps each) lie inside the fit, so their wall time cannot exceed it.
+    assert 0 < sum(4 * v for v in logged["pipeline/step_time_s"].values()) <= elapsed
+    for k in (3, 7):
+        step = logged["pipeline/step_time_s"][k]
+        assert 0 < logged["pipeline/compute_s"][k] <= step
+        assert close(logged["pipeline/samples_per_sec"][k] * step, BATCH, rel=1e-4)  # 8 samples per step
+        # a TinyLM sample is 4 input features: tokens = numel(pipeline_input(batch))
+        assert close(logged["pipeline/tokens_per_sec"][k], 4 * logged["pipeline/samples_per_sec"][k], rel=1e-5)
+        parts = [logged[f"pipeline/{n}"][k] for n in ("compute_s", "comm_wait_s", "optimizer_s", "idle_s")]
+        assert all(p >= 0 for p in parts) and logged["pipeline/overhead_s"][k] > 0
+        assert close(sum(parts) + logged["pipeline/overhead_s"][k], step, rel=1e-4)
+        # one process: the bubble is the share of the pipeline's step not spent in forward and backward
+        assert close(logged["pipeline/bubble_fraction"][k], 1 - parts[0] / sum(parts), rel=1e-4, abs_=1e-5)
+        assert 0 < logged["pipeline/bubble_fraction"][k] < 1
+        assert logged["pipeline/peak_memory_mb"][k] > 10  # the RSS of a Python process with torch loaded
+
+
+def test_one_device_trace_is_a_chrome_trace_of_the_traced_steps(tmp_path):
+    monitor = PipelineMonitor(trace_steps=(1, 2))
+    fit(tmp_path, AsyncPipelineStrategy("2bw", MICROBATCHES, num_stages=2), [monitor])
+    assert monitor.trace_file == str(Path(tmp_path) / "lightning_logs" / "version_0" / "pipeline_trace.json")
+    events = json.loads(Path(monitor.trace_file).read_text())["traceEvents"]
+    spans = [e for e in events if e["ph"] == "X"]
+    assert {(e["pid"], e["tid"]) for e in spans} == {(0, 0)}  # all stages run in this one process: one track
+    names = [e["name"] for e in spans]
+    assert names.count("forward") == names.count("backward") == 2 * MICROBATCHES  # 2 steps x 4 microbatches
+    assert names.count("optimizer") == 2 and "idle" in names
+    assert {e["args"]["batch"] for e in spans if e["name"] == "forward"} == {1, 2}
+    spans.sort(key=lambda e: e["ts"])
+    for a, b in zip(spans, spans[1:]):
+        assert a["ts"] + a["dur"] <= b["ts"] + 1e-3  # microseconds: no overlap within the track
