@@ -28,6 +28,7 @@ from lightning.pytorch import Trainer
 from lightning.pytorch.loops.fetchers import _DataFetcher
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 from torch import Tensor
 
 from lightning_async_pp.module import PipelineModule
@@ -234,6 +235,11 @@ class AsyncPipelineStrategy(DDPStrategy):
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
+        if self.is_multiprocess:
+            # Lightning broadcasts a SIGTERM flag from rank 0 at the start of every training step: a barrier
+            # across all stages that would put a bubble back into 2BW. Check the local flag instead; a stage that
+            # stops makes its neighbours stop through the pipeline's own failure handling.
+            trainer.fit_loop.epoch_loop._broadcast_sigterm_tensor = self._check_sigterm_locally
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
             if trainer.accumulate_grad_batches != 1:
@@ -339,7 +345,10 @@ class AsyncPipelineStrategy(DDPStrategy):
                 batches.append(_DataFetcher.__next__(fetcher))  # fetch one more without consuming it
             except StopIteration:
                 return None
-            fetcher.done = done  # the fetched batch is not consumed yet; Lightning sets `done` when it is
+            # The batch is not consumed yet: undo the count and flag so that Lightning, which takes it from
+            # `batches` at the next step, still ends the epoch after its last batch, not one before.
+            fetcher.fetched -= 1
+            fetcher.done = done
         batch = batches[0][0] if isinstance(batches[0], tuple) else batches[0]
         module = self.lightning_module
         batch = module._on_before_batch_transfer(batch, dataloader_idx=0)
@@ -388,6 +397,11 @@ class AsyncPipelineStrategy(DDPStrategy):
             g.mul_(coef.to(g.dtype))
 
     # ---- failures -------------------------------------------------------------------------------------------
+    def _check_sigterm_locally(self) -> None:
+        if getattr(self.lightning_module.trainer, "received_sigterm", False):
+            self._board.report(f"stage {self.topology.stage} (rank {self.global_rank}) received SIGTERM")
+            raise SIGTERMException()
+
     def _report_failure(self, err: BaseException) -> None:
         if self.is_multiprocess:
             from lightning_async_pp.pipeline.comm import PipelineFailure

@@ -128,3 +128,9 @@ def test_checkpoint_across_stages_resumes_to_the_uninterrupted_weights(tmp_path)
     assert [s["versions"]["stages"][i]["num_updates"] for i, s in enumerate(saved["async_pipeline"]["stages"])] == [3, 3]
     resumed = multiprocess_weights(dict(cfg, resume_from=str(checkpoints / "last.ckpt"), model={"seed": 7}), tmp_path / "c")
     assert max_difference(resumed, uninterrupted) < 1e-6
+
+
+def test_2bw_across_an_epoch_boundary_trains_every_batch_once(tmp_path):
+    # 4 batches per epoch, 7 steps: the lookahead must stop at each epoch's last batch and not skip or repeat one.
+    cfg = dict(BASE, schedule="2bw", stages=2, steps=7, samples=32, optimizer="adamw")
+    assert max_difference(multiprocess_weights(cfg, tmp_path), one_device_weights(cfg)) < 1e-5
