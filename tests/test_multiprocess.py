@@ -82,6 +82,13 @@ def test_validation_across_stages_reports_the_newest_weights_loss(tmp_path):
     assert abs(reported - expected) < 1e-5
 
 
+def test_validation_between_2bw_steps_does_not_stall_the_lookahead(tmp_path):
+    # Validation runs while the next batch's forwards are in flight between stages; many steps and validations
+    # must neither deadlock nor lose the in-flight microbatch (12 validation batches send more than 64 messages).
+    cfg = dict(BASE, schedule="2bw", stages=2, steps=12, samples=256, val_batches=12, val_every=3, timeout=30)
+    assert max_difference(multiprocess_weights(cfg, tmp_path), one_device_weights(cfg)) < 1e-5
+
+
 def test_a_stage_that_raises_stops_every_process_within_the_timeout(tmp_path):
     cfg = dict(BASE, schedule="2bw", stages=2, steps=8, timeout=30, fail_at={"stage": 1, "step": 3})
     start = time.monotonic()

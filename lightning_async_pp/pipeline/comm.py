@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from datetime import timedelta
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
@@ -140,7 +141,10 @@ class StageLink:
         self.out_metas: Optional[list[TensorMeta]] = None  # what this stage sends forward
         self.in_metas: Optional[list[TensorMeta]] = None  # what this stage receives
         self.in_is_tuple = False
+        # Sends whose receives are posted in the same step (or evaluation call) as the send, and sends of the
+        # next batch's forwards (2BW lookahead) whose receives may be posted only in the next step.
         self._pending_sends: deque = deque()
+        self._carried_sends: deque = deque()
         self._posted_act: deque = deque()  # pre-posted activation receives, oldest first
         self._posted_grad: deque = deque()
         self.wait_seconds = 0.0  # time spent blocked waiting for a neighbour (communication wait)
@@ -154,12 +158,12 @@ class StageLink:
     def wait(self, work: Any, peer: Optional[int], what: str) -> None:
         """Block until ``work`` completes (gloo marks completion only inside ``wait``, so there is no polling).
 
-        The process group's timeout bounds the wait. When a peer fails its process exits, the connection
-        closes and the wait raises at once; the failure board then tells which stage failed first and why.
+        ``timeout`` bounds the wait. When a peer fails its process exits, the connection closes and the wait
+        raises at once; the failure board then tells which stage failed first and why.
         """
         start = time.perf_counter()
         try:
-            work.wait()
+            work.wait(timedelta(seconds=self.timeout))
         except Exception as err:
             waited = time.perf_counter() - start
             time.sleep(0.2)  # give the failing stage a moment to post its report
@@ -178,28 +182,36 @@ class StageLink:
             if self.recorder is not None:
                 self.recorder("send" if what.startswith("a send") else "recv", start, end, {"what": what, "peer": peer})
 
-    def _isend(self, tensor: Tensor, dst: int, tag: int) -> None:
+    def _isend(self, tensor: Tensor, dst: int, tag: int, carried: bool = False) -> None:
+        # A gloo send completes only once the receiver has posted its receive. Waiting on a send is therefore
+        # safe only where that receive is sure to come without this stage doing anything more: in the same
+        # step for ordinary sends, in the next step for the lookahead's (which stay in ``_carried_sends``).
         tensor = tensor.contiguous()
-        self._pending_sends.append((dist.isend(tensor, dst=dst, tag=tag), tensor, dst))
-        # A gloo send completes only once the receiver has posted its receive, which for 2BW's lookahead can
-        # be a step later, so sends are not awaited per step; the oldest are completed past a bound.
-        while len(self._pending_sends) > 64:
-            self._complete_oldest_send()
+        queue = self._carried_sends if carried else self._pending_sends
+        queue.append((dist.isend(tensor, dst=dst, tag=tag), tensor, dst))
+        while len(self._pending_sends) > 64:  # the receiver takes them in order: the oldest completes first
+            self._complete_oldest(self._pending_sends)
 
-    def _complete_oldest_send(self) -> None:
-        work, _, dst = self._pending_sends.popleft()
+    def _complete_oldest(self, queue: deque) -> None:
+        work, _, dst = queue.popleft()
         self.wait(work, dst, "a send to be taken")
 
+    def begin_step(self) -> None:
+        """The lookahead's sends of the previous step are received during this one: wait for them with it."""
+        self._carried_sends.extend(self._pending_sends)
+        self._pending_sends, self._carried_sends = self._carried_sends, deque()
+
     def flush_sends(self) -> None:
+        """Complete the sends whose receives are posted in this step or evaluation call."""
         while self._pending_sends:
-            self._complete_oldest_send()
+            self._complete_oldest(self._pending_sends)
 
     def _irecv(self, meta: TensorMeta, src: int, tag: int) -> tuple[Any, Tensor]:
         buf = torch.empty(meta.shape, dtype=meta.dtype, device=self.device)
         return dist.irecv(buf, src=src, tag=tag), buf
 
     # ---- training: activations forward ----------------------------------------------------------------------
-    def send_activations(self, outputs: Any) -> None:
+    def send_activations(self, outputs: Any, carried: bool = False) -> None:
         tensors = as_tuple(outputs)
         metas = [TensorMeta(tuple(t.shape), t.dtype, t.requires_grad) for t in tensors]
         if self.out_metas is None:
@@ -211,7 +223,7 @@ class StageLink:
                 f"{[m.shape for m in metas]}; the pipeline needs equal microbatch shapes (use drop_last=True)"
             )
         for i, t in enumerate(tensors):
-            self._isend(t.detach(), self.next_rank, TAG_ACT + i)
+            self._isend(t.detach(), self.next_rank, TAG_ACT + i, carried=carried)
 
     def post_activation_recv(self) -> None:
         """Post the receive of the next activation in advance so it overlaps compute."""

@@ -206,6 +206,7 @@ class DistributedPipeline(_Executor):
         if lookahead:
             microbatches[1] = split_microbatches(next_batch, self.num_microbatches)
         last_rank = self.pipeline_ranks[-1]
+        link.begin_step()
         loss_recv = None if stage.is_last else link.post_scalar_recv(last_rank, TAG_LOSS)
 
         forwards_needing_recv = 0 if stage.is_first else sum(a.op == "F" for a in actions)
@@ -239,7 +240,7 @@ class DistributedPipeline(_Executor):
                     self._losses[b] = self._losses.get(b, 0.0) + out.detach().to(torch.float64)
                 compute += self._span(stage.index, "forward", start, batch=b, microbatch=action.microbatch)
                 if not stage.is_last:
-                    link.send_activations(out)
+                    link.send_activations(out, carried=action.batch == 1)
                 self._inflight[(b, action.microbatch)] = (inputs, out)
             else:
                 inputs, out = self._inflight.pop((b, action.microbatch))
@@ -264,8 +265,7 @@ class DistributedPipeline(_Executor):
         else:
             link.wait(loss_recv[0], last_rank, "the batch loss")
             loss = loss_recv[1][0]
-        if not lookahead:
-            link.flush_sends()  # nothing of the next batch is in flight: every send here has its receive
+        link.flush_sends()  # all but the lookahead's sends: their receives were posted during this step
         self.gradients = stage.take_gradients(k)
         if self.dp_size > 1:
             self._all_reduce_mean(self.gradients, loss)
@@ -304,4 +304,5 @@ class DistributedPipeline(_Executor):
                 link.send_scalar(total, rank, TAG_EVAL_LOSS)
         else:
             total = link.recv_scalar(last_rank, TAG_EVAL_LOSS)
+        link.flush_sends()
         return total.to(torch.float32)

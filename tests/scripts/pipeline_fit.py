@@ -55,7 +55,7 @@ def main() -> None:
         log_every_n_steps=cfg.get("log_every_n_steps", 50), enable_progress_bar=False, enable_model_summary=False,
         use_distributed_sampler=False, gradient_clip_val=cfg.get("clip"),
         num_sanity_val_steps=0, limit_val_batches=cfg.get("val_batches", 0),
-        val_check_interval=cfg["steps"] if cfg.get("val_batches") else None,
+        val_check_interval=cfg.get("val_every", cfg["steps"]) if cfg.get("val_batches") else None,
     )
     trainer.fit(model, loader, loader if cfg.get("val_batches") else None, ckpt_path=cfg.get("resume_from"))
     if trainer.is_global_zero:
