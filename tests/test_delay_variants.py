@@ -42,22 +42,8 @@ def test_sync_steps_switch_to_the_delayed_rule_at_the_right_update():
     reference = copy.deepcopy(model)
     trainer(AsyncPipelineStrategy("2bw", 4, sync_steps=sync), steps=STEPS).fit(model, loader())
 
-    # Reference written out: update k uses W_k for k < sync_steps, W_{k-1} afterwards.
-    opt = reference.configure_optimizers()
-    params = list(reference.parameters())
-    history = [[p.detach().clone() for p in params]]
-    batches = list(loader())
-    for k in range(STEPS):
-        source = history[k] if k < sync else history[k - 1]
-        current = [p.detach().clone() for p in params]
-        for p, w in zip(params, source):
-            p.data.copy_(w)
-        opt.zero_grad()
-        reference.pipeline_loss(reference.pipeline_forward(batches[k]), batches[k]).backward()
-        for p, w in zip(params, current):
-            p.data.copy_(w)
-        opt.step()
-        history.append([p.detach().clone() for p in params])
+    # Reference: update k uses W_k for k < sync_steps, W_{k-1} afterwards.
+    params = delayed_reference(reference, list(loader()), STEPS, version_for=lambda k: k if k < sync else k - 1)
     assert max_param_difference(model, params) < 1e-6
     # switching one update later gives other weights
     later = fit(AsyncPipelineStrategy("2bw", 4, sync_steps=sync + 1))
@@ -72,21 +58,8 @@ def test_per_stage_delays_model_original_pipedream():
     trainer(strategy, steps=STEPS).fit(model, loader())
 
     # Reference: layers 0-1 (stage 0) run on W_{k-1}, layers 2-3 (stage 1) on W_k.
-    opt = reference.configure_optimizers()
-    layers = reference.pipeline_layers()
-    stage0 = [p for layer in layers[:2] for p in layer.parameters()]
-    history = [[p.detach().clone() for p in stage0]]
-    batches = list(loader())
-    for k in range(STEPS):
-        current = [p.detach().clone() for p in stage0]
-        for p, w in zip(stage0, history[max(k - 1, 0)]):
-            p.data.copy_(w)
-        opt.zero_grad()
-        reference.pipeline_loss(reference.pipeline_forward(batches[k]), batches[k]).backward()
-        for p, w in zip(stage0, current):
-            p.data.copy_(w)
-        opt.step()
-        history.append([p.detach().clone() for p in stage0])
+    stage0 = [p for layer in reference.pipeline_layers()[:2] for p in layer.parameters()]
+    delayed_reference(reference, list(loader()), STEPS, delay=1, stale_params=stage0)
     assert max_param_difference(model, reference) < 1e-6
 
 

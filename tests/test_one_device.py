@@ -40,28 +40,35 @@ class ScheduledTinyLM(TinyLM):
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
 
-def delayed_reference(model: TinyLM, batches, steps: int, delay: int, clip: float | None = None):
-    """DESIGN.md written out: W_{k+1} = W_k - U(grad f(W_{max(k-delay,0)}; B_k)), optimizer state never rewound."""
+def delayed_reference(model: TinyLM, batches, steps: int, delay: int = 1, clip: float | None = None,
+                      version_for=None, stale_params=None):
+    """DESIGN.md written out: W_{k+1} = W_k - U(grad f(W_{version_for(k)}; B_k)), optimizer state never rewound.
+
+    ``version_for(k)`` defaults to ``max(k - delay, 0)``; ``stale_params`` (default: all) are the parameters that
+    take their gradient at that older version, the others at ``W_k`` (per-stage delays).
+    """
     config = model.configure_optimizers()
     opt = config["optimizer"] if isinstance(config, dict) else config
     sched = config["lr_scheduler"]["scheduler"] if isinstance(config, dict) else None
     params = list(model.parameters())
-    history = [[p.detach().clone() for p in params]]  # history[j] = W_j
+    stale = params if stale_params is None else list(stale_params)
+    version_for = version_for or (lambda k: max(k - delay, 0))
+    history = [[p.detach().clone() for p in stale]]  # history[j] = W_j of the stale parameters
     for k in range(steps):
-        current = [p.detach().clone() for p in params]
-        for p, w in zip(params, history[max(k - delay, 0)]):
+        current = [p.detach().clone() for p in stale]
+        for p, w in zip(stale, history[version_for(k)]):
             p.data.copy_(w)
         opt.zero_grad()
         batch = batches[k % len(batches)]
         model.pipeline_loss(model.pipeline_forward(batch), batch).backward()
-        for p, w in zip(params, current):
+        for p, w in zip(stale, current):
             p.data.copy_(w)
         if clip is not None:
             torch.nn.utils.clip_grad_norm_(params, clip)
         opt.step()
         if sched is not None:
             sched.step()
-        history.append([p.detach().clone() for p in params])
+        history.append([p.detach().clone() for p in stale])
     return params
 
 
