@@ -198,6 +198,10 @@ class AsyncPipelineStrategy(DDPStrategy):
         super()._configure_launcher()
 
     def setup_environment(self) -> None:
+        if self.is_multiprocess and self.root_device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
+            # Stages on one host share its cores: give each process its share instead of letting every process
+            # start a thread per core and oversubscribe them (torchrun does the same with OMP_NUM_THREADS=1).
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, self.num_processes)))
         if not self.is_multiprocess:
             # One process is not data parallel: keep the user's own sampler, as single-device Lightning does,
             # instead of the shuffling DistributedSampler that Lightning injects for a DDP-derived strategy.
