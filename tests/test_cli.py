@@ -50,7 +50,9 @@ def test_demo_config_describes_the_pipeline_run():
     assert config["model"]["class_path"] == "lightning_async_pp.models.GPT"
     assert config["model"]["init_args"]["block_size"] == config["data"]["block_size"]
     assert config["trainer"]["logger"]["class_path"].endswith("TensorBoardLogger")
-    assert config["optimizer"]["class_path"] == "lightning_async_pp.optim.Muon"  # tolerates 2BW's delay
+    # A delay-tolerant optimizer with the delay correction around it.
+    assert config["optimizer"]["class_path"] == "lightning_async_pp.optim.ErrorFeedback"
+    assert config["optimizer"]["init_args"]["optimizer"]["class_path"] == "lightning_async_pp.optim.Muon"
 
 
 def test_demo_config_trains_two_steps_and_says_where_the_logs_are(tmp_path, monkeypatch, capsys):
