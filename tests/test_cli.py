@@ -30,7 +30,9 @@ def demo_config(tmp_path: Path) -> Path:
         # The real strategy goes here: until lightning_async_pp.AsyncPipelineStrategy exists, run the demo config
         # under Lightning's default strategy. Once it exists, the config's own strategy entry is used unchanged.
         config["trainer"]["strategy"] = "auto"
-    config["trainer"].update(max_steps=2, limit_val_batches=2, val_check_interval=2, log_every_n_steps=1)
+    # One process: under pytest, Lightning's launcher would re-run the whole test session for a second rank.
+    config["trainer"].update(devices=1, max_steps=2, limit_val_batches=2, val_check_interval=2, log_every_n_steps=1)
+    config["trainer"]["callbacks"][1]["init_args"]["trace_steps"] = [0, 1]
     config["trainer"]["logger"]["init_args"]["save_dir"] = str(tmp_path / "logs")
     config["trainer"]["default_root_dir"] = str(tmp_path)
     config["model"]["init_args"].update(block_size=32, n_layer=2, n_head=2, n_embd=32)
@@ -46,7 +48,9 @@ def test_demo_config_describes_the_pipeline_run():
         "class_path": "lightning_async_pp.AsyncPipelineStrategy",
         "init_args": {"schedule": "2bw", "num_microbatches": 4},
     }
-    assert config["trainer"]["accelerator"] == "cpu" and config["trainer"]["devices"] == 1
+    assert config["trainer"]["accelerator"] == "cpu" and config["trainer"]["devices"] == 2  # two stages
+    monitors = [c["class_path"] for c in config["trainer"]["callbacks"]]
+    assert monitors == ["lightning_async_pp.callbacks.StalenessMonitor", "lightning_async_pp.callbacks.PipelineMonitor"]
     assert config["model"]["class_path"] == "lightning_async_pp.models.GPT"
     assert config["model"]["init_args"]["block_size"] == config["data"]["block_size"]
     assert config["trainer"]["logger"]["class_path"].endswith("TensorBoardLogger")
@@ -66,6 +70,12 @@ def test_demo_config_trains_two_steps_and_says_where_the_logs_are(tmp_path, monk
     assert torch.isfinite(cli.trainer.callback_metrics["train_loss"])
     log_dir = Path(cli.trainer.logger.log_dir)
     assert log_dir.is_relative_to(tmp_path / "logs") and list(log_dir.glob("events.out.tfevents.*"))
+    # the demo's monitors write their figures and trace there
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    tags = EventAccumulator(str(log_dir)).Reload().Tags()["scalars"]
+    assert {"staleness/drift", "staleness/delay", "pipeline/tokens_per_sec", "pipeline/bubble_fraction"} <= set(tags)
+    assert (log_dir / "pipeline_trace.json").exists()
     out = capsys.readouterr().out
     assert out.count(f"tensorboard --logdir {tmp_path / 'logs' / 'demo'}") == 2  # before and after fit
     assert str(log_dir) in out
