@@ -40,7 +40,8 @@ def run_one(schedule: str, devices: int, steps: int, warmup: int, workdir: Path)
     args = [
         sys.executable, __file__, "--child", "fit", "--config", str(ROOT / "configs" / "demo.yaml"),
         f"--trainer.devices={devices}", f"--trainer.max_steps={steps}", "--trainer.limit_val_batches=0",
-        "--trainer.enable_progress_bar=false", "--trainer.enable_checkpointing=false", "--trainer.logger=false",
+        "--trainer.enable_progress_bar=false", "--trainer.enable_checkpointing=false",
+        f"--trainer.logger.init_args.save_dir={workdir / 'logs'}",
         f"--trainer.strategy.init_args.schedule={schedule}",
         "--trainer.callbacks+=benchmarks.demo_schedules.StepTimer", f"--trainer.callbacks.warmup={warmup}",
         f"--data.cache_dir={workdir / 'cache'}",
@@ -53,11 +54,11 @@ def run_one(schedule: str, devices: int, steps: int, warmup: int, workdir: Path)
 
 
 def main() -> None:
-    if "--child" in sys.argv:
-        sys.argv.remove("--child")
+    if sys.argv[1:2] == ["--child"]:
+        # sys.argv stays as it is: Lightning's launcher re-executes it for the other ranks.
         from lightning_async_pp.cli import main as cli_main
 
-        cli_main()
+        cli_main(args=sys.argv[2:])
         return
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--devices", type=int, default=1)
