@@ -49,13 +49,6 @@ def partition_layers(layers: Sequence[nn.Module], num_stages: int, method: Parti
     return ranges
 
 
-def stage_for_layer(ranges: Sequence[range], layer_index: int) -> int:
-    for stage, r in enumerate(ranges):
-        if layer_index in r:
-            return stage
-    raise IndexError(f"layer {layer_index} is in no stage")
-
-
 def _balanced_counts(weights: Sequence[int], parts: int) -> list[int]:
     """Contiguous split of ``weights`` into ``parts`` non-empty groups minimising the heaviest group."""
 

@@ -21,7 +21,7 @@ from torch import Tensor
 
 from lightning_async_pp.pipeline.comm import TAG_EVAL_LOSS, TAG_LOSS, StageLink, as_tuple, unpack
 from lightning_async_pp.pipeline.microbatch import split_microbatches
-from lightning_async_pp.pipeline.schedule import Action, step_actions
+from lightning_async_pp.pipeline.schedule import step_actions
 from lightning_async_pp.pipeline.stage import Stage
 
 InputFn = Callable[[Any], Any]
@@ -181,7 +181,6 @@ class DistributedPipeline(_Executor):
         self._carried_in = False  # this step's first forwards ran as the previous step's lookahead
         self._inflight: dict[tuple[int, int], tuple[Optional[tuple[Tensor, ...]], Any]] = {}
         self._losses: dict[int, Tensor] = {}  # last stage: running loss sum of batches in flight
-        self.last_actions: list[Action] = []
         link.recorder = self._record_wait
 
     def _record_wait(self, name: str, start: float, end: float, args: dict) -> None:
@@ -201,7 +200,6 @@ class DistributedPipeline(_Executor):
             self.schedule, stage.index, stage.num_stages, self.num_microbatches,
             carried_in=self._carried_in, lookahead=lookahead,
         )
-        self.last_actions = actions
         microbatches = {0: split_microbatches(batch, self.num_microbatches)}
         if lookahead:
             microbatches[1] = split_microbatches(next_batch, self.num_microbatches)

@@ -63,6 +63,3 @@ def step_actions(
         actions.append(Action("B", 0, j))
     return actions
 
-
-def eval_actions(num_microbatches: int) -> list[Action]:
-    return [Action("F", 0, j) for j in range(num_microbatches)]
