@@ -15,6 +15,7 @@ from __future__ import annotations
 import copy
 import logging
 import os
+import sys
 import time
 from collections import deque
 from collections.abc import Mapping, Sequence
@@ -411,9 +412,10 @@ class AsyncPipelineStrategy(DDPStrategy):
             from lightning_async_pp.pipeline.comm import PipelineFailure
 
             if not isinstance(err, PipelineFailure):
-                self._board.report(
-                    f"stage {self.topology.stage} (rank {self.global_rank}) failed: {type(err).__name__}: {err}"
-                )
+                message = f"stage {self.topology.stage} (rank {self.global_rank}) failed: {type(err).__name__}: {err}"
+                self._board.report(message)
+                # Said here too: Lightning's launcher may stop the other processes before they can repeat it.
+                print(f"lightning_async_pp: {message}", file=sys.stderr, flush=True)
 
     def on_exception(self, exception: BaseException) -> None:
         self._report_failure(exception)
