@@ -760,7 +760,7 @@ def report(results: dict, args: argparse.Namespace) -> str:
 
     lines.append("\n## Peak RSS per process (MiB)\n")
     lines.append("Mostly the interpreter with torch (about 560 MiB after `import torch` here) and Lightning (about 200 "
-                 "MiB more); the model is 2 MiB of parameters per layer. The bare-engine and torch rows run their "
+                 "MiB more); the model is 1 MiB of weights per layer. The bare-engine and torch rows run their "
                  "schedules one after another in the same two processes, so a later row's peak includes the "
                  "earlier ones'.\n")
     lines.append("| system | " + " | ".join(f"m={m} rank 0 / rank 1" for m in ms) + " |")
