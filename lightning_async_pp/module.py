@@ -11,9 +11,11 @@ from torch import Tensor, nn
 class PipelineExecutor(Protocol):
     """What a pipeline strategy plugs into a ``PipelineModule`` to replace the sequential run."""
 
-    def train_loss(self, batch: Any) -> Tensor: ...  # runs forward and backward; returns the detached mean loss
+    def train_loss(self, batch: Any, batch_idx: int) -> Tensor: ...  # forward and backward; the detached mean loss
 
-    def eval_loss(self, batch: Any) -> Tensor: ...  # forward only, newest weights
+    def eval_loss(self, batch: Any) -> Tensor: ...  # forward only, newest weights, any batch size
+
+    def predict(self, batch: Any) -> Any: ...  # the last layer's output, newest weights
 
 
 class PipelineModule(L.LightningModule):
@@ -63,25 +65,59 @@ class PipelineModule(L.LightningModule):
     def forward(self, batch: Any) -> Any:
         return self.pipeline_forward(batch)
 
-    def _loss(self, batch: Any, train: bool) -> Tensor:
+    def _loss(self, batch: Any, batch_idx: Optional[int] = None) -> Tensor:
+        """Training loss when ``batch_idx`` is given (forward and backward under the pipeline), else evaluation."""
         executor = self._pipeline_executor
         if executor is None:
             return self.pipeline_loss(self.pipeline_forward(batch), batch)
-        return executor.train_loss(batch) if train else executor.eval_loss(batch)
+        return executor.train_loss(batch, batch_idx) if batch_idx is not None else executor.eval_loss(batch)
+
+    def _on_before_batch_transfer(self, batch: Any, dataloader_idx: int = 0) -> Any:
+        # A batch fetched for 2BW's lookahead carries its own transfer (see lightning_async_pp/lookahead.py and
+        # _lightning.BEFORE_BATCH_TRANSFER): the strategy's batch_to_device runs the hooks on it exactly once.
+        from lightning_async_pp.lookahead import FetchedBatch
+
+        if isinstance(batch, FetchedBatch):
+            return batch
+        return super()._on_before_batch_transfer(batch, dataloader_idx)
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """A checkpoint of a multi-process pipeline run resumes only under ``AsyncPipelineStrategy`` (its optimizer
+        states are per stage); its ``state_dict`` alone loads anywhere (``load_from_checkpoint`` works)."""
+        saved = checkpoint.get("async_pipeline")
+        trainer = self._trainer
+        if saved is None or trainer is None or saved.get("num_stages", 1) == 1 or getattr(trainer.state, "fn", None) != "fit":
+            return
+        from lightning_async_pp.strategy import AsyncPipelineStrategy
+
+        if not isinstance(trainer.strategy, AsyncPipelineStrategy):
+            raise ValueError(
+                f"this checkpoint was saved by AsyncPipelineStrategy with {saved['num_stages']} pipeline stages; its "
+                f"optimizer states are per stage, so resume it with AsyncPipelineStrategy and as many stages, or load "
+                f"only the weights: model.load_state_dict(torch.load(path, weights_only=False)['state_dict'])"
+            )
 
     def training_step(self, batch: Any, batch_idx: int) -> Tensor:
-        loss = self._loss(batch, train=True)
+        loss = self._loss(batch, batch_idx)
         # Under the pipeline every rank already holds the data-parallel mean, so no sync here (a per-step
         # collective across stages would put a barrier back into a schedule built to avoid one).
         self.log("train_loss", loss, prog_bar=True)
         return loss
 
     def validation_step(self, batch: Any, batch_idx: int) -> Tensor:
-        loss = self._loss(batch, train=False)
+        loss = self._loss(batch)
         self.log("val_loss", loss, prog_bar=True, sync_dist=True)
         return loss
 
     def test_step(self, batch: Any, batch_idx: int) -> Tensor:
-        loss = self._loss(batch, train=False)
+        loss = self._loss(batch)
         self.log("test_loss", loss, sync_dist=True)
         return loss
+
+    def predict_step(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> Any:
+        """The last layer's output for ``batch`` (under the pipeline: on the first stage of each pipeline, ``None``
+        on the others)."""
+        executor = self._pipeline_executor
+        if executor is None:
+            return self.pipeline_forward(batch)
+        return executor.predict(batch)

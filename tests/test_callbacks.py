@@ -39,8 +39,8 @@ class WeightRecorder(Callback):
         self.weights: dict[int, list[list[torch.Tensor]]] = {}
 
     def _save(self, trainer) -> None:
-        executor = trainer.strategy.executor
-        self.weights[executor.batch_index] = [[p.detach().clone() for p in stage.params] for stage in executor.stages]
+        stats = trainer.strategy.engine.stats
+        self.weights[stats.batch_index] = [[p.detach().clone() for p in stage.params] for stage in stats.stages]
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         self._save(trainer)
@@ -285,7 +285,8 @@ def test_one_device_trace_is_a_chrome_trace_of_the_traced_steps(tmp_path):
     spans = [e for e in events if e["ph"] == "X"]
     assert {(e["pid"], e["tid"]) for e in spans} == {(0, 0)}  # all stages run in this one process: one track
     names = [e["name"] for e in spans]
-    assert names.count("forward") == names.count("backward") == 2 * MICROBATCHES  # 2 steps x 4 microbatches
+    # 2 steps x 4 microbatches x 2 stages, each stage's actions timed on their own
+    assert names.count("forward") == names.count("backward") == 2 * MICROBATCHES * 2
     assert names.count("optimizer") == 2 and "idle" in names
     assert {e["args"]["batch"] for e in spans if e["name"] == "forward"} == {1, 2}
     spans.sort(key=lambda e: e["ts"])

@@ -33,7 +33,7 @@ def test_delay_d_follows_the_d_step_delayed_recurrence(delay):
     assert max_param_difference(model, reference) < 1e-6
     # at most d+1 versions: the stash is d parameter copies
     param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    assert strategy.executor.stash_nbytes() == delay * param_bytes
+    assert strategy.engine.stats.stash_nbytes == delay * param_bytes
 
 
 def test_sync_steps_switch_to_the_delayed_rule_at_the_right_update():

@@ -5,7 +5,7 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_async_pp.pipeline.comm import TensorMeta, _decode, _encode
+from lightning_async_pp.pipeline.structure import Layout, flatten, normalize, unflatten
 from lightning_async_pp.pipeline.partition import partition_layers
 from lightning_async_pp.pipeline.schedule import check_schedule, step_actions
 from lightning_async_pp.pipeline.versions import WeightVersions
@@ -144,7 +144,20 @@ def test_weight_versions_refuse_a_version_no_longer_held():
         versions.version(0)
 
 
-def test_transfer_header_round_trips_shapes_dtypes_and_grad_flags():
-    metas = [TensorMeta((2, 3, 4), torch.bfloat16, True), TensorMeta((5,), torch.int64, False)]
-    decoded, is_tuple = _decode(_encode(metas, True))
-    assert decoded == metas and is_tuple
+def test_layout_round_trips_nesting_shapes_dtypes_and_grad_flags():
+    value = {"h": torch.zeros(2, 3, 4, dtype=torch.bfloat16, requires_grad=True),
+             "aux": [torch.arange(5), None, (torch.ones(1),)], 7: torch.zeros(())}
+    leaves, spec = flatten(value)
+    layout = Layout.of(leaves, spec)
+    decoded = Layout.decode(layout.encode())
+    assert decoded == Layout(normalize(spec), layout.metas)
+    assert [m.needs_grad for m in decoded.metas] == [True, False, False, False]
+    rebuilt = unflatten(leaves, decoded.spec)
+    assert rebuilt["aux"][1] is None and rebuilt["aux"][2][0] is leaves[2] and rebuilt[7] is leaves[3]
+    assert isinstance(rebuilt["aux"][2], tuple) and rebuilt["h"] is leaves[0]
+
+
+@pytest.mark.parametrize("bad", [{"a": 1.5}, [torch.zeros(1), "text"], {(1, 2): torch.zeros(1)}])
+def test_values_that_cannot_cross_a_stage_boundary_are_named(bad):
+    with pytest.raises(TypeError, match="stage boundary"):
+        flatten(bad)

@@ -133,7 +133,7 @@ def test_checkpoint_across_stages_resumes_to_the_uninterrupted_weights(tmp_path)
     proc = run_multiprocess(dict(cfg, steps=3, save_every=3, checkpoint_dir=str(checkpoints)), tmp_path / "b")
     assert proc.returncode == 0, proc.stderr[-5000:]
     saved = torch.load(checkpoints / "last.ckpt", weights_only=False)
-    assert [s["versions"]["stages"][i]["num_updates"] for i, s in enumerate(saved["async_pipeline"]["stages"])] == [3, 3]
+    assert [s["engine"]["stages"][str(i)]["num_updates"] for i, s in enumerate(saved["async_pipeline"]["stages"])] == [3, 3]
     resumed = multiprocess_weights(dict(cfg, resume_from=str(checkpoints / "last.ckpt"), model={"seed": 7}), tmp_path / "c")
     assert max_difference(resumed, uninterrupted) < 1e-6
 

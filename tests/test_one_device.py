@@ -12,7 +12,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from lightning_async_pp import AsyncPipelineStrategy, PipelineModule
-from lightning_async_pp.pipeline.runtime import LocalPipeline
+from lightning_async_pp.pipeline.runtime import PipelineRuntime
 from lightning_async_pp.pipeline.stage import Stage
 
 STEPS = 6
@@ -119,7 +119,8 @@ def test_microbatched_gradient_equals_whole_batch_gradient():
     batch = next(iter(loader(batch_size=16)))
     whole.pipeline_loss(whole.pipeline_forward(batch), batch).backward()
     stages = [Stage(model.pipeline_layers()[:2], 0, 2, delay=0), Stage(model.pipeline_layers()[2:], 1, 2, delay=0)]
-    pipeline = LocalPipeline(stages, num_microbatches=4, input_fn=model.pipeline_input, loss_fn=model.pipeline_loss)
+    pipeline = PipelineRuntime(stages, schedule="1f1b", num_microbatches=4, input_fn=model.pipeline_input,
+                               loss_fn=model.pipeline_loss)
     loss = pipeline.train_batch(batch)
     expected_loss = whole.pipeline_loss(whole.pipeline_forward(batch), batch)
     assert torch.allclose(loss, expected_loss, atol=1e-6)
@@ -132,10 +133,10 @@ def test_2bw_stash_holds_exactly_the_parameter_bytes():
     strategy = AsyncPipelineStrategy("2bw", num_microbatches=4)
     trainer(strategy, steps=2).fit(model, loader())
     param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    assert strategy.executor.stash_nbytes() == param_bytes
+    assert strategy.engine.stats.stash_nbytes == param_bytes
     synchronous = AsyncPipelineStrategy("1f1b", num_microbatches=4)
     trainer(synchronous, steps=2).fit(TinyLM(), loader())
-    assert synchronous.executor.stash_nbytes() == 0
+    assert synchronous.engine.stats.stash_nbytes == 0
 
 
 @pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
@@ -152,7 +153,7 @@ def test_resume_from_checkpoint_continues_exactly(tmp_path, optimizer):
     t = trainer(AsyncPipelineStrategy("2bw", num_microbatches=4), steps=3, enable_checkpointing=True, callbacks=[checkpoint])
     t.fit(first_part, data())
     saved = torch.load(tmp_path / "last.ckpt", weights_only=False)
-    versions = saved["async_pipeline"]["versions"]["stages"][0]
+    versions = saved["async_pipeline"]["stages"][0]["engine"]["stages"]["0"]
     assert versions["num_updates"] == 3 and sorted(versions["versions"]) == [2, 3]  # W_k and W_{k-1}
     assert not list(tmp_path.glob("*.tmp-*"))  # written beside the target, then renamed
 

@@ -130,16 +130,16 @@ class PipelineMonitor(Callback):
         self._due = logging_step_due(trainer)
         if self._window_start is None:
             self._window_start = time.perf_counter()
-        k = trainer.strategy.executor.batch_index
+        k = trainer.strategy.engine.stats.batch_index
         if self.trace_steps is not None and not self._traced and self._trace_start is None:
             if self.trace_steps[0] <= k <= self.trace_steps[1]:
-                trainer.strategy.executor.start_trace()
+                trainer.strategy.engine.start_trace()
                 self._trace_start = (time.perf_counter(), clock_offset())
 
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
-        executor = trainer.strategy.executor
-        times = executor.last_times
+        stats = trainer.strategy.engine.stats
+        times = stats.last_times
         self._steps += 1
         self._compute += times.compute
         self._comm_wait += times.comm_wait
@@ -148,7 +148,7 @@ class PipelineMonitor(Callback):
         inputs = pl_module.pipeline_input(batch)
         self._tokens += sum(t.numel() for t in _tensors(inputs))
         self._samples += batch_size_of(inputs)
-        if self._trace_start is not None and executor.batch_index - 1 >= self.trace_steps[1]:
+        if self._trace_start is not None and stats.batch_index - 1 >= self.trace_steps[1]:
             self._finish_trace(trainer)
         if self._due:
             self._due = False
@@ -169,7 +169,7 @@ class PipelineMonitor(Callback):
 
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
         if self._trace_start is not None:
-            trainer.strategy.executor.stop_trace()  # no gather: the other processes may be gone
+            trainer.strategy.engine.stop_trace()  # no gather: the other processes may be gone
             self._trace_start = None
 
     # ---- figures --------------------------------------------------------------------------------------------
@@ -217,16 +217,16 @@ class PipelineMonitor(Callback):
     # ---- the trace ------------------------------------------------------------------------------------------
     def _finish_trace(self, trainer: Trainer) -> None:
         strategy = trainer.strategy
-        executor = strategy.executor
+        engine = strategy.engine
         assert self._trace_start is not None and self.trace_steps is not None
-        spans = executor.stop_trace()
+        spans = engine.stop_trace()
         start, offset = self._trace_start
         self._trace_start, self._traced = None, True
-        last = executor.batch_index - 1
+        last = engine.stats.batch_index - 1
         record = ProcessSpans(
             rank=strategy.global_rank,
             replica=strategy.topology.dp_rank if strategy.is_multiprocess else 0,
-            stages=[stage.index for stage in executor.stages],
+            stages=[stage.index for stage in engine.stats.stages],
             clock_offset=offset,
             window=(start, time.perf_counter()),
             spans=spans_of(spans),

@@ -14,7 +14,6 @@ import torch
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch import Callback, LightningModule, Trainer
 from torch import Tensor
-from torch.func import functional_call
 
 from lightning_async_pp.callbacks.figures import (
     StageFigures,
@@ -103,23 +102,22 @@ class StalenessMonitor(Callback):
 
     # ---- per batch ----------------------------------------------------------------------------------------
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
-        executor = trainer.strategy.executor
-        k = executor.batch_index  # params hold W_k; W_{k-d} is held too
+        stats = trainer.strategy.engine.stats
+        k = stats.batch_index  # params hold W_k; W_{k-d} is held too
         self._batch = k
         self._due = logging_step_due(trainer)
         self._pending.clear()
         self._snapshots.clear()
         if self._due:
-            for stage in executor.stages:
-                versions = stage.versions
-                stale = versions.version_for_batch(k)
+            for stage in stats.stages:
+                stale = stage.version_for_batch(k)
                 self._pending[stage.index] = {
-                    "drift_sq": _sq_distance(versions.version(k), versions.version(stale)),
-                    "weight_sq": _sq_norm(versions.version(k)),
+                    "drift_sq": _sq_distance(stage.version(k), stage.version(stale)),
+                    "weight_sq": _sq_norm(stage.version(k)),
                     "delay": float(k - stale),
                 }
         if self.probe_every is not None and (k + 1) % self.probe_every == 0:
-            figures = self._probe(executor, batch, k)
+            figures = self._probe(trainer.strategy.engine, batch, k)
             self.metrics.update(figures)
             log_to_loggers(trainer, figures)
 
@@ -128,8 +126,8 @@ class StalenessMonitor(Callback):
         # optimizer is about to overwrite. With delay 0 no other copy of W_k survives the update: keep one.
         if not self._due:
             return
-        for stage in trainer.strategy.executor.stages:
-            if stage.versions.delay == 0:
+        for stage in trainer.strategy.engine.stats.stages:
+            if stage.delay == 0:
                 self._snapshots[stage.index] = [p.detach().clone() for p in stage.params]
 
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any,
@@ -140,10 +138,10 @@ class StalenessMonitor(Callback):
         k = self._batch
         corrected = _error_feedback_states(trainer.optimizers)
         assert self._figures is not None
-        for stage in trainer.strategy.executor.stages:
+        for stage in trainer.strategy.engine.stats.stages:
             before = self._snapshots.pop(stage.index, None)
             if before is None:
-                before = stage.versions.version(k)  # W_k, held when the delay is >= 1
+                before = stage.version(k)  # W_k, held when the delay is >= 1
             update_sq, correction_sq = [], []  # accumulated on the device: one host sync per stage
             for p, w_k in zip(stage.params, before):
                 change = _wide(w_k) - _wide(p.detach())  # W_k - W_{k+1}, one tensor at a time
@@ -178,19 +176,20 @@ class StalenessMonitor(Callback):
         return out
 
     # ---- the probe ------------------------------------------------------------------------------------------
-    def _probe(self, executor: Any, batch: Any, k: int) -> dict[str, float]:
-        microbatch = split_microbatches(batch, executor.num_microbatches)[0]
-        fresh = [stage.versions.version(k) for stage in executor.stages]
-        stale = [stage.versions.version(stage.versions.version_for_batch(k)) for stage in executor.stages]
+    def _probe(self, engine: Any, batch: Any, k: int) -> dict[str, float]:
+        stages = engine.stats.stages
+        microbatch = split_microbatches(batch, engine.stats.num_microbatches)[0]
+        fresh = [stage.version(k) for stage in stages]
+        stale = [stage.version(stage.version_for_batch(k)) for stage in stages]
         cuda = [torch.cuda.current_device()] if torch.cuda.is_available() and torch.cuda.is_initialized() else []
         with torch.random.fork_rng(devices=cuda):  # restores the RNG state on exit
             state = _rng_state(cuda)
-            fresh_loss, fresh_grads = _loss_and_gradients(executor, fresh, microbatch)
+            fresh_loss, fresh_grads = engine.loss_and_gradients(fresh, microbatch)
             _set_rng_state(cuda, state)  # the same dropout masks for both passes
-            stale_loss, stale_grads = _loss_and_gradients(executor, stale, microbatch)
+            stale_loss, stale_grads = engine.loss_and_gradients(stale, microbatch)
         out: dict[str, float] = {}
         dots, fresh_sq, stale_sq = [], [], []
-        for stage, g_fresh, g_stale in zip(executor.stages, fresh_grads, stale_grads):
+        for stage, g_fresh, g_stale in zip(stages, fresh_grads, stale_grads):
             pairs = [(a, b) for a, b in zip(g_fresh, g_stale) if a is not None and b is not None]
             dot = sum(torch.sum(a.double() * b.double()) for a, b in pairs)
             na = _sq_norm([a for a, _ in pairs])
@@ -201,26 +200,6 @@ class StalenessMonitor(Callback):
         out["staleness/grad_cosine"] = _cosine(sum(dots), sum(fresh_sq), sum(stale_sq))
         out["staleness/loss_delta"] = float(stale_loss) - float(fresh_loss)
         return out
-
-
-def _loss_and_gradients(executor: Any, versions: Sequence[Sequence[Tensor]], microbatch: Any) -> tuple[Tensor, list]:
-    """Loss of ``microbatch`` through every stage at the given weights, and its gradient per stage.
-
-    Fresh autograd leaves over the version tensors (no copy, no ``.grad`` anywhere); buffers are copies.
-    """
-    leaves = [[t.detach().requires_grad_(p.requires_grad) for t, p in zip(tensors, stage.params)]
-              for stage, tensors in zip(executor.stages, versions)]
-    with torch.enable_grad():
-        x = executor.input_fn(microbatch)
-        for stage, stage_leaves in zip(executor.stages, leaves):
-            tensors = dict(zip(stage.param_names, stage_leaves))
-            tensors.update({name: b.clone() for name, b in stage.layers.named_buffers()})
-            x = functional_call(stage.layers, tensors, (x,), tie_weights=False)
-        loss = executor.loss_fn(x, microbatch)
-        wanted = [leaf for stage_leaves in leaves for leaf in stage_leaves if leaf.requires_grad]
-        grads = iter(torch.autograd.grad(loss, wanted, allow_unused=True))
-    per_stage = [[next(grads) if leaf.requires_grad else None for leaf in stage_leaves] for stage_leaves in leaves]
-    return loss.detach(), per_stage
 
 
 def _rng_state(cuda: list[int]) -> tuple[Tensor, list[Tensor]]:

@@ -1,9 +1,9 @@
 """Point-to-point transfers between neighbouring stages over ``torch.distributed`` (gloo or NCCL).
 
-Activations go forward and gradients backward as non-blocking sends and receives. What crosses a boundary is a
-tensor or a tuple of tensors; their shapes and dtypes travel once, in a small header before the first
-microbatch, and are reused after that (training), or travel with every transfer (evaluation, whose batch
-shapes may differ). Every wait is bounded by the process group's timeout and, when it breaks, reads a
+Activations go forward and gradients backward as non-blocking sends and receives. What crosses a boundary is
+any nesting of tuples, lists and dicts of tensors (:mod:`.structure`); its layout (nesting, shapes, dtypes)
+travels once, in a header before the first microbatch, and is reused after that (training), or travels with
+every transfer (evaluation and prediction, whose batch shapes may differ). Every wait is bounded by the process group's timeout and, when it breaks, reads a
 shared failure board, so a stage that raised or died stops its neighbours (naming it) instead of hanging them.
 """
 from __future__ import annotations
@@ -18,15 +18,13 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-_DTYPES = [
-    torch.float32, torch.float16, torch.bfloat16, torch.float64,
-    torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool,
-]
-_HEADER_LEN = 64
-_MAX_DIMS = 8
+from lightning_async_pp.pipeline.structure import Layout, flatten, unflatten
 
-# Tags keep independent message streams apart; gloo matches by (source, tag) in posting order.
-TAG_HEADER, TAG_ACT, TAG_GRAD, TAG_LOSS, TAG_EVAL_HEADER, TAG_EVAL_ACT, TAG_EVAL_LOSS = range(0, 7 * 64, 64)
+_MAX_LEAVES = 1000
+# Tags keep independent message streams apart; gloo matches by (source, tag) in posting order. A stream's leaves
+# use consecutive tags from its base.
+_STREAMS = ("header", "act", "grad", "loss", "eval", "predict", "check")
+TAG_HEADER, TAG_ACT, TAG_GRAD, TAG_LOSS, TAG_EVAL, TAG_PREDICT, TAG_CHECK = (i * 1024 for i in range(len(_STREAMS)))
 
 
 class PipelineFailure(RuntimeError):
@@ -68,55 +66,6 @@ class FailureBoard:
             return cls(None)
 
 
-@dataclass(frozen=True)
-class TensorMeta:
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-    requires_grad: bool
-
-
-def _encode(metas: list[TensorMeta], is_tuple: bool) -> Tensor:
-    header = torch.zeros(_HEADER_LEN, dtype=torch.int64)
-    values = [len(metas), int(is_tuple)]
-    for m in metas:
-        if len(m.shape) > _MAX_DIMS:
-            raise ValueError(f"cannot send a tensor of {len(m.shape)} dims between stages (at most {_MAX_DIMS})")
-        values += [_DTYPES.index(m.dtype), int(m.requires_grad), len(m.shape), *m.shape]
-    if len(values) > _HEADER_LEN:
-        raise ValueError(f"too many tensors cross this stage boundary ({len(metas)}); pack them into fewer")
-    header[: len(values)] = torch.tensor(values)
-    return header
-
-
-def _decode(header: Tensor) -> tuple[list[TensorMeta], bool]:
-    v = header.tolist()
-    metas, i = [], 2
-    for _ in range(v[0]):
-        dtype, grad, ndim = _DTYPES[v[i]], bool(v[i + 1]), v[i + 2]
-        metas.append(TensorMeta(tuple(v[i + 3 : i + 3 + ndim]), dtype, grad))
-        i += 3 + ndim
-    return metas, bool(v[1])
-
-
-def unpack(tensors: tuple[Tensor, ...], is_tuple: bool) -> Any:
-    """Give the receiving layer what the sending layer returned: a tensor or a tuple."""
-    return tensors if is_tuple else tensors[0]
-
-
-def as_tuple(x: Any) -> tuple[Tensor, ...]:
-    if isinstance(x, Tensor):
-        return (x,)
-    if isinstance(x, (tuple, list)) and all(isinstance(t, Tensor) for t in x):
-        return tuple(x)
-    raise TypeError(
-        f"What crosses a pipeline stage boundary must be a tensor or a tuple of tensors, got {type(x).__name__}"
-    )
-
-
-def needs_grad(meta: TensorMeta) -> bool:
-    return meta.requires_grad and meta.dtype.is_floating_point
-
-
 class StageLink:
     """The links of one stage to its previous and next stage (global ranks)."""
 
@@ -138,9 +87,8 @@ class StageLink:
         self.timeout = timeout
         self.board = board
         self.rank_to_stage = rank_to_stage
-        self.out_metas: Optional[list[TensorMeta]] = None  # what this stage sends forward
-        self.in_metas: Optional[list[TensorMeta]] = None  # what this stage receives
-        self.in_is_tuple = False
+        self.out_layout: Optional[Layout] = None  # what this stage sends forward in training
+        self.in_layout: Optional[Layout] = None  # what this stage receives in training
         # Sends whose receives are posted in the same step (or evaluation call) as the send, and sends of the
         # next batch's forwards (2BW lookahead) whose receives may be posted only in the next step.
         self._pending_sends: deque = deque()
@@ -206,54 +154,82 @@ class StageLink:
         while self._pending_sends:
             self._complete_oldest(self._pending_sends)
 
-    def _irecv(self, meta: TensorMeta, src: int, tag: int) -> tuple[Any, Tensor]:
-        buf = torch.empty(meta.shape, dtype=meta.dtype, device=self.device)
+    def _irecv(self, shape: tuple[int, ...], dtype: torch.dtype, src: int, tag: int) -> tuple[Any, Tensor]:
+        buf = torch.empty(shape, dtype=dtype, device=self.device)
         return dist.irecv(buf, src=src, tag=tag), buf
 
+    # ---- layouts (what a value looks like) travel as a length, then JSON bytes -----------------------------------
+    def _send_layout(self, layout: Layout, dst: int, tag: int, carried: bool = False) -> None:
+        if len(layout.metas) > _MAX_LEAVES:
+            raise ValueError(f"{len(layout.metas)} tensors cross one stage boundary; at most {_MAX_LEAVES} can")
+        data = layout.encode().to(self.device)
+        self._isend(torch.tensor([data.numel()], dtype=torch.int64, device=self.device), dst, tag, carried)
+        self._isend(data, dst, tag + 1, carried)
+
+    def _recv_layout(self, src: int, tag: int, what: str) -> Layout:
+        work, length = self._irecv((1,), torch.int64, src, tag)
+        self.wait(work, src, what)
+        work, data = self._irecv((int(length.item()),), torch.uint8, src, tag + 1)
+        self.wait(work, src, what)
+        return Layout.decode(data)
+
+    def _send_leaves(self, leaves: list[Tensor], dst: int, tag: int, carried: bool = False) -> None:
+        for i, t in enumerate(leaves):
+            self._isend(t.detach(), dst, tag + 2 + i, carried)
+
+    def _recv_leaves(self, layout: Layout, src: int, tag: int) -> list[tuple[Any, Tensor]]:
+        return [self._irecv(m.shape, m.dtype, src, tag + 2 + i) for i, m in enumerate(layout.metas)]
+
     # ---- training: activations forward ----------------------------------------------------------------------
-    def send_activations(self, outputs: Any, carried: bool = False) -> None:
-        tensors = as_tuple(outputs)
-        metas = [TensorMeta(tuple(t.shape), t.dtype, t.requires_grad) for t in tensors]
-        if self.out_metas is None:
-            self.out_metas = metas
-            self._isend(_encode(metas, not isinstance(outputs, Tensor)).to(self.device), self.next_rank, TAG_HEADER)
-        elif [(m.shape, m.dtype) for m in metas] != [(m.shape, m.dtype) for m in self.out_metas]:
+    def send_activations(self, outputs: Any, carried: bool = False, check: Optional[Tensor] = None) -> None:
+        """Send a forward's output; ``check`` (a batch fingerprint) goes along with a batch's first microbatch."""
+        leaves, spec = flatten(outputs, f"stage {self.stage}'s output")
+        layout = Layout.of(leaves, spec)
+        if self.out_layout is None:
+            self.out_layout = layout
+            self._send_layout(layout, self.next_rank, TAG_HEADER)
+        elif not layout.same_shapes(self.out_layout):
             raise ValueError(
-                f"stage {self.stage} output shapes changed from {[m.shape for m in self.out_metas]} to "
-                f"{[m.shape for m in metas]}; the pipeline needs equal microbatch shapes (use drop_last=True)"
+                f"stage {self.stage} output shapes changed from {self.out_layout.describe()} to {layout.describe()}; "
+                f"training needs equal microbatch shapes (use drop_last=True)"
             )
-        for i, t in enumerate(tensors):
-            self._isend(t.detach(), self.next_rank, TAG_ACT + i, carried=carried)
+        if check is not None:
+            self._isend(check.reshape(1).to(torch.float64), self.next_rank, TAG_CHECK, carried)
+        self._send_leaves(leaves, self.next_rank, TAG_ACT, carried)
 
-    def post_activation_recv(self) -> None:
+    def post_activation_recv(self, with_check: bool = False) -> None:
         """Post the receive of the next activation in advance so it overlaps compute."""
-        if self.in_metas is None:
-            work, header = self._irecv(TensorMeta((_HEADER_LEN,), torch.int64, False), self.prev_rank, TAG_HEADER)
-            self.wait(work, self.prev_rank, "the activation header")
-            self.in_metas, self.in_is_tuple = _decode(header.cpu())
-        self._posted_act.append([self._irecv(m, self.prev_rank, TAG_ACT + i) for i, m in enumerate(self.in_metas)])
+        if self.in_layout is None:
+            self.in_layout = self._recv_layout(self.prev_rank, TAG_HEADER, "the activation header")
+        check = self._irecv((1,), torch.float64, self.prev_rank, TAG_CHECK) if with_check else None
+        self._posted_act.append((check, self._recv_leaves(self.in_layout, self.prev_rank, TAG_ACT)))
 
-    def recv_activations(self) -> tuple[Tensor, ...]:
+    def recv_activations(self, with_check: bool = False) -> tuple[list[Tensor], Optional[Tensor]]:
+        """The next activation's leaves (as autograd leaves where a gradient flows back) and its fingerprint."""
         if not self._posted_act:
-            self.post_activation_recv()
-        received = self._posted_act.popleft()
+            self.post_activation_recv(with_check)
+        check, received = self._posted_act.popleft()
+        if check is not None:
+            self.wait(check[0], self.prev_rank, "a batch fingerprint")
         for work, _ in received:
             self.wait(work, self.prev_rank, "an activation")
-        assert self.in_metas is not None
-        return tuple(buf.requires_grad_(needs_grad(m)) for (_, buf), m in zip(received, self.in_metas))
+        assert self.in_layout is not None
+        leaves = [buf.requires_grad_(m.needs_grad) for (_, buf), m in zip(received, self.in_layout.metas)]
+        return leaves, (check[1][0] if check is not None else None)
 
     # ---- training: gradients backward -------------------------------------------------------------------------
-    def send_gradients(self, inputs: tuple[Tensor, ...]) -> None:
-        assert self.in_metas is not None
-        for i, (t, m) in enumerate(zip(inputs, self.in_metas)):
-            if needs_grad(m):
+    def send_gradients(self, inputs: list[Tensor]) -> None:
+        assert self.in_layout is not None
+        for i, (t, m) in enumerate(zip(inputs, self.in_layout.metas)):
+            if m.needs_grad:
                 grad = t.grad if t.grad is not None else torch.zeros_like(t)
                 self._isend(grad, self.prev_rank, TAG_GRAD + i)
 
     def post_gradient_recv(self) -> None:
-        assert self.out_metas is not None, "gradients are received only after activations were sent"
+        assert self.out_layout is not None, "gradients are received only after activations were sent"
         self._posted_grad.append(
-            [self._irecv(m, self.next_rank, TAG_GRAD + i) if needs_grad(m) else None for i, m in enumerate(self.out_metas)]
+            [self._irecv(m.shape, m.dtype, self.next_rank, TAG_GRAD + i) if m.needs_grad else None
+             for i, m in enumerate(self.out_layout.metas)]
         )
 
     def recv_gradients(self) -> list[Optional[Tensor]]:
@@ -269,30 +245,26 @@ class StageLink:
                 grads.append(item[1])
         return grads
 
-    # ---- small scalars and evaluation ---------------------------------------------------------------------
+    # ---- small scalars, evaluation and prediction (layout sent with every value: shapes may vary) ---------------
     def send_scalar(self, value: Tensor, dst: int, tag: int) -> None:
         self._isend(value.detach().reshape(1).to(torch.float64), dst, tag)
 
     def recv_scalar(self, src: int, tag: int) -> Tensor:
-        work, buf = self._irecv(TensorMeta((1,), torch.float64, False), src, tag)
+        work, buf = self._irecv((1,), torch.float64, src, tag)
         self.wait(work, src, "the loss")
         return buf[0]
 
     def post_scalar_recv(self, src: int, tag: int) -> tuple[Any, Tensor]:
-        return self._irecv(TensorMeta((1,), torch.float64, False), src, tag)
+        return self._irecv((1,), torch.float64, src, tag)
 
-    def send_eval(self, outputs: Any) -> None:
-        tensors = as_tuple(outputs)
-        metas = [TensorMeta(tuple(t.shape), t.dtype, False) for t in tensors]
-        self._isend(_encode(metas, not isinstance(outputs, Tensor)).to(self.device), self.next_rank, TAG_EVAL_HEADER)
-        for i, t in enumerate(tensors):
-            self._isend(t.detach(), self.next_rank, TAG_EVAL_ACT + i)
+    def send_value(self, value: Any, dst: int, tag: int = TAG_EVAL) -> None:
+        leaves, spec = flatten(value, f"stage {self.stage}'s output")
+        self._send_layout(Layout.of(leaves, spec, with_grad=False), dst, tag)
+        self._send_leaves(leaves, dst, tag)
 
-    def recv_eval(self) -> Any:
-        work, header = self._irecv(TensorMeta((_HEADER_LEN,), torch.int64, False), self.prev_rank, TAG_EVAL_HEADER)
-        self.wait(work, self.prev_rank, "an evaluation header")
-        metas, is_tuple = _decode(header.cpu())
-        received = [self._irecv(m, self.prev_rank, TAG_EVAL_ACT + i) for i, m in enumerate(metas)]
+    def recv_value(self, src: int, tag: int = TAG_EVAL, what: str = "an evaluation activation") -> Any:
+        layout = self._recv_layout(src, tag, what)
+        received = self._recv_leaves(layout, src, tag)
         for work, _ in received:
-            self.wait(work, self.prev_rank, "an evaluation activation")
-        return unpack(tuple(buf for _, buf in received), is_tuple)
+            self.wait(work, src, what)
+        return unflatten([buf for _, buf in received], layout.spec)

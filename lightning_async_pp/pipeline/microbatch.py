@@ -25,18 +25,28 @@ def split_microbatches(batch: Any, num_microbatches: int) -> list[Any]:
             f"A batch of size {size} cannot be split into num_microbatches={num_microbatches} equal microbatches; "
             f"use a batch size that is a multiple of {num_microbatches}, or a num_microbatches that divides {size}"
         )
-    return [_index(batch, i, size // num_microbatches) for i in range(num_microbatches)]
+    chunk = size // num_microbatches
+    return [_slice(batch, i * chunk, (i + 1) * chunk) for i in range(num_microbatches)]
 
 
-def _index(batch: Any, i: int, chunk: int) -> Any:
+def split_ragged(batch: Any, num_microbatches: int) -> list[Any]:
+    """Split ``batch`` into at most ``num_microbatches`` parts of sizes differing by at most one (evaluation and
+    prediction accept any batch size, as ordinary Lightning does)."""
+    size = batch_size_of(batch)
+    parts = max(1, min(num_microbatches, size))
+    bounds = [size * i // parts for i in range(parts + 1)]
+    return [_slice(batch, bounds[i], bounds[i + 1]) for i in range(parts)]
+
+
+def _slice(batch: Any, start: int, end: int) -> Any:
     if isinstance(batch, torch.Tensor):
-        return batch[i * chunk : (i + 1) * chunk] if batch.dim() > 0 else batch
+        return batch[start:end] if batch.dim() > 0 else batch
     if isinstance(batch, Mapping):
-        return type(batch)({k: _index(v, i, chunk) for k, v in batch.items()})
+        return type(batch)({k: _slice(v, start, end) for k, v in batch.items()})
     if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # namedtuple
-        return type(batch)(*(_index(v, i, chunk) for v in batch))
+        return type(batch)(*(_slice(v, start, end) for v in batch))
     if isinstance(batch, (list, tuple)):
-        return type(batch)(_index(v, i, chunk) for v in batch)
+        return type(batch)(_slice(v, start, end) for v in batch)
     return batch
 
 

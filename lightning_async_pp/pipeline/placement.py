@@ -8,6 +8,7 @@ the whole model at the end of training).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -41,22 +42,37 @@ def layer_paths(root: nn.Module, layers: Sequence[nn.Module]) -> list[str]:
     return result
 
 
-def check_parameters_covered(root: nn.Module, layers: Sequence[nn.Module], stage_of_layer: Sequence[int]) -> None:
-    """Every parameter must belong to a layer, and a parameter shared by layers must stay on one stage."""
-    owner: dict[int, int] = {}
+@dataclass
+class Tie:
+    """A parameter used by layers on several stages (a tied embedding and output head, say). Each of those stages
+    keeps a copy; their gradients are summed before the update, so the copies stay identical."""
+
+    param: nn.Parameter
+    stages: list[int]  # sorted, at least two
+
+    @property
+    def owner(self) -> int:
+        """The stage that counts this parameter once (gradient norms, gathering)."""
+        return self.stages[0]
+
+
+def check_parameters_covered(root: nn.Module, layers: Sequence[nn.Module], stage_of_layer: Sequence[int]) -> list[Tie]:
+    """Every parameter must belong to a layer; returns the parameters shared by layers on different stages."""
+    stages_of: dict[int, list[int]] = {}
+    params: dict[int, nn.Parameter] = {}
     for layer, stage in zip(layers, stage_of_layer):
         for p in layer.parameters():
-            if owner.setdefault(id(p), stage) != stage:
-                raise ValueError(
-                    "a parameter is shared by layers on different pipeline stages "
-                    f"({owner[id(p)]} and {stage}); untie it or place those layers on one stage"
-                )
-    orphans = [name for name, p in root.named_parameters() if id(p) not in owner]
+            params[id(p)] = p
+            owners = stages_of.setdefault(id(p), [])
+            if stage not in owners:
+                owners.append(stage)
+    orphans = [name for name, p in root.named_parameters() if id(p) not in stages_of]
     if orphans:
         raise ValueError(
             f"parameters outside every pipeline layer would never be trained by the pipeline: {orphans[:5]}"
             f"{' ...' if len(orphans) > 5 else ''}; move them into a module returned by pipeline_layers()"
         )
+    return [Tie(params[i], sorted(owners)) for i, owners in stages_of.items() if len(owners) > 1]
 
 
 def _set_submodule(root: nn.Module, path: str, module: nn.Module) -> None:
@@ -66,9 +82,19 @@ def _set_submodule(root: nn.Module, path: str, module: nn.Module) -> None:
 
 
 def remove_other_stages(root: nn.Module, layers: Sequence[nn.Module], paths: Sequence[str], stage_of_layer: Sequence[int], stage: int) -> None:
+    own = {id(p) for layer, owner in zip(layers, stage_of_layer) if owner == stage for p in layer.parameters()}
     for layer, path, owner in zip(layers, paths, stage_of_layer):
         if owner != stage:
             _set_submodule(root, path, RemoteLayer(owner))
+            # A parameter tied to one of this stage's layers must survive the move to meta: the remote layer gets
+            # a stand-in, and the real one goes back when the layer is restored.
+            for module in layer.modules():
+                for name, p in list(module._parameters.items()):
+                    if p is not None and id(p) in own:
+                        tied = getattr(module, "_pipeline_tied", {})
+                        tied[name] = p
+                        object.__setattr__(module, "_pipeline_tied", tied)
+                        module._parameters[name] = nn.Parameter(torch.empty_like(p, device="meta"), p.requires_grad)
             layer.to(torch.device("meta"))
 
 
@@ -79,4 +105,8 @@ def restore_layers(root: nn.Module, layers: Sequence[nn.Module], paths: Sequence
             layer.to_empty(device=device)
             prefix = path + "."
             layer.load_state_dict({k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)})
+            for module in layer.modules():  # re-tie: the copies are identical, one Parameter serves both again
+                for name, p in getattr(module, "_pipeline_tied", {}).items():
+                    module._parameters[name] = p
+                object.__setattr__(module, "_pipeline_tied", {})
             _set_submodule(root, path, layer)

@@ -1,16 +1,19 @@
-"""The runtime that executes schedules: one stage per process, or every stage in one process.
+"""The one runtime that executes schedules: the action lists of however many stages this process holds.
 
-Both executors expose the same small interface to the strategy:
+Across processes a process holds one stage and its neighbours are reached through a :class:`StageLink`; on one
+device it holds every stage and the boundaries are in-process hand-overs that follow the same rules (what may
+cross, which tensors carry gradients back). In both cases each stage runs its own action list in order; a
+stage whose next action waits for a neighbour in this process yields to the others (see docs/design.md,
+"The runtime"). There is no second code path per schedule: a new schedule is a new action list.
 
-- ``train_batch(batch, next_batch)``: run this step's actions; returns the batch's mean loss (every rank);
-  afterwards ``gradients`` holds the batch gradient for ``params`` (all-reduced across data-parallel replicas).
-- ``prepare_update()``: move the parameters onto the slot that will hold ``W_{k+1}`` (weight stashing); the
-  optimizer then writes them in place.
-- ``eval_loss(batch)``: forward only on the newest weights.
+``train_batch(batch, next_batch)`` returns the batch's mean loss on every rank and leaves the batch gradient of
+``params`` in ``gradients`` (averaged over data-parallel replicas); ``prepare_update()`` moves the parameters
+onto the slot that will hold ``W_{k+1}`` before the optimizer writes them (weight stashing).
 """
 from __future__ import annotations
 
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -19,10 +22,14 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lightning_async_pp.pipeline.comm import TAG_EVAL_LOSS, TAG_LOSS, StageLink, as_tuple, unpack
-from lightning_async_pp.pipeline.microbatch import split_microbatches
-from lightning_async_pp.pipeline.schedule import step_actions
+from lightning_async_pp.pipeline.comm import TAG_EVAL, TAG_LOSS, TAG_PREDICT, StageLink
+from lightning_async_pp.pipeline.microbatch import batch_size_of, split_microbatches, split_ragged
+from lightning_async_pp.pipeline.schedule import Action, step_actions
 from lightning_async_pp.pipeline.stage import Stage
+from lightning_async_pp.pipeline.structure import fingerprint, flatten, unflatten
+
+TAG_EVAL_LOSS = TAG_LOSS + 1  # the evaluation loss, last stage -> the others
+TAG_PREDICT_RESULT = TAG_PREDICT + 512  # the prediction, last stage -> first stage
 
 InputFn = Callable[[Any], Any]
 LossFn = Callable[[Any, Any], Tensor]
@@ -41,7 +48,7 @@ class Span:
 
 @dataclass
 class StepTimes:
-    """Where one stage's wall time went during one training step, in seconds."""
+    """Where one process's wall time went during one training step, in seconds."""
 
     total: float = 0.0  # from the start of the step's pipeline work to the end of its optimizer update
     compute: float = 0.0  # forward and backward
@@ -54,15 +61,61 @@ class StepTimes:
         return max(0.0, self.total - self.compute - self.comm_wait - self.optimizer)
 
 
-class _Executor:
-    stages: list[Stage]
-    num_microbatches: int
+class BatchMismatch(RuntimeError):
+    """Two stages of one pipeline were given different batches."""
 
-    def __init__(self) -> None:
+
+def scalar_loss(loss: Any) -> Tensor:
+    if not isinstance(loss, Tensor) or loss.numel() != 1:
+        shape = tuple(loss.shape) if isinstance(loss, Tensor) else type(loss).__name__
+        raise ValueError(
+            f"pipeline_loss must return a scalar tensor (the mean loss of the microbatch), got shape {shape}; "
+            f"reduce it, e.g. with .mean()"
+        )
+    return loss.reshape(())
+
+
+class PipelineRuntime:
+    """Runs the action lists of ``stages`` (this process's) for one training step, an evaluation or a prediction.
+
+    ``link`` connects the first/last local stage to stages in other processes (``None`` when every stage is here).
+    """
+
+    RECV_DEPTH = 2  # receives posted ahead of the action that consumes them
+
+    def __init__(
+        self,
+        stages: Sequence[Stage],
+        *,
+        schedule: str,
+        num_microbatches: int,
+        input_fn: InputFn,
+        loss_fn: LossFn,
+        link: Optional[StageLink] = None,
+        pipeline_ranks: Sequence[int] = (0,),
+        dp_group: Any = None,
+        dp_size: int = 1,
+        check_batches: bool = True,
+    ) -> None:
+        self.stages = list(stages)
+        self.num_stages = self.stages[0].num_stages
+        self.schedule = schedule
+        self.num_microbatches = num_microbatches
+        self.input_fn, self.loss_fn = input_fn, loss_fn
+        self.link = link
+        self.pipeline_ranks = list(pipeline_ranks)
+        self.dp_group, self.dp_size = dp_group, dp_size
+        self.check_batches = check_batches and link is not None
         self.gradients: list[Optional[Tensor]] = []
         self.last_times = StepTimes()
         self.trace: Optional[list[Span]] = None  # a list while a trace window is open
+        self._carried_in = False  # this step's first forwards ran as the previous step's lookahead
+        self._inflight: dict[tuple[int, int, int], tuple[list[Tensor], Any]] = {}  # (stage, batch, mb)
+        self._losses: dict[int, Tensor] = {}  # running loss sum of batches in flight (last stage)
+        if link is not None:
+            link.recorder = self._record_wait
 
+    # ---- facts ------------------------------------------------------------------------------------------
     @property
     def params(self) -> list[torch.nn.Parameter]:
         return [p for stage in self.stages for p in stage.params]
@@ -72,205 +125,224 @@ class _Executor:
         """k: the number of updates applied so far, which is also the index of the next batch."""
         return self.stages[0].versions.num_updates
 
+    @property
+    def has_lookahead(self) -> bool:
+        """The next batch's first forwards already ran (2BW), so the next step must be given that batch."""
+        return self._carried_in
+
+    def uses_lookahead(self, next_batch_exists: bool) -> bool:
+        """2BW starts the next batch during this step when there is one and it is itself asynchronous.
+
+        On one device the order of independent microbatches does not change the result, so no lookahead is used.
+        """
+        return (self.link is not None and self.schedule == "2bw" and next_batch_exists
+                and self.stages[0].versions.delay_for_batch(self.batch_index + 1) > 0)
+
     def prepare_update(self) -> None:
         for stage in self.stages:
             stage.versions.prepare_update()
 
-    def stash_nbytes(self) -> int:
-        return sum(stage.versions.stash_nbytes() for stage in self.stages)
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"stages": {stage.index: stage.versions.state_dict() for stage in self.stages}}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        for stage in self.stages:
-            stage.versions.load_state_dict(state["stages"][stage.index])
-
+    # ---- tracing ----------------------------------------------------------------------------------------
     def _span(self, stage: int, name: str, start: float, **args: Any) -> float:
         end = time.perf_counter()
         if self.trace is not None:
             self.trace.append(Span(stage, name, start, end, args))
         return end - start
 
-    def start_trace(self) -> None:
-        """Record a :class:`Span` for every forward, backward and wait from now on (see ``trace``)."""
-        self.trace = []
-
-    def stop_trace(self) -> list[Span]:
-        spans, self.trace = self.trace or [], None
-        return spans
+    def _record_wait(self, name: str, start: float, end: float, args: dict) -> None:
+        if self.trace is not None:
+            self.trace.append(Span(self.stages[0].index, name, start, end, args))
 
     def record_optimizer(self, start: float, end: float) -> None:
         """The caller ran the optimizer update of the last step from ``start`` to ``end``."""
         self.last_times.optimizer = end - start
         self.last_times.total += end - start
         if self.trace is not None:
-            self.trace.append(Span(self.stages[0].index if len(self.stages) == 1 else 0, "optimizer", start, end, {}))
+            self.trace.append(Span(self.stages[0].index, "optimizer", start, end, {}))
 
-
-class LocalPipeline(_Executor):
-    """Every stage in this process: each microbatch runs forward through all stages, then backward.
-
-    The numbers equal the multi-process schedules' (same versions, same microbatch gradients); only the order in
-    which independent microbatches run differs, and that order does not change the result.
-    """
-
-    def __init__(self, stages: Sequence[Stage], num_microbatches: int, input_fn: InputFn, loss_fn: LossFn) -> None:
-        super().__init__()
-        self.stages = list(stages)
-        self.num_microbatches = num_microbatches
-        self.input_fn, self.loss_fn = input_fn, loss_fn
-
+    # ---- training -----------------------------------------------------------------------------------------
     def train_batch(self, batch: Any, next_batch: Any = None) -> Tensor:
         k = self.batch_index
-        step_start = time.perf_counter()
-        total = None
-        for j, mb in enumerate(split_microbatches(batch, self.num_microbatches)):
-            start = time.perf_counter()
-            x = self.input_fn(mb)
-            for stage in self.stages:
-                x = stage.forward(k, x)
-            loss = self.loss_fn(x, mb) / self.num_microbatches
-            self._span(0, "forward", start, batch=k, microbatch=j)
-            start = time.perf_counter()
-            loss.backward()
-            self._span(0, "backward", start, batch=k, microbatch=j)
-            total = loss.detach() if total is None else total + loss.detach()
-        self.gradients = [g for stage in self.stages for g in stage.take_gradients(k)]
-        elapsed = time.perf_counter() - step_start
-        self.last_times = StepTimes(total=elapsed, compute=elapsed)
-        return total
-
-    @torch.no_grad()
-    def eval_loss(self, batch: Any) -> Tensor:
-        losses = []
-        for mb in split_microbatches(batch, self.num_microbatches):
-            x = self.input_fn(mb)
-            for stage in self.stages:
-                x = stage.forward_newest(x)
-            losses.append(self.loss_fn(x, mb))
-        return torch.stack(losses).mean()
-
-
-class DistributedPipeline(_Executor):
-    """One stage in this process; neighbours are other processes reached through a :class:`StageLink`."""
-
-    RECV_DEPTH = 2  # receives posted ahead of the action that consumes them
-
-    def __init__(
-        self,
-        stage: Stage,
-        link: StageLink,
-        *,
-        schedule: str,
-        num_microbatches: int,
-        input_fn: InputFn,
-        loss_fn: LossFn,
-        pipeline_ranks: Sequence[int],
-        dp_group: Any = None,
-        dp_size: int = 1,
-    ) -> None:
-        super().__init__()
-        self.stages = [stage]
-        self.stage, self.link = stage, link
-        self.schedule = schedule
-        self.num_microbatches = num_microbatches
-        self.input_fn, self.loss_fn = input_fn, loss_fn
-        self.pipeline_ranks = list(pipeline_ranks)
-        self.dp_group, self.dp_size = dp_group, dp_size
-        self._carried_in = False  # this step's first forwards ran as the previous step's lookahead
-        self._inflight: dict[tuple[int, int], tuple[Optional[tuple[Tensor, ...]], Any]] = {}
-        self._losses: dict[int, Tensor] = {}  # last stage: running loss sum of batches in flight
-        link.recorder = self._record_wait
-
-    def _record_wait(self, name: str, start: float, end: float, args: dict) -> None:
-        if self.trace is not None:
-            self.trace.append(Span(self.stage.index, name, start, end, args))
-
-    def uses_lookahead(self, next_batch_exists: bool) -> bool:
-        """2BW starts the next batch during this step when there is one and it is itself asynchronous."""
-        versions = self.stage.versions
-        return self.schedule == "2bw" and next_batch_exists and versions.delay_for_batch(self.batch_index + 1) > 0
-
-    def train_batch(self, batch: Any, next_batch: Any = None) -> Tensor:
-        k = self.batch_index
-        stage, link = self.stage, self.link
+        link = self.link
         lookahead = self.uses_lookahead(next_batch is not None)
-        actions = step_actions(
-            self.schedule, stage.index, stage.num_stages, self.num_microbatches,
-            carried_in=self._carried_in, lookahead=lookahead,
-        )
-        microbatches = {0: split_microbatches(batch, self.num_microbatches)}
+        m = self.num_microbatches
+        microbatches = {0: split_microbatches(batch, m)}
+        checks: dict[int, Optional[Tensor]] = {0: None, 1: None}
         if lookahead:
-            microbatches[1] = split_microbatches(next_batch, self.num_microbatches)
-        last_rank = self.pipeline_ranks[-1]
-        link.begin_step()
-        loss_recv = None if stage.is_last else link.post_scalar_recv(last_rank, TAG_LOSS)
-
-        forwards_needing_recv = 0 if stage.is_first else sum(a.op == "F" for a in actions)
-        backwards_needing_recv = 0 if stage.is_last else sum(a.op == "B" for a in actions)
-        posted_f = posted_b = used_f = used_b = 0
-        wait_before = link.wait_seconds
+            microbatches[1] = split_microbatches(next_batch, m)
+        if self.check_batches:
+            checks[0] = fingerprint(batch)
+            if lookahead:
+                checks[1] = fingerprint(next_batch)
+        queues = {
+            s.index: deque(step_actions(self.schedule, s.index, self.num_stages, m,
+                                        carried_in=self._carried_in, lookahead=lookahead))
+            for s in self.stages
+        }
+        first, last = self.stages[0], self.stages[-1]
+        loss_recv = None
+        wait_before = 0.0
+        if link is not None:
+            link.begin_step()
+            wait_before = link.wait_seconds
+            if not last.is_last:
+                loss_recv = link.post_scalar_recv(self.pipeline_ranks[-1], TAG_LOSS)
+        # Receives from other processes are posted a little ahead of the actions that consume them.
+        remote_f = 0 if first.is_first else sum(a.op == "F" for a in queues[first.index])
+        remote_b = 0 if last.is_last else sum(a.op == "B" for a in queues[last.index])
+        self._posted = {"F": 0, "B": 0, "usedF": 0, "usedB": 0, "needF": remote_f, "needB": remote_b}
+        # Which received forwards are a batch's first microbatch (those carry the batch fingerprint).
+        self._checked = [a.microbatch == 0 for a in queues[first.index] if a.op == "F"]
+        acts: dict[tuple[int, int, int], tuple[list[Tensor], Any]] = {}  # in-process hand-overs, by receiver
+        grads: dict[tuple[int, int, int], list[Optional[Tensor]]] = {}
         compute = 0.0
         step_start = time.perf_counter()
-        for action in actions:
-            # Keep a couple of receives posted ahead so transfers overlap compute.
-            while posted_f < min(forwards_needing_recv, used_f + self.RECV_DEPTH):
-                link.post_activation_recv()
-                posted_f += 1
-            while posted_b < min(backwards_needing_recv, used_b + self.RECV_DEPTH) and link.out_metas is not None:
-                link.post_gradient_recv()
-                posted_b += 1
-            b = k + action.batch
-            mb = microbatches[action.batch][action.microbatch]
-            if action.op == "F":
-                inputs = None
-                if stage.is_first:
-                    x = self.input_fn(mb)
-                else:
-                    inputs = link.recv_activations()
-                    used_f += 1
-                    x = unpack(inputs, link.in_is_tuple)
-                start = time.perf_counter()
-                out = stage.forward(b, x)
-                if stage.is_last:
-                    out = self.loss_fn(out, mb) / self.num_microbatches
-                    self._losses[b] = self._losses.get(b, 0.0) + out.detach().to(torch.float64)
-                compute += self._span(stage.index, "forward", start, batch=b, microbatch=action.microbatch)
-                if not stage.is_last:
-                    link.send_activations(out, carried=action.batch == 1)
-                self._inflight[(b, action.microbatch)] = (inputs, out)
-            else:
-                inputs, out = self._inflight.pop((b, action.microbatch))
-                if stage.is_last:
-                    start = time.perf_counter()
-                    out.backward()
-                else:
-                    grads = link.recv_gradients()
-                    used_b += 1
-                    start = time.perf_counter()
-                    pairs = [(o, g) for o, g in zip(as_tuple(out), grads) if g is not None]
-                    torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
-                compute += self._span(stage.index, "backward", start, batch=b, microbatch=action.microbatch)
-                if not stage.is_first:
-                    link.send_gradients(inputs)
+        while any(queues.values()):
+            progressed = False
+            for stage in self.stages:
+                queue = queues[stage.index]
+                while queue and self._ready(stage, queue[0], k, acts, grads):
+                    action = queue.popleft()
+                    compute += self._run(stage, action, k, microbatches, checks, acts, grads)
+                    progressed = True
+            if not progressed:
+                waiting = {s: str(q[0]) for s, q in queues.items() if q}
+                raise RuntimeError(f"the schedule cannot make progress: stages wait on each other at {waiting}")
         self._carried_in = lookahead
 
-        if stage.is_last:
+        if last.is_last:
             loss = self._losses.pop(k)
-            for rank in self.pipeline_ranks[:-1]:
-                link.send_scalar(loss, rank, TAG_LOSS)
+            if link is not None:
+                for rank in self.pipeline_ranks[:-1]:
+                    link.send_scalar(loss, rank, TAG_LOSS)
         else:
-            link.wait(loss_recv[0], last_rank, "the batch loss")
+            assert link is not None and loss_recv is not None
+            link.wait(loss_recv[0], self.pipeline_ranks[-1], "the batch loss")
             loss = loss_recv[1][0]
-        link.flush_sends()  # all but the lookahead's sends: their receives were posted during this step
-        self.gradients = stage.take_gradients(k)
+        if link is not None:
+            link.flush_sends()  # all but the lookahead's sends: their receives were posted during this step
+        self.gradients = [g for stage in self.stages for g in stage.take_gradients(k)]
         if self.dp_size > 1:
             self._all_reduce_mean(self.gradients, loss)
         self.last_times = StepTimes(
-            total=time.perf_counter() - step_start, compute=compute, comm_wait=link.wait_seconds - wait_before
+            total=time.perf_counter() - step_start, compute=compute,
+            comm_wait=(link.wait_seconds - wait_before) if link is not None else 0.0,
         )
         return loss.to(torch.float32)
+
+    def _ready(self, stage: Stage, action: Action, k: int, acts: dict, grads: dict) -> bool:
+        key = (stage.index, k + action.batch, action.microbatch)
+        if action.op == "F":
+            return stage.is_first or stage is self.stages[0] and self.link is not None or key in acts
+        return stage.is_last or stage is self.stages[-1] and self.link is not None or key in grads
+
+    def _post_receives(self) -> None:
+        link, posted = self.link, self._posted
+        assert link is not None
+        while posted["F"] < min(posted["needF"], posted["usedF"] + self.RECV_DEPTH):
+            link.post_activation_recv(with_check=self.check_batches and self._checked[posted["F"]])
+            posted["F"] += 1
+        while posted["B"] < min(posted["needB"], posted["usedB"] + self.RECV_DEPTH) and link.out_layout is not None:
+            link.post_gradient_recv()
+            posted["B"] += 1
+
+    def _run(self, stage: Stage, action: Action, k: int, microbatches: dict, checks: dict,
+             acts: dict, grads: dict) -> float:
+        b, j = k + action.batch, action.microbatch
+        mb = microbatches[action.batch][j]
+        remote_in = self.link is not None and stage is self.stages[0] and not stage.is_first
+        remote_out = self.link is not None and stage is self.stages[-1] and not stage.is_last
+        if self.link is not None:
+            self._post_receives()
+        if action.op == "F":
+            inputs: list[Tensor] = []
+            if stage.is_first:
+                x = self.input_fn(mb)
+            elif remote_in:
+                inputs, check = self.link.recv_activations(with_check=self.check_batches and j == 0)
+                self._posted["usedF"] += 1
+                if check is not None:
+                    self._compare(check, checks[action.batch], stage, b)
+                x = unflatten(inputs, self.link.in_layout.spec)
+            else:
+                inputs, spec = acts.pop((stage.index, b, j))
+                x = unflatten(inputs, spec)
+            start = time.perf_counter()
+            out = stage.forward(b, x)
+            if stage.is_last:
+                out = scalar_loss(self.loss_fn(out, mb)) / self.num_microbatches
+                self._losses[b] = self._losses.get(b, 0.0) + out.detach().to(torch.float64)
+                out_leaves: Any = out
+            else:
+                out_leaves, spec = flatten(out, f"stage {stage.index}'s output")
+            elapsed = self._span(stage.index, "forward", start, batch=b, microbatch=j)
+            if not stage.is_last:
+                if remote_out:
+                    self.link.send_activations(out, carried=action.batch == 1,
+                                               check=checks[action.batch] if j == 0 else None)
+                else:
+                    acts[(stage.index + 1, b, j)] = (
+                        [t.detach().requires_grad_(t.requires_grad and t.is_floating_point()) for t in out_leaves], spec)
+            self._inflight[(stage.index, b, j)] = (inputs, out_leaves)
+            return elapsed
+        inputs, out_leaves = self._inflight.pop((stage.index, b, j))
+        if stage.is_last:
+            start = time.perf_counter()
+            out_leaves.backward()
+        else:
+            if remote_out:
+                received = self.link.recv_gradients()
+                self._posted["usedB"] += 1
+            else:
+                received = grads.pop((stage.index, b, j))
+            start = time.perf_counter()
+            pairs = [(o, g) for o, g in zip(out_leaves, received) if g is not None and o.requires_grad]
+            if pairs:
+                torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+        elapsed = self._span(stage.index, "backward", start, batch=b, microbatch=j)
+        if not stage.is_first:
+            if remote_in:
+                self.link.send_gradients(inputs)
+            else:
+                grads[(stage.index - 1, b, j)] = [
+                    (t.grad if t.grad is not None else torch.zeros_like(t)) if t.requires_grad else None for t in inputs
+                ]
+        return elapsed
+
+    def _compare(self, received: Tensor, own: Optional[Tensor], stage: Stage, b: int) -> None:
+        if own is None:
+            return
+        if not torch.allclose(received.to(own.device, torch.float64), own, rtol=1e-9, atol=0.0):
+            raise BatchMismatch(
+                f"stage {stage.index} was given another batch than stage {stage.index - 1} for training batch {b} "
+                f"(fingerprints {own.item():.6g} and {received.item():.6g}). Every stage of a pipeline must see the "
+                f"same batches: use the same loader, sampler and seed on every process (with one pipeline the "
+                f"strategy keeps your sampler and seeds a shuffling one identically on every stage)"
+            )
+
+    def cancel_lookahead(self) -> None:
+        """Drop the next batch's forwards that already ran: Lightning will not train that batch (an epoch was cut
+        short, or training stopped). Each stage takes the one activation still in transit from its predecessor
+        and drops it, so nothing crosses into the next step."""
+        if not self._carried_in:
+            return
+        k = self.batch_index
+        self._carried_in = False
+        for key in [key for key in self._inflight if key[1] == k]:
+            del self._inflight[key]
+        for stage in self.stages:
+            stage.versions.forget_batch(k)
+        link = self.link
+        if link is None:
+            return
+        link.begin_step()
+        stage = self.stages[0]
+        if not stage.is_first:
+            sent = min(self.num_stages - stage.index, self.num_microbatches)  # the predecessor's lookahead forwards
+            received = min(self.num_stages - 1 - stage.index, self.num_microbatches)
+            for nth in range(received, sent):
+                link.recv_activations(with_check=self.check_batches and nth == 0)
+        link.flush_sends()
 
     def _all_reduce_mean(self, grads: list[Optional[Tensor]], loss: Tensor) -> None:
         present = [g for g in grads if g is not None]
@@ -284,23 +356,78 @@ class DistributedPipeline(_Executor):
             offset += g.numel()
         loss.copy_(flat[-1])
 
+    # ---- evaluation and prediction (newest weights, forward only, batches of any size) -------------------------
+    @torch.no_grad()
+    def _forward_all(self, batch: Any, tag: int, on_last: Callable[[Any, Any], None]) -> None:
+        """Every microbatch of ``batch`` forward through this process's stages; ``on_last(output, microbatch)``."""
+        link = self.link
+        for mb in split_ragged(batch, self.num_microbatches):
+            first = self.stages[0]
+            if first.is_first:
+                x = self.input_fn(mb)
+            else:
+                assert link is not None
+                x = link.recv_value(link.prev_rank, tag)
+            for stage in self.stages:
+                x = stage.forward_newest(x)
+                if not stage.is_last:
+                    flatten(x, f"stage {stage.index}'s output")  # the same rules as across processes
+            if self.stages[-1].is_last:
+                on_last(x, mb)
+            else:
+                assert link is not None
+                link.send_value(x, link.next_rank, tag)
+
     @torch.no_grad()
     def eval_loss(self, batch: Any) -> Tensor:
-        stage, link = self.stage, self.link
-        last_rank = self.pipeline_ranks[-1]
-        total = torch.zeros((), dtype=torch.float64, device=link.device)
-        for mb in split_microbatches(batch, self.num_microbatches):
-            x = self.input_fn(mb) if stage.is_first else link.recv_eval()
-            out = stage.forward_newest(x)
-            if stage.is_last:
-                total += self.loss_fn(out, mb).to(torch.float64)
-            else:
-                link.send_eval(out)
-        if stage.is_last:
-            total /= self.num_microbatches
-            for rank in self.pipeline_ranks[:-1]:
-                link.send_scalar(total, rank, TAG_EVAL_LOSS)
+        """The batch's mean loss (microbatch losses weighted by their sizes, so a ragged batch is exact)."""
+        link = self.link
+        weighted: list[Tensor] = []
+        rows: list[int] = []
+
+        def accumulate(output: Any, mb: Any) -> None:
+            weighted.append(scalar_loss(self.loss_fn(output, mb)).to(torch.float64) * batch_size_of(mb))
+            rows.append(batch_size_of(mb))
+
+        self._forward_all(batch, TAG_EVAL, accumulate)
+        if self.stages[-1].is_last:
+            total = torch.stack(weighted).sum() / sum(rows)
+            if link is not None:
+                for rank in self.pipeline_ranks[:-1]:
+                    link.send_scalar(total, rank, TAG_EVAL_LOSS)
         else:
-            total = link.recv_scalar(last_rank, TAG_EVAL_LOSS)
-        link.flush_sends()
+            assert link is not None
+            total = link.recv_scalar(self.pipeline_ranks[-1], TAG_EVAL_LOSS)
+        if link is not None:
+            link.flush_sends()
         return total.to(torch.float32)
+
+    @torch.no_grad()
+    def predict(self, batch: Any) -> Any:
+        """The last layer's output for ``batch`` on the pipeline's first stage (``None`` on the others)."""
+        outputs: list[Any] = []
+        self._forward_all(batch, TAG_PREDICT, lambda output, mb: outputs.append(output))
+        link = self.link
+        result = None
+        if self.stages[-1].is_last:
+            result = concatenate(outputs)
+            if link is not None and not self.stages[0].is_first:
+                link.send_value(result, self.pipeline_ranks[0], TAG_PREDICT_RESULT)
+                result = None
+        elif self.stages[0].is_first:
+            assert link is not None
+            result = link.recv_value(self.pipeline_ranks[-1], TAG_PREDICT_RESULT, "the prediction")
+        if link is not None:
+            link.flush_sends()
+        return result
+
+
+def concatenate(outputs: list[Any]) -> Any:
+    """Microbatch outputs joined along dim 0, leaf by leaf (any nesting)."""
+    if len(outputs) == 1:
+        return outputs[0]
+    flat = [flatten(o, "the last layer's output") for o in outputs]
+    spec = flat[0][1]
+    leaves = [torch.cat([f[0][i] for f in flat]) if flat[0][0][i].dim() > 0 else flat[0][0][i]
+              for i in range(len(flat[0][0]))]
+    return unflatten(leaves, spec)

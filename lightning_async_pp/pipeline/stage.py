@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Optional
 
 from torch import Tensor, nn
 from torch.func import functional_call
@@ -27,14 +27,20 @@ class Stage:
     """Runs ``layers`` forward on the weight version a batch is due (see :class:`WeightVersions`).
 
     Forward and backward of every microbatch of batch ``b`` read the same version; gradients accumulate in that
-    version's autograd leaves and are taken once the batch is complete.
+    version's autograd leaves and are taken once the batch is complete. A parameter used by several layers of
+    the stage is one leaf (``functional_call`` ties the names), so its gradient sums over every use. A parameter
+    listed in ``borrowed`` (``name -> (owner stage, index)``) belongs to another stage in this process and is
+    read from that stage's versions: one leaf for the whole process, exact as within a stage.
     """
 
-    def __init__(self, layers: Sequence[nn.Module], index: int, num_stages: int, delay: int = 1, sync_steps: int = 0):
+    def __init__(self, layers: Sequence[nn.Module], index: int, num_stages: int, delay: int = 1, sync_steps: int = 0,
+                 borrowed: Optional[dict[str, tuple["Stage", int]]] = None):
         self.index = index
         self.num_stages = num_stages
         self.layers = StageLayers(layers)
-        named = list(self.layers.named_parameters())
+        self.borrowed = dict(borrowed or {})
+        # named_parameters() lists a tensor shared by several layers once: one leaf serves every use.
+        named = [(n, p) for n, p in self.layers.named_parameters() if n not in self.borrowed]
         self.param_names = [name for name, _ in named]
         self.params = [p for _, p in named]
         self.versions = WeightVersions(self.params, delay=delay, sync_steps=sync_steps)
@@ -47,9 +53,17 @@ class Stage:
     def is_last(self) -> bool:
         return self.index == self.num_stages - 1
 
+    def weights(self, leaves: Sequence[Tensor], batch_index: Optional[int] = None) -> dict[str, Tensor]:
+        """The tensors ``functional_call`` takes: ``leaves`` for this stage's own parameters, the owners' for
+        borrowed ones."""
+        tensors = dict(zip(self.param_names, leaves))
+        for name, (owner, i) in self.borrowed.items():
+            tensors[name] = (owner.versions.leaves_for_batch(batch_index) if batch_index is not None else owner.params)[i]
+        return tensors
+
     def forward(self, batch_index: int, x: Any) -> Any:
         leaves = self.versions.leaves_for_batch(batch_index)
-        return functional_call(self.layers, dict(zip(self.param_names, leaves)), (x,), tie_weights=False)
+        return functional_call(self.layers, self.weights(leaves, batch_index), (x,))
 
     def forward_newest(self, x: Any) -> Any:
         """Forward on the newest version (validation, test, predict)."""

@@ -65,6 +65,10 @@ class WeightVersions:
         leaves = self._leaves.pop(batch_index)
         return [leaf.grad for leaf in leaves]
 
+    def forget_batch(self, batch_index: int) -> None:
+        """Drop the leaves of a batch that will not be trained (a cancelled lookahead)."""
+        self._leaves.pop(batch_index, None)
+
     # ---- updates -----------------------------------------------------------------------------------------
     @torch.no_grad()
     def prepare_update(self) -> None:

@@ -1,0 +1,35 @@
+"""Every place where lightning-async-pp relies on a Lightning behaviour that has no public API.
+
+Each touch is a small function here, with the Lightning behaviour it relies on, and a test in
+``tests/test_lightning_private.py`` that fails loudly when a Lightning release changes it. The tested range is
+pinned in ``pyproject.toml``. Nothing else in the package reads a private Lightning attribute.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+#: The LightningModule method through which every loop runs ``on_before_batch_transfer`` on a fetched batch
+#: (training, evaluation and prediction loops call ``trainer.lightning_module._on_before_batch_transfer``).
+#: ``PipelineModule`` overrides it to let a batch whose hooks already ran (2BW's lookahead) pass untouched.
+BEFORE_BATCH_TRANSFER = "_on_before_batch_transfer"
+
+
+def keep_user_sampler(trainer: Any) -> None:
+    """Stop Lightning from replacing the loaders' samplers with a ``DistributedSampler``.
+
+    Relies on: ``_DataConnector._requires_distributed_sampler`` reading
+    ``trainer._accelerator_connector.use_distributed_sampler`` when each loader is prepared. With one pipeline
+    the stages must see the batches one device sees, so the user's sampler stays (the public
+    ``Trainer(use_distributed_sampler=...)`` is the user's choice, fixed before the strategy is set up).
+    """
+    trainer._accelerator_connector.use_distributed_sampler = False
+
+
+def replace_sigterm_broadcast(trainer: Any, check: Callable[[], None]) -> None:
+    """Replace the per-step SIGTERM broadcast from rank 0 with ``check``.
+
+    Relies on: ``_TrainingEpochLoop.advance`` calling ``self._broadcast_sigterm_tensor()`` at the start of every
+    training step when ``torch.distributed`` is initialized (Lightning >= 2.5.2). That broadcast is a barrier
+    across all stages, which would put a bubble back into 2BW.
+    """
+    trainer.fit_loop.epoch_loop._broadcast_sigterm_tensor = check

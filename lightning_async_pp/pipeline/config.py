@@ -1,0 +1,113 @@
+"""``PipelineConfig``: every option of the pipeline, checked in one place.
+
+The strategy builds one from its keyword arguments; the engine, the benchmarks and the tests build it the same
+way. ``check(...)`` adds the checks that need the shape of the run (processes, layers).
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Optional, Union
+
+from lightning_async_pp.pipeline.partition import PARTITION_METHODS, PartitionSpec
+from lightning_async_pp.pipeline.schedule import SCHEDULES, check_schedule
+
+DelaySpec = Union[int, Sequence[int], None]
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+@dataclass(frozen=True)
+class PipelineConfig:
+    """What the pipeline does; see ``AsyncPipelineStrategy`` for the meaning of each field."""
+
+    schedule: str = "2bw"
+    num_microbatches: Optional[int] = None
+    data_parallel_size: int = 1
+    partition: PartitionSpec = "parameters"
+    delay: DelaySpec = None
+    sync_steps: int = 0
+    num_stages: Optional[int] = None  # one device only: how many stages the layers are split into
+    pipeline_timeout: float = 300.0
+    check_batches: bool = True
+
+    def __post_init__(self) -> None:
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"Unknown schedule {self.schedule!r}; valid schedules are {', '.join(map(repr, SCHEDULES))}")
+        if not _is_int(self.data_parallel_size) or self.data_parallel_size < 1:
+            raise ValueError(f"data_parallel_size must be a positive integer, got {self.data_parallel_size!r}")
+        if self.num_microbatches is not None and (not _is_int(self.num_microbatches) or self.num_microbatches < 1):
+            raise ValueError(f"num_microbatches must be a positive integer, got {self.num_microbatches!r}")
+        if not _is_int(self.sync_steps) or self.sync_steps < 0:
+            raise ValueError(f"sync_steps must be an integer >= 0, got {self.sync_steps!r}")
+        if self.num_stages is not None and (not _is_int(self.num_stages) or self.num_stages < 1):
+            raise ValueError(f"num_stages must be a positive integer, got {self.num_stages!r}")
+        if not isinstance(self.pipeline_timeout, (int, float)) or not self.pipeline_timeout > 0:
+            raise ValueError(f"pipeline_timeout must be > 0 seconds, got {self.pipeline_timeout!r}")
+        if isinstance(self.partition, str):
+            if self.partition not in PARTITION_METHODS:
+                raise ValueError(
+                    f"Unknown partition method {self.partition!r}; use one of {PARTITION_METHODS} or a list of layer counts"
+                )
+        elif not isinstance(self.partition, Sequence) or not all(_is_int(c) for c in self.partition):
+            raise ValueError(f"partition must be one of {PARTITION_METHODS} or a list of layer counts, got {self.partition!r}")
+        if self.delay is not None:
+            values = [self.delay] if _is_int(self.delay) else self.delay
+            if not isinstance(values, (list, tuple)) or not values or not all(_is_int(d) for d in values):
+                raise ValueError(f"delay must be an integer >= 0 or a non-empty list of them, got {self.delay!r}")
+            if any(d < 0 for d in values):
+                raise ValueError(f"delay must be >= 0 (0 is synchronous, 1 is 2BW), got {self.delay!r}")
+
+    # ---- what follows from the number of processes ---------------------------------------------------------
+    def stages_for(self, world_size: int) -> int:
+        """Pipeline stages for ``world_size`` processes (on one process: ``num_stages`` or the delay list's length)."""
+        if world_size > 1:
+            if world_size % self.data_parallel_size != 0:
+                raise ValueError(
+                    f"{world_size} process(es) cannot be split into data_parallel_size={self.data_parallel_size} "
+                    f"equal pipelines; use a device count (devices x num_nodes) that is a multiple of "
+                    f"{self.data_parallel_size}, or a data_parallel_size that divides {world_size}"
+                )
+            return world_size // self.data_parallel_size
+        if self.num_stages is not None:
+            return self.num_stages
+        return len(self.delay) if isinstance(self.delay, (list, tuple)) else 1
+
+    def microbatches_for(self, num_stages: int) -> int:
+        return self.num_microbatches if self.num_microbatches is not None else max(4, num_stages)
+
+    def stage_delays(self, num_stages: int) -> list[int]:
+        """The delay (in updates) of each stage's gradients."""
+        if self.delay is None:
+            return [1 if self.schedule == "2bw" else 0] * num_stages
+        if _is_int(self.delay):
+            return [int(self.delay)] * num_stages
+        delays = [int(d) for d in self.delay]
+        if len(delays) != num_stages:
+            raise ValueError(
+                f"delay={delays} gives {len(delays)} per-stage delays but the pipeline has {num_stages} "
+                f"stage(s); give one delay per stage (num_stages={len(delays)} on one device)"
+            )
+        return delays
+
+    def check(self, world_size: int) -> None:
+        """Everything that can be checked from the process count alone: run before any process starts."""
+        num_stages = self.stages_for(world_size)
+        if world_size > 1:
+            if self.num_stages not in (None, num_stages):
+                raise ValueError(
+                    f"num_stages={self.num_stages} does not match the {num_stages} stages given by "
+                    f"{world_size} processes / data_parallel_size={self.data_parallel_size}"
+                )
+            expected = 1 if self.schedule == "2bw" else 0
+            if self.delay is not None and any(d != expected for d in self.stage_delays(num_stages)):
+                raise ValueError(
+                    f"delay={self.delay!r} is a one-device research variant; across processes the delay follows the "
+                    f"schedule ({self.schedule!r} has delay {expected}). Run it with devices=1 or drop delay"
+                )
+        elif self.data_parallel_size != 1:
+            raise ValueError(f"data_parallel_size={self.data_parallel_size} needs at least that many processes; got one device")
+        self.stage_delays(num_stages)
+        check_schedule(self.schedule, num_stages, self.microbatches_for(num_stages))

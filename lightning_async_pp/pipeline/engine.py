@@ -1,0 +1,361 @@
+"""``PipelineEngine``: the one facade of the pipeline engine (no Lightning here).
+
+Built from a model's layers, a :class:`PipelineConfig` and the process layout, it owns the stages this process
+runs, their weight versions, the links to other processes and the runtime. The Lightning strategy, the
+callbacks (through :attr:`stats`) and the benchmarks all drive the pipeline through it:
+
+    engine = PipelineEngine.build(root, layers, config, input_fn=..., loss_fn=..., device=..., world_size=..., rank=...)
+    loss = engine.train_step(batch, next_batch)    # forward and backward of every microbatch
+    engine.prepare_update(); optimizer.step()       # the optimizer writes W_{k+1}; W_k stays stashed
+    engine.evaluate(batch); engine.predict(batch)   # newest weights, forward only
+
+See docs/design.md for the version rule and the invariants.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.func import functional_call
+
+from lightning_async_pp.pipeline.comm import FailureBoard, StageLink
+from lightning_async_pp.pipeline.config import PipelineConfig
+from lightning_async_pp.pipeline.partition import partition_layers
+from lightning_async_pp.pipeline.placement import (
+    Tie,
+    check_parameters_covered,
+    layer_paths,
+    remove_other_stages,
+    restore_layers,
+)
+from lightning_async_pp.pipeline.runtime import PipelineRuntime, Span, StepTimes
+from lightning_async_pp.pipeline.stage import Stage
+from lightning_async_pp.pipeline.topology import PipelineTopology
+from lightning_async_pp.pipeline.versions import WeightVersions
+
+
+@dataclass(frozen=True)
+class StageView:
+    """Read-only view of one stage this process runs."""
+
+    index: int
+    delay: int
+    param_names: tuple[str, ...]  # global names (in the model), in the order of ``params``
+    _stage: Stage
+
+    @property
+    def params(self) -> list[nn.Parameter]:
+        return list(self._stage.params)
+
+    def version(self, j: int) -> list[Tensor]:
+        """The tensors of weight version ``W_j`` (one of those held)."""
+        return self._stage.versions.version(j)
+
+    def version_for_batch(self, k: int) -> int:
+        return self._stage.versions.version_for_batch(k)
+
+
+class PipelineStats:
+    """What callbacks may read about the running pipeline (never the engine's internals)."""
+
+    def __init__(self, engine: "PipelineEngine") -> None:
+        self._engine = engine
+
+    @property
+    def batch_index(self) -> int:
+        """k: updates applied so far; the parameters hold ``W_k``."""
+        return self._engine.runtime.batch_index
+
+    @property
+    def num_stages(self) -> int:
+        return self._engine.num_stages
+
+    @property
+    def num_microbatches(self) -> int:
+        return self._engine.num_microbatches
+
+    @property
+    def schedule(self) -> str:
+        return self._engine.config.schedule
+
+    @property
+    def stages(self) -> list[StageView]:
+        """The stages this process runs (one across processes, all of them on one device)."""
+        return self._engine.stage_views
+
+    @property
+    def last_times(self) -> StepTimes:
+        return self._engine.runtime.last_times
+
+    @property
+    def stash_nbytes(self) -> int:
+        return sum(stage.versions.stash_nbytes() for stage in self._engine.stages)
+
+
+class PipelineEngine:
+    def __init__(self, root: nn.Module, layers: Sequence[nn.Module], paths: Sequence[str], config: PipelineConfig, *,
+                 input_fn: Callable[[Any], Any], loss_fn: Callable[[Any, Any], Tensor], device: torch.device,
+                 world_size: int = 1, rank: int = 0) -> None:
+        self.config = config
+        self.root, self.layers, self.paths = root, list(layers), list(paths)
+        self.world_size, self.rank = world_size, rank
+        self.is_multiprocess = world_size > 1
+        self.num_stages = config.stages_for(world_size)
+        self.num_microbatches = config.microbatches_for(self.num_stages)
+        self.topology = PipelineTopology(world_size, config.data_parallel_size, rank) if self.is_multiprocess else None
+        config.check(world_size)
+        self.ranges = partition_layers(self.layers, self.num_stages, config.partition)
+        self.stage_of_layer = [s for s, r in enumerate(self.ranges) for _ in r]
+        self.ties: list[Tie] = check_parameters_covered(root, self.layers, self.stage_of_layer)
+        delays = config.stage_delays(self.num_stages)
+        self._tie_groups: list[tuple[Tie, Any]] = []
+        self.pipeline_group: Any = None
+        self.board = FailureBoard(None)
+        link, dp_group = None, None
+        if self.is_multiprocess:
+            topology = self.topology
+            assert topology is not None
+            local = [topology.stage]
+            self.board = FailureBoard.from_default_group()
+            dp_group = topology.create_dp_group()
+            self._create_groups(topology)
+            remove_other_stages(root, self.layers, self.paths, self.stage_of_layer, topology.stage)
+            ranks = topology.pipeline_ranks
+            s = topology.stage
+            link = StageLink(
+                stage=s, rank=rank, prev_rank=ranks[s - 1] if s > 0 else None,
+                next_rank=ranks[s + 1] if s + 1 < len(ranks) else None, device=device,
+                timeout=float(config.pipeline_timeout), board=self.board, rank_to_stage=topology.rank_to_stage,
+            )
+        else:
+            local = list(range(self.num_stages))
+            for tie in self.ties:
+                if len({delays[s] for s in tie.stages}) > 1:
+                    raise ValueError(
+                        f"a parameter of shape {tuple(tie.param.shape)} is tied across stages {tie.stages} whose delays "
+                        f"differ ({[delays[s] for s in tie.stages]}); tied copies must use one weight version"
+                    )
+        self._local, self._delays, self._link = local, delays, link
+        self._dp_group = dp_group if self.is_multiprocess else None
+        self._input_fn, self._loss_fn = input_fn, loss_fn
+        self.stages: list[Stage] = []
+
+    def start(self) -> "PipelineEngine":
+        """Create this process's stages from its layers as they are now (on their device): call after moving the
+        model, before the first step. Each stage copies its parameters into its weight-version slots."""
+        self.stages = self._build_stages(self._local, self._delays)
+        self.runtime = PipelineRuntime(
+            self.stages, schedule=self.config.schedule, num_microbatches=self.num_microbatches,
+            input_fn=self._input_fn, loss_fn=self._loss_fn, link=self._link,
+            pipeline_ranks=self.topology.pipeline_ranks if self.topology else [0],
+            dp_group=self._dp_group, dp_size=self.config.data_parallel_size, check_batches=self.config.check_batches,
+        )
+        names: dict[int, str] = {}
+        for n, p in self.root.named_parameters(remove_duplicate=False):
+            names.setdefault(id(p), n)
+        self.stage_views = [StageView(st.index, st.versions.delay, tuple(names.get(id(p), "?") for p in st.params), st)
+                            for st in self.stages]
+        self.stats = PipelineStats(self)
+        return self
+
+    @classmethod
+    def build(cls, root: nn.Module, layers: Sequence[nn.Module], config: PipelineConfig, **kwargs: Any) -> "PipelineEngine":
+        """Build the engine for ``layers`` of the model ``root`` (each a submodule of it)."""
+        layers = list(layers)
+        if not layers:
+            raise ValueError(f"{type(root).__name__}.pipeline_layers() returned no layers; return at least one nn.Module")
+        return cls(root, layers, layer_paths(root, layers), config, **kwargs)
+
+    def _create_groups(self, topology: PipelineTopology) -> None:
+        # new_group is collective: every rank creates every group, in the same order.
+        for d in range(topology.data_parallel_size):
+            group = dist.new_group([topology.rank_of(s, d) for s in range(topology.num_stages)])
+            if d == topology.dp_rank:
+                self.pipeline_group = group
+        for tie in self.ties:
+            for d in range(topology.data_parallel_size):
+                group = dist.new_group([topology.rank_of(s, d) for s in tie.stages])
+                if d == topology.dp_rank and topology.stage in tie.stages:
+                    self._tie_groups.append((tie, group))
+
+    def _build_stages(self, local: list[int], delays: list[int]) -> list[Stage]:
+        stages: list[Stage] = []
+        owner_of: dict[int, tuple[Stage, int]] = {}  # id(param) -> (stage in this process, index there)
+        for s in local:
+            layers = [self.layers[i] for i in self.ranges[s]]
+            holder = nn.ModuleList(layers)
+            borrowed = {f"layers.{name}": owner_of[id(p)] for name, p in holder.named_parameters() if id(p) in owner_of}
+            stage = Stage(layers, s, self.num_stages, delay=delays[s], sync_steps=self.config.sync_steps, borrowed=borrowed)
+            for i, p in enumerate(stage.params):
+                owner_of.setdefault(id(p), (stage, i))
+            stages.append(stage)
+        return stages
+
+    # ---- training --------------------------------------------------------------------------------------------
+    @property
+    def params(self) -> list[nn.Parameter]:
+        return self.runtime.params
+
+    @property
+    def gradients(self) -> list[Optional[Tensor]]:
+        return self.runtime.gradients
+
+    @property
+    def has_lookahead(self) -> bool:
+        return self.runtime.has_lookahead
+
+    def uses_lookahead(self, next_batch_exists: bool = True) -> bool:
+        return self.runtime.uses_lookahead(next_batch_exists)
+
+    def train_step(self, batch: Any, next_batch: Any = None) -> Tensor:
+        """Forward and backward of every microbatch of ``batch`` (and, under 2BW across processes, the first
+        forwards of ``next_batch``); returns the batch's mean loss and leaves its gradient in :attr:`gradients`."""
+        loss = self.runtime.train_batch(batch, next_batch)
+        self._sum_tied_gradients()
+        return loss
+
+    def _sum_tied_gradients(self) -> None:
+        if not self._tie_groups:
+            return
+        index = {id(p): i for i, p in enumerate(self.params)}
+        for tie, group in self._tie_groups:
+            g = self.gradients[index[id(tie.param)]]
+            if g is None:
+                g = torch.zeros_like(tie.param)
+                self.runtime.gradients[index[id(tie.param)]] = g
+            dist.all_reduce(g, group=group)
+
+    def cancel_lookahead(self) -> None:
+        """The batch whose forwards already ran will not be trained: drop them (see ``PipelineRuntime``)."""
+        self.runtime.cancel_lookahead()
+
+    def prepare_update(self) -> None:
+        """Move the parameters onto the slot of ``W_{k+1}``; call after the gradient is complete, before the
+        optimizer writes the parameters in place."""
+        self.runtime.prepare_update()
+
+    def record_optimizer(self, start: float, end: float) -> None:
+        self.runtime.record_optimizer(start, end)
+
+    @torch.no_grad()
+    def clip_gradients_across_stages(self, max_norm: float) -> None:
+        """Scale the gradients by the factor global-norm clipping would apply over the whole model.
+
+        Each stage adds its squared norm (a tied parameter counted on its first stage only); the sum goes round
+        the pipeline's stages in one scalar all-reduce.
+        """
+        if self.pipeline_group is None:
+            return
+        counted_elsewhere = {id(t.param) for t in self.ties if self.topology and t.owner != self.topology.stage}
+        grads = [g for p, g in zip(self.params, self.gradients) if g is not None]
+        own = [g for p, g in zip(self.params, self.gradients) if g is not None and id(p) not in counted_elsewhere]
+        device = grads[0].device if grads else torch.device("cpu")
+        sq = torch.stack([g.detach().float().pow(2).sum() for g in own]).sum() if own else torch.zeros((), device=device)
+        dist.all_reduce(sq, group=self.pipeline_group)
+        coef = torch.clamp(max_norm / (sq.sqrt() + 1e-6), max=1.0)
+        for g in grads:
+            g.mul_(coef.to(g.dtype))
+
+    # ---- evaluation and prediction --------------------------------------------------------------------------
+    def evaluate(self, batch: Any) -> Tensor:
+        """The mean loss of ``batch`` on the newest weights (any batch size)."""
+        return self.runtime.eval_loss(batch)
+
+    def predict(self, batch: Any) -> Any:
+        """The last layer's output for ``batch`` on the newest weights, on the pipeline's first stage (``None``
+        on the other stages)."""
+        return self.runtime.predict(batch)
+
+    def loss_and_gradients(self, weights: Sequence[Sequence[Tensor]], microbatch: Any) -> tuple[Tensor, list]:
+        """Loss of ``microbatch`` through this process's stages at the given weights (one list per stage, as
+        :meth:`StageView.version` returns them) and its gradient per stage; nothing is written anywhere.
+
+        Needs every stage in this process (one device)."""
+        if self.is_multiprocess:
+            raise RuntimeError("loss_and_gradients needs every stage in this process (one device)")
+        leaves = [[t.detach().requires_grad_(p.requires_grad) for t, p in zip(tensors, stage.params)]
+                  for stage, tensors in zip(self.stages, weights)]
+        owner = {id(p): leaf for stage, stage_leaves in zip(self.stages, leaves) for p, leaf in zip(stage.params, stage_leaves)}
+        with torch.enable_grad():
+            x = self.runtime.input_fn(microbatch)
+            for stage, stage_leaves in zip(self.stages, leaves):
+                tensors = dict(zip(stage.param_names, stage_leaves))
+                for name, (lender, i) in stage.borrowed.items():
+                    tensors[name] = owner[id(lender.params[i])]
+                tensors.update({name: b.clone() for name, b in stage.layers.named_buffers()})
+                x = functional_call(stage.layers, tensors, (x,))
+            loss = self.runtime.loss_fn(x, microbatch)
+            wanted = [leaf for stage_leaves in leaves for leaf in stage_leaves if leaf.requires_grad]
+            grads = iter(torch.autograd.grad(loss, wanted, allow_unused=True))
+        per_stage = [[next(grads) if leaf.requires_grad else None for leaf in stage_leaves] for stage_leaves in leaves]
+        return loss.detach(), per_stage
+
+    # ---- tracing ------------------------------------------------------------------------------------------
+    def start_trace(self) -> None:
+        """Record a :class:`Span` for every forward, backward and wait from now on."""
+        self.runtime.trace = []
+
+    def stop_trace(self) -> list[Span]:
+        spans, self.runtime.trace = self.runtime.trace or [], None
+        return spans
+
+    # ---- state ----------------------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """This process's stages: each held weight version keyed by global parameter name, and the counters."""
+        out: dict[str, Any] = {}
+        for view, stage in zip(self.stage_views, self.stages):
+            versions = stage.versions
+            held = range(max(0, versions.num_updates - versions.delay), versions.num_updates + 1)
+            out[str(stage.index)] = {
+                "num_updates": versions.num_updates,
+                "delay": versions.delay,
+                "versions": {j: {n: t.detach().clone() for n, t in zip(view.param_names, versions.version(j))} for j in held},
+            }
+        return {"stages": out}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Load what :meth:`state_dict` saved; names and shapes must match (the error says what differs)."""
+        stages = state.get("stages", {})
+        for view, stage in zip(self.stage_views, self.stages):
+            saved = stages.get(str(stage.index), stages.get(stage.index))
+            if saved is None:
+                raise ValueError(
+                    f"the checkpoint holds no weight versions for pipeline stage {stage.index} (it has stages "
+                    f"{sorted(stages)}); it was saved with another number of stages"
+                )
+            expected = {n: tuple(p.shape) for n, p in zip(view.param_names, stage.params)}
+            for j, tensors in saved["versions"].items():
+                check_names_and_shapes(expected, {n: tuple(t.shape) for n, t in tensors.items()},
+                                       f"weight version W_{j} of stage {stage.index}")
+            converted = dict(saved, versions={j: [tensors[n] for n in view.param_names]
+                                              for j, tensors in saved["versions"].items()})
+            stage.versions.load_state_dict(converted)
+
+    # ---- the whole model on one process -----------------------------------------------------------------------
+    def restore_all_layers(self, state: dict[str, Tensor], device: torch.device) -> None:
+        """Put every other stage's layers back into the model, loaded from ``state`` (full-model keys)."""
+        restore_layers(self.root, self.layers, self.paths, state, device)
+
+
+def check_names_and_shapes(expected: dict[str, tuple], found: dict[str, tuple], what: str) -> None:
+    """Raise a ValueError that lists missing and unexpected names and differing shapes."""
+    missing = sorted(set(expected) - set(found))
+    unexpected = sorted(set(found) - set(expected))
+    shapes = [f"{n}: checkpoint {found[n]} vs model {expected[n]}" for n in sorted(set(expected) & set(found))
+              if tuple(found[n]) != tuple(expected[n])]
+    if missing or unexpected or shapes:
+        parts = []
+        if missing:
+            parts.append(f"missing {missing[:8]}{' ...' if len(missing) > 8 else ''}")
+        if unexpected:
+            parts.append(f"unexpected {unexpected[:8]}{' ...' if len(unexpected) > 8 else ''}")
+        if shapes:
+            parts.append("different shapes: " + "; ".join(shapes[:8]))
+        raise ValueError(f"the checkpoint does not fit this model ({what}): " + ", ".join(parts))
+
+
+__all__ = ["PipelineConfig", "PipelineEngine", "PipelineStats", "StageView", "WeightVersions", "check_names_and_shapes"]
