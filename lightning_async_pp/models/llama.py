@@ -1,0 +1,253 @@
+"""A Llama-style decoder (RMSNorm, rotary positions, grouped-query attention, SwiGLU), as a ``PipelineModule``.
+
+The model is a flat list of layers (token embedding, decoder blocks, head = final norm + output projection) so
+that a pipeline strategy can cut it anywhere; what crosses a cut is the hidden state (B, T, C). Presets follow
+SmolLM's shapes. As in SmolLM, the output projection reuses the embedding matrix by default
+(``tie_embeddings=True``): ``head.proj.weight`` *is* ``embed.weight``, one Parameter that both ends train.
+
+Layers are built in ``configure_model()``, so Lightning (or a pipeline strategy) decides where and when they are
+materialized. Rotary tables are computed on the fly, so there is no buffer to save, move or re-initialize.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from lightning_async_pp.module import PipelineModule
+
+
+@dataclass(frozen=True)
+class LlamaConfig:
+    """The architecture's shape. ``Llama`` builds one from a preset plus keyword overrides and checks it here."""
+
+    vocab_size: int = 256
+    hidden_size: int = 64
+    num_layers: int = 4
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    intermediate_size: int = 172
+    max_seq_len: int = 2048
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    tie_embeddings: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "intermediate_size", "max_seq_len"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.hidden_size % self.num_heads != 0:
+            raise ValueError(f"hidden_size ({self.hidden_size}) must be divisible by num_heads ({self.num_heads})")
+        if self.num_heads % self.num_kv_heads != 0:
+            raise ValueError(f"num_heads ({self.num_heads}) must be divisible by num_kv_heads ({self.num_kv_heads})")
+        if self.head_dim % 2 != 0:
+            raise ValueError(f"the head dimension ({self.head_dim}) must be even for rotary embeddings")
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+
+#: Architecture presets (vocabulary size comes from the data, not from here). SmolLM shapes from its Hugging Face
+#: configs; ``tiny`` trains on a CPU in seconds.
+PRESETS: dict[str, dict[str, int]] = {
+    "tiny": dict(hidden_size=64, num_layers=4, num_heads=4, num_kv_heads=2, intermediate_size=172),
+    "smollm-135m": dict(hidden_size=576, num_layers=30, num_heads=9, num_kv_heads=3, intermediate_size=1536),
+    "smollm-360m": dict(hidden_size=960, num_layers=32, num_heads=15, num_kv_heads=5, intermediate_size=2560),
+}
+
+
+def rotary_cos_sin(seq_len: int, head_dim: int, theta: float, device: torch.device) -> tuple[Tensor, Tensor]:
+    """cos and sin tables (seq_len, head_dim) in float32, halves repeated (the Hugging Face Llama layout)."""
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim)
+    angles = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float32), inv_freq)
+    angles = torch.cat((angles, angles), dim=-1)
+    return angles.cos(), angles.sin()
+
+
+def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotate (B, heads, T, head_dim) by position: pairs are (i, i + head_dim / 2)."""
+    x1, x2 = x.chunk(2, dim=-1)
+    rotated = torch.cat((-x2, x1), dim=-1)
+    return (x.float() * cos + rotated.float() * sin).to(x.dtype)
+
+
+class Attention(nn.Module):
+    """Causal grouped-query self-attention with rotary positions; ``num_kv_heads`` key/value heads are shared by
+    groups of ``num_heads // num_kv_heads`` query heads."""
+
+    def __init__(self, cfg: LlamaConfig) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.max_seq_len, self.rope_theta = cfg.max_seq_len, cfg.rope_theta
+        self.q_proj = nn.Linear(cfg.hidden_size, cfg.num_heads * cfg.head_dim, bias=False)
+        self.k_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=False)
+        self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=False)
+        self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        B, T, _ = x.shape
+        if T > self.max_seq_len:
+            raise ValueError(f"Sequence of length {T} is longer than max_seq_len {self.max_seq_len}")
+        # (B, T, heads * head_dim) -> (B, heads, T, head_dim)
+        q = self.q_proj(x).view(B, T, self.num_heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        cos, sin = rotary_cos_sin(T, self.head_dim, self.rope_theta, x.device)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.num_kv_heads != self.num_heads)
+        return self.o_proj(y.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim))
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, cfg: LlamaConfig) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Block(nn.Module):
+    """Pre-RMSNorm decoder block: x + attn(norm(x)), then + mlp(norm(x))."""
+
+    def __init__(self, cfg: LlamaConfig) -> None:
+        super().__init__()
+        self.attn_norm = nn.RMSNorm(cfg.hidden_size, eps=cfg.norm_eps)
+        self.attn = Attention(cfg)
+        self.mlp_norm = nn.RMSNorm(cfg.hidden_size, eps=cfg.norm_eps)
+        self.mlp = SwiGLU(cfg)
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = x + self.attn(self.attn_norm(x))
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class Head(nn.Module):
+    """Final RMSNorm and the projection to vocabulary logits (B, T, vocab_size)."""
+
+    def __init__(self, cfg: LlamaConfig) -> None:
+        super().__init__()
+        self.norm = nn.RMSNorm(cfg.hidden_size, eps=cfg.norm_eps)
+        self.proj = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.proj(self.norm(x))
+
+
+class Llama(PipelineModule):
+    """Llama-style language model. A batch is a LongTensor (B, T + 1) of token ids; inputs are all but the last
+    token, targets all but the first (the same convention as :class:`~lightning_async_pp.models.GPT`).
+
+    Args:
+        size: a preset of :data:`PRESETS` (``tiny``, ``smollm-135m``, ``smollm-360m``); the keyword arguments
+            ``hidden_size`` ... ``intermediate_size`` override its values.
+        vocab_size: vocabulary size (256 for the byte-level data of this package; 49152 for SmolLM's tokenizer).
+        tie_embeddings: the output projection is the embedding matrix (one Parameter), as in SmolLM.
+        max_seq_len: longest sequence accepted (rotary tables are computed for the actual length).
+        init_seed: seed of the initialization; ``None`` uses ``torch.initial_seed()`` (what ``torch.manual_seed``
+            or ``seed_everything`` set). Each pipeline layer draws from its own generator seeded by this seed and
+            the layer's index, so a layer's weights do not depend on which other layers are built, nor on the
+            device.
+    """
+
+    def __init__(
+        self,
+        size: str = "tiny",
+        vocab_size: int = 256,
+        tie_embeddings: bool = True,
+        *,
+        hidden_size: Optional[int] = None,
+        num_layers: Optional[int] = None,
+        num_heads: Optional[int] = None,
+        num_kv_heads: Optional[int] = None,
+        intermediate_size: Optional[int] = None,
+        max_seq_len: int = 2048,
+        rope_theta: float = 10000.0,
+        norm_eps: float = 1e-5,
+        lr: float = 3e-4,
+        weight_decay: float = 0.1,
+        init_seed: Optional[int] = None,
+    ) -> None:
+        super().__init__()
+        if size not in PRESETS:
+            raise ValueError(f"Unknown Llama size {size!r}; valid presets: {', '.join(PRESETS)}")
+        self.save_hyperparameters()
+        overrides = dict(
+            hidden_size=hidden_size, num_layers=num_layers, num_heads=num_heads, num_kv_heads=num_kv_heads,
+            intermediate_size=intermediate_size,
+        )
+        shape = {**PRESETS[size], **{k: v for k, v in overrides.items() if v is not None}}
+        self.config = LlamaConfig(
+            vocab_size=vocab_size, max_seq_len=max_seq_len, rope_theta=rope_theta, norm_eps=norm_eps,
+            tie_embeddings=tie_embeddings, **shape,
+        )
+        # Built in configure_model().
+        self.embed: Optional[nn.Embedding] = None
+        self.blocks: Optional[nn.ModuleList] = None
+        self.head: Optional[Head] = None
+
+    # ---- building ----------------------------------------------------------------------------------------------
+    def configure_model(self) -> None:
+        if self.blocks is not None:  # Lightning calls this hook on every trainer entry point
+            return
+        cfg = self.config
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.num_layers))
+        self.head = Head(cfg)
+        if cfg.tie_embeddings:
+            self.head.proj.weight = self.embed.weight
+        self.init_weights()
+
+    def init_weights(self) -> None:
+        """(Re-)initialize every layer that is materialized (layers on the ``meta`` device are skipped)."""
+        for index, layer in enumerate(self.pipeline_layers()):
+            self.init_layer(index, layer)
+
+    @torch.no_grad()
+    def init_layer(self, index: int, layer: nn.Module) -> None:
+        """Initialize pipeline layer ``index``: normal(0, 0.02) matrices, norm gains 1, and (GPT-2 style)
+        std 0.02 / sqrt(2 * num_layers) for the projections that write into the residual stream, so that its
+        variance does not grow with depth. A tied head's matrix belongs to the embedding (layer 0)."""
+        base = self.hparams.init_seed if self.hparams.init_seed is not None else torch.initial_seed()
+        generator = torch.Generator().manual_seed((base * 1_000_003 + index) % 2**63)
+        residual_std = 0.02 / math.sqrt(2 * self.config.num_layers)
+        for name, p in layer.named_parameters():
+            if p.is_meta or (layer is self.head and self.config.tie_embeddings and p is self.embed.weight):
+                continue
+            if p.dim() == 1:  # RMSNorm gain
+                p.fill_(1.0)
+                continue
+            std = residual_std if name.endswith(("o_proj.weight", "down_proj.weight")) else 0.02
+            # Drawn on the CPU, then copied: the same weights whatever the device.
+            p.copy_(torch.empty(p.shape, dtype=torch.float32).normal_(0.0, std, generator=generator))
+
+    # ---- the PipelineModule contract -------------------------------------------------------------------------
+    def pipeline_layers(self) -> Sequence[nn.Module]:
+        if self.blocks is None:
+            raise RuntimeError("Llama's layers are built in configure_model(); call it (or let the Trainer) first")
+        return [self.embed, *self.blocks, self.head]
+
+    def pipeline_input(self, batch: Tensor) -> Tensor:
+        return batch[:, :-1]
+
+    def pipeline_loss(self, logits: Tensor, batch: Tensor) -> Tensor:
+        return F.cross_entropy(logits.flatten(0, 1).float(), batch[:, 1:].flatten())
+
+    # ---- optimizer ---------------------------------------------------------------------------------------------
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        # As GPT: weight decay on matrices (linear weights, the embedding) only, not on norm gains. A tied matrix
+        # is listed once by named_parameters(), under its first name (embed.weight), so it is updated once.
+        named = [(n, p) for n, p in self.named_parameters() if p.requires_grad]
+        groups = [
+            {"params": [(n, p) for n, p in named if p.dim() >= 2], "weight_decay": self.hparams.weight_decay},
+            {"params": [(n, p) for n, p in named if p.dim() < 2], "weight_decay": 0.0},
+        ]
+        return torch.optim.AdamW(groups, lr=self.hparams.lr, betas=(0.9, 0.95))
