@@ -7,7 +7,7 @@ batches and the same optimizer, with one thread per process:
 - ``2bw``, ``1f1b``, ``gpipe`` through ``lightning.Trainer(strategy=AsyncPipelineStrategy(...), devices=2)``, which
   is what users run (each run is this script started again as a subprocess: Lightning's launcher re-executes
   ``sys.argv`` for rank 1);
-- the same three schedules on the bare engine (``DistributedPipeline`` driven by a plain loop, no Lightning), to
+- the same three schedules on the bare engine (``PipelineEngine`` driven by a plain loop, no Lightning), to
   separate Lightning's per-step cost from the engine's;
 - ``torch.distributed.pipelining``'s ``Schedule1F1B`` and ``ScheduleGPipe`` with ``PipelineStage`` (gloo);
 - the whole model in one process (plain loop, whole batch at once): the baseline; and the same with the batch
@@ -18,7 +18,7 @@ batches and the same optimizer, with one thread per process:
 Throughput is samples (rows) per second over the steady state: ``--warmup`` steps are skipped, the next
 ``--steps`` are timed between the ends of consecutive steps on rank 0, and one more step runs untimed after them
 (2BW drains there). For ``2bw`` under Lightning it also prints where each stage's wall time went
-(``strategy.executor.last_times``) and every process's peak RSS.
+(``strategy.engine.stats.last_times``) and every process's peak RSS.
 
 Other processes on the machine distort such numbers, so before each measurement the benchmark waits (up to
 ``--wait-idle`` seconds) for an idle machine, records which share of the CPUs others used during the timed window
@@ -338,26 +338,25 @@ class _TorchSplit:
 
 
 def _engine_worker(rank: int, port: int, cfgs: list[dict], out_dir: str, profile: bool) -> None:
-    """This package's DistributedPipeline driven by a plain loop doing what the strategy does, without Lightning."""
+    """This package's ``PipelineEngine`` driven by a plain loop doing what the strategy does, without Lightning."""
     one_thread()
     init_gloo(rank, port)
-    from lightning_async_pp.pipeline.comm import FailureBoard, StageLink
-    from lightning_async_pp.pipeline.runtime import DistributedPipeline
-    from lightning_async_pp.pipeline.stage import Stage
+    from lightning_async_pp.pipeline.config import PipelineConfig
+    from lightning_async_pp.pipeline.engine import PipelineEngine
 
+    device = torch.device("cpu")
     results = []
     for cfg in cfgs:
-        stage = Stage(stage_layers(make_layers(), rank), rank, STAGES, delay=1 if cfg["schedule"] == "2bw" else 0)
-        link = StageLink(
-            stage=rank, rank=rank, prev_rank=rank - 1 if rank > 0 else None,
-            next_rank=rank + 1 if rank + 1 < STAGES else None, device=torch.device("cpu"), timeout=120.0,
-            board=FailureBoard(None), rank_to_stage={r: r for r in range(STAGES)},
-        )
-        executor = DistributedPipeline(
-            stage, link, schedule=cfg["schedule"], num_microbatches=cfg["m"], input_fn=lambda b: b[0],
-            loss_fn=lambda out, b: mse(out, b[1]), pipeline_ranks=list(range(STAGES)),
-        )
-        opt = make_optimizer(stage.params, cfg["optimizer"])
+        # What the Lightning runs give AsyncPipelineStrategy, with the timeout the other pairs use.
+        config = PipelineConfig(schedule=cfg["schedule"], num_microbatches=cfg["m"], partition="uniform",
+                                pipeline_timeout=120.0)
+        root = nn.ModuleList(make_layers())
+        engine = PipelineEngine.build(root, list(root), config, input_fn=lambda b: b[0],
+                                      loss_fn=lambda out, b: mse(out, b[1]), device=device,
+                                      world_size=STAGES, rank=rank)
+        root.to(device)
+        engine.start()
+        opt = make_optimizer(engine.params, cfg["optimizer"])
         batches = make_batches(cfg)
         prof = cProfile.Profile(time.thread_time) if profile else None
         clock, times = StepClock(cfg), []
@@ -365,19 +364,21 @@ def _engine_worker(rank: int, port: int, cfgs: list[dict], out_dir: str, profile
             timed = clock.in_window()
             if prof is not None and timed:
                 prof.enable()
-            next_batch = batches[i + 1] if i + 1 < len(batches) else None
-            executor.train_batch(batch, next_batch)
-            for p, g in zip(executor.params, executor.gradients):
+            # As AsyncPipelineStrategy.train_loss: the next batch is the 2BW lookahead, except on the last step.
+            last = i + 1 == len(batches)
+            engine.train_step(batch, None if last or not engine.uses_lookahead() else batches[i + 1])
+            # As AsyncPipelineStrategy.backward and optimizer_step.
+            for p, g in zip(engine.params, engine.gradients):
                 p.grad = g
-            executor.prepare_update()
+            engine.prepare_update()
             t = time.perf_counter()
             opt.step()
-            executor.record_optimizer(t, time.perf_counter())
+            engine.record_optimizer(t, time.perf_counter())
             clock.tick()
             if prof is not None and timed:
                 prof.disable()
             if timed:
-                times.append(_times_dict(executor.last_times))
+                times.append(_times_dict(engine.stats.last_times))
         dist.barrier()
         result = {**cfg, "rank": rank, **clock.result(), "times": _mean_times(times)}
         if prof is not None:
@@ -460,7 +461,7 @@ def lightning_child(cfg: dict, out_dir: str) -> None:
 
         def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
             if self.clock.in_window():
-                self.times.append(_times_dict(trainer.strategy.executor.last_times))
+                self.times.append(_times_dict(trainer.strategy.engine.stats.last_times))
             self.clock.tick()
             if self.prof is not None and self.clock.in_window():
                 self.prof.enable()

@@ -224,10 +224,10 @@ class AsyncPipelineStrategy(DDPStrategy):
             return dataloader
         if self.is_multiprocess and self.data_parallel_size == 1:
             self._seed_shuffling_sampler(dataloader)
-        if self.is_multiprocess and self.schedule == "2bw":
-            self._train_loader = LookaheadLoader.wrap(dataloader)
-            return self._train_loader
-        return dataloader
+        # Wrapped always: besides 2BW's lookahead, the wrapper keeps the data position of a stateful loader right
+        # when Lightning's fetcher has read a batch ahead (it does for unsized loaders).
+        self._train_loader = LookaheadLoader.wrap(dataloader)
+        return self._train_loader
 
     def _seed_shuffling_sampler(self, dataloader: object) -> None:
         """A shuffling sampler without a generator draws from each process's own RNG: give it one seed on every

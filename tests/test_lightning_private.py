@@ -1,0 +1,63 @@
+"""Each Lightning behaviour without a public API that lightning_async_pp/_lightning.py relies on.
+
+These fail loudly when a Lightning release changes one of them; the tested range is pinned in pyproject.toml.
+"""
+from __future__ import annotations
+
+import inspect
+
+import lightning as L
+from helpers import TinyLM, make_dataset
+from lightning.pytorch.loops.training_epoch_loop import _TrainingEpochLoop
+from torch.utils.data import DataLoader, SequentialSampler
+
+from lightning_async_pp import AsyncPipelineStrategy, _lightning
+
+
+def _trainer(**kwargs) -> L.Trainer:
+    return L.Trainer(accelerator="cpu", devices=1, max_steps=3, logger=False, enable_checkpointing=False,
+                     enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0, **kwargs)
+
+
+def test_every_loop_runs_on_before_batch_transfer_through_the_private_module_method():
+    calls = []
+
+    class Recording(TinyLM):
+        def _on_before_batch_transfer(self, batch, dataloader_idx=0):
+            calls.append(dataloader_idx)
+            return super()._on_before_batch_transfer(batch, dataloader_idx)
+
+    assert hasattr(L.LightningModule, _lightning.BEFORE_BATCH_TRANSFER)
+    model = Recording()
+    trainer = _trainer()
+    loader = DataLoader(make_dataset(32), batch_size=8)
+    trainer.fit(model, loader)
+    assert len(calls) == 3  # one per training batch
+    trainer.validate(model, loader)
+    trainer.predict(model, loader)
+    assert len(calls) == 3 + 4 + 4
+
+
+def test_use_distributed_sampler_flag_decides_whether_a_ddp_strategy_replaces_the_sampler():
+    trainer = _trainer(strategy=AsyncPipelineStrategy("1f1b", num_microbatches=4))
+    assert hasattr(trainer._accelerator_connector, "use_distributed_sampler")
+    trainer.fit(TinyLM(), DataLoader(make_dataset(32), batch_size=8, shuffle=False))
+    assert isinstance(trainer.train_dataloader.sampler, SequentialSampler)  # the user's, kept
+
+
+def test_training_step_starts_with_the_sigterm_broadcast_that_the_strategy_replaces():
+    assert callable(getattr(_TrainingEpochLoop, "_broadcast_sigterm_tensor", None))
+    assert "self._broadcast_sigterm_tensor()" in inspect.getsource(_TrainingEpochLoop.advance)
+
+    class Loop:  # replace_sigterm_broadcast writes the attribute the loop calls
+        pass
+
+    class Fit:
+        epoch_loop = Loop()
+
+    class FakeTrainer:
+        fit_loop = Fit()
+
+    marker = lambda: None  # noqa: E731
+    _lightning.replace_sigterm_broadcast(FakeTrainer, marker)
+    assert FakeTrainer.fit_loop.epoch_loop._broadcast_sigterm_tensor is marker
