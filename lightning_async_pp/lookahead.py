@@ -34,24 +34,30 @@ class FetchedBatch:
 class LookaheadLoader:
     """Wraps a training loader; its iterators yield :class:`FetchedBatch` and can peek one batch ahead."""
 
-    def __init__(self, loader: Any) -> None:
+    def __init__(self, loader: Any, on_epoch_start: Optional[Callable[[], None]] = None) -> None:
         self.loader = loader
         self.iterator: Optional[_LookaheadIterator] = None
+        self.on_epoch_start = on_epoch_start
 
     @staticmethod
-    def wrap(loader: Any) -> "LookaheadLoader":
+    def wrap(loader: Any, on_epoch_start: Optional[Callable[[], None]] = None) -> "LookaheadLoader":
         stateful = hasattr(loader, "state_dict") and hasattr(loader, "load_state_dict")
-        return StatefulLookaheadLoader(loader) if stateful else LookaheadLoader(loader)
+        return (StatefulLookaheadLoader if stateful else LookaheadLoader)(loader, on_epoch_start)
 
     def __iter__(self) -> "_LookaheadIterator":
-        self.iterator = _LookaheadIterator(iter(self.loader), self.loader)
+        inner = iter(self.loader)
+        if self.on_epoch_start is not None:
+            # After the loader's iterator exists (it may draw worker seeds) and before its first batch (when a
+            # sampler draws its permutation), as on one device.
+            self.on_epoch_start()
+        self.iterator = _LookaheadIterator(inner, self.loader)
         return self.iterator
 
     def __len__(self) -> int:
         return len(self.loader)  # raises TypeError for an unsized loader, as the loader itself does
 
     def __getattr__(self, name: str) -> Any:
-        if name in ("loader", "iterator"):
+        if name in ("loader", "iterator", "on_epoch_start"):
             raise AttributeError(name)
         return getattr(self.loader, name)
 

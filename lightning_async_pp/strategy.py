@@ -163,8 +163,14 @@ class AsyncPipelineStrategy(DDPStrategy):
         super().setup_environment()
 
     def setup_distributed(self) -> None:
-        if self.is_multiprocess:
-            super().setup_distributed()  # one process needs no process group: every stage runs here
+        if not self.is_multiprocess:
+            return  # one process needs no process group: every stage runs here
+        # DDP re-seeds every process here (reset_seed), after the model was built. Every stage runs the same
+        # script, so their RNGs already agree; keeping them as they are makes a seeded run draw (sampler
+        # permutations, dropout) as on one device.
+        states = _rng_states()
+        super().setup_distributed()
+        _set_rng_states(states)
 
     # ---- building the engine ------------------------------------------------------------------------------------
     def setup(self, trainer: Trainer) -> None:
@@ -222,20 +228,22 @@ class AsyncPipelineStrategy(DDPStrategy):
         trainer = self.lightning_module.trainer
         if not trainer.training:
             return dataloader
-        if self.is_multiprocess and self.data_parallel_size == 1:
-            self._seed_shuffling_sampler(dataloader)
+        on_epoch_start = None
+        sampler = getattr(dataloader, "sampler", None)
+        if (self.is_multiprocess and self.data_parallel_size == 1
+                and isinstance(sampler, torch.utils.data.RandomSampler) and sampler.generator is None):
+            on_epoch_start = lambda: self._share_sampler_seed(sampler)  # noqa: E731
         # Wrapped always: besides 2BW's lookahead, the wrapper keeps the data position of a stateful loader right
         # when Lightning's fetcher has read a batch ahead (it does for unsized loaders).
-        self._train_loader = LookaheadLoader.wrap(dataloader)
+        self._train_loader = LookaheadLoader.wrap(dataloader, on_epoch_start)
         return self._train_loader
 
-    def _seed_shuffling_sampler(self, dataloader: object) -> None:
-        """A shuffling sampler without a generator draws from each process's own RNG: give it one seed on every
-        stage (rank 0's draw), so the stages of the pipeline shuffle alike."""
-        sampler = getattr(dataloader, "sampler", None)
-        if isinstance(sampler, torch.utils.data.RandomSampler) and sampler.generator is None:
-            seed = self.broadcast(int(torch.randint(0, 2**62, (1,)).item()), src=0)
-            sampler.generator = torch.Generator().manual_seed(seed)
+    def _share_sampler_seed(self, sampler: torch.utils.data.RandomSampler) -> None:
+        """A shuffling sampler without a generator draws each epoch's seed from its process's own RNG, so the
+        stages would shuffle differently. Rank 0 draws it exactly as the sampler would (so a seeded run shuffles
+        as on one device) and every stage uses it."""
+        seed = int(torch.empty((), dtype=torch.int64).random_().item()) if self.is_global_zero else 0
+        sampler.generator = torch.Generator().manual_seed(self.broadcast(seed, src=0))
 
     def batch_to_device(self, batch: Any, device: Optional[torch.device] = None, dataloader_idx: int = 0) -> Any:
         if not isinstance(batch, FetchedBatch):
@@ -466,6 +474,28 @@ class AsyncPipelineStrategy(DDPStrategy):
         self._train_loader = None
         self._lookahead = None
         super().teardown()
+
+
+def _rng_states() -> tuple:
+    import random
+
+    import numpy as np
+
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+    return random.getstate(), np.random.get_state(), torch.get_rng_state(), cuda
+
+
+def _set_rng_states(states: tuple) -> None:
+    import random
+
+    import numpy as np
+
+    python, numpy, cpu, cuda = states
+    random.setstate(python)
+    np.random.set_state(numpy)
+    torch.set_rng_state(cpu)
+    if cuda is not None:
+        torch.cuda.set_rng_state_all(cuda)
 
 
 def _cpu(obj: Any) -> Any:

@@ -1,0 +1,293 @@
+"""Where the pipeline meets Lightning (tests/test_lightning_seam.py): hooks, samplers, tied weights, nested
+activations, calls after ``fit``.
+
+Builds a model, a loader and a Trainer from a JSON config, runs ``fit`` (then optionally ``validate``, ``test``,
+``predict``) and every rank saves what it saw to ``OUT/rank{r}.pt``: the hook calls, the batches it trained on,
+and on rank 0 the final ``state_dict`` and the results of the calls after ``fit``.
+
+Run as a script in a subprocess (Lightning's launcher re-executes it for the other ranks); the tests also import
+it to build the same model, data and run on one device in their own process (``run(cfg, devices=1)``).
+
+Config keys (all optional but ``steps`` or ``max_epochs``):
+    model: {"name": "tiny" | "tied" | "dict", ...constructor kwargs}
+    seam: {"modify": "targets" | "inputs", "cut_at": int, "record_batches": bool}  (see SeamHooks)
+    data: {"kind": "seq" | "shuffle" | "unsized" | "by_rank", "samples", "batch", "drop_last"}
+    eval_data: the same, for validate/test/predict after fit
+    after: ["validate", "test", "predict"], in that order
+    seed: L.seed_everything(seed) before anything else;  rng_per_rank: each process's global RNG differs
+    schedule, microbatches, partition, timeout, strategy_kwargs, use_distributed_sampler (left at
+    Lightning's default unless given), steps, max_epochs, save_every + checkpoint_dir, resume_from
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any, Optional
+
+import lightning as L
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from helpers import TinyLM, make_dataset  # noqa: E402
+
+from lightning_async_pp import AsyncPipelineStrategy, PipelineModule  # noqa: E402
+
+HOOKS = ("on_before_batch_transfer", "on_after_batch_transfer", "on_train_batch_start", "on_train_batch_end")
+
+
+def fingerprint(batch: Any) -> float:
+    """Identifies a batch by its inputs (taken before any hook changes them)."""
+    return round(float(batch[0].double().sum()), 6)
+
+
+class SeamHooks:
+    """Mixin: records every training batch hook call and, when asked, changes batches the way users do.
+
+    ``seam["modify"]``: ``on_before_batch_transfer`` halves the targets (or the inputs) IN PLACE.
+    ``seam["cut_at"]``: ``on_train_batch_start`` returns -1 at that ``batch_idx`` (ends the epoch there).
+    ``seam["record_batches"]``: keep a copy of every batch trained on (as seen by ``on_train_batch_start``).
+    """
+
+    def __init__(self, *args: Any, seam: Optional[dict] = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.seam = dict(seam or {})
+        self.calls: dict[str, list] = {name: [] for name in HOOKS}
+        self.seen_batches: list = []
+
+    def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
+        if self.trainer.training:
+            self.calls["on_before_batch_transfer"].append(fingerprint(batch))
+            if self.seam.get("modify") == "targets":
+                batch[1].mul_(0.5)
+            elif self.seam.get("modify") == "inputs":
+                batch[0].mul_(0.5)
+        return batch
+
+    def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
+        if self.trainer.training:
+            self.calls["on_after_batch_transfer"].append(fingerprint(batch))
+        return batch
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> Optional[int]:
+        self.calls["on_train_batch_start"].append(batch_idx)
+        if batch_idx == self.seam.get("cut_at"):
+            return -1
+        if self.seam.get("record_batches"):
+            self.seen_batches.append([t.detach().cpu().clone() for t in batch])
+        return None
+
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        self.calls["on_train_batch_end"].append(batch_idx)
+
+
+class SeamTinyLM(SeamHooks, TinyLM):
+    """helpers.TinyLM (regression MLP, ``width``/``depth``/``optimizer``) with the recording hooks."""
+
+
+class TiedLM(SeamHooks, PipelineModule):
+    """Embedding -> block -> block -> head, the head's weight IS the embedding's (``head.weight = embed.weight``)."""
+
+    def __init__(self, vocab: int = 16, width: int = 8, seed: int = 0, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        torch.manual_seed(seed)
+        self.embed = nn.Embedding(vocab, width)
+        self.block1 = nn.Sequential(nn.Linear(width, width), nn.Tanh())
+        self.block2 = nn.Sequential(nn.Linear(width, width), nn.Tanh())
+        self.head = nn.Linear(width, vocab, bias=False)
+        self.head.weight = self.embed.weight
+
+    def pipeline_layers(self):
+        return [self.embed, self.block1, self.block2, self.head]
+
+    def pipeline_loss(self, logits, batch):
+        return nn.functional.cross_entropy(logits, batch[1])
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=0.01, weight_decay=0.1)
+
+
+class DictOut(nn.Module):
+    """Outputs a dict holding a tensor and a list with a tensor and a None."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.proj = nn.Linear(width, width)
+        self.side = nn.Linear(width, 1)
+
+    def forward(self, x: torch.Tensor) -> dict:
+        return {"h": torch.tanh(self.proj(x)), "aux": [self.side(x), None]}
+
+
+class DictIn(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.proj = nn.Linear(width, width)
+
+    def forward(self, d: dict) -> torch.Tensor:
+        if not (isinstance(d, dict) and isinstance(d["aux"], list) and d["aux"][1] is None):
+            raise TypeError(f"expected {{'h': tensor, 'aux': [tensor, None]}}, got {d!r}")
+        return torch.tanh(self.proj(d["h"])) + 0.1 * d["aux"][0]
+
+
+class DictLM(SeamHooks, PipelineModule):
+    """Linear -> DictOut | DictIn -> head: with partition [2, 2] the dict crosses the stage boundary."""
+
+    def __init__(self, width: int = 8, seed: int = 0, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        torch.manual_seed(seed)
+        self.layers = nn.ModuleList([
+            nn.Linear(4, width), DictOut(width), DictIn(width), nn.Sequential(nn.Tanh(), nn.Linear(width, 1)),
+        ])
+
+    def pipeline_layers(self):
+        return list(self.layers)
+
+    def pipeline_loss(self, output, batch):
+        return ((output - batch[1]) ** 2).mean()
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=0.01, weight_decay=0.1)
+
+
+MODELS = {"tiny": SeamTinyLM, "tied": TiedLM, "dict": DictLM}
+
+
+def build_model(cfg: dict) -> PipelineModule:
+    spec = dict(cfg.get("model", {}))
+    name = spec.pop("name", "tiny")
+    return MODELS[name](seam=cfg.get("seam"), **spec)
+
+
+def make_tokens(samples: int = 64, vocab: int = 16, seed: int = 1) -> TensorDataset:
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, vocab, (samples,), generator=g)
+    return TensorDataset(tokens, (3 * tokens + 1) % vocab)
+
+
+def build_dataset(cfg: dict, spec: dict, seed: int = 1):
+    if cfg.get("model", {}).get("name") == "tied":
+        return make_tokens(spec.get("samples", 64), cfg["model"].get("vocab", 16), seed=seed)
+    return make_dataset(spec.get("samples", 64), seed=seed)
+
+
+class UnsizedResumableLoader:
+    """Batches in a fixed order with ``state_dict``/``load_state_dict`` and NO ``__len__`` (like a stream)."""
+
+    def __init__(self, dataset, batch_size: int) -> None:
+        self.loader = DataLoader(dataset, batch_size=batch_size, shuffle=False, drop_last=True)
+        self.position = 0
+        self._resume_at = 0
+
+    def __iter__(self):
+        start, self._resume_at = self._resume_at, 0
+        for i, batch in enumerate(self.loader):
+            if i >= start:
+                self.position = i + 1
+                yield batch
+
+    def state_dict(self) -> dict:
+        return {"position": self.position}
+
+    def load_state_dict(self, state: dict) -> None:
+        self._resume_at = state["position"]
+
+
+def build_loader(cfg: dict, spec: Optional[dict] = None):
+    spec = dict(spec if spec is not None else cfg.get("data", {}))
+    kind = spec.get("kind", "seq")
+    seed = 1 + int(os.environ.get("LOCAL_RANK", 0)) if kind == "by_rank" else 1
+    dataset = build_dataset(cfg, spec, seed=seed)
+    batch = spec.get("batch", 8)
+    if kind == "unsized":
+        return UnsizedResumableLoader(dataset, batch)
+    return DataLoader(dataset, batch_size=batch, shuffle=kind == "shuffle", drop_last=spec.get("drop_last", True))
+
+
+def build_strategy(cfg: dict) -> AsyncPipelineStrategy:
+    kwargs = dict(cfg.get("strategy_kwargs", {}))
+    if "partition" in cfg:
+        kwargs["partition"] = cfg["partition"]
+    return AsyncPipelineStrategy(schedule=cfg.get("schedule", "2bw"), num_microbatches=cfg.get("microbatches", 4),
+                                 pipeline_timeout=cfg.get("timeout", 30.0), **kwargs)
+
+
+def build_trainer(cfg: dict, devices: int, strategy: bool = True) -> L.Trainer:
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    callbacks = []
+    if cfg.get("save_every"):
+        callbacks.append(ModelCheckpoint(dirpath=cfg["checkpoint_dir"], save_last=True,
+                                         every_n_train_steps=cfg["save_every"]))
+    kwargs = dict(
+        accelerator="cpu", devices=devices, max_steps=cfg.get("steps", -1), max_epochs=cfg.get("max_epochs"),
+        logger=False, enable_checkpointing=bool(callbacks), callbacks=callbacks, enable_progress_bar=False,
+        enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=cfg.get("val_batches", 1.0),
+    )
+    if strategy:
+        kwargs["strategy"] = build_strategy(cfg)
+    if "use_distributed_sampler" in cfg:
+        kwargs["use_distributed_sampler"] = cfg["use_distributed_sampler"]
+    return L.Trainer(**kwargs)
+
+
+def _cpu(obj: Any) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().cpu().clone()
+    if isinstance(obj, dict):
+        return {k: _cpu(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_cpu(v) for v in obj)
+    return obj
+
+
+def run(cfg: dict, devices: int, strategy: bool = True) -> tuple[dict, PipelineModule, L.Trainer]:
+    """fit (and the calls after it); returns what this rank saw, the model and the trainer."""
+    if cfg.get("seed") is not None:
+        L.seed_everything(cfg["seed"], verbose=False)
+    model = build_model(cfg)
+    loader = build_loader(cfg)
+    if cfg.get("rng_per_rank"):
+        # No seed: each process's global RNG is in its own state, as after seeding from the clock.
+        torch.manual_seed(1000 + 17 * int(os.environ.get("LOCAL_RANK", 0)))
+    trainer = build_trainer(cfg, devices, strategy)
+    trainer.fit(model, loader, ckpt_path=cfg.get("resume_from"))
+    result: dict[str, Any] = {"rank": trainer.global_rank, "calls": model.calls, "seen_batches": model.seen_batches,
+                              "global_step": trainer.global_step}
+    if trainer.is_global_zero:
+        result["state_dict"] = _cpu(model.state_dict())
+        result["train_loss"] = _cpu(trainer.callback_metrics.get("train_loss"))
+    for action in cfg.get("after", []):
+        eval_loader = build_loader(cfg, cfg.get("eval_data", {"kind": "seq", "drop_last": False}))
+        if action == "validate":
+            result["validate"] = _cpu(trainer.validate(model, eval_loader, verbose=False))
+            if trainer.is_global_zero:
+                result["state_dict_after_validate"] = _cpu(model.state_dict())
+        elif action == "test":
+            result["test"] = _cpu(trainer.test(model, eval_loader, verbose=False))
+        elif action == "predict":
+            result["predict"] = _cpu(trainer.predict(model, eval_loader))
+        else:
+            raise ValueError(action)
+    return result, model, trainer
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--config", required=True)
+    parser.add_argument("--out", required=True, help="folder for rank{r}.pt")
+    args = parser.parse_args()
+    cfg = json.loads(args.config)
+    torch.set_num_threads(1)
+    result, _, trainer = run(cfg, devices=cfg.get("devices", 2))
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    torch.save(result, out / f"rank{trainer.global_rank}.pt")
+
+
+if __name__ == "__main__":
+    main()
