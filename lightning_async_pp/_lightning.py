@@ -1,8 +1,12 @@
 """Every place where lightning-async-pp relies on a Lightning behaviour that has no public API.
 
-Each touch is a small function here, with the Lightning behaviour it relies on, and a test in
+Each touch is a small function or name here, with the Lightning behaviour it relies on, and a test in
 ``tests/test_lightning_private.py`` that fails loudly when a Lightning release changes it. The tested range is
-pinned in ``pyproject.toml``. Nothing else in the package reads a private Lightning attribute.
+pinned in ``pyproject.toml``. Elsewhere the package uses only underscore-named parts that Lightning's own
+strategies and CLI subclasses use as extension points: ``Strategy._configure_launcher``, the optimizer device
+helpers of ``lightning.fabric.utilities.optimizer``, ``LightningCLI._add_configure_optimizers_method_to_model``
+(cli.py), the loop's ``_batches_that_stepped`` counter (callbacks/figures.py), and ``PipelineModule``'s
+override of ``BEFORE_BATCH_TRANSFER`` below.
 """
 from __future__ import annotations
 

@@ -81,13 +81,21 @@ class AsyncPipelineStrategy(DDPStrategy):
         gather_final_weights: bool = True,
         pipeline_timeout: float = 300.0,
         check_batches: bool = True,
-        **kwargs: Any,
+        *,
+        accelerator: Any = None,
+        parallel_devices: Any = None,
+        cluster_environment: Any = None,
+        checkpoint_io: Any = None,
+        precision_plugin: Any = None,
+        process_group_backend: Optional[str] = None,
+        timeout: Optional[timedelta] = None,
+        start_method: str = "popen",
+        **unknown: Any,
     ) -> None:
-        unknown = sorted(set(kwargs) - set(_LIGHTNING_KWARGS))
-        if unknown:
+        if unknown:  # only reported, never forwarded: DDP's own options do not apply to a pipeline
             valid = _OWN_KWARGS + _LIGHTNING_KWARGS
             hints = [f"{u!r} (did you mean {m[0]!r}?)" if (m := difflib.get_close_matches(u, valid, 1)) else repr(u)
-                     for u in unknown]
+                     for u in sorted(unknown)]
             raise TypeError(
                 f"AsyncPipelineStrategy got unknown keyword argument(s) {', '.join(hints)}; valid ones are "
                 f"{', '.join(valid)}"
@@ -97,8 +105,11 @@ class AsyncPipelineStrategy(DDPStrategy):
             partition=partition, delay=delay, sync_steps=sync_steps, num_stages=num_stages,
             pipeline_timeout=pipeline_timeout, check_batches=check_batches,
         )
-        kwargs.setdefault("timeout", timedelta(seconds=pipeline_timeout))
-        super().__init__(**kwargs)
+        super().__init__(
+            accelerator=accelerator, parallel_devices=parallel_devices, cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io, precision_plugin=precision_plugin, process_group_backend=process_group_backend,
+            timeout=timeout if timeout is not None else timedelta(seconds=pipeline_timeout), start_method=start_method,
+        )
         self.gather_final_weights = gather_final_weights
         self.engine: Optional[PipelineEngine] = None
         self._train_loader: Optional[LookaheadLoader] = None
@@ -388,7 +399,10 @@ class AsyncPipelineStrategy(DDPStrategy):
         if self.engine is not None:
             own = None
             if not self.is_multiprocess or self.topology.dp_rank == 0:
-                own = _cpu({"engine": self.engine.state_dict(), "optimizer": [opt.state_dict() for opt in self.optimizers]})
+                # On one process Lightning saves the optimizer itself (optimizer_state); across processes each
+                # stage's optimizer goes here.
+                optimizers = [opt.state_dict() for opt in self.optimizers] if self.is_multiprocess else []
+                own = _cpu({"engine": self.engine.state_dict(), "optimizer": optimizers})
             parts = self._gather_to_zero(own)
             if parts is not None:
                 checkpoint["async_pipeline"] = {

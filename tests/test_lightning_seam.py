@@ -2,10 +2,10 @@
 the data position, the module after ``fit``, evaluation edges, clear errors, nested activations.
 
 Every number is checked against an independent reference: plain Lightning (``L.Trainer`` without the strategy),
-or DESIGN.md's update rule written out as a loop (``delayed_loop``), or, where the brief asks for it, the
+or the update rule of docs/design.md written out as a loop (``delayed_loop``), or, where the brief asks for it, the
 one-device run. Multi-process cases run ``scripts/seam_fit.py`` in a subprocess (gloo on CPU, 2 processes).
 
-What the implementer must satisfy beyond DESIGN.md (the exact wording these tests accept):
+What the implementation must satisfy beyond docs/design.md (the exact wording these tests accept):
 - A pipeline_loss that is not a scalar: an exception (ValueError, TypeError or RuntimeError) whose message
   contains "pipeline_loss" and the offending shape written "(m, 1)" or "[m, 1]" (m = 2, the microbatch of the
   test, or 8, its batch), e.g. torch.Size([2, 1]).
@@ -54,7 +54,6 @@ from pathlib import Path
 import lightning as L
 import pytest
 import torch
-from torch.utils.data import DataLoader
 
 sys.path.insert(0, str(Path(__file__).parent / "scripts"))
 import seam_fit  # noqa: E402
@@ -85,7 +84,8 @@ def _no_seed_leaks():
 
 
 def delayed_loop(model, batches, delay: int = 1) -> dict[str, torch.Tensor]:
-    """DESIGN.md written out: W_{k+1} = W_k - U(grad f(W_{max(k-delay,0)}; B_k)); optimizer state never rewound.
+    """docs/design.md's update rule written out: W_{k+1} = W_k - U(grad f(W_{max(k-delay,0)}; B_k)); optimizer
+    state never rewound.
 
     ``batches`` is the whole sequence B_0, B_1, ... (one update each). Returns the final ``state_dict``.
     """
@@ -265,8 +265,8 @@ def test_epoch_cut_by_on_train_batch_start_two_stages_equal_the_one_device_2bw_r
     assert max_difference(ranks[0]["state_dict"], one_device(CUT)["state_dict"]) < TOL
 
 
-SHUFFLED = dict(model={"optimizer": "adamw"}, seed=1234, max_epochs=3, data={"kind": "shuffle", "samples": 32, "batch": 8},
-                seam={"record_batches": True}, microbatches=4)
+SHUFFLED = dict(model={"optimizer": "adamw"}, seed=1234, max_epochs=3, microbatches=4,
+                data={"kind": "shuffle", "samples": 32, "batch": 8}, seam={"record_batches": True})
 
 
 @pytest.mark.multiprocess
@@ -299,7 +299,8 @@ def test_unsized_stateful_loader_resumed_in_the_second_epoch_continues_exactly_o
     # Saved after 5 updates = the first step of the second epoch; a loader without __len__ (a stream).
     # (Plain Lightning does not pass this: its fetcher has read one batch ahead when the state is saved.)
     one_device(dict(UNSIZED, steps=5, save_every=5, checkpoint_dir=str(tmp_path)))
-    resumed = one_device(dict(UNSIZED, model={"optimizer": "adamw", "seed": 7}, resume_from=str(tmp_path / "last.ckpt")))
+    resumed = one_device(dict(UNSIZED, model={"optimizer": "adamw", "seed": 7},
+                              resume_from=str(tmp_path / "last.ckpt")))
     assert resumed["global_step"] == 9
     assert max_difference(resumed["state_dict"], unsized_reference()) < TOL
 
@@ -413,8 +414,10 @@ def test_ragged_last_batch_in_validate_test_and_predict_on_two_stages_equals_pla
     plain.load_state_dict(rank0["state_dict"])
     t = trainer()
     assert rank0["validate"] and rank0["test"], (rank0["validate"], rank0["test"])
-    assert abs(rank0["validate"][0]["val_loss"] - t.validate(plain, build_loader(cfg, RAGGED), verbose=False)[0]["val_loss"]) < TOL
-    assert abs(rank0["test"][0]["test_loss"] - t.test(plain, build_loader(cfg, RAGGED), verbose=False)[0]["test_loss"]) < TOL
+    expected_val = t.validate(plain, build_loader(cfg, RAGGED), verbose=False)[0]["val_loss"]
+    expected_test = t.test(plain, build_loader(cfg, RAGGED), verbose=False)[0]["test_loss"]
+    assert abs(rank0["validate"][0]["val_loss"] - expected_val) < TOL
+    assert abs(rank0["test"][0]["test_loss"] - expected_test) < TOL
     want = t.predict(plain, build_loader(cfg, RAGGED))
     assert [g.shape[0] for g in rank0["predict"]] == [4, 4, 2]
     assert all((g - w).abs().max().item() < TOL for g, w in zip(rank0["predict"], want))
