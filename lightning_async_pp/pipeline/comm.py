@@ -11,14 +11,13 @@ from __future__ import annotations
 import time
 from collections import deque
 from datetime import timedelta
-from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lightning_async_pp.pipeline.structure import Layout, flatten, unflatten
+from lightning_async_pp.pipeline.structure import Layout, flatten, input_gradient, unflatten
 
 _MAX_LEAVES = 1000
 # Tags keep independent message streams apart; gloo matches by (source, tag) in posting order. A stream's leaves
@@ -222,8 +221,7 @@ class StageLink:
         assert self.in_layout is not None
         for i, (t, m) in enumerate(zip(inputs, self.in_layout.metas)):
             if m.needs_grad:
-                grad = t.grad if t.grad is not None else torch.zeros_like(t)
-                self._isend(grad, self.prev_rank, TAG_GRAD + i)
+                self._isend(input_gradient(t), self.prev_rank, TAG_GRAD + i)
 
     def post_gradient_recv(self) -> None:
         assert self.out_layout is not None, "gradients are received only after activations were sent"

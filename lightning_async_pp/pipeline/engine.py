@@ -160,6 +160,12 @@ class PipelineEngine:
         self.stage_views = [StageView(st.index, st.versions.delay, tuple(names.get(id(p), "?") for p in st.params), st)
                             for st in self.stages]
         self.stats = PipelineStats(self)
+        # Where each tied parameter sits among this process's gradients, and which parameters this stage counts
+        # in a global norm (a tied one only on its first stage): fixed once the stages exist.
+        index = {id(p): i for i, p in enumerate(self.params)}
+        self._tied_slots = [(index[id(tie.param)], tie, group) for tie, group in self._tie_groups]
+        counted_elsewhere = {id(t.param) for t in self.ties if self.topology and t.owner != self.topology.stage}
+        self._counted_in_norm = [id(p) not in counted_elsewhere for p in self.params]
         return self
 
     @classmethod
@@ -219,14 +225,10 @@ class PipelineEngine:
         return loss
 
     def _sum_tied_gradients(self) -> None:
-        if not self._tie_groups:
-            return
-        index = {id(p): i for i, p in enumerate(self.params)}
-        for tie, group in self._tie_groups:
-            g = self.gradients[index[id(tie.param)]]
+        for i, tie, group in self._tied_slots:
+            g = self.gradients[i]
             if g is None:
-                g = torch.zeros_like(tie.param)
-                self.runtime.gradients[index[id(tie.param)]] = g
+                g = self.runtime.gradients[i] = torch.zeros_like(tie.param)
             dist.all_reduce(g, group=group)
 
     def cancel_lookahead(self) -> None:
@@ -250,9 +252,8 @@ class PipelineEngine:
         """
         if self.pipeline_group is None:
             return
-        counted_elsewhere = {id(t.param) for t in self.ties if self.topology and t.owner != self.topology.stage}
-        grads = [g for p, g in zip(self.params, self.gradients) if g is not None]
-        own = [g for p, g in zip(self.params, self.gradients) if g is not None and id(p) not in counted_elsewhere]
+        grads = [g for g in self.gradients if g is not None]
+        own = [g for g, counted in zip(self.gradients, self._counted_in_norm) if g is not None and counted]
         device = grads[0].device if grads else torch.device("cpu")
         sq = torch.stack([g.detach().float().pow(2).sum() for g in own]).sum() if own else torch.zeros((), device=device)
         dist.all_reduce(sq, group=self.pipeline_group)

@@ -1,15 +1,17 @@
-"""Splitting a batch into equal microbatches along dim 0."""
+"""Batches: splitting into microbatches along dim 0 (equal for training, ragged for evaluation), and a
+fingerprint that lets the stages of a pipeline check they were given the same batch."""
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Optional
 
 import torch
+from torch import Tensor
 
 
 def batch_size_of(batch: Any) -> int:
     """The size of dim 0 shared by every tensor in ``batch``."""
-    sizes = {t.shape[0] for t in _tensors(batch) if t.dim() > 0}
+    sizes = {t.shape[0] for t in tensors_of(batch) if t.dim() > 0}
     if len(sizes) != 1:
         raise ValueError(
             f"Every tensor in a batch must share dim 0 to be split into microbatches; found sizes {sorted(sizes)}"
@@ -50,12 +52,25 @@ def _slice(batch: Any, start: int, end: int) -> Any:
     return batch
 
 
-def _tensors(batch: Any):
+def tensors_of(batch: Any):
+    """Every tensor in ``batch`` (nested tuples, lists, mappings), in order."""
     if isinstance(batch, torch.Tensor):
         yield batch
     elif isinstance(batch, Mapping):
         for v in batch.values():
-            yield from _tensors(v)
+            yield from tensors_of(v)
     elif isinstance(batch, (list, tuple)):
         for v in batch:
-            yield from _tensors(v)
+            yield from tensors_of(v)
+
+
+def fingerprint(batch: Any) -> Tensor:
+    """A cheap, order-sensitive checksum of a batch's tensors (float64, on their device), to detect stages of one
+    pipeline that were given different data."""
+    total: Optional[Tensor] = None
+    for i, t in enumerate(tensors_of(batch)):
+        flat = t.detach().reshape(-1).to(torch.float64)
+        weights = torch.arange(flat.numel(), dtype=torch.float64, device=flat.device).remainder_(251).add_(1 + i)
+        term = (flat * weights).sum() + flat.numel()
+        total = term if total is None else total + term.to(total.device)
+    return total if total is not None else torch.zeros((), dtype=torch.float64)

@@ -23,10 +23,10 @@ import torch.distributed as dist
 from torch import Tensor
 
 from lightning_async_pp.pipeline.comm import TAG_EVAL, TAG_LOSS, TAG_PREDICT, StageLink
-from lightning_async_pp.pipeline.microbatch import batch_size_of, split_microbatches, split_ragged
+from lightning_async_pp.pipeline.microbatch import batch_size_of, fingerprint, split_microbatches, split_ragged
 from lightning_async_pp.pipeline.schedule import Action, step_actions
 from lightning_async_pp.pipeline.stage import Stage
-from lightning_async_pp.pipeline.structure import fingerprint, flatten, unflatten
+from lightning_async_pp.pipeline.structure import as_received, flatten, input_gradient, unflatten
 
 TAG_EVAL_LOSS = TAG_LOSS + 1  # the evaluation loss, last stage -> the others
 TAG_PREDICT_RESULT = TAG_PREDICT + 512  # the prediction, last stage -> first stage
@@ -59,6 +59,18 @@ class StepTimes:
     def idle(self) -> float:
         """Everything else: scheduling, Python overhead, data handling."""
         return max(0.0, self.total - self.compute - self.comm_wait - self.optimizer)
+
+
+@dataclass
+class _Receives:
+    """One step's receives from other processes: how many to expect, and how many were posted and used."""
+
+    checked: list[bool]  # per forward to receive: whether it carries a batch fingerprint
+    gradients: int  # gradients to receive
+    posted_f: int = 0
+    used_f: int = 0
+    posted_b: int = 0
+    used_b: int = 0
 
 
 class BatchMismatch(RuntimeError):
@@ -110,6 +122,7 @@ class PipelineRuntime:
         self.last_times = StepTimes()
         self.trace: Optional[list[Span]] = None  # a list while a trace window is open
         self._carried_in = False  # this step's first forwards ran as the previous step's lookahead
+        self._next_check: Optional[Tensor] = None  # fingerprint of the lookahead batch
         self._inflight: dict[tuple[int, int, int], tuple[list[Tensor], Any]] = {}  # (stage, batch, mb)
         self._losses: dict[int, Tensor] = {}  # running loss sum of batches in flight (last stage)
         if link is not None:
@@ -171,9 +184,10 @@ class PipelineRuntime:
         if lookahead:
             microbatches[1] = split_microbatches(next_batch, m)
         if self.check_batches:
-            checks[0] = fingerprint(batch)
-            if lookahead:
-                checks[1] = fingerprint(next_batch)
+            # The lookahead batch's fingerprint was taken last step: each batch is read once per stage.
+            checks[0] = self._next_check if self._carried_in and self._next_check is not None else fingerprint(batch)
+            checks[1] = fingerprint(next_batch) if lookahead else None
+            self._next_check = checks[1]
         queues = {
             s.index: deque(step_actions(self.schedule, s.index, self.num_stages, m,
                                         carried_in=self._carried_in, lookahead=lookahead))
@@ -187,12 +201,12 @@ class PipelineRuntime:
             wait_before = link.wait_seconds
             if not last.is_last:
                 loss_recv = link.post_scalar_recv(self.pipeline_ranks[-1], TAG_LOSS)
-        # Receives from other processes are posted a little ahead of the actions that consume them.
-        remote_f = 0 if first.is_first else sum(a.op == "F" for a in queues[first.index])
-        remote_b = 0 if last.is_last else sum(a.op == "B" for a in queues[last.index])
-        self._posted = {"F": 0, "B": 0, "usedF": 0, "usedB": 0, "needF": remote_f, "needB": remote_b}
-        # Which received forwards are a batch's first microbatch (those carry the batch fingerprint).
-        self._checked = [a.microbatch == 0 for a in queues[first.index] if a.op == "F"]
+        # Receives from other processes are posted a little ahead of the actions that consume them. Of the
+        # forwards received, a batch's first microbatch carries the batch fingerprint.
+        self._receives = _Receives(
+            checked=[] if first.is_first else [a.microbatch == 0 for a in queues[first.index] if a.op == "F"],
+            gradients=0 if last.is_last else sum(a.op == "B" for a in queues[last.index]),
+        )
         acts: dict[tuple[int, int, int], tuple[list[Tensor], Any]] = {}  # in-process hand-overs, by receiver
         grads: dict[tuple[int, int, int], list[Optional[Tensor]]] = {}
         compute = 0.0
@@ -237,14 +251,14 @@ class PipelineRuntime:
         return stage.is_last or stage is self.stages[-1] and self.link is not None or key in grads
 
     def _post_receives(self) -> None:
-        link, posted = self.link, self._posted
+        link, r = self.link, self._receives
         assert link is not None
-        while posted["F"] < min(posted["needF"], posted["usedF"] + self.RECV_DEPTH):
-            link.post_activation_recv(with_check=self.check_batches and self._checked[posted["F"]])
-            posted["F"] += 1
-        while posted["B"] < min(posted["needB"], posted["usedB"] + self.RECV_DEPTH) and link.out_layout is not None:
+        while r.posted_f < min(len(r.checked), r.used_f + self.RECV_DEPTH):
+            link.post_activation_recv(with_check=self.check_batches and r.checked[r.posted_f])
+            r.posted_f += 1
+        while r.posted_b < min(r.gradients, r.used_b + self.RECV_DEPTH) and link.out_layout is not None:
             link.post_gradient_recv()
-            posted["B"] += 1
+            r.posted_b += 1
 
     def _run(self, stage: Stage, action: Action, k: int, microbatches: dict, checks: dict,
              acts: dict, grads: dict) -> float:
@@ -260,7 +274,7 @@ class PipelineRuntime:
                 x = self.input_fn(mb)
             elif remote_in:
                 inputs, check = self.link.recv_activations(with_check=self.check_batches and j == 0)
-                self._posted["usedF"] += 1
+                self._receives.used_f += 1
                 if check is not None:
                     self._compare(check, checks[action.batch], stage, b)
                 x = unflatten(inputs, self.link.in_layout.spec)
@@ -281,8 +295,7 @@ class PipelineRuntime:
                     self.link.send_activations(out, carried=action.batch == 1,
                                                check=checks[action.batch] if j == 0 else None)
                 else:
-                    acts[(stage.index + 1, b, j)] = (
-                        [t.detach().requires_grad_(t.requires_grad and t.is_floating_point()) for t in out_leaves], spec)
+                    acts[(stage.index + 1, b, j)] = (as_received(out_leaves), spec)
             self._inflight[(stage.index, b, j)] = (inputs, out_leaves)
             return elapsed
         inputs, out_leaves = self._inflight.pop((stage.index, b, j))
@@ -292,7 +305,7 @@ class PipelineRuntime:
         else:
             if remote_out:
                 received = self.link.recv_gradients()
-                self._posted["usedB"] += 1
+                self._receives.used_b += 1
             else:
                 received = grads.pop((stage.index, b, j))
             start = time.perf_counter()
@@ -304,9 +317,7 @@ class PipelineRuntime:
             if remote_in:
                 self.link.send_gradients(inputs)
             else:
-                grads[(stage.index - 1, b, j)] = [
-                    (t.grad if t.grad is not None else torch.zeros_like(t)) if t.requires_grad else None for t in inputs
-                ]
+                grads[(stage.index - 1, b, j)] = [input_gradient(t) if t.requires_grad else None for t in inputs]
         return elapsed
 
     def _compare(self, received: Tensor, own: Optional[Tensor], stage: Stage, b: int) -> None:
@@ -386,8 +397,8 @@ class PipelineRuntime:
         rows: list[int] = []
 
         def accumulate(output: Any, mb: Any) -> None:
-            weighted.append(scalar_loss(self.loss_fn(output, mb)).to(torch.float64) * batch_size_of(mb))
             rows.append(batch_size_of(mb))
+            weighted.append(scalar_loss(self.loss_fn(output, mb)).to(torch.float64) * rows[-1])
 
         self._forward_all(batch, TAG_EVAL, accumulate)
         if self.stages[-1].is_last:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -64,6 +64,21 @@ def unflatten(leaves: list[Tensor], spec: Spec) -> Any:
         return tuple(built) if kind == "tuple" else built
 
     return build(spec)
+
+
+def carries_grad(t: Tensor) -> bool:
+    """Whether a gradient flows back for this leaf across a boundary: floating and requiring grad."""
+    return t.requires_grad and t.dtype.is_floating_point
+
+
+def as_received(leaves: list[Tensor]) -> list[Tensor]:
+    """A sender's output leaves as the receiving stage's inputs: new autograd leaves where a gradient flows back."""
+    return [t.detach().requires_grad_(carries_grad(t)) for t in leaves]
+
+
+def input_gradient(t: Tensor) -> Tensor:
+    """What goes back for a received leaf that carries a gradient (zeros when its stage did not use it)."""
+    return t.grad if t.grad is not None else torch.zeros_like(t)
 
 
 @dataclass(frozen=True)
@@ -123,26 +138,3 @@ def _tuples_to_lists(spec: Spec) -> Spec:
 def normalize(spec: Spec) -> Spec:
     """The spec as it looks after a JSON round trip (dict keys that are ints stay ints inside the item lists)."""
     return _tuples_to_lists(spec)
-
-
-def fingerprint(batch: Any) -> Tensor:
-    """A cheap, order-sensitive checksum of a batch's tensors (float64, on their device), to detect stages of one
-    pipeline that were given different data."""
-    total: Optional[Tensor] = None
-    for i, t in enumerate(_tensors(batch)):
-        flat = t.detach().reshape(-1).to(torch.float64)
-        weights = torch.arange(flat.numel(), dtype=torch.float64, device=flat.device).remainder_(251).add_(1 + i)
-        term = (flat * weights).sum() + flat.numel()
-        total = term if total is None else total + term.to(total.device)
-    return total if total is not None else torch.zeros((), dtype=torch.float64)
-
-
-def _tensors(value: Any):
-    if isinstance(value, Tensor):
-        yield value
-    elif isinstance(value, dict):
-        for v in value.values():
-            yield from _tensors(v)
-    elif isinstance(value, (list, tuple)):
-        for v in value:
-            yield from _tensors(v)
