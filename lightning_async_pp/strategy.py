@@ -8,10 +8,11 @@ How it meets Lightning is described in docs/design.md, "The Lightning seam".
 from __future__ import annotations
 
 import difflib
+from contextlib import contextmanager
 import os
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from datetime import timedelta
 from typing import Any, Optional
 
@@ -115,6 +116,7 @@ class AsyncPipelineStrategy(DDPStrategy):
         self._train_loader: Optional[LookaheadLoader] = None
         self._lookahead: Any = None  # the batch whose forwards ran ahead (2BW across processes)
         self._update_started: Optional[float] = None
+        self._reported: Optional[BaseException] = None  # the failure already reported to the other stages
 
     # ---- shape of the run -------------------------------------------------------------------------------------
     @property
@@ -289,30 +291,21 @@ class AsyncPipelineStrategy(DDPStrategy):
     def train_loss(self, batch: Any, batch_idx: Optional[int] = None) -> Tensor:
         engine = self.engine
         assert engine is not None
-        try:
+        with self._reporting_failures():
             if engine.has_lookahead and batch is not self._lookahead:
                 engine.cancel_lookahead()  # Lightning did not train the batch fetched ahead (epoch cut, stop)
             self._lookahead = self._next_batch(batch_idx)
             return engine.train_step(batch, self._lookahead)
-        except BaseException as err:
-            self._report_failure(err)
-            raise
 
     def eval_loss(self, batch: Any) -> Tensor:
         assert self.engine is not None
-        try:
+        with self._reporting_failures():
             return self.engine.evaluate(batch)
-        except BaseException as err:
-            self._report_failure(err)
-            raise
 
     def predict(self, batch: Any) -> Any:
         assert self.engine is not None
-        try:
+        with self._reporting_failures():
             return self.engine.predict(batch)
-        except BaseException as err:
-            self._report_failure(err)
-            raise
 
     # ---- gradients and the update -----------------------------------------------------------------------------
     def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
@@ -353,7 +346,20 @@ class AsyncPipelineStrategy(DDPStrategy):
                 self.engine.board.report(f"stage {self.topology.stage} (rank {self.global_rank}) received SIGTERM")
             raise SIGTERMException()
 
+    @contextmanager
+    def _reporting_failures(self) -> Iterator[None]:
+        """Report a failure of this stage at once, before Lightning's exception handling (whose callbacks may
+        wait for the other stages) runs."""
+        try:
+            yield
+        except BaseException as err:
+            self._report_failure(err)
+            raise
+
     def _report_failure(self, err: BaseException) -> None:
+        if err is self._reported:
+            return  # reported where it was raised; on_exception sees it again
+        self._reported = err
         if self.is_multiprocess and self.engine is not None and not isinstance(err, PipelineFailure):
             message = f"stage {self.topology.stage} (rank {self.global_rank}) failed: {type(err).__name__}: {err}"
             self.engine.board.report(message)
