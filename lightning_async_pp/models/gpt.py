@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lightning_async_pp.module import PipelineModule
+from lightning_async_pp.optim.groups import decay_matrices_only
 
 
 class CausalSelfAttention(nn.Module):
@@ -143,11 +144,5 @@ class GPT(PipelineModule):
 
     # ---- optimizer ---------------------------------------------------------------------------------------------
     def configure_optimizers(self) -> torch.optim.Optimizer:
-        # Weight decay on matrices (linear weights, embeddings) only; biases and norm gains are left alone.
-        # Named parameters so that the optimizer's state dict carries names.
-        named = [(n, p) for n, p in self.named_parameters() if p.requires_grad]
-        groups = [
-            {"params": [(n, p) for n, p in named if p.dim() >= 2], "weight_decay": self.hparams.weight_decay},
-            {"params": [(n, p) for n, p in named if p.dim() < 2], "weight_decay": 0.0},
-        ]
+        groups = decay_matrices_only(self.named_parameters(), self.hparams.weight_decay)
         return torch.optim.AdamW(groups, lr=self.hparams.learning_rate, betas=(0.9, 0.95))

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lightning_async_pp.module import PipelineModule
+from lightning_async_pp.optim.groups import decay_matrices_only
 
 
 @dataclass(frozen=True)
@@ -245,9 +246,5 @@ class Llama(PipelineModule):
     def configure_optimizers(self) -> torch.optim.Optimizer:
         # As GPT: weight decay on matrices (linear weights, the embedding) only, not on norm gains. A tied matrix
         # is listed once by named_parameters(), under its first name (embed.weight), so it is updated once.
-        named = [(n, p) for n, p in self.named_parameters() if p.requires_grad]
-        groups = [
-            {"params": [(n, p) for n, p in named if p.dim() >= 2], "weight_decay": self.hparams.weight_decay},
-            {"params": [(n, p) for n, p in named if p.dim() < 2], "weight_decay": 0.0},
-        ]
+        groups = decay_matrices_only(self.named_parameters(), self.hparams.weight_decay)
         return torch.optim.AdamW(groups, lr=self.hparams.lr, betas=(0.9, 0.95))
