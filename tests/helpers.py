@@ -84,9 +84,9 @@ def make_dataset(samples: int = 64, seed: int = 1) -> TensorDataset:
     return TensorDataset(x, y)
 
 
-class ResumableLoader:
+class ResumableStream:
     """Batches in a fixed order, with ``state_dict``/``load_state_dict`` so that Lightning can checkpoint the data
-    position mid-epoch (plain DataLoaders restart their epoch on resume)."""
+    position mid-epoch (plain DataLoaders restart their epoch on resume); no ``__len__``, like a stream."""
 
     def __init__(self, dataset, batch_size: int) -> None:
         from torch.utils.data import DataLoader
@@ -94,9 +94,6 @@ class ResumableLoader:
         self.loader = DataLoader(dataset, batch_size=batch_size, shuffle=False, drop_last=True)
         self.position = 0
         self._resume_at = 0
-
-    def __len__(self) -> int:
-        return len(self.loader)
 
     def __iter__(self):
         start, self._resume_at = self._resume_at, 0
@@ -110,6 +107,25 @@ class ResumableLoader:
 
     def load_state_dict(self, state: dict) -> None:
         self._resume_at = state["position"]
+
+
+class ResumableLoader(ResumableStream):
+    """A :class:`ResumableStream` with a length, like a DataLoader."""
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+
+def one_device_trainer(strategy=None, steps: int = 6, **kwargs):
+    """A quiet one-device CPU Trainer (no logger, checkpoints, progress bar or sanity check) for ``steps`` updates."""
+    import lightning as L
+
+    defaults = dict(accelerator="cpu", devices=1, max_steps=steps, logger=False, enable_checkpointing=False,
+                    enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0)
+    defaults.update(kwargs)
+    if strategy is not None:
+        defaults["strategy"] = strategy
+    return L.Trainer(**defaults)
 
 
 def muon_with_correction(params):

@@ -57,6 +57,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent / "scripts"))
 import seam_fit  # noqa: E402
+from helpers import one_device_trainer  # noqa: E402
 from seam_fit import DictLM, SeamTinyLM, TiedLM, build_loader, build_model  # noqa: E402
 
 from lightning_async_pp import AsyncPipelineStrategy  # noqa: E402
@@ -117,12 +118,7 @@ def max_difference(a: dict, b: dict) -> float:
 
 
 def trainer(strategy=None, steps=STEPS, **kwargs) -> L.Trainer:
-    defaults = dict(accelerator="cpu", devices=1, max_steps=steps, logger=False, enable_checkpointing=False,
-                    enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0)
-    defaults.update(kwargs)
-    if strategy is not None:
-        defaults["strategy"] = strategy
-    return L.Trainer(**defaults)
+    return one_device_trainer(strategy, steps, **kwargs)
 
 
 def run_seam(cfg: dict, tmp_path: Path, timeout: float = 150) -> subprocess.CompletedProcess:

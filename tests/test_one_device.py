@@ -6,7 +6,7 @@ import copy
 import lightning as L
 import pytest
 import torch
-from helpers import ResumableLoader, TinyLM, make_dataset
+from helpers import ResumableLoader, TinyLM, make_dataset, one_device_trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import nn
 from torch.utils.data import DataLoader
@@ -19,12 +19,7 @@ STEPS = 6
 
 
 def trainer(strategy=None, steps=STEPS, **kwargs) -> L.Trainer:
-    defaults = dict(accelerator="cpu", devices=1, max_steps=steps, logger=False, enable_checkpointing=False,
-                    enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0)
-    defaults.update(kwargs)
-    if strategy is not None:
-        defaults["strategy"] = strategy
-    return L.Trainer(**defaults)
+    return one_device_trainer(strategy, steps, **kwargs)
 
 
 def loader(batch_size=8, samples=64) -> DataLoader:

@@ -33,7 +33,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from helpers import TinyLM, make_dataset  # noqa: E402
+from helpers import ResumableStream, TinyLM, make_dataset  # noqa: E402
 
 from lightning_async_pp import AsyncPipelineStrategy, PipelineModule  # noqa: E402
 
@@ -175,28 +175,6 @@ def build_dataset(cfg: dict, spec: dict, seed: int = 1):
     return make_dataset(spec.get("samples", 64), seed=seed)
 
 
-class UnsizedResumableLoader:
-    """Batches in a fixed order with ``state_dict``/``load_state_dict`` and NO ``__len__`` (like a stream)."""
-
-    def __init__(self, dataset, batch_size: int) -> None:
-        self.loader = DataLoader(dataset, batch_size=batch_size, shuffle=False, drop_last=True)
-        self.position = 0
-        self._resume_at = 0
-
-    def __iter__(self):
-        start, self._resume_at = self._resume_at, 0
-        for i, batch in enumerate(self.loader):
-            if i >= start:
-                self.position = i + 1
-                yield batch
-
-    def state_dict(self) -> dict:
-        return {"position": self.position}
-
-    def load_state_dict(self, state: dict) -> None:
-        self._resume_at = state["position"]
-
-
 def build_loader(cfg: dict, spec: Optional[dict] = None):
     spec = dict(spec if spec is not None else cfg.get("data", {}))
     kind = spec.get("kind", "seq")
@@ -204,7 +182,7 @@ def build_loader(cfg: dict, spec: Optional[dict] = None):
     dataset = build_dataset(cfg, spec, seed=seed)
     batch = spec.get("batch", 8)
     if kind == "unsized":
-        return UnsizedResumableLoader(dataset, batch)
+        return ResumableStream(dataset, batch)
     return DataLoader(dataset, batch_size=batch, shuffle=kind == "shuffle", drop_last=spec.get("drop_last", True))
 
 
