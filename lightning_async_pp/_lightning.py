@@ -5,17 +5,36 @@ Each touch is a small function or name here, with the Lightning behaviour it rel
 pinned in ``pyproject.toml``. Elsewhere the package uses only underscore-named parts that Lightning's own
 strategies and CLI subclasses use as extension points: ``Strategy._configure_launcher``, the optimizer device
 helpers of ``lightning.fabric.utilities.optimizer``, ``LightningCLI._add_configure_optimizers_method_to_model``
-(cli.py), the loop's ``_batches_that_stepped`` counter (callbacks/figures.py), and ``PipelineModule``'s
-override of ``BEFORE_BATCH_TRANSFER`` below.
+(cli.py) and the loop's ``_batches_that_stepped`` counter (callbacks/figures.py).
 """
 from __future__ import annotations
 
 from typing import Any, Callable
 
+import lightning as L
+
 #: The LightningModule method through which every loop runs ``on_before_batch_transfer`` on a fetched batch
 #: (training, evaluation and prediction loops call ``trainer.lightning_module._on_before_batch_transfer``).
-#: ``PipelineModule`` overrides it to let a batch whose hooks already ran (2BW's lookahead) pass untouched.
 BEFORE_BATCH_TRANSFER = "_on_before_batch_transfer"
+
+
+class PassesFetchedBatches:
+    """Mixed into ``PipelineModule``: a batch fetched for 2BW's lookahead (a ``FetchedBatch``) passes the loops'
+    ``on_before_batch_transfer`` call untouched, because the strategy's ``batch_to_device`` runs the hooks on it
+    exactly once (lightning_async_pp/lookahead.py). Relies on: every loop calling :data:`BEFORE_BATCH_TRANSFER`
+    on the module before ``strategy.batch_to_device``."""
+
+    def _on_before_batch_transfer(self, batch: Any, dataloader_idx: int = 0) -> Any:
+        from lightning_async_pp.lookahead import FetchedBatch
+
+        if isinstance(batch, FetchedBatch):
+            return batch
+        return super()._on_before_batch_transfer(batch, dataloader_idx)  # type: ignore[misc]
+
+
+def before_batch_transfer(module: Any, batch: Any) -> Any:
+    """Run ``on_before_batch_transfer`` on a training batch as Lightning's loop does (bypassing the pass-through)."""
+    return L.LightningModule._on_before_batch_transfer(module, batch, dataloader_idx=0)
 
 
 def keep_user_sampler(trainer: Any) -> None:

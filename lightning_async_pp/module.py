@@ -7,6 +7,8 @@ from typing import Any, Optional, Protocol
 import lightning as L
 from torch import Tensor, nn
 
+from lightning_async_pp._lightning import PassesFetchedBatches
+
 
 class PipelineExecutor(Protocol):
     """What a pipeline strategy plugs into a ``PipelineModule`` to replace the sequential run."""
@@ -18,7 +20,7 @@ class PipelineExecutor(Protocol):
     def predict(self, batch: Any) -> Any: ...  # the last layer's output, newest weights
 
 
-class PipelineModule(L.LightningModule):
+class PipelineModule(PassesFetchedBatches, L.LightningModule):
     """A ``LightningModule`` described as an ordered list of layers and a loss.
 
     Subclasses implement :meth:`pipeline_layers` and :meth:`pipeline_loss` (and optionally
@@ -71,15 +73,6 @@ class PipelineModule(L.LightningModule):
         if executor is None:
             return self.pipeline_loss(self.pipeline_forward(batch), batch)
         return executor.train_loss(batch, batch_idx) if batch_idx is not None else executor.eval_loss(batch)
-
-    def _on_before_batch_transfer(self, batch: Any, dataloader_idx: int = 0) -> Any:
-        # A batch fetched for 2BW's lookahead carries its own transfer (see lightning_async_pp/lookahead.py and
-        # _lightning.BEFORE_BATCH_TRANSFER): the strategy's batch_to_device runs the hooks on it exactly once.
-        from lightning_async_pp.lookahead import FetchedBatch
-
-        if isinstance(batch, FetchedBatch):
-            return batch
-        return super()._on_before_batch_transfer(batch, dataloader_idx)
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """A checkpoint of a multi-process pipeline run resumes only under ``AsyncPipelineStrategy`` (its optimizer

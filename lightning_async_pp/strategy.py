@@ -271,7 +271,7 @@ class AsyncPipelineStrategy(DDPStrategy):
         ``on_before_batch_transfer``, the transfer to the device and ``on_after_batch_transfer``."""
         module = self.lightning_module
         batch = module.trainer.precision_plugin.convert_input(raw)
-        batch = super(PipelineModule, module)._on_before_batch_transfer(batch, dataloader_idx=0)
+        batch = _lightning.before_batch_transfer(module, batch)
         return super().batch_to_device(batch, dataloader_idx=0)
 
     def _next_batch(self, batch_idx: Optional[int]) -> Any:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import inspect
 
 import lightning as L
+import torch
 from helpers import TinyLM, make_dataset
 from lightning.pytorch.loops.training_epoch_loop import _TrainingEpochLoop
 from torch.utils.data import DataLoader, SequentialSampler
@@ -61,3 +62,18 @@ def test_training_step_starts_with_the_sigterm_broadcast_that_the_strategy_repla
     marker = lambda: None  # noqa: E731
     _lightning.replace_sigterm_broadcast(FakeTrainer, marker)
     assert FakeTrainer.fit_loop.epoch_loop._broadcast_sigterm_tensor is marker
+
+
+def test_pipeline_module_lets_a_batch_fetched_ahead_pass_the_loops_transfer_call_and_runs_the_hook_otherwise():
+    from lightning_async_pp.lookahead import FetchedBatch
+
+    class Halving(TinyLM):
+        def on_before_batch_transfer(self, batch, dataloader_idx):
+            return [batch[0], batch[1] / 2]
+
+    model = Halving()
+    fetched = FetchedBatch([1, 2])
+    assert model._on_before_batch_transfer(fetched) is fetched  # the strategy transfers it, once
+    x, y = torch.ones(2, 4), torch.full((2, 1), 4.0)
+    assert torch.equal(_lightning.before_batch_transfer(model, [x, y])[1], y / 2)
+    assert torch.equal(model._on_before_batch_transfer([x, y])[1], y / 2)
