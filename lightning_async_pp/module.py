@@ -5,6 +5,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any, Optional, Protocol
 
 import lightning as L
+import torch
 from torch import Tensor, nn
 
 from lightning_async_pp._lightning import PassesFetchedBatches
@@ -56,6 +57,32 @@ class PipelineModule(PassesFetchedBatches, L.LightningModule):
             f"Cannot tell the inputs of a batch of type {type(batch).__name__}; override pipeline_input(batch)"
         )
 
+    @torch.no_grad()
+    def init_layer(self, index: int, layer: nn.Module) -> None:
+        """Initialize pipeline layer ``index`` after a pipeline strategy gave it memory (it was built on the meta
+        device in ``configure_model``). Called only on the process that runs the layer.
+
+        Default: ``reset_parameters()`` of each of its submodules that holds tensors, drawing from the global RNG
+        seeded from ``torch.initial_seed()`` and ``index`` (the global RNG is left as it was), so a layer's
+        weights do not depend on which other layers a process builds. Override it for a custom initialization,
+        and for buffers that ``reset_parameters`` does not set.
+        """
+        seed = (torch.initial_seed() * 1_000_003 + index) % 2**63
+        devices = [p.device for p in layer.parameters() if p.device.type == "cuda"][:1]
+        with torch.random.fork_rng(devices=devices):
+            torch.manual_seed(seed)
+            for module in layer.modules():
+                if not any(True for _ in (*module.parameters(recurse=False), *module.buffers(recurse=False))):
+                    continue
+                reset = getattr(module, "reset_parameters", None)
+                if not callable(reset):
+                    raise TypeError(
+                        f"pipeline layer {index} was built on the meta device and its submodule "
+                        f"{type(module).__name__} has no reset_parameters() to initialize it; define one, or override "
+                        f"{type(self).__name__}.init_layer(index, layer)"
+                    )
+                reset()
+
     # ---- sequential run (what the pipeline reproduces) ---------------------------------------------------------
     def pipeline_forward(self, batch: Any) -> Any:
         """Run every layer in order on ``batch``'s inputs."""
@@ -75,19 +102,20 @@ class PipelineModule(PassesFetchedBatches, L.LightningModule):
         return executor.train_loss(batch, batch_idx) if batch_idx is not None else executor.eval_loss(batch)
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        """A checkpoint of a multi-process pipeline run resumes only under ``AsyncPipelineStrategy`` (its optimizer
-        states are per stage); its ``state_dict`` alone loads anywhere (``load_from_checkpoint`` works)."""
-        saved = checkpoint.get("async_pipeline")
+        """A checkpoint of ``AsyncPipelineStrategy`` resumes training only under that strategy (its optimizer states
+        are saved by parameter name, for any layout); its ``state_dict`` alone loads anywhere
+        (``load_from_checkpoint`` works)."""
         trainer = self._trainer
-        if saved is None or trainer is None or saved.get("num_stages", 1) == 1 or getattr(trainer.state, "fn", None) != "fit":
+        if "async_pipeline" not in checkpoint or trainer is None or getattr(trainer.state, "fn", None) != "fit":
             return
         from lightning_async_pp.strategy import AsyncPipelineStrategy
 
         if not isinstance(trainer.strategy, AsyncPipelineStrategy):
             raise ValueError(
-                f"this checkpoint was saved by AsyncPipelineStrategy with {saved['num_stages']} pipeline stages; its "
-                f"optimizer states are per stage, so resume it with AsyncPipelineStrategy and as many stages, or load "
-                f"only the weights: model.load_state_dict(torch.load(path, weights_only=False)['state_dict'])"
+                f"this checkpoint was saved by AsyncPipelineStrategy ({checkpoint['async_pipeline'].get('num_stages')} "
+                f"pipeline stage(s)); its optimizer states are saved by parameter name, so resume it with "
+                f"AsyncPipelineStrategy (any number of stages), or load only the weights: "
+                f"model.load_state_dict(torch.load(path, weights_only=False)['state_dict'])"
             )
 
     def training_step(self, batch: Any, batch_idx: int) -> Tensor:

@@ -8,7 +8,7 @@ How it meets Lightning is described in docs/design.md, "The Lightning seam".
 from __future__ import annotations
 
 import difflib
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 import os
 import sys
 import time
@@ -29,6 +29,7 @@ from torch import Tensor
 from lightning_async_pp import _lightning
 from lightning_async_pp.lookahead import FetchedBatch, LookaheadLoader, transfer_early
 from lightning_async_pp.module import PipelineModule
+from lightning_async_pp.pipeline import checkpoint as ckpt
 from lightning_async_pp.pipeline.comm import PipelineFailure
 from lightning_async_pp.pipeline.config import DelaySpec, PipelineConfig
 from lightning_async_pp.pipeline.engine import PipelineEngine, check_names_and_shapes
@@ -41,7 +42,7 @@ from lightning_async_pp.pipeline.topology import PipelineTopology
 _LIGHTNING_KWARGS = ("accelerator", "parallel_devices", "cluster_environment", "checkpoint_io", "precision_plugin",
                      "process_group_backend", "timeout", "start_method")
 _OWN_KWARGS = ("schedule", "num_microbatches", "data_parallel_size", "partition", "delay", "sync_steps", "num_stages",
-               "gather_final_weights", "pipeline_timeout", "check_batches")
+               "gather_final_weights", "pipeline_timeout", "check_batches", "save_distributed_checkpoint")
 
 
 class AsyncPipelineStrategy(DDPStrategy):
@@ -66,6 +67,9 @@ class AsyncPipelineStrategy(DDPStrategy):
             group timeout, so a failed or dead stage stops the others within about this long.
         check_batches: stages of a pipeline compare a fingerprint of each batch and stop with an error when they
             were given different data.
+        save_distributed_checkpoint: checkpoints are directories written through ``torch.distributed.checkpoint``
+            (each stage writes its own tensors, nothing is gathered); ``False`` writes one file assembled on rank
+            0. Either kind loads into any number of stages, data-parallel size or partition.
     """
 
     strategy_name = "async_pipeline"
@@ -82,6 +86,7 @@ class AsyncPipelineStrategy(DDPStrategy):
         gather_final_weights: bool = True,
         pipeline_timeout: float = 300.0,
         check_batches: bool = True,
+        save_distributed_checkpoint: bool = True,
         *,
         accelerator: Any = None,
         parallel_devices: Any = None,
@@ -112,6 +117,9 @@ class AsyncPipelineStrategy(DDPStrategy):
             timeout=timeout if timeout is not None else timedelta(seconds=pipeline_timeout), start_method=start_method,
         )
         self.gather_final_weights = gather_final_weights
+        self.save_distributed_checkpoint = save_distributed_checkpoint
+        self._source: Optional[ckpt.TensorSource] = None  # the checkpoint being restored, between its two loads
+        self._tensors: dict[str, Any] = {}
         self.engine: Optional[PipelineEngine] = None
         self._train_loader: Optional[LookaheadLoader] = None
         self._lookahead: Any = None  # the batch whose forwards ran ahead (2BW across processes)
@@ -220,6 +228,8 @@ class AsyncPipelineStrategy(DDPStrategy):
             input_fn=module.pipeline_input, loss_fn=module.pipeline_loss,
             device=self.root_device, world_size=self.world_size_total, rank=self.global_rank,
         )
+        # Layers built on the meta device (configure_model) get memory here, this process's stage only.
+        self.engine.materialize(self.root_device, module.init_layer)
         self.model_to_device()
         self.engine.start()
         module._pipeline_executor = self
@@ -231,6 +241,14 @@ class AsyncPipelineStrategy(DDPStrategy):
             # A stage that stops makes its neighbours stop through the pipeline's own failure handling, so a
             # local check replaces Lightning's per-step broadcast (a barrier across all stages).
             _lightning.replace_sigterm_broadcast(trainer, self._check_sigterm_locally)
+
+    @contextmanager
+    def tensor_init_context(self, empty_init: Optional[bool] = None) -> Iterator[None]:
+        """Layers created in ``configure_model`` (or ``trainer.init_module()``) are created on the meta device,
+        without memory, as Lightning's ``ModelParallelStrategy`` does; ``setup`` materializes only this process's
+        stage (:meth:`PipelineEngine.materialize`). ``empty_init=False`` creates them normally."""
+        with torch.device("meta") if empty_init is not False else nullcontext(), self.precision_plugin.tensor_init_context():
+            yield
 
     def model_to_device(self) -> None:
         assert self.model is not None
@@ -371,10 +389,45 @@ class AsyncPipelineStrategy(DDPStrategy):
         super().on_exception(exception)
 
     # ---- checkpoints ------------------------------------------------------------------------------------------
+    # Every stage contributes its own tensors, keyed by global names (pipeline/checkpoint.py); see docs/design.md,
+    # "Checkpoints". Nothing is gathered for a sharded checkpoint; a single file is assembled on rank 0.
     @property
     def restore_checkpoint_after_setup(self) -> bool:
         # The stashed versions live in the engine's stages, which exist only after setup.
         return True
+
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        return self.lightning_module.state_dict()  # this stage's part; save_checkpoint assembles the rest
+
+    def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
+        return {}  # saved by parameter name with the weights (save_checkpoint), so any layout can load it
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
+        assert self.engine is not None
+        path = os.fspath(filepath)
+        own = self.not_a_replica
+        module_state = checkpoint.pop("state_dict")
+        flat = ckpt.engine_tensors(self.engine, module_state, self.optimizers) if own else {}
+        meta = ckpt.checkpoint_meta(self.engine, self.schedule, self.data_parallel_size)
+        if self.save_distributed_checkpoint:
+            checkpoint["async_pipeline"] = meta
+            ckpt.save_sharded(path, flat, checkpoint, is_coordinator=self.is_global_zero, barrier=self.barrier)
+            return
+        parts = self._gather_to_zero(_cpu(flat) if self.is_multiprocess else flat)
+        if self.is_global_zero:
+            merged: dict[str, Any] = {}
+            for part in parts or []:
+                merged.update(part)
+            checkpoint.update(ckpt.single_file_parts(merged, meta))
+            # Write beside the target and rename: a crash mid-write leaves the previous checkpoint intact.
+            tmp = f"{path}.tmp-{os.getpid()}"
+            self.checkpoint_io.save_checkpoint(checkpoint, tmp, storage_options=storage_options)
+            os.replace(tmp, path)
+
+    @property
+    def not_a_replica(self) -> bool:
+        """This process's stage belongs to the first pipeline (replicas hold the same tensors)."""
+        return not self.is_multiprocess or self.topology.dp_rank == 0
 
     def _gather_to_zero(self, obj: Any) -> Optional[list[Any]]:
         if not self.is_multiprocess:
@@ -383,76 +436,35 @@ class AsyncPipelineStrategy(DDPStrategy):
         dist.gather_object(obj, out, dst=0)
         return out
 
-    def _merged_module_state(self) -> dict[str, Tensor]:
-        """The whole model's state dict on rank 0 (each stage of replica 0 contributes its own layers)."""
-        module = self.lightning_module
-        if not self.is_multiprocess:
-            return module.state_dict()
-        parts = self._gather_to_zero(_cpu(module.state_dict()) if self.topology.dp_rank == 0 else {})
-        merged: dict[str, Tensor] = {}
-        for part in parts or []:
-            merged.update(part)
-        return merged
-
-    def lightning_module_state_dict(self) -> dict[str, Any]:
-        return self._merged_module_state()
-
-    def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
-        # Across processes each stage has its own optimizer; their states are saved per stage (save_checkpoint).
-        return {} if self.is_multiprocess else optimizer.state_dict()
-
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
-        if self.engine is not None:
-            own = None
-            if not self.is_multiprocess or self.topology.dp_rank == 0:
-                # On one process Lightning saves the optimizer itself (optimizer_state); across processes each
-                # stage's optimizer goes here.
-                optimizers = [opt.state_dict() for opt in self.optimizers] if self.is_multiprocess else []
-                own = _cpu({"engine": self.engine.state_dict(), "optimizer": optimizers})
-            parts = self._gather_to_zero(own)
-            if parts is not None:
-                checkpoint["async_pipeline"] = {
-                    "schedule": self.schedule,
-                    "num_stages": self.num_stages,
-                    "stages": [p for p in parts if p is not None],
-                }
-        if self.is_global_zero:
-            # Write beside the target and rename: a crash mid-write leaves the previous checkpoint intact.
-            path = os.fspath(filepath)
-            tmp = f"{path}.tmp-{os.getpid()}"
-            self.checkpoint_io.save_checkpoint(checkpoint, tmp, storage_options=storage_options)
-            os.replace(tmp, path)
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
+        path = ckpt.resolve(os.fspath(checkpoint_path))
+        if ckpt.is_sharded(path):
+            self._source = ckpt.ShardedSource(path)
+            return ckpt.read_meta(path)
+        checkpoint = super().load_checkpoint(path, weights_only=weights_only)
+        self._source = ckpt.file_source(checkpoint)
+        return checkpoint
 
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
-        module = self.lightning_module
-        state = checkpoint["state_dict"]
+        engine, module, source = self.engine, self.lightning_module, self._source
+        assert engine is not None
+        if source is None:  # a checkpoint dict handed over without load_checkpoint
+            source = self._source = ckpt.file_source(checkpoint)
         own = module.state_dict()
-        expected = {k: tuple(v.shape) for k, v in own.items()}
-        found = {k: tuple(v.shape) for k, v in state.items() if k in own or not self.is_multiprocess}
-        check_names_and_shapes(expected, found, "the model's state_dict")
-        module.load_state_dict({k: v for k, v in state.items() if k in own}, strict=strict)
-        saved = checkpoint.get("async_pipeline")
-        if saved is None or self.engine is None:
-            return
-        if saved.get("num_stages") != self.num_stages:
-            raise ValueError(
-                f"the checkpoint was saved with {saved.get('num_stages')} pipeline stage(s) and this run has "
-                f"{self.num_stages}; resume with the same number of stages (processes / data_parallel_size)"
-            )
-        engine_state = {"stages": {}}
-        for part in saved["stages"]:
-            engine_state["stages"].update(part["engine"]["stages"])
-        self.engine.load_state_dict(engine_state)
+        ckpt.check_model_fits(engine, own, source, not self.is_multiprocess, check_names_and_shapes)
+        self._tensors = source.read(ckpt.needed_keys(engine, own, source))
+        num_updates = checkpoint.get("async_pipeline", {}).get("num_updates", 0)
+        ckpt.load_engine(engine, module, self._tensors, num_updates)
 
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
-        saved = checkpoint.get("async_pipeline")
-        if not self.is_multiprocess or saved is None:
-            return super().load_optimizer_state_dict(checkpoint)
-        stage = self.topology.stage
-        part = next(p for p in saved["stages"] if str(stage) in p["engine"]["stages"])
-        for optimizer, opt_state in zip(self.optimizers, part["optimizer"]):
-            optimizer.load_state_dict(opt_state)
+        assert self.engine is not None
+        if self._source is not None and ckpt.has_optimizer_state(self._source):
+            ckpt.load_optimizers(self.optimizers, self.engine.global_names, self._tensors)
+        elif not self.is_multiprocess:
+            super().load_optimizer_state_dict(checkpoint)  # a plain Lightning checkpoint
+        for optimizer in self.optimizers:
             _optimizer_to_device(optimizer, self.root_device)
+        self._source, self._tensors = None, {}
 
     # ---- after each trainer call ------------------------------------------------------------------------------
     def on_train_end(self) -> None:
@@ -479,6 +491,17 @@ class AsyncPipelineStrategy(DDPStrategy):
         if self.is_multiprocess and self.gather_final_weights:
             self.gather_model_to_rank_zero()
 
+    def _merged_module_state(self) -> dict[str, Tensor]:
+        """The whole model's state dict on rank 0 (each stage of replica 0 contributes its own layers)."""
+        module = self.lightning_module
+        if not self.is_multiprocess:
+            return module.state_dict()
+        parts = self._gather_to_zero(_cpu(module.state_dict()) if self.not_a_replica else {})
+        merged: dict[str, Tensor] = {}
+        for part in parts or []:
+            merged.update(part)
+        return merged
+
     def gather_model_to_rank_zero(self) -> None:
         """Put every stage's layers and weights into rank 0's module (the others keep their own stage)."""
         assert self.engine is not None
@@ -491,6 +514,15 @@ class AsyncPipelineStrategy(DDPStrategy):
         module = self.lightning_module
         if isinstance(module, PipelineModule):
             module._pipeline_executor = None
+        if module is not None:
+            # A setup that failed before materializing leaves meta tensors, which Lightning's move to the CPU
+            # cannot copy: give them a placeholder of their shape (no memory) so the original error surfaces.
+            for sub in module.modules():
+                for tensors in (sub._parameters, sub._buffers):
+                    for name, t in tensors.items():
+                        if t is not None and t.is_meta:
+                            placeholder = torch.empty((), dtype=t.dtype).expand(t.shape)
+                            tensors[name] = torch.nn.Parameter(placeholder, t.requires_grad) if isinstance(t, torch.nn.Parameter) else placeholder
         self._train_loader = None
         self._lookahead = None
         super().teardown()

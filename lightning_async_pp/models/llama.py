@@ -221,7 +221,7 @@ class Llama(PipelineModule):
         generator = torch.Generator().manual_seed((base * 1_000_003 + index) % 2**63)
         residual_std = 0.02 / math.sqrt(2 * self.config.num_layers)
         for name, p in layer.named_parameters():
-            if p.is_meta or (layer is self.head and self.config.tie_embeddings and p is self.embed.weight):
+            if p.is_meta or (layer is self.head and self.config.tie_embeddings and name == "proj.weight"):
                 continue
             if p.dim() == 1:  # RMSNorm gain
                 p.fill_(1.0)

@@ -29,6 +29,7 @@ from lightning_async_pp.pipeline.placement import (
     Tie,
     check_parameters_covered,
     layer_paths,
+    materialize_layers,
     remove_other_stages,
     restore_layers,
 )
@@ -111,6 +112,14 @@ class PipelineEngine:
         self.ranges = partition_layers(self.layers, self.num_stages, config.partition)
         self.stage_of_layer = [s for s, r in enumerate(self.ranges) for _ in r]
         self.ties: list[Tie] = check_parameters_covered(root, self.layers, self.stage_of_layer)
+        # Each parameter's name in the whole model (a tied one under its first name), taken before other stages'
+        # layers leave this process: checkpoints key tensors by these, whatever the layout.
+        self.global_names: dict[int, str] = {}
+        self.aliases: dict[str, str] = {}  # second and later names of a shared parameter -> its global name
+        for name, p in root.named_parameters(remove_duplicate=False):
+            first = self.global_names.setdefault(id(p), name)
+            if first != name:
+                self.aliases[name] = first
         delays = config.stage_delays(self.num_stages)
         self._tie_groups: list[tuple[Tie, Any]] = []
         self.pipeline_group: Any = None
@@ -144,6 +153,22 @@ class PipelineEngine:
         self._input_fn, self._loss_fn = input_fn, loss_fn
         self.stages: list[Stage] = []
 
+    def own_layer_indices(self) -> list[int]:
+        """The global indices of the layers this process runs."""
+        return [i for s in self._local for i in self.ranges[s]]
+
+    def materialize(self, device: torch.device, init_layer: Callable[[int, nn.Module], None]) -> None:
+        """Give this process's layers that were built on the ``meta`` device their memory on ``device`` and
+        initialize them, layer by layer (``init_layer(index, layer)``); other stages' layers stay without memory.
+        Then the copies of a parameter tied across processes take the value of the stage that owns it.
+        Call after construction, before :meth:`start`."""
+        own = self.own_layer_indices()
+        materialize_layers([self.layers[i] for i in own], own, device, init_layer)
+        topology = self.topology
+        for tie, group in self._tie_groups:
+            assert topology is not None
+            dist.broadcast(tie.param.data, src=topology.rank_of(tie.owner, topology.dp_rank), group=group)
+
     def start(self) -> "PipelineEngine":
         """Create this process's stages from its layers as they are now (on their device): call after moving the
         model, before the first step. Each stage copies its parameters into its weight-version slots."""
@@ -154,10 +179,8 @@ class PipelineEngine:
             pipeline_ranks=self.topology.pipeline_ranks if self.topology else [0],
             dp_group=self._dp_group, dp_size=self.config.data_parallel_size, check_batches=self.config.check_batches,
         )
-        names: dict[int, str] = {}
-        for n, p in self.root.named_parameters(remove_duplicate=False):
-            names.setdefault(id(p), n)
-        self.stage_views = [StageView(st.index, st.versions.delay, tuple(names.get(id(p), "?") for p in st.params), st)
+        names = self.global_names
+        self.stage_views = [StageView(st.index, st.versions.delay, tuple(names[id(p)] for p in st.params), st)
                             for st in self.stages]
         self.stats = PipelineStats(self)
         # Where each tied parameter sits among this process's gradients, and which parameters this stage counts

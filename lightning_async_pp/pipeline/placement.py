@@ -7,7 +7,7 @@ the whole model at the end of training).
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -110,3 +110,36 @@ def restore_layers(root: nn.Module, layers: Sequence[nn.Module], paths: Sequence
                     module._parameters[name] = p
                 object.__setattr__(module, "_pipeline_tied", {})
             _set_submodule(root, path, layer)
+
+
+def has_meta_tensors(module: nn.Module) -> bool:
+    return any(t.is_meta for t in (*module.parameters(), *module.buffers()))
+
+
+@torch.no_grad()
+def materialize_layers(layers: Sequence[nn.Module], indices: Sequence[int], device: torch.device,
+                       init_layer: Callable[[int, nn.Module], None]) -> None:
+    """Give the meta-device tensors of ``layers`` (global indices ``indices``, ascending) memory on ``device`` and
+    initialize each such layer with ``init_layer(index, layer)``.
+
+    A parameter is materialized in place (``torch.utils.swap_tensors``), so a Parameter shared by several layers
+    stays one object. It is initialized by the first of its layers (in model order); a later layer's initializer
+    does not change it: the value then does not depend on which layers this process holds.
+    """
+    done: set[int] = set()
+    for index, layer in zip(indices, layers):
+        if not has_meta_tensors(layer):
+            done.update(id(p) for p in layer.parameters())
+            continue
+        for module in layer.modules():
+            for name, p in module._parameters.items():
+                if p is not None and p.is_meta:
+                    torch.utils.swap_tensors(p, nn.Parameter(torch.empty_like(p, device=device), p.requires_grad))
+            for name, b in module._buffers.items():
+                if b is not None and b.is_meta:
+                    module._buffers[name] = torch.empty_like(b, device=device)
+        kept = [(p, p.detach().clone()) for p in layer.parameters() if id(p) in done]
+        init_layer(index, layer)
+        for p, value in kept:
+            p.copy_(value)
+        done.update(id(p) for p in layer.parameters())

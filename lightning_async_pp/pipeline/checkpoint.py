@@ -1,0 +1,246 @@
+"""Checkpoints of a pipeline that do not depend on its layout.
+
+Every tensor is keyed by its global name in the model (a tied parameter under its first name), so a checkpoint
+saved with any number of stages, data-parallel size or partition loads into any other (docs/design.md,
+"Checkpoints"). The keys of one flat dictionary:
+
+    model.<name>                      the module's state: parameters at the newest version W_k, and buffers
+    stash.<o>.<name>                  the older weight version W_{k-o} a stage holds (o = 1 .. its delay)
+    optim.<i>/<name>/<key>            per-parameter state of optimizer i (moments, the ErrorFeedback buffer, ...)
+    optim.<i>/<name>/@group           the hyperparameters of that parameter's group (pickled)
+
+Each stage contributes the keys of its own parameters; a sharded checkpoint is that dictionary written through
+``torch.distributed.checkpoint`` (each process writes its own tensors), plus ``meta.pt`` with what is not a
+tensor (the loops' and data state, written once). A single file holds the same dictionary.
+"""
+from __future__ import annotations
+
+import os
+import pickle
+import shutil
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any, Callable, Optional
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch import Tensor, nn
+
+MODEL, STASH, OPTIM, GROUP = "model.", "stash.", "optim.", "@group"
+META_FILE = "meta.pt"
+FORMAT = 1
+
+
+# ---- what a process contributes --------------------------------------------------------------------------------
+def engine_tensors(engine: Any, module_state: Mapping[str, Tensor], optimizers: Sequence[torch.optim.Optimizer]) -> dict[str, Any]:
+    """This process's part of the flat dictionary: its module state, stashed versions and optimizer states."""
+    flat: dict[str, Any] = {MODEL + engine.aliases.get(n, n): t for n, t in module_state.items()}
+    for view in engine.stats.stages:
+        k = engine.stats.batch_index
+        for o in range(1, min(view.delay, k) + 1):
+            flat.update({f"{STASH}{o}.{n}": t for n, t in zip(view.param_names, view.version(k - o))})
+    for i, optimizer in enumerate(optimizers):
+        flat.update(_optimizer_by_name(optimizer, engine.global_names, f"{OPTIM}{i}/"))
+    return flat
+
+
+def _optimizer_by_name(optimizer: torch.optim.Optimizer, names: Mapping[int, str], prefix: str) -> dict[str, Any]:
+    state = optimizer.state_dict()
+    out: dict[str, Any] = {}
+    for saved, group in zip(state["param_groups"], optimizer.param_groups):
+        hyper = pickle.dumps({k: v for k, v in saved.items() if k != "params"})
+        for index, p in zip(saved["params"], group["params"]):
+            name = names[id(p)]
+            out[f"{prefix}{name}/{GROUP}"] = hyper
+            for key, value in state["state"].get(index, {}).items():
+                out[f"{prefix}{name}/{key}"] = value
+    return out
+
+
+def checkpoint_meta(engine: Any, schedule: str, data_parallel_size: int) -> dict[str, Any]:
+    return {
+        "format": FORMAT, "schedule": schedule, "num_stages": engine.num_stages,
+        "data_parallel_size": data_parallel_size, "num_updates": engine.stats.batch_index,
+        "aliases": dict(engine.aliases),
+    }
+
+
+# ---- sources: a sharded directory or a dictionary in memory ----------------------------------------------------
+class TensorSource:
+    """Reads keys of the flat dictionary. ``shapes`` lists every key (``None`` for pickled values)."""
+
+    shapes: dict[str, Optional[tuple[torch.Size, torch.dtype]]]
+
+    def read(self, keys: Iterable[str]) -> dict[str, Any]:
+        raise NotImplementedError
+
+
+class MemorySource(TensorSource):
+    def __init__(self, flat: Mapping[str, Any]) -> None:
+        self.flat = flat
+        self.shapes = {k: (v.shape, v.dtype) if isinstance(v, Tensor) else None for k, v in flat.items()}
+
+    def read(self, keys: Iterable[str]) -> dict[str, Any]:
+        """Collective nowhere: every process reads what it needs."""
+        return {k: self.flat[k] for k in keys}
+
+
+class ShardedSource(TensorSource):
+    def __init__(self, path: str) -> None:
+        self.path = path
+        metadata = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+        self.shapes = {k: (m.size, m.properties.dtype) if hasattr(m, "size") else None for k, m in metadata.items()}
+
+    def read(self, keys: Iterable[str]) -> dict[str, Any]:
+        """Collective: every process calls it (each with the keys it needs)."""
+        out: dict[str, Any] = {}
+        for k in keys:
+            shape = self.shapes[k]
+            out[k] = torch.empty(shape[0], dtype=shape[1]) if shape is not None else b""
+        # Without a process group (one device, consolidation) each process reads alone.
+        dcp.load(out, checkpoint_id=self.path, no_dist=not torch.distributed.is_initialized())
+        return out
+
+
+# ---- loading into a layout ---------------------------------------------------------------------------------------
+def model_key(engine: Any, name: str) -> str:
+    return MODEL + engine.aliases.get(name, name)
+
+
+def check_model_fits(engine: Any, module_state: Mapping[str, Tensor], source: TensorSource, whole_model: bool,
+                     check: Callable[[dict, dict, str], None]) -> None:
+    """Names and shapes of the module state against the checkpoint's (all of them when this process holds the
+    whole model, else those of its own stage)."""
+    expected = {model_key(engine, n)[len(MODEL):]: tuple(t.shape) for n, t in module_state.items()}
+    found = {k[len(MODEL):]: tuple(shape[0]) for k, shape in source.shapes.items()
+             if k.startswith(MODEL) and shape is not None and (whole_model or k[len(MODEL):] in expected)}
+    check(expected, found, "the model's state_dict")
+
+
+def needed_keys(engine: Any, module_state_names: Iterable[str], source: TensorSource) -> list[str]:
+    """The keys this process reads: its module state, the stashed versions its stages hold under their delay
+    (those the checkpoint has) and its parameters' optimizer states."""
+    keys = {model_key(engine, n) for n in module_state_names}
+    for view in engine.stats.stages:
+        for o in range(1, view.delay + 1):
+            keys.update(f"{STASH}{o}.{n}" for n in view.param_names)
+    own = {n for view in engine.stats.stages for n in view.param_names}
+    keys.update(k for k in source.shapes if k.startswith(OPTIM) and k.split("/", 2)[1] in own)
+    return sorted(k for k in keys if k in source.shapes)
+
+
+def load_engine(engine: Any, module: nn.Module, tensors: Mapping[str, Any], num_updates: int) -> None:
+    """Load the module state and every held weight version of this process's stages.
+
+    A version the checkpoint lacks (it was saved with a smaller delay: 1f1b -> 2bw) is the newest one: the delay
+    starts from the loaded weights, as at the first update of a run. A checkpoint with a larger delay than this
+    run (2bw -> 1f1b) continues from its newest weights.
+    """
+    module.load_state_dict({n: tensors[model_key(engine, n)] for n in module.state_dict()})
+    stages: dict[str, Any] = {}
+    for view in engine.stats.stages:
+        newest = {n: tensors[MODEL + n] for n in view.param_names}
+        versions = {num_updates: newest}
+        for o in range(1, min(view.delay, num_updates) + 1):
+            versions[num_updates - o] = {n: tensors.get(f"{STASH}{o}.{n}", newest[n]) for n in view.param_names}
+        stages[str(view.index)] = {"num_updates": num_updates, "delay": view.delay, "versions": versions}
+    engine.load_state_dict({"stages": stages})
+
+
+def has_optimizer_state(source: TensorSource) -> bool:
+    return any(k.startswith(OPTIM) for k in source.shapes)
+
+
+def load_optimizers(optimizers: Sequence[torch.optim.Optimizer], names: Mapping[int, str], tensors: Mapping[str, Any]) -> None:
+    """Give each optimizer the saved state and group hyperparameters of its own parameters (by name)."""
+    for i, optimizer in enumerate(optimizers):
+        prefix = f"{OPTIM}{i}/"
+        state: dict[int, dict[str, Any]] = {}
+        groups, index = [], 0
+        for group in optimizer.param_groups:
+            params = list(group["params"])
+            hyper = {k: v for k, v in group.items() if k != "params"}
+            saved_group = tensors.get(f"{prefix}{names[id(params[0])]}/{GROUP}") if params else None
+            if saved_group is not None:
+                hyper.update(pickle.loads(saved_group))
+            groups.append({**hyper, "params": list(range(index, index + len(params)))})
+            for p in params:
+                own = f"{prefix}{names[id(p)]}/"
+                entry = {k[len(own):]: v for k, v in tensors.items() if k.startswith(own) and not k.endswith(GROUP)}
+                if entry:
+                    state[index] = entry
+                index += 1
+        optimizer.load_state_dict({"state": state, "param_groups": groups})
+
+
+# ---- writing a sharded checkpoint safely ---------------------------------------------------------------------------
+def save_sharded(path: str, flat: Mapping[str, Any], meta: Mapping[str, Any], *, is_coordinator: bool,
+                 barrier: Callable[[], None]) -> None:
+    """Write ``flat`` through ``torch.distributed.checkpoint`` (collective) and ``meta`` into directory ``path``.
+
+    Everything goes into ``<path>.tmp`` first; only a complete checkpoint is renamed into place, so a crash
+    mid-save leaves the previous checkpoint at ``path`` (or, for an instant during the swap, at ``<path>.old``,
+    where :func:`resolve` finds it)."""
+    tmp, old = f"{path}.tmp", f"{path}.old"
+    if is_coordinator:
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(tmp)
+    barrier()
+    dcp.save(dict(flat), storage_writer=dcp.FileSystemWriter(tmp), no_dist=not torch.distributed.is_initialized())
+    if is_coordinator:
+        torch.save(dict(meta), os.path.join(tmp, META_FILE))
+        if os.path.isdir(path):
+            shutil.rmtree(old, ignore_errors=True)
+            os.rename(path, old)
+        elif os.path.exists(path):
+            os.remove(path)
+        os.rename(tmp, path)
+        shutil.rmtree(old, ignore_errors=True)
+    barrier()
+
+
+def is_sharded(path: str) -> bool:
+    return os.path.isdir(resolve(path))
+
+
+def resolve(path: str) -> str:
+    """``path``, or the previous checkpoint a crash during the final rename left at ``<path>.old``."""
+    if not os.path.exists(path) and os.path.isdir(f"{path}.old"):
+        return f"{path}.old"
+    return path
+
+
+def read_meta(path: str) -> dict[str, Any]:
+    return torch.load(os.path.join(resolve(path), META_FILE), weights_only=False, map_location="cpu")
+
+
+def consolidate(src: str, dst: str) -> dict[str, Any]:
+    """Turn the sharded checkpoint ``src`` into one checkpoint file ``dst``: the module's ``state_dict`` (newest
+    weights, under every name a tied parameter has) plus the rest of the flat dictionary, so the file loads with
+    ``load_from_checkpoint`` anywhere and still resumes a pipeline in any layout. Returns the checkpoint."""
+    src = resolve(src)
+    checkpoint = read_meta(src)
+    source = ShardedSource(src)
+    flat = source.read(source.shapes)
+    checkpoint.update(single_file_parts(flat, checkpoint["async_pipeline"]))
+    tmp = f"{dst}.tmp-{os.getpid()}"
+    torch.save(checkpoint, tmp)
+    os.replace(tmp, dst)
+    return checkpoint
+
+
+def single_file_parts(flat: Mapping[str, Any], meta: Mapping[str, Any]) -> dict[str, Any]:
+    """What a single-file checkpoint holds: ``state_dict`` (newest weights, aliases included) and the rest."""
+    state = {k[len(MODEL):]: v for k, v in flat.items() if k.startswith(MODEL)}
+    for alias, name in meta.get("aliases", {}).items():
+        if name in state:
+            state[alias] = state[name]
+    rest = {k: v for k, v in flat.items() if not k.startswith(MODEL)}
+    return {"state_dict": state, "async_pipeline": {**meta, "tensors": rest}}
+
+
+def file_source(checkpoint: Mapping[str, Any]) -> MemorySource:
+    """The flat dictionary of a single-file checkpoint (``single_file_parts``), or of a plain Lightning one."""
+    aliases = checkpoint.get("async_pipeline", {}).get("aliases", {})
+    flat = {MODEL + k: v for k, v in checkpoint["state_dict"].items() if k not in aliases}
+    flat.update(checkpoint.get("async_pipeline", {}).get("tensors", {}))
+    return MemorySource(flat)
