@@ -355,6 +355,8 @@ class AsyncPipelineStrategy(DDPStrategy):
         if self.engine is not None and self._update_started is not None:
             self.engine.record_optimizer(self._update_started, time.perf_counter())
             self._update_started = None
+            # Under the pipeline the next batch's backward runs before Lightning's zero_grad would free this one.
+            self.engine.release_gradients()
         return output
 
     # ---- failures -------------------------------------------------------------------------------------------

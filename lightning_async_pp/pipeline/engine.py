@@ -266,6 +266,13 @@ class PipelineEngine:
     def record_optimizer(self, start: float, end: float) -> None:
         self.runtime.record_optimizer(start, end)
 
+    def release_gradients(self) -> None:
+        """Drop the gradient the optimizer just applied (``.grad`` and the engine's own reference): the next
+        batch's gradient accumulates during its step, and two would otherwise be alive at once."""
+        for p in self.params:
+            p.grad = None
+        self.runtime.gradients = [None] * len(self.runtime.gradients)
+
     @torch.no_grad()
     def clip_gradients_across_stages(self, max_norm: float) -> None:
         """Scale the gradients by the factor global-norm clipping would apply over the whole model.

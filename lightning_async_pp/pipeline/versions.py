@@ -28,8 +28,13 @@ class WeightVersions:
         # Slot tensors are plain tensors, not the Parameters themselves: autograd leaves made from a slot then
         # keep their own version counter, so an in-place update of the Parameter (now pointing at another
         # slot) does not invalidate a microbatch still in flight on the old one.
-        self.slots: list[list[Tensor]] = [[p.detach().clone() for p in self.params] for _ in range(delay + 1)]
-        self._point_params_at(0)
+        # Parameter by parameter, so that each original is freed as soon as its copies exist: the peak is the
+        # versions plus one tensor, not the versions plus the whole stage again.
+        self.slots: list[list[Tensor]] = [[] for _ in range(delay + 1)]
+        for p in self.params:
+            for slot in self.slots:
+                slot.append(p.detach().clone())
+            p.data = self.slots[0][-1]
         self._leaves: dict[int, list[Tensor]] = {}
 
     # ---- which version a batch uses ----------------------------------------------------------------------
