@@ -82,6 +82,9 @@ MODELS: dict[str, Shape] = {
 }
 
 
+DEFAULT_STAGES = (2, 4, 8, 16, 32, 64)
+
+
 @dataclass
 class Costs:
     """Per-stage seconds for one ``p``, and how the layers were split."""
@@ -136,8 +139,10 @@ class CostModel:
         assert self.shape is not None
         return self.args.microbatch_size * self.shape.seq_len * self.shape.hidden * self.args.bytes_per_value
 
-    def stages(self, candidates: Sequence[int]) -> list[int]:
-        return [self.fixed_stages] if self.fixed_stages is not None else list(candidates)
+    def stages(self, candidates: Optional[Sequence[int]]) -> list[int]:
+        if self.fixed_stages is not None:
+            return [self.fixed_stages]
+        return list(candidates or DEFAULT_STAGES)
 
     def costs(self, p: int) -> Optional[Costs]:
         if self.fixed_stages is not None:
@@ -277,7 +282,8 @@ def parser() -> argparse.ArgumentParser:
                "lightning-async-pp-plan --model smollm-360m --split-blocks --stages 2 4 8 16 32 64 --microbatches 64 128",
     )
     ap.add_argument("--schedules", nargs="+", choices=SCHEDULES, default=list(SCHEDULES))
-    ap.add_argument("--stages", "-p", nargs="+", type=_positive_int, default=[2, 4, 8, 16, 32, 64])
+    ap.add_argument("--stages", "-p", nargs="+", type=_positive_int,
+                    help="numbers of stages (default 2 4 8 16 32 64; with --stage-forward-s: their count)")
     ap.add_argument("--microbatches", "-m", nargs="+", type=_positive_int, default=[8, 16, 32, 64])
     ap.add_argument("--steps", type=int, default=6, help="training steps simulated (>= 3; first and last not counted)")
     ap.add_argument("--trace", help="write the timelines as a Chrome trace here (several: one file per schedule, p, m)")
@@ -348,6 +354,11 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
              args.model is not None or args.hidden is not None]
     if sum(modes) > 1:
         ap.error("give one source of costs: --stage-forward-s, or --layers with --forward-s, or a model shape")
+    if args.stage_forward_s is not None and args.stages not in (None, [len(args.stage_forward_s)]):
+        ap.error(f"--stage-forward-s gives the costs of {len(args.stage_forward_s)} stages; --stages {args.stages} "
+                 f"disagrees (leave it out)")
+    if args.stages is None:
+        args.stages = list(DEFAULT_STAGES)
     try:
         lines, _ = plan(args)
     except ValueError as err:  # a cost simulate() rejects, named there

@@ -271,6 +271,7 @@ def test_the_console_command_runs(tmp_path):
     (["--hidden", "64"], r"missing --layers, --heads"),
     (["--model", "smollm-360m", "--mfu", "2"], r"expected a fraction in \(0, 1\]"),
     (["--layers", "2", "--forward-s", "1", "--steps", "2"], r"--steps must be >= 3"),
+    (["--stage-forward-s", "1", "1", "--stages", "4"], r"costs of 2 stages; --stages \[4\] disagrees"),
 ])
 def test_plan_rejects_bad_arguments_with_a_message(argv, match, capsys):
     with pytest.raises(SystemExit) as exit_info:
