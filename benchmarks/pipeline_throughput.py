@@ -30,6 +30,11 @@ engine's ``1f1b`` and ``2bw`` and of ``2bw`` under Lightning: main-thread CPU pe
 and per-step overhead comes from. ``--only-engines`` measures one process, the bare engine and torch's schedules
 only (a quick check of engine changes).
 
+``--predict`` runs only the bare engine's three schedules, traced (``engine.start_trace()``), and reports the
+planner's prediction against the measurement: each stage's mean forward, backward and optimizer span and the
+measured activation transfer time are fed to ``pipeline.simulate.simulate()``, whose steady-state step time is
+compared with the measured one (see BENCHMARKS.md, "Predicted vs measured").
+
 Run: ``make bench`` (= ``.venv/bin/python benchmarks/pipeline_throughput.py``); see BENCHMARKS.md.
 """
 from __future__ import annotations
@@ -345,6 +350,7 @@ def _engine_worker(rank: int, port: int, cfgs: list[dict], out_dir: str, profile
     from lightning_async_pp.pipeline.engine import PipelineEngine
 
     device = torch.device("cpu")
+    transfer_s = transfer_seconds(rank, cfgs[0]["rows"]) if any(c.get("trace") for c in cfgs) else None
     results = []
     for cfg in cfgs:
         # What the Lightning runs give AsyncPipelineStrategy, with the timeout the other pairs use.
@@ -359,9 +365,11 @@ def _engine_worker(rank: int, port: int, cfgs: list[dict], out_dir: str, profile
         opt = make_optimizer(engine.params, cfg["optimizer"])
         batches = make_batches(cfg)
         prof = cProfile.Profile(time.thread_time) if profile else None
-        clock, times = StepClock(cfg), []
+        clock, times, spans = StepClock(cfg), [], None
         for i, batch in enumerate(batches):
             timed = clock.in_window()
+            if cfg.get("trace") and i == cfg["warmup"]:  # the timed steps, traced
+                engine.start_trace()
             if prof is not None and timed:
                 prof.enable()
             # As AsyncPipelineStrategy.train_loss: the next batch is the 2BW lookahead, except on the last step.
@@ -379,8 +387,12 @@ def _engine_worker(rank: int, port: int, cfgs: list[dict], out_dir: str, profile
                 prof.disable()
             if timed:
                 times.append(_times_dict(engine.stats.last_times))
+            if cfg.get("trace") and i == cfg["warmup"] + cfg["steps"] - 1:
+                spans = engine.stop_trace()
         dist.barrier()
         result = {**cfg, "rank": rank, **clock.result(), "times": _mean_times(times)}
+        if spans is not None:
+            result["costs"] = {**span_costs(spans, rank, cfg["steps"]), "transfer_s": transfer_s}
         if prof is not None:
             result["profile"] = _profile_text(prof)
             result["cpu_profile"] = _profile_summary(prof, cfg["steps"])
@@ -395,6 +407,36 @@ def _times_dict(t: Any) -> dict:
 
 def _mean_times(times: list[dict]) -> dict:
     return {k: statistics.fmean(t[k] for t in times) for k in times[0]} if times else {}
+
+
+def transfer_seconds(rank: int, rows: int, rounds: int = 30) -> float:
+    """One activation's (rows x WIDTH float32) transfer between the two processes: half the median round trip."""
+    x = torch.zeros(rows, WIDTH)
+    trips = []
+    for _ in range(rounds):
+        dist.barrier()
+        start = time.perf_counter()
+        if rank == 0:
+            dist.send(x, 1)
+            dist.recv(x, 1)
+        else:
+            dist.recv(x, 0)
+            dist.send(x, 0)
+        trips.append(time.perf_counter() - start)
+    return statistics.median(trips) / 2
+
+
+def span_costs(spans: list, rank: int, steps: int) -> dict:
+    """This stage's mean forward, backward and optimizer span (seconds) and its waits per step, from a trace."""
+    own = [s for s in spans if s.stage == rank]
+
+    def mean(name: str) -> float:
+        durations = [s.end - s.start for s in own if s.name == name]
+        return statistics.fmean(durations) if durations else 0.0
+
+    return {"forward_s": mean("forward"), "backward_s": mean("backward"), "optimizer_s": mean("optimizer"),
+            "spans": {name: sum(s.name == name for s in own) for name in ("forward", "backward", "optimizer")},
+            "wait_per_step_s": sum(s.end - s.start for s in own if s.name in ("send", "recv")) / steps}
 
 
 def _profile_text(prof: cProfile.Profile, sort: str = "tottime", limit: int = 18) -> str:
@@ -611,6 +653,8 @@ def main() -> None:
     parser.add_argument("--no-engine", action="store_true", help="skip the bare-engine (no Lightning) runs")
     parser.add_argument("--only-engines", action="store_true",
                         help="measure only one process, the bare engine and torch's schedules (no Lightning); no report")
+    parser.add_argument("--predict", action="store_true",
+                        help="only the bare engine's schedules, traced: the planner's predicted step time vs the measured one")
     parser.add_argument("--profile", action="store_true", help="also profile one stage of torch 1F1B and ours")
     parser.add_argument("--profile-only", action="store_true", help="only the profiles (at the first --microbatches)")
     parser.add_argument("--json", help="also write every measurement to this file")
@@ -643,6 +687,14 @@ def main() -> None:
     results: dict[str, Any] = {"config": base, "load_before": load, "runs": {}}
     runs = results["runs"]
     quiet = Quiet(args.wait_idle, args.retries)
+    if args.predict:
+        results["predict"] = run_predict(base, args.microbatches, quiet)
+        print()
+        print(predict_report(results["predict"], base))
+        print(f"\n(benchmark wall time {time.perf_counter() - started:.0f}s; load average now {os.getloadavg()[0]:.2f})")
+        if args.json:
+            Path(args.json).write_text(json.dumps(results, indent=1))
+        return
     for m in [] if args.profile_only else args.microbatches:
         cfg = {**base, "m": m}
         rows = cfg["rows"] * m
@@ -815,6 +867,61 @@ def profile_report(prof: dict, cfg: dict, m: int) -> str:
         for r in pair:
             lines.append(f"\n### cProfile, {key}, rank {r['rank']} (main-thread CPU seconds over the timed steps)\n")
             lines.append("```\n" + _trim_profile(r["profile"]) + "\n```")
+    return "\n".join(lines)
+
+
+def run_predict(base: dict, microbatches: list[int], quiet: "Quiet") -> list[dict]:
+    """Each schedule on the bare engine, traced; the planner's prediction from the traced costs."""
+    from lightning_async_pp.pipeline.simulate import simulate
+
+    rows = []
+    for m in microbatches:
+        cfg = {**base, "m": m}
+        for pair in quiet.measure_group(_engine_worker, "engine", [{**cfg, "schedule": s, "trace": True} for s in SCHEDULES]):
+            costs = [r["costs"] for r in pair]
+            schedule = pair[0]["schedule"]
+            fwd, bwd = [c["forward_s"] for c in costs], [c["backward_s"] for c in costs]
+            opt, comm = [c["optimizer_s"] for c in costs], costs[0]["transfer_s"]
+            compute_only = simulate(schedule, STAGES, m, fwd, bwd, comm_s=comm, optimizer_s=opt)
+            # The engine's own work per action (inside the step, outside compute and waits) and per step (outside
+            # the step: the weight-version copy, setting gradients), as the stages measured them.
+            per_action = [r["times"]["idle"] / (2 * m) for r in pair]
+            per_step = [max(0.0, r["mean_sec_per_step"] - r["times"]["total"]) for r in pair]
+            with_overhead = simulate(schedule, STAGES, m, [f + o for f, o in zip(fwd, per_action)],
+                                     [b + o for b, o in zip(bwd, per_action)], comm_s=comm,
+                                     optimizer_s=[o + e for o, e in zip(opt, per_step)])
+            rows.append({"m": m, "schedule": schedule, "costs": costs, "per_action_s": per_action,
+                         "per_step_s": per_step, "measured_s": pair[0]["mean_sec_per_step"],
+                         "measured_median_s": pair[0]["sec_per_step"], "others_cpu": others_cpu(pair),
+                         "predicted_s": compute_only.step_time_s, "predicted_bubble": compute_only.bubble_fraction,
+                         "predicted_with_overhead_s": with_overhead.step_time_s})
+            r = rows[-1]
+            print(f"  m={m} {schedule:<6} measured {r['measured_s'] * 1e3:7.1f} ms/step, predicted "
+                  f"{r['predicted_s'] * 1e3:7.1f} (compute only), {r['predicted_with_overhead_s'] * 1e3:7.1f} "
+                  f"(+ engine overhead)   others' CPU {r['others_cpu']:5.1%}", flush=True)
+    return rows
+
+
+def predict_report(rows: list[dict], cfg: dict) -> str:
+    lines = ["## Predicted vs measured, p=2 (bare engine, traced)\n",
+             f"{cfg['warmup']} warm-up + {cfg['steps']} timed steps per run, {cfg['rows']} rows per microbatch. Costs "
+             "fed to the planner: each stage's mean forward / backward / optimizer span from the trace of the timed "
+             "steps, and half the median round trip of one activation between the two processes. *compute only* "
+             "uses just these; *+ engine overhead* adds each stage's own work per action (the step's time outside "
+             "compute, waits and optimizer, over 2m actions) and per step (outside the engine's step). Measured: "
+             "rank 0's mean time between step ends over the same steps.\n",
+             "| m | schedule | fwd / bwd stage 0 (ms) | fwd / bwd stage 1 (ms) | transfer (ms) | measured ms/step | "
+             "predicted, compute only | predicted / measured | predicted, + engine overhead | predicted / measured | "
+             "others' CPU |",
+             "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        c0, c1 = r["costs"]
+        lines.append(
+            f"| {r['m']} | {r['schedule']} | {c0['forward_s'] * 1e3:.2f} / {c0['backward_s'] * 1e3:.2f} | "
+            f"{c1['forward_s'] * 1e3:.2f} / {c1['backward_s'] * 1e3:.2f} | {c0['transfer_s'] * 1e3:.3f} | "
+            f"{r['measured_s'] * 1e3:.1f} | {r['predicted_s'] * 1e3:.1f} | {r['predicted_s'] / r['measured_s']:.2f} | "
+            f"{r['predicted_with_overhead_s'] * 1e3:.1f} | {r['predicted_with_overhead_s'] / r['measured_s']:.2f} | "
+            f"{r['others_cpu']:.0%} |")
     return "\n".join(lines)
 
 

@@ -4,7 +4,8 @@ Each process records its spans with its own ``time.perf_counter()``; :class:`Pro
 offset to the wall clock (``time.time() - time.perf_counter()``, read once per process), so the spans of all
 processes land on one shared time axis. One track per stage (thread ``tid = stage``) inside one process track per
 data-parallel replica (``pid = replica``); gaps between a stage's spans inside the traced window become ``idle``
-spans.
+spans. The planner (``lightning_async_pp.plan``) writes simulated timelines with the same functions: one
+``ProcessSpans`` per stage, clock offset 0, facts about the simulation under ``otherData["simulated"]``.
 """
 from __future__ import annotations
 
@@ -54,8 +55,11 @@ def idle_gaps(spans: Sequence[tuple[float, float]], window: tuple[float, float])
     return [(a, b) for a, b in gaps if b > a]
 
 
-def chrome_trace(processes: Sequence[ProcessSpans]) -> dict[str, Any]:
-    """The Chrome trace-event JSON object of ``processes`` (microseconds since the earliest window start)."""
+def chrome_trace(processes: Sequence[ProcessSpans], other_data: Optional[dict[str, Any]] = None) -> dict[str, Any]:
+    """The Chrome trace-event JSON object of ``processes`` (microseconds since the earliest window start).
+
+    ``other_data``: more JSON-able facts for the trace's ``otherData`` (e.g. that a timeline is simulated).
+    """
     origin = min(p.window[0] + p.clock_offset for p in processes)
 
     def us(t: float, p: ProcessSpans) -> float:
@@ -89,15 +93,16 @@ def chrome_trace(processes: Sequence[ProcessSpans]) -> dict[str, Any]:
         "traceEvents": events,
         "displayTimeUnit": "ms",
         "otherData": {"origin_unix_time": origin, "steps": list(steps[0]) if steps else None,
-                      "ranks": sorted(p.rank for p in processes)},
+                      "ranks": sorted(p.rank for p in processes), **(other_data or {})},
     }
 
 
-def write_chrome_trace(path: str, processes: Sequence[ProcessSpans]) -> str:
+def write_chrome_trace(path: str, processes: Sequence[ProcessSpans],
+                       other_data: Optional[dict[str, Any]] = None) -> str:
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     tmp = f"{path}.tmp-{os.getpid()}"
     with open(tmp, "w") as f:
-        json.dump(chrome_trace(processes), f)
+        json.dump(chrome_trace(processes, other_data), f)
     os.replace(tmp, path)
     return path
 

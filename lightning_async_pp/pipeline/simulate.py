@@ -1,0 +1,262 @@
+"""Predict a pipeline's step time by running the engine's own action lists against given costs.
+
+``simulate`` is a discrete-event simulation of ``steps`` consecutive training steps. Each stage runs, in order,
+exactly the lists :func:`~lightning_async_pp.pipeline.schedule.step_actions` returns, called as
+:class:`~lightning_async_pp.pipeline.runtime.PipelineRuntime` calls it across processes (2BW carries its
+lookahead forwards from one step into the next), then its optimizer update:
+
+- a forward of microbatch ``j`` of batch ``b`` on stage ``s > 0`` starts once stage ``s`` is free and stage
+  ``s-1``'s forward of the same microbatch ended ``comm_s`` earlier (the activation's transfer);
+- a backward on stage ``s < p-1`` waits likewise for stage ``s+1``'s backward of the same microbatch;
+- each stage's optimizer update (``optimizer_s``) runs after the last action of its step's list.
+
+Nothing here knows what a schedule looks like: a new schedule in ``schedule.py`` is simulated as it is run.
+Transfers overlap compute (a stage is not busy while its activation travels) and a link carries any number of
+transfers at once; what a stage does between actions in a real run (Python, posting receives) is not modelled
+unless folded into the costs. No Lightning and no torch here.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from numbers import Real
+from typing import Optional, Union
+
+from lightning_async_pp.pipeline.schedule import SCHEDULES, check_schedule, step_actions
+
+Seconds = Union[float, Sequence[float]]
+
+#: Span names, the same as the engine's trace spans (and so the Chrome trace ``PipelineMonitor`` writes).
+FORWARD, BACKWARD, OPTIMIZER = "forward", "backward", "optimizer"
+
+
+@dataclass(frozen=True)
+class SimSpan:
+    """One piece of simulated work on one stage."""
+
+    stage: int
+    op: str  # forward, backward, optimizer
+    batch: int  # the training batch (step index k for this step's batch, k + 1 for 2BW's lookahead)
+    microbatch: Optional[int]  # None for the optimizer update
+    start: float
+    end: float
+    step: int  # the step whose action list ran it
+
+    @property
+    def duration(self) -> float:
+        return self.end - self.start
+
+
+@dataclass
+class SimulationResult:
+    """What :func:`simulate` predicts. Times in seconds; "steady state" excludes the first and the last step."""
+
+    schedule: str
+    num_stages: int
+    num_microbatches: int
+    steps: int
+    step_time_s: float  # steady-state time per training step (between the ends of consecutive updates)
+    bubble_fraction: float  # steady state, mean over stages: share of the step a stage is idle
+    stage_bubble_fractions: list[float]
+    peak_activations: list[int]  # per stage: most forwards whose backward has not run yet, at any time
+    timelines: list[list[SimSpan]]  # per stage, in time order
+    step_ends: list[list[float]]  # [stage][step]: when that stage's optimizer update of the step ended
+    forward_s: list[float] = field(default_factory=list)
+    backward_s: list[float] = field(default_factory=list)
+    comm_s: list[float] = field(default_factory=list)  # per boundary s -> s+1
+    optimizer_s: list[float] = field(default_factory=list)
+
+    @property
+    def makespan_s(self) -> float:
+        """From the first forward to the last update of all simulated steps."""
+        return max(ends[-1] for ends in self.step_ends)
+
+    @property
+    def spans(self) -> list[SimSpan]:
+        return sorted((s for tl in self.timelines for s in tl), key=lambda s: (s.start, s.stage))
+
+    def step_spans(self, stage: int, step: int) -> list[SimSpan]:
+        """The spans one step's action list (and its update) ran on ``stage``."""
+        return [s for s in self.timelines[stage] if s.step == step]
+
+
+def simulate(
+    schedule: str,
+    num_stages: int,
+    num_microbatches: int,
+    forward_s: Seconds,
+    backward_s: Seconds,
+    *,
+    comm_s: Seconds = 0.0,
+    optimizer_s: Seconds = 0.0,
+    steps: int = 6,
+) -> SimulationResult:
+    """Simulate ``steps`` training steps of ``schedule`` on ``num_stages`` stages with ``num_microbatches``.
+
+    Args:
+        forward_s, backward_s: seconds of one microbatch's forward / backward on a stage: one number for every
+            stage, or one per stage.
+        comm_s: seconds from the end of a forward (backward) on one stage until its activation (gradient) is
+            available on the neighbour: one number, or one per boundary (``num_stages - 1`` of them).
+        optimizer_s: seconds of a stage's optimizer update after its step: one number, or one per stage.
+        steps: training steps to simulate (at least 3): the first warms the pipeline up, the last drains it
+            (the end of training starts no lookahead); the steady state is measured over the ones between.
+    """
+    p, m, fwd, bwd, comm, opt = check_inputs(
+        schedule, num_stages, num_microbatches, forward_s, backward_s, comm_s, optimizer_s, steps
+    )
+
+    # Each stage's work over all steps: its step lists as the runtime runs them, each followed by the update.
+    work: list[list[tuple[int, Optional[str], int, int]]] = []  # (step, op or None for the update, batch, mb)
+    for s in range(p):
+        items: list[tuple[int, Optional[str], int, int]] = []
+        carried_in = False
+        for k in range(steps):
+            lookahead = uses_lookahead(schedule, next_batch_exists=k + 1 < steps)
+            for a in step_actions(schedule, s, p, m, carried_in=carried_in, lookahead=lookahead):
+                items.append((k, a.op, k + a.batch, a.microbatch))
+            items.append((k, None, k, -1))
+            carried_in = lookahead
+        work.append(items)
+
+    ends: dict[tuple[str, int, int, int], float] = {}  # (op, stage, batch, microbatch) -> end time
+    free = [0.0] * p
+    pos = [0] * p
+    timelines: list[list[SimSpan]] = [[] for _ in range(p)]
+    step_ends: list[list[float]] = [[] for _ in range(p)]
+    remaining = sum(len(w) for w in work)
+    while remaining:
+        progressed = False
+        for s in range(p):
+            items, tl = work[s], timelines[s]
+            while pos[s] < len(items):
+                k, op, b, j = items[pos[s]]
+                if op is None:
+                    start = free[s]
+                    end = start + opt[s]
+                    tl.append(SimSpan(s, OPTIMIZER, b, None, start, end, k))
+                    step_ends[s].append(end)
+                else:
+                    ready = 0.0
+                    if op == "F":
+                        if s > 0:
+                            dep = ends.get(("F", s - 1, b, j))
+                            if dep is None:
+                                break
+                            ready = dep + comm[s - 1]
+                        duration, name = fwd[s], FORWARD
+                    else:
+                        own = ends.get(("F", s, b, j))
+                        if own is None:
+                            raise RuntimeError(f"stage {s}'s list runs B{b - k}.{j} of step {k} before its forward")
+                        if s < p - 1:
+                            dep = ends.get(("B", s + 1, b, j))
+                            if dep is None:
+                                break
+                            ready = dep + comm[s]
+                        duration, name = bwd[s], BACKWARD
+                    start = max(free[s], ready)
+                    end = start + duration
+                    ends[(op, s, b, j)] = end
+                    tl.append(SimSpan(s, name, b, j, start, end, k))
+                free[s] = end
+                pos[s] += 1
+                remaining -= 1
+                progressed = True
+        if not progressed:
+            waiting = {s: _describe(work[s][pos[s]]) for s in range(p) if pos[s] < len(work[s])}
+            raise RuntimeError(f"the schedule cannot make progress: stages wait on each other at {waiting}")
+
+    # Steady state: the steps between the first (pipeline filling) and the last (no lookahead, drain).
+    step_done = [max(step_ends[s][k] for s in range(p)) for k in range(steps)]
+    first, last = 0, steps - 2
+    step_time = (step_done[last] - step_done[first]) / (last - first)
+    stage_bubbles = []
+    for s in range(p):
+        busy = sum(span.duration for span in timelines[s] if first < span.step <= last) / (last - first)
+        stage_bubbles.append(max(0.0, 1.0 - busy / step_time) if step_time > 0 else 0.0)
+
+    peaks = []
+    for s in range(p):
+        inflight = peak = 0
+        for _, op, _, _ in work[s]:
+            if op == "F":
+                inflight += 1
+                peak = max(peak, inflight)
+            elif op == "B":
+                inflight -= 1
+        peaks.append(peak)
+
+    return SimulationResult(
+        schedule=schedule, num_stages=p, num_microbatches=m, steps=steps, step_time_s=step_time,
+        bubble_fraction=sum(stage_bubbles) / p, stage_bubble_fractions=stage_bubbles, peak_activations=peaks,
+        timelines=timelines, step_ends=step_ends, forward_s=fwd, backward_s=bwd, comm_s=comm, optimizer_s=opt,
+    )
+
+
+def uses_lookahead(schedule: str, next_batch_exists: bool) -> bool:
+    """Whether a step starts the next batch's forwards: what ``PipelineRuntime.uses_lookahead`` decides across
+    processes for a delayed batch (2BW with ``sync_steps=0``)."""
+    return schedule == "2bw" and next_batch_exists
+
+
+def _describe(item: tuple[int, Optional[str], int, int]) -> str:
+    k, op, b, j = item
+    return f"step {k} optimizer" if op is None else f"step {k} {op}{b - k}.{j}"
+
+
+# ---- inputs ---------------------------------------------------------------------------------------------------
+
+
+def check_inputs(
+    schedule: str, num_stages: int, num_microbatches: int, forward_s: Seconds, backward_s: Seconds,
+    comm_s: Seconds, optimizer_s: Seconds, steps: int,
+) -> tuple[int, int, list[float], list[float], list[float], list[float]]:
+    """Every input of :func:`simulate` checked in one place; costs expanded to per-stage (per-boundary) lists."""
+    if not _is_int(num_stages) or num_stages < 1:
+        raise ValueError(f"num_stages must be a positive integer, got {num_stages!r}")
+    if not _is_int(num_microbatches) or num_microbatches < 1:
+        raise ValueError(f"num_microbatches must be a positive integer, got {num_microbatches!r}")
+    if schedule not in SCHEDULES:
+        raise ValueError(f"Unknown schedule {schedule!r}; valid schedules are {', '.join(map(repr, SCHEDULES))}")
+    check_schedule(schedule, num_stages, num_microbatches)
+    if not _is_int(steps) or steps < 3:
+        raise ValueError(
+            f"steps must be an integer >= 3 (a first step filling the pipeline, at least one steady-state step and a "
+            f"last one draining it), got {steps!r}"
+        )
+    p = num_stages
+    fwd = _seconds("forward_s", forward_s, p, "stage", positive=True)
+    bwd = _seconds("backward_s", backward_s, p, "stage", positive=True)
+    comm = _seconds("comm_s", comm_s, p - 1, "boundary between stages", positive=False)
+    opt = _seconds("optimizer_s", optimizer_s, p, "stage", positive=False)
+    return p, num_microbatches, fwd, bwd, comm, opt
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _seconds(name: str, value: Seconds, n: int, per: str, *, positive: bool) -> list[float]:
+    bound = "> 0" if positive else ">= 0"
+    what = (f"{name} must be a finite number of seconds {bound}, or a sequence of {n} of them (one per {per})")
+
+    def ok(v: object) -> bool:
+        return (isinstance(v, Real) and not isinstance(v, bool) and math.isfinite(float(v))
+                and (float(v) > 0 if positive else float(v) >= 0))
+
+    if isinstance(value, (str, bytes)):
+        raise ValueError(f"{what}, got {value!r}")
+    if isinstance(value, Sequence):
+        values = list(value)
+        if len(values) != n:
+            raise ValueError(f"{what}, got a sequence of {len(values)}: {values!r}")
+        bad = [(i, v) for i, v in enumerate(values) if not ok(v)]
+        if bad:
+            i, v = bad[0]
+            raise ValueError(f"{what}, got {v!r} for {per} {i} in {values!r}")
+        return [float(v) for v in values]
+    if not ok(value):
+        raise ValueError(f"{what}, got {value!r}")
+    return [float(value)] * n  # type: ignore[arg-type]

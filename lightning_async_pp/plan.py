@@ -1,0 +1,370 @@
+"""``lightning-async-pp-plan``: what a pipeline would do, predicted from the engine's own action lists.
+
+For each number of stages ``p`` and microbatches ``m`` it simulates ``2bw``, ``1f1b`` and ``gpipe``
+(:func:`lightning_async_pp.pipeline.simulate.simulate`) and prints a Markdown table: steady-state step time,
+bubble, speedup over ``1f1b`` and the most forwards a stage holds in flight. The costs come from one of:
+
+- ``--layers L --forward-s X [--backward-s Y]``: ``L`` identical layers, ``X`` seconds of forward per layer and
+  microbatch (measured, e.g. from a ``PipelineMonitor`` trace); the layers are split as evenly as they go;
+- ``--stage-forward-s a b ... [--stage-backward-s ...]``: seconds per microbatch of each stage (fixes ``p``);
+- a model shape (``--model smollm-360m`` or ``llama-10b``, or ``--hidden --layers --heads --kv-heads
+  --intermediate --vocab --seq-len``): FLOPs per layer, an accelerator rate (``--tflops`` x ``--mfu``) and a
+  link bandwidth (``--link-gbps``) give the times; blocks are split to balance FLOPs.
+
+``--trace PATH`` writes the simulated timelines as the Chrome trace ``PipelineMonitor`` writes (open it at
+https://ui.perfetto.dev). See README "Planning a pipeline" and BENCHMARKS.md "Predicted beyond this machine".
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Optional, Sequence
+
+from lightning_async_pp.pipeline.partition import _balanced_counts
+from lightning_async_pp.pipeline.schedule import SCHEDULES
+from lightning_async_pp.pipeline.simulate import SimulationResult, simulate
+
+
+@dataclass(frozen=True)
+class Shape:
+    """A Llama-style decoder (RMSNorm, grouped-query attention, SwiGLU MLP, tied embedding and head)."""
+
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    intermediate: int
+    vocab: int
+    seq_len: int
+
+    @property
+    def kv_dim(self) -> int:
+        return self.hidden * self.kv_heads // self.heads
+
+    def attention_flops(self) -> int:
+        """Forward FLOPs per token of one block's attention: the q, k, v, o projections (2 FLOPs per weight) and
+        the scores and weighted values, 4 * seq_len * hidden (causal masking not discounted)."""
+        h = self.hidden
+        return 2 * (2 * h * h + 2 * h * self.kv_dim) + 4 * self.seq_len * h
+
+    def mlp_flops(self) -> int:
+        """Forward FLOPs per token of one block's SwiGLU MLP: three hidden x intermediate matrices."""
+        return 2 * 3 * self.hidden * self.intermediate
+
+    def head_flops(self) -> int:
+        """Forward FLOPs per token of the output projection (the loss's softmax is negligible)."""
+        return 2 * self.hidden * self.vocab
+
+    def parameters(self) -> int:
+        h = self.hidden
+        block = 2 * h * h + 2 * h * self.kv_dim + 3 * h * self.intermediate + 2 * h
+        return self.layers * block + self.vocab * h + h
+
+    def pipeline_layers(self, split_blocks: bool) -> list[int]:
+        """Forward FLOPs per token of each pipeline layer: one per block (``split_blocks``: attention and MLP
+        apart). The embedding (a lookup, no FLOPs) goes with the first layer, the head with the last."""
+        if split_blocks:
+            flops = [f for _ in range(self.layers) for f in (self.attention_flops(), self.mlp_flops())]
+        else:
+            flops = [self.attention_flops() + self.mlp_flops()] * self.layers
+        flops[-1] += self.head_flops()
+        return flops
+
+
+#: ``smollm-360m``: the paper's 360M model (SmolLM-360M). ``llama-10b``: a Llama-style 10B shape (Llama-2-13B's
+#: width with 32 blocks, multi-head attention; 10.3B parameters with the tied embedding).
+MODELS: dict[str, Shape] = {
+    "smollm-360m": Shape(hidden=960, layers=32, heads=15, kv_heads=5, intermediate=2560, vocab=49152, seq_len=2048),
+    "llama-10b": Shape(hidden=5120, layers=32, heads=40, kv_heads=40, intermediate=13824, vocab=32000, seq_len=2048),
+}
+
+
+DEFAULT_STAGES = (2, 4, 8, 16, 32, 64)
+
+
+@dataclass
+class Costs:
+    """Per-stage seconds for one ``p``, and how the layers were split."""
+
+    forward_s: list[float]
+    backward_s: list[float]
+    comm_s: float
+    layers_per_stage: Optional[list[int]]
+
+
+class CostModel:
+    """Turns the command line's costs into per-stage seconds for any ``p`` (``None`` where ``p`` cannot be split)."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.shape: Optional[Shape] = None
+        self.layer_forward: list[float] = []  # seconds of forward per pipeline layer and microbatch
+        self.fixed_stages: Optional[int] = None
+        self.comm_s = args.comm_s if args.comm_s is not None else 0.0
+        if args.stage_forward_s:
+            self.fixed_stages = len(args.stage_forward_s)
+            self.stage_backward = args.stage_backward_s or [args.backward_ratio * f for f in args.stage_forward_s]
+            if len(self.stage_backward) != self.fixed_stages:
+                raise ValueError(f"--stage-backward-s needs {self.fixed_stages} values (one per stage, as "
+                                 f"--stage-forward-s), got {len(self.stage_backward)}")
+        elif args.forward_s is not None:
+            if args.layers is None:
+                raise ValueError("--forward-s is the forward time of one layer: give the number of layers (--layers)")
+            self.layer_forward = [args.forward_s] * args.layers
+            self.backward_ratio = (args.backward_s / args.forward_s) if args.backward_s is not None else args.backward_ratio
+        else:
+            base = MODELS[args.model] if args.model else None
+            fields = {"hidden": args.hidden, "layers": args.layers, "heads": args.heads, "kv_heads": args.kv_heads,
+                      "intermediate": args.intermediate, "vocab": args.vocab, "seq_len": args.seq_len}
+            if base is None:
+                missing = [f"--{k.replace('_', '-')}" for k, v in fields.items() if v is None]
+                if missing:
+                    raise ValueError("give costs: --model NAME, or a shape (missing " + ", ".join(missing) +
+                                     "), or --layers with --forward-s, or --stage-forward-s")
+                self.shape = Shape(**fields)  # type: ignore[arg-type]
+            else:
+                self.shape = replace(base, **{k: v for k, v in fields.items() if v is not None})
+            rate = args.tflops * 1e12 * args.mfu
+            tokens = args.microbatch_size * self.shape.seq_len
+            self.layer_forward = [f * tokens / rate for f in self.shape.pipeline_layers(args.split_blocks)]
+            self.backward_ratio = args.backward_ratio
+            if args.comm_s is None:
+                self.comm_s = self.activation_bytes() / (args.link_gbps * 1e9)
+
+    def activation_bytes(self) -> int:
+        """Bytes of one microbatch's activation (and of its gradient) crossing a stage boundary."""
+        assert self.shape is not None
+        return self.args.microbatch_size * self.shape.seq_len * self.shape.hidden * self.args.bytes_per_value
+
+    def stages(self, candidates: Optional[Sequence[int]]) -> list[int]:
+        if self.fixed_stages is not None:
+            return [self.fixed_stages]
+        return list(candidates or DEFAULT_STAGES)
+
+    def costs(self, p: int) -> Optional[Costs]:
+        if self.fixed_stages is not None:
+            return Costs(list(self.args.stage_forward_s), list(self.stage_backward), self.comm_s, None)
+        if p > len(self.layer_forward):
+            return None
+        # Contiguous split balancing the forward time (integer weights: nanoseconds, at least 1).
+        counts = _balanced_counts([max(1, round(t * 1e9)) for t in self.layer_forward], p)
+        forward, start = [], 0
+        for c in counts:
+            forward.append(sum(self.layer_forward[start : start + c]))
+            start += c
+        return Costs(forward, [self.backward_ratio * f for f in forward], self.comm_s, counts)
+
+
+def fmt_seconds(s: float) -> str:
+    if s >= 1.0:
+        return f"{s:.3g} s"
+    if s >= 1e-3:
+        return f"{s * 1e3:.3g} ms"
+    return f"{s * 1e6:.3g} µs"
+
+
+def trace_path(base: str, schedule: str, p: int, m: int, several: bool) -> str:
+    if not several:
+        return base
+    path = Path(base)
+    return str(path.with_name(f"{path.stem}-{schedule}-p{p}-m{m}{path.suffix or '.json'}"))
+
+
+def write_trace(result: SimulationResult, path: str) -> str:
+    """The simulated timelines as the Chrome trace ``PipelineMonitor`` writes: one track per stage."""
+    from lightning_async_pp.callbacks.trace import ProcessSpans, write_chrome_trace
+
+    window = (0.0, result.makespan_s)
+    processes = [
+        ProcessSpans(rank=s, replica=0, stages=[s], clock_offset=0.0, window=window, steps=(0, result.steps - 1),
+                     spans=[(s, span.op, span.start, span.end,
+                             {"batch": span.batch, "step": span.step} if span.microbatch is None else
+                             {"batch": span.batch, "microbatch": span.microbatch, "step": span.step})
+                            for span in timeline])
+        for s, timeline in enumerate(result.timelines)
+    ]
+    return write_chrome_trace(path, processes, other_data={"simulated": {
+        "schedule": result.schedule, "num_stages": result.num_stages, "num_microbatches": result.num_microbatches,
+        "step_time_s": result.step_time_s, "bubble_fraction": result.bubble_fraction,
+        "peak_activations": result.peak_activations, "forward_s": result.forward_s, "backward_s": result.backward_s,
+        "comm_s": result.comm_s, "optimizer_s": result.optimizer_s,
+    }})
+
+
+def plan(args: argparse.Namespace) -> tuple[list[str], list[dict]]:
+    """The report's lines and one record per (p, m) with every simulated schedule's result."""
+    model = CostModel(args)
+    schedules = list(dict.fromkeys(args.schedules))
+    lines = [f"# Pipeline plan (simulated from the engine's action lists, {args.steps} steps, steady state)", ""]
+    if model.shape is not None:
+        sh = model.shape
+        lines += [
+            f"Model: hidden {sh.hidden}, {sh.layers} blocks, {sh.heads} heads ({sh.kv_heads} key/value), intermediate "
+            f"{sh.intermediate}, vocabulary {sh.vocab}, sequence {sh.seq_len}: {sh.parameters() / 1e9:.2f} B "
+            f"parameters; {'attention and MLP as separate pipeline layers' if args.split_blocks else 'one pipeline layer per block'}.",
+            f"Forward FLOPs per token: attention {sh.attention_flops() / 1e6:.1f} M + MLP {sh.mlp_flops() / 1e6:.1f} M "
+            f"per block, head {sh.head_flops() / 1e6:.1f} M; backward = {args.backward_ratio:g} x forward.",
+            f"Microbatch: {args.microbatch_size} x {sh.seq_len} tokens; accelerator {args.tflops:g} TFLOP/s at "
+            f"{args.mfu:.0%} MFU; one block's forward {fmt_seconds(sum(model.layer_forward[:len(model.layer_forward) // sh.layers]))} "
+            f"per microbatch; activation {model.activation_bytes() / 2**20:.2f} MiB per microbatch over "
+            f"{args.link_gbps:g} GB/s = {fmt_seconds(model.comm_s)} per transfer; optimizer "
+            f"{fmt_seconds(args.optimizer_s)} per step.",
+        ]
+    elif model.fixed_stages is not None:
+        lines.append(f"Per-stage costs: forward {args.stage_forward_s} s, backward {model.stage_backward} s, "
+                     f"transfer {model.comm_s:g} s, optimizer {args.optimizer_s:g} s.")
+    else:
+        lines.append(f"{args.layers} layers of forward {args.forward_s:g} s, backward "
+                     f"{args.forward_s * model.backward_ratio:g} s per microbatch; transfer {model.comm_s:g} s, "
+                     f"optimizer {args.optimizer_s:g} s.")
+    lines += ["", "*bubble*: share of the steady-state step a stage is idle (mean over stages); *x 1f1b*: 1f1b's step "
+              "time / this one's; *peak act.*: most microbatches whose forward ran and backward did not, on any stage.",
+              ""]
+    head = ["p", "m", "layers per stage"]
+    for s in schedules:
+        head += [f"{s} step", f"{s} bubble"] + ([f"{s} x 1f1b"] if s != "1f1b" else [])
+    head.append("peak act. " + " / ".join(schedules))
+    lines += ["| " + " | ".join(head) + " |", "|" + "---:|" * len(head)]
+
+    records: list[dict] = []
+    written: list[str] = []
+    several = len(model.stages(args.stages)) * len(args.microbatches) * len(schedules) > 1
+    for p in model.stages(args.stages):
+        costs = model.costs(p)
+        for m in args.microbatches:
+            if costs is None:
+                lines.append(f"| {p} | {m} | - | more stages than the {len(model.layer_forward)} pipeline layers"
+                             + (" (--split-blocks doubles them)" if model.shape and not args.split_blocks else "")
+                             + " |" + " |" * (len(head) - 4))
+                continue
+            results: dict[str, Optional[SimulationResult]] = {}
+            for s in dict.fromkeys([*schedules, "1f1b"]):
+                if s == "2bw" and m < p:
+                    results[s] = None
+                    continue
+                results[s] = simulate(s, p, m, costs.forward_s, costs.backward_s, comm_s=costs.comm_s,
+                                      optimizer_s=args.optimizer_s, steps=args.steps)
+                if args.trace and s in schedules:
+                    written.append(write_trace(results[s], trace_path(args.trace, s, p, m, several)))
+            base = results["1f1b"]
+            assert base is not None
+            counts = costs.layers_per_stage
+            split = "-" if counts is None else (str(counts[0]) if len(set(counts)) == 1 else f"{min(counts)}-{max(counts)}")
+            cells = [str(p), str(m), split]
+            for s in schedules:
+                r = results[s]
+                if r is None:
+                    cells += ["needs m >= p", "-", "-"]
+                    continue
+                cells += [fmt_seconds(r.step_time_s), f"{r.bubble_fraction:.1%}"]
+                if s != "1f1b":
+                    cells.append(f"{base.step_time_s / r.step_time_s:.2f}")
+            cells.append(" / ".join("-" if results[s] is None else str(max(results[s].peak_activations))  # type: ignore[union-attr]
+                                    for s in schedules))
+            lines.append("| " + " | ".join(cells) + " |")
+            records.append({"p": p, "m": m, "layers_per_stage": counts,
+                            "results": {s: r for s, r in results.items() if s in schedules}})
+    if written:
+        lines += ["", f"Timelines (Chrome trace) written to {written[0]}"
+                  + (f" and {len(written) - 1} more files beside it" if len(written) > 1 else "")]
+    return lines, records
+
+
+def parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        prog="lightning-async-pp-plan",
+        description="Predict step time, bubble and in-flight activations of 2bw/1f1b/gpipe pipelines by simulating "
+                    "the engine's action lists.",
+        epilog="Examples: lightning-async-pp-plan --layers 8 --forward-s 0.0012 --stages 2 4 8 --microbatches 4 8; "
+               "lightning-async-pp-plan --model smollm-360m --split-blocks --stages 2 4 8 16 32 64 --microbatches 64 128",
+    )
+    ap.add_argument("--schedules", nargs="+", choices=SCHEDULES, default=list(SCHEDULES))
+    ap.add_argument("--stages", "-p", nargs="+", type=_positive_int,
+                    help="numbers of stages (default 2 4 8 16 32 64; with --stage-forward-s: their count)")
+    ap.add_argument("--microbatches", "-m", nargs="+", type=_positive_int, default=[8, 16, 32, 64])
+    ap.add_argument("--steps", type=int, default=6, help="training steps simulated (>= 3; first and last not counted)")
+    ap.add_argument("--trace", help="write the timelines as a Chrome trace here (several: one file per schedule, p, m)")
+    c = ap.add_argument_group("costs per layer or per stage (seconds per microbatch)")
+    c.add_argument("--forward-s", type=_seconds, help="forward time of one layer")
+    c.add_argument("--backward-s", type=_seconds, help="backward time of one layer (default: --backward-ratio x forward)")
+    c.add_argument("--stage-forward-s", nargs="+", type=_seconds, help="forward time of each stage (fixes p)")
+    c.add_argument("--stage-backward-s", nargs="+", type=_seconds, help="backward time of each stage")
+    c.add_argument("--comm-s", type=_seconds, help="transfer time of one activation or gradient between stages "
+                   "(default 0, or computed from the model shape and --link-gbps)")
+    c.add_argument("--optimizer-s", type=_seconds, default=0.0, help="optimizer update per stage and step (default 0)")
+    c.add_argument("--backward-ratio", type=_positive, default=2.0, help="backward / forward time (default 2)")
+    s = ap.add_argument_group("costs from a model shape")
+    s.add_argument("--model", choices=sorted(MODELS), help="a preset shape (the flags below override its fields)")
+    s.add_argument("--layers", type=_positive_int, help="layers (blocks of a shape, or identical layers with --forward-s)")
+    for name in ("hidden", "heads", "kv-heads", "intermediate", "vocab", "seq-len"):
+        s.add_argument(f"--{name}", type=_positive_int)
+    s.add_argument("--split-blocks", action="store_true",
+                   help="attention and MLP as separate pipeline layers (twice the layers, for p above the block count)")
+    s.add_argument("--microbatch-size", type=_positive_int, default=1, help="sequences per microbatch (default 1)")
+    s.add_argument("--tflops", type=_positive, default=400.0, help="accelerator peak TFLOP/s (default 400, bf16)")
+    s.add_argument("--mfu", type=_fraction, default=0.4, help="share of the peak reached (default 0.4)")
+    s.add_argument("--link-gbps", type=_positive, default=25.0, help="link bandwidth between stages, GB/s (default 25)")
+    s.add_argument("--bytes-per-value", type=_positive_int, default=2, help="bytes per activation value (default 2)")
+    return ap
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}") from None
+    if not math.isfinite(value) or value < 0:
+        raise argparse.ArgumentTypeError(f"expected a finite number >= 0, got {text!r}")
+    return value
+
+
+def _positive(text: str) -> float:
+    value = _seconds(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}")
+    return value
+
+
+def _fraction(text: str) -> float:
+    value = _seconds(text)
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"expected a fraction in (0, 1], got {text!r}")
+    return value
+
+
+def main(argv: Optional[Sequence[str]] = None) -> None:
+    ap = parser()
+    args = ap.parse_args(argv)
+    if args.steps < 3:
+        ap.error(f"--steps must be >= 3, got {args.steps}")
+    modes = [args.stage_forward_s is not None, args.forward_s is not None,
+             args.model is not None or args.hidden is not None]
+    if sum(modes) > 1:
+        ap.error("give one source of costs: --stage-forward-s, or --layers with --forward-s, or a model shape")
+    if args.stage_forward_s is not None and args.stages not in (None, [len(args.stage_forward_s)]):
+        ap.error(f"--stage-forward-s gives the costs of {len(args.stage_forward_s)} stages; --stages {args.stages} "
+                 f"disagrees (leave it out)")
+    if args.stages is None:
+        args.stages = list(DEFAULT_STAGES)
+    try:
+        lines, _ = plan(args)
+    except ValueError as err:  # a cost simulate() rejects, named there
+        ap.error(str(err))
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

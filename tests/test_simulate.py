@@ -1,0 +1,281 @@
+"""The planner: ``pipeline.simulate`` runs the engine's action lists as a discrete-event simulation, and the
+``lightning-async-pp-plan`` command prints its tables and Chrome traces."""
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from lightning_async_pp import plan
+from lightning_async_pp.callbacks.trace import CATEGORIES
+from lightning_async_pp.pipeline import simulate as simulate_module
+from lightning_async_pp.pipeline.schedule import Action, step_actions
+from lightning_async_pp.pipeline.simulate import simulate
+
+ROOT = Path(__file__).resolve().parents[1]
+GRID = [(1, 1), (1, 4), (2, 1), (2, 2), (2, 4), (2, 8), (3, 3), (3, 7), (4, 4), (4, 8), (4, 16), (8, 8), (8, 32)]
+
+
+# ---- the bubble with unit costs ----------------------------------------------------------------------------------
+@pytest.mark.parametrize("p,m", GRID)
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_flushing_schedules_waste_p_minus_1_slots_of_m_plus_p_minus_1(schedule, p, m):
+    r = simulate(schedule, p, m, 1.0, 2.0)
+    assert r.step_time_s == pytest.approx((m + p - 1) * 3.0)
+    assert r.bubble_fraction == pytest.approx((p - 1) / (m + p - 1))
+    assert r.stage_bubble_fractions == pytest.approx([(p - 1) / (m + p - 1)] * p)
+
+
+@pytest.mark.parametrize("p,m", [(p, m) for p, m in GRID if m >= p])
+def test_2bw_steady_state_wastes_nothing(p, m):
+    r = simulate("2bw", p, m, 1.0, 2.0)
+    assert r.step_time_s == pytest.approx(m * 3.0)
+    assert r.bubble_fraction == pytest.approx(0.0, abs=1e-12)
+    assert r.stage_bubble_fractions == pytest.approx([0.0] * p, abs=1e-12)
+    # Every steady-state step of every stage is back to back: no gap between its spans.
+    for s in range(p):
+        spans = [x for k in range(1, r.steps - 1) for x in r.step_spans(s, k)]
+        assert all(a.end == pytest.approx(b.start) for a, b in zip(spans, spans[1:]))
+
+
+# ---- it runs exactly the engine's lists ----------------------------------------------------------------------------
+@pytest.mark.parametrize("schedule,p,m", [("2bw", 3, 5), ("1f1b", 3, 5), ("gpipe", 2, 3), ("2bw", 4, 4)])
+def test_each_stage_runs_exactly_the_step_actions_the_runtime_runs(schedule, p, m, monkeypatch):
+    calls = []
+
+    def recording(*args, **kwargs):
+        calls.append((args, kwargs))
+        return step_actions(*args, **kwargs)
+
+    monkeypatch.setattr(simulate_module, "step_actions", recording)
+    steps = 5
+    r = simulate(schedule, p, m, 1.0, 2.0, steps=steps)
+    # As PipelineRuntime.train_batch across processes: 2BW starts the next batch's forwards in every step that
+    # has a next batch, and the next step is carried in; the synchronous schedules never are.
+    for s in range(p):
+        flags = [kw for args, kw in calls if args[1] == s]
+        assert all(args == (schedule, s, p, m) for args, _ in calls if args[1] == s)
+        lookahead = [schedule == "2bw" and k + 1 < steps for k in range(steps)]
+        assert flags == [{"carried_in": k > 0 and lookahead[k - 1], "lookahead": lookahead[k]} for k in range(steps)]
+        for k, kw in enumerate(flags):
+            actions = step_actions(schedule, s, p, m, **kw)
+            spans = r.step_spans(s, k)
+            assert len(spans) == len(actions) + 1  # the list, then the optimizer update
+            assert [(x.op, x.batch, x.microbatch) for x in spans[:-1]] == [
+                ("forward" if a.op == "F" else "backward", k + a.batch, a.microbatch) for a in actions]
+            assert spans[-1].op == "optimizer" and spans[-1].start == pytest.approx(spans[-2].end)
+
+
+def test_a_changed_schedule_is_simulated_as_listed_not_by_formula(monkeypatch):
+    """Give '1f1b' GPipe's list: the simulation follows the list (all forwards in flight at once)."""
+    def gpipe_lists(schedule, stage, num_stages, m, *, carried_in=False, lookahead=False):
+        return [Action("F", 0, j) for j in range(m)] + [Action("B", 0, j) for j in range(m)]
+
+    monkeypatch.setattr(simulate_module, "step_actions", gpipe_lists)
+    assert simulate("1f1b", 4, 6, 1.0, 2.0).peak_activations == [6, 6, 6, 6]
+
+
+def test_a_list_that_cannot_progress_is_reported(monkeypatch):
+    """Stage 0 waits for microbatch 0's gradient, stage 1 for microbatch 1's activation: a deadlock."""
+    def crossed(schedule, stage, num_stages, m, *, carried_in=False, lookahead=False):
+        if stage == 0:
+            return [Action("F", 0, 0), Action("B", 0, 0), Action("F", 0, 1), Action("B", 0, 1)]
+        return [Action("F", 0, 1), Action("B", 0, 1), Action("F", 0, 0), Action("B", 0, 0)]
+
+    monkeypatch.setattr(simulate_module, "step_actions", crossed)
+    with pytest.raises(RuntimeError, match=r"cannot make progress.*0: 'step 0 B0.0'.*1: 'step 0 F0.1'"):
+        simulate("1f1b", 2, 2, 1.0, 2.0)
+
+
+# ---- costs per stage, transfers, the optimizer ---------------------------------------------------------------------
+def test_the_slowest_stage_bounds_the_step():
+    fwd, bwd, m = [1.0, 1.0, 2.0, 1.0], [2.0, 2.0, 4.0, 2.0], 8
+    r = simulate("2bw", 4, m, fwd, bwd)
+    assert r.step_time_s == pytest.approx(m * 6.0)  # stage 2's m x (2 + 4)
+    assert r.stage_bubble_fractions == pytest.approx([0.5, 0.5, 0.0, 0.5])
+    for schedule in ("1f1b", "gpipe"):
+        flushed = simulate(schedule, 4, m, fwd, bwd)
+        assert flushed.step_time_s > r.step_time_s
+        assert max(flushed.stage_bubble_fractions) > 0.5
+    # The same total work spread evenly is faster.
+    assert simulate("2bw", 4, m, 1.25, 2.5).step_time_s == pytest.approx(m * 3.75)
+
+
+def test_transfer_time_adds_as_computed_by_hand():
+    c = 0.5  # forward 1, backward 2
+    # GPipe, p=2, m=2: stage 0 forwards 0-1 and 1-2; stage 1 forwards 1.5-2.5 and 2.5-3.5, backwards 3.5-5.5 and
+    # 5.5-7.5; stage 0's backwards start once the gradients arrive: 6-8 and 8-10. The next step starts at 10.
+    r = simulate("gpipe", 2, 2, 1.0, 2.0, comm_s=c)
+    assert r.step_time_s == pytest.approx(9 + 2 * c)
+    first = [(x.op, x.microbatch, x.start, x.end) for s in range(2) for x in r.step_spans(s, 0)[:-1]]
+    assert first == [("forward", 0, 0, 1), ("forward", 1, 1, 2), ("backward", 0, 6, 8), ("backward", 1, 8, 10),
+                     ("forward", 0, 1.5, 2.5), ("forward", 1, 2.5, 3.5), ("backward", 0, 3.5, 5.5),
+                     ("backward", 1, 5.5, 7.5)]
+    # 1F1B, one microbatch: forward, transfer, forward, backward, transfer, backward.
+    assert simulate("1f1b", 2, 1, 1.0, 2.0, comm_s=c).step_time_s == pytest.approx(6 + 2 * c)
+    # 2BW, p=2: stage 0 runs one forward ahead, so each microbatch's gradient round trip is on its critical path:
+    # F(j+1) on stage 0, transfer, F(j+1) and B(j+1) on stage 1, transfer, B(j+1) on stage 0 = 2 microbatches'
+    # work (6 + 6) plus 2 transfers every 2 microbatches: 3 + c per microbatch.
+    for m in (2, 4, 8):
+        assert simulate("2bw", 2, m, 1.0, 2.0, comm_s=c).step_time_s == pytest.approx(m * (3 + c))
+    # Per boundary: only the slow link costs (one transfer each way per microbatch on p=3 gpipe, m=1).
+    assert simulate("gpipe", 3, 1, 1.0, 2.0, comm_s=[0.0, 1.0]).step_time_s == pytest.approx(9 + 2)
+
+
+def test_the_optimizer_runs_after_each_stages_last_backward():
+    r = simulate("1f1b", 2, 2, 1.0, 2.0, optimizer_s=0.5)
+    assert r.step_time_s == pytest.approx(9 + 0.5)  # stage 0 finishes last; its next forward waits for the update
+    for s in range(2):
+        for k in range(r.steps):
+            spans = r.step_spans(s, k)
+            assert spans[-1].op == "optimizer" and spans[-1].duration == pytest.approx(0.5)
+            assert spans[-1].start == pytest.approx(max(x.end for x in spans if x.op == "backward"))
+            assert r.step_ends[s][k] == spans[-1].end
+    # Counted as work, not bubble: 2BW with an update per step is still busy all the time on a balanced pipe.
+    two = simulate("2bw", 2, 4, 1.0, 2.0, optimizer_s=0.5)
+    assert two.step_time_s == pytest.approx(4 * 3 + 0.5) and two.bubble_fraction == pytest.approx(0.0, abs=1e-12)
+
+
+# ---- activations in flight ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("p,m", [(2, 4), (4, 4), (4, 8), (8, 16), (3, 2)])
+def test_peak_activations(p, m):
+    assert simulate("gpipe", p, m, 1.0, 2.0).peak_activations == [m] * p
+    assert simulate("1f1b", p, m, 1.0, 2.0).peak_activations == [min(p - s, m) for s in range(p)]
+    if m >= p:
+        assert simulate("2bw", p, m, 1.0, 2.0).peak_activations == [p - s for s in range(p)]
+
+
+# ---- bad inputs ----------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(schedule="zb"), r"Unknown schedule 'zb'; valid schedules are '2bw', '1f1b', 'gpipe'"),
+    (dict(num_stages=0), r"num_stages must be a positive integer, got 0"),
+    (dict(num_stages=True), r"num_stages must be a positive integer, got True"),
+    (dict(num_microbatches=2.0), r"num_microbatches must be a positive integer, got 2.0"),
+    (dict(schedule="2bw", num_microbatches=2), r"needs num_microbatches >= the number of pipeline stages.*=2 for 3"),
+    (dict(forward_s=-1.0), r"forward_s must be a finite number of seconds > 0.*one per stage\), got -1.0"),
+    (dict(forward_s=math.nan), r"forward_s must be .* got nan"),
+    (dict(forward_s="1"), r"forward_s must be .* got '1'"),
+    (dict(forward_s=[1.0, 2.0]), r"sequence of 3 of them \(one per stage\), got a sequence of 2: \[1.0, 2.0\]"),
+    (dict(backward_s=[1.0, 0.0, 1.0]), r"backward_s must be .*> 0.*got 0.0 for stage 1 in \[1.0, 0.0, 1.0\]"),
+    (dict(comm_s=-0.1), r"comm_s must be a finite number of seconds >= 0.*one per boundary between stages\), got -0.1"),
+    (dict(comm_s=[0.1, 0.1, 0.1]), r"comm_s must be .*a sequence of 2 of them.*got a sequence of 3"),
+    (dict(optimizer_s=[0.1]), r"optimizer_s must be .*a sequence of 3 of them.*got a sequence of 1"),
+    (dict(steps=2), r"steps must be an integer >= 3.*got 2"),
+])
+def test_bad_inputs_are_clear_errors(kwargs, match):
+    args = dict(schedule="1f1b", num_stages=3, num_microbatches=4, forward_s=1.0, backward_s=2.0)
+    args.update(kwargs)
+    schedule, p, m, f, b = (args.pop(k) for k in ("schedule", "num_stages", "num_microbatches", "forward_s", "backward_s"))
+    with pytest.raises(ValueError, match=match):
+        simulate(schedule, p, m, f, b, **args)
+
+
+def test_per_stage_costs_may_be_any_sequence_and_zero_transfer_or_update_is_fine():
+    r = simulate("1f1b", 3, 4, (1, 1, 1), [2, 2, 2], comm_s=(0, 0), optimizer_s=[0, 0, 0])
+    assert r.forward_s == [1.0, 1.0, 1.0] and r.comm_s == [0.0, 0.0] and r.step_time_s == pytest.approx(18.0)
+
+
+# ---- the console command -----------------------------------------------------------------------------------------------
+def test_console_command_is_installed_as_lightning_async_pp_plan():
+    pyproject = (ROOT / "pyproject.toml").read_text()
+    scripts = pyproject[pyproject.index("[project.scripts]"):].split("\n\n")[0]
+    assert 'lightning-async-pp-plan = "lightning_async_pp.plan:main"' in scripts
+
+
+def test_plan_prints_a_table_over_p_and_m(capsys):
+    plan.main(["--layers", "8", "--forward-s", "1", "--stages", "2", "4", "16", "--microbatches", "2", "4"])
+    out = capsys.readouterr().out
+    rows = {tuple(c.strip() for c in line.strip("|").split("|")[:2]): line for line in out.splitlines()
+            if line.startswith("| ") and not line.startswith("| p ")}
+    assert set(rows) == {(p, m) for p in ("2", "4", "16") for m in ("2", "4")}
+    # p=2, m=4: 4 layers per stage, forward 4 s, backward 8 s: 2bw 4 x 12 = 48 s, 1f1b (4 + 1) x 12 = 60 s.
+    cells = [c.strip() for c in rows[("2", "4")].strip("|").split("|")]
+    assert cells[2:10] == ["4", "48 s", "0.0%", "1.25", "60 s", "20.0%", "60 s", "20.0%"]
+    assert cells[-1] == "2 / 2 / 4"
+    assert "needs m >= p" in rows[("4", "2")]
+    assert "more stages than the 8 pipeline layers" in rows[("16", "2")]
+
+
+def test_plan_from_a_model_shape_balances_flops_and_derives_the_transfer():
+    shape = plan.MODELS["smollm-360m"]
+    assert shape.parameters() == 361_821_120  # models.Llama("smollm-360m", vocab_size=49152), tied head
+    args = plan.parser().parse_args(["--model", "smollm-360m", "--stages", "2", "64", "--microbatches", "64",
+                                     "--split-blocks"])
+    lines, records = plan.plan(args)
+    rate = 400e12 * 0.4
+    by_p = {r["p"]: r for r in records}
+    assert sum(by_p[2]["layers_per_stage"]) == 64 and by_p[64]["layers_per_stage"] == [1] * 64
+    two = by_p[2]["results"]["2bw"]
+    assert two.comm_s == pytest.approx([2048 * 960 * 2 / 25e9])  # one sequence of bf16 activations at 25 GB/s
+    total = (32 * (shape.attention_flops() + shape.mlp_flops()) + shape.head_flops()) * 2048 / rate
+    assert sum(two.forward_s) == pytest.approx(total)
+    assert two.backward_s == pytest.approx([2 * f for f in two.forward_s])
+    # At p=64 the last stage holds an MLP and the 49152-word head: it bounds the step.
+    last = by_p[64]["results"]["2bw"]
+    assert last.stage_bubble_fractions[-1] == pytest.approx(0.0, abs=1e-9) and last.bubble_fraction > 0.5
+
+
+def test_plan_writes_the_timelines_as_the_monitors_chrome_trace(tmp_path):
+    path = tmp_path / "plan.json"
+    plan.main(["--stage-forward-s", "1", "1.5", "--stage-backward-s", "2", "3", "--microbatches", "4",
+               "--schedules", "2bw", "--steps", "4", "--trace", str(path)])
+    trace = json.loads(path.read_text())
+    assert set(trace) == {"traceEvents", "displayTimeUnit", "otherData"}
+    assert trace["otherData"]["simulated"]["schedule"] == "2bw" and trace["otherData"]["steps"] == [0, 3]
+    spans = [e for e in trace["traceEvents"] if e["ph"] == "X"]
+    assert {e["name"] for e in spans} <= set(CATEGORIES)
+    for e in spans:
+        assert set(e) == {"name", "cat", "ph", "pid", "tid", "ts", "dur", "args"} and e["cat"] == CATEGORIES[e["name"]]
+    for stage in (0, 1):
+        track = sorted((e for e in spans if e["tid"] == stage), key=lambda e: e["ts"])
+        names = [e["name"] for e in track]
+        assert names.count("forward") == names.count("backward") == 4 * 4 and names.count("optimizer") == 4
+        assert all(a["ts"] + a["dur"] <= b["ts"] + 1e-6 for a, b in zip(track, track[1:]))
+        assert {e["args"]["microbatch"] for e in track if e["name"] == "forward"} == {0, 1, 2, 3}
+    # Microseconds: stage 1's steady 2bw step is m x (1.5 + 3) s.
+    assert trace["otherData"]["simulated"]["step_time_s"] == pytest.approx(4 * 4.5)
+    threads = {e["tid"]: e["args"]["name"] for e in trace["traceEvents"] if e["name"] == "thread_name"}
+    assert threads == {0: "stage 0 (rank 0)", 1: "stage 1 (rank 1)"}
+
+
+def test_several_traces_get_one_file_each(tmp_path):
+    plan.main(["--layers", "4", "--forward-s", "0.01", "--stages", "2", "--microbatches", "2", "4",
+               "--schedules", "2bw", "gpipe", "--trace", str(tmp_path / "t.json")])
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "t-2bw-p2-m2.json", "t-2bw-p2-m4.json", "t-gpipe-p2-m2.json", "t-gpipe-p2-m4.json"]
+
+
+def test_the_console_command_runs(tmp_path):
+    # What the `lightning-async-pp-plan` entry point does: sys.exit(main()) with the command line's arguments.
+    out = subprocess.run([sys.executable, "-c", "import sys; from lightning_async_pp.plan import main; sys.exit(main())",
+                          "--model", "llama-10b", "--stages", "4", "--microbatches", "8", "--trace",
+                          str(tmp_path / "t.json")],
+                         capture_output=True, text=True, timeout=300, cwd=tmp_path,
+                         env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    assert out.returncode == 0, out.stderr
+    assert "| 4 | 8 | 8 |" in out.stdout and "10.31 B parameters" in out.stdout
+    assert len(list(tmp_path.glob("t-*.json"))) == 3
+
+
+@pytest.mark.parametrize("argv,match", [
+    (["--model", "smollm-360m", "--forward-s", "1", "--layers", "2"], "one source of costs"),
+    (["--forward-s", "1"], r"give the number of layers \(--layers\)"),
+    (["--stage-forward-s", "1", "0"], r"forward_s must be a finite number of seconds > 0.*got 0.0 for stage 1"),
+    (["--stage-forward-s", "1", "1", "--stage-backward-s", "2"], r"--stage-backward-s needs 2 values"),
+    (["--hidden", "64"], r"missing --layers, --heads"),
+    (["--model", "smollm-360m", "--mfu", "2"], r"expected a fraction in \(0, 1\]"),
+    (["--layers", "2", "--forward-s", "1", "--steps", "2"], r"--steps must be >= 3"),
+    (["--stage-forward-s", "1", "1", "--stages", "4"], r"costs of 2 stages; --stages \[4\] disagrees"),
+])
+def test_plan_rejects_bad_arguments_with_a_message(argv, match, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        plan.main(argv)
+    assert exit_info.value.code == 2
+    assert re.search(match, capsys.readouterr().err)
+
