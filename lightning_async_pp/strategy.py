@@ -454,9 +454,14 @@ class AsyncPipelineStrategy(DDPStrategy):
             source = self._source = ckpt.file_source(checkpoint)
         own = module.state_dict()
         ckpt.check_model_fits(engine, own, source, not self.is_multiprocess, check_names_and_shapes)
-        self._tensors = source.read(ckpt.needed_keys(engine, own, source))
+        tensors = source.read(ckpt.needed_keys(engine, own, source))
         num_updates = checkpoint.get("async_pipeline", {}).get("num_updates", 0)
-        ckpt.load_engine(engine, module, self._tensors, num_updates)
+        ckpt.load_engine(engine, module, tensors, num_updates)
+        # Keep only what load_optimizer_state_dict will take (nothing outside fit), not a second copy of the model.
+        fitting = module.trainer.state.fn == TrainerFn.FITTING
+        self._tensors = {k: v for k, v in tensors.items() if k.startswith(ckpt.OPTIM)} if fitting else {}
+        if not fitting:
+            self._source = None
 
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
         assert self.engine is not None

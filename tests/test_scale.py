@@ -124,11 +124,17 @@ def test_two_stage_run_equals_one_device_and_its_sharded_checkpoint_resumes_on_o
     assert max_difference(resumed["state_dict"], reference["full"]["state_dict"]) < TOL
 
 
-def test_two_stage_sharded_checkpoint_resumes_on_four_stages(two_stages, reference, tmp_path):
+def test_two_stage_sharded_checkpoint_resumes_on_four_stages_whose_checkpoint_consolidates(two_stages, reference, tmp_path):
     _, checkpoint = two_stages
-    ranks = multiprocess(dict(devices=4, steps=STEPS, resume_from=str(checkpoint)), tmp_path)
+    ranks = multiprocess(dict(devices=4, steps=STEPS, resume_from=str(checkpoint), checkpoint_dir=str(tmp_path / "ckpt")),
+                         tmp_path)
     assert ranks[0]["global_step"] == STEPS
     assert max_difference(ranks[0]["state_dict"], reference["full"]["state_dict"]) < TOL
+    # The 4-stage run saved at step 6: its shards, consolidated, hold the one-device W_6.
+    six, _, _ = run(dict(steps=6))
+    consolidate_checkpoint(tmp_path / "ckpt" / "epoch=0-step=6.ckpt", tmp_path / "one.ckpt")
+    loaded = ConfiguredMLP.load_from_checkpoint(tmp_path / "one.ckpt")
+    assert max_difference({k: v.detach() for k, v in loaded.state_dict().items()}, six["state_dict"]) < TOL
 
 
 def test_one_device_sharded_checkpoint_resumes_on_two_stages(reference, tmp_path):

@@ -103,7 +103,7 @@ def build_trainer(cfg: dict, devices: int, strategy: bool = True) -> tuple[L.Tra
     if cfg.get("checkpoint_dir"):
         callbacks.append(ModelCheckpoint(dirpath=cfg["checkpoint_dir"], every_n_train_steps=cfg.get("save_every", 3),
                                          save_top_k=-1))
-    kwargs = dict(accelerator="cpu", devices=devices, max_steps=cfg["steps"], logger=False,
+    kwargs = dict(accelerator=cfg.get("accelerator", "cpu"), devices=devices, max_steps=cfg["steps"], logger=False,
                   enable_checkpointing=bool(cfg.get("checkpoint_dir")), callbacks=callbacks, enable_progress_bar=False,
                   enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0)
     if strategy:
