@@ -64,7 +64,7 @@ class TextSamples(Callback):
         encode: text -> token ids, for the prompts. Default: UTF-8 bytes. Give it whenever ``decode`` is given.
         max_context: longest context fed to the model; default the model's ``max_seq_len`` or ``block_size``
             hyperparameter, unbounded when it has neither.
-        tag: TensorBoard tag prefix.
+        tag: TensorBoard tag prefix (and the callback's key in checkpoints: give each TextSamples its own).
 
     ``history`` keeps ``(global_step, continuations)`` for each decoding on the ranks that pick tokens (the first
     stage of each pipeline; every rank without a pipeline strategy).
@@ -157,6 +157,11 @@ class TextSamples(Callback):
         self.history.append((trainer.global_step, continuations))
         if trainer.is_global_zero:
             self._log(trainer, continuations)
+
+    @property
+    def state_key(self) -> str:
+        # Several TextSamples (e.g. greedy and sampled) may run side by side, each under its own tag.
+        return self._generate_state_key(tag=self.tag)
 
     def state_dict(self) -> dict[str, Any]:
         return {"last_due": self._last_due}
