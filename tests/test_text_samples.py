@@ -55,6 +55,20 @@ def test_greedy_continuations_equal_a_plain_greedy_loop_without_a_trainer():
     assert texts == expected
 
 
+def test_gpt_continuations_equal_a_plain_greedy_loop_and_respect_its_block_size():
+    from lightning_async_pp.models import GPT
+
+    torch.manual_seed(0)
+    gpt = GPT(block_size=8, n_layer=1, n_head=2, n_embd=16).eval()
+    prompt = "0123456789"  # longer than block_size: the context is the last 8 tokens
+    texts = TextSamples([prompt], max_new_tokens=4).generate(gpt)
+    ids = list(prompt.encode())
+    with torch.no_grad():
+        for _ in range(4):
+            ids.append(int(gpt(torch.tensor([ids[-8:] + [0]]))[0, -1].argmax()))
+    assert texts == [bytes(ids[len(prompt):]).decode("utf-8", errors="replace")]
+
+
 def test_top_k_one_sampling_is_greedy():
     model = trained_llama()
     greedy_texts = TextSamples(PROMPTS, max_new_tokens=5).generate(model)
