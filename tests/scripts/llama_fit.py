@@ -3,8 +3,9 @@
 Run by tests/test_llama_pipeline.py in a subprocess (Lightning's launcher re-executes this script for the other
 ranks); the tests also import ``run`` to make the same run on one device in their own process.
 
-Config keys: devices, stages (on one device), schedule, microbatches, partition, steps, tie, seed, samples, batch, seq,
-val_every + val_batches (validation during fit), text_samples (TextSamples keyword arguments; needs log_dir),
+Config keys: devices, stages (on one device), schedule, microbatches, partition, steps, tie, max_seq_len, seed,
+samples, batch, seq,
+val_every + val_batches (validation during fit), text_samples (TextSamples keyword arguments),
 log_dir (a TensorBoardLogger there), timeout.
 """
 from __future__ import annotations
@@ -32,7 +33,7 @@ def token_rows(samples: int, seq: int, seed: int = 3) -> list[torch.Tensor]:
 
 def build(cfg: dict) -> tuple[Llama, DataLoader, L.Trainer]:
     L.seed_everything(cfg.get("seed", 0), verbose=False)
-    model = Llama("tiny", vocab_size=256, tie_embeddings=cfg.get("tie", True), max_seq_len=64, lr=cfg.get("lr", 3e-3))
+    model = Llama("tiny", vocab_size=256, tie_embeddings=cfg.get("tie", True), max_seq_len=cfg.get("max_seq_len", 64), lr=cfg.get("lr", 3e-3))
     rows = token_rows(cfg.get("samples", 32), cfg.get("seq", 16))
     loader = DataLoader(rows, batch_size=cfg.get("batch", 8), shuffle=False, drop_last=True)
     kwargs: dict[str, Any] = {}
