@@ -6,7 +6,6 @@ CPU checks what parsing cannot: that the options work together.
 """
 from __future__ import annotations
 
-import copy
 import re
 import sys
 from pathlib import Path
@@ -102,7 +101,8 @@ def test_gpu_config_states_its_budget_and_matches_its_cell(path):
     assert config["model"]["init_args"]["size"] == "smollm-135m"
     # The header's budget is the config's: rows x tokens per step, and the total.
     tokens_per_step = data["batch_size"] * data["block_size"]
-    assert f"batch {data['batch_size']} rows x {data['block_size']} tokens = {tokens_per_step:,} tokens per step" in text
+    batch = f"batch {data['batch_size']} rows x {data['block_size']} tokens = {tokens_per_step:,} tokens per step"
+    assert batch in text
     total = tokens_per_step * trainer["max_steps"]
     assert f"{trainer['max_steps']:,} steps = {total / 1e6:.1f}M tokens" in text
     assert trainer["val_check_interval"] < trainer["max_steps"]
@@ -153,3 +153,17 @@ def test_text_samples_is_built_from_yaml_with_a_tokenizer_given_by_import_path(t
     assert (sampled.every_n_steps, sampled.max_new_tokens, sampled.temperature, sampled.top_k, sampled.tag) == (
         7, 5, 0.8, 40, "sampled")
     assert sampled.decode is decode_bytes and sampled.encode is encode_bytes
+
+
+def test_the_readme_llama_yaml_parses_with_the_cli(tmp_path, capsys):
+    readme = (CONFIGS.parent / "README.md").read_text()
+    section = readme.split("## Pretraining a Llama-style model", 1)[1]
+    block = re.search(r"```yaml\n(.*?)```", section, re.S).group(1)
+    path = tmp_path / "readme_llama.yaml"
+    path.write_text(block)
+    with pytest.raises(SystemExit) as exit_:
+        AsyncPipelineCLI(args=["fit", "--config", str(path), "--print_config"])
+    assert exit_.value.code in (0, None)
+    printed = yaml.safe_load(capsys.readouterr().out)
+    assert printed["model"]["init_args"]["tie_embeddings"] is True
+    assert printed["trainer"]["callbacks"][0]["class_path"] == "lightning_async_pp.callbacks.TextSamples"

@@ -10,7 +10,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import yaml
 
 sys.path.insert(0, str(Path(__file__).parent / "scripts"))
 from test_llama_pipeline import one_device, run_two_processes  # noqa: E402

@@ -33,7 +33,8 @@ def token_rows(samples: int, seq: int, seed: int = 3) -> list[torch.Tensor]:
 
 def build(cfg: dict) -> tuple[Llama, DataLoader, L.Trainer]:
     L.seed_everything(cfg.get("seed", 0), verbose=False)
-    model = Llama("tiny", vocab_size=256, tie_embeddings=cfg.get("tie", True), max_seq_len=cfg.get("max_seq_len", 64), lr=cfg.get("lr", 3e-3))
+    model = Llama("tiny", vocab_size=256, tie_embeddings=cfg.get("tie", True), max_seq_len=cfg.get("max_seq_len", 64),
+                  lr=cfg.get("lr", 3e-3))
     rows = token_rows(cfg.get("samples", 32), cfg.get("seq", 16))
     loader = DataLoader(rows, batch_size=cfg.get("batch", 8), shuffle=False, drop_last=True)
     kwargs: dict[str, Any] = {}
