@@ -112,6 +112,21 @@ def test_one_device_run_logs_the_greedy_text_of_the_newest_weights(tmp_path):
         assert logged[(f"samples/{i}", 4)] == as_markdown(prompt, expected[i])
 
 
+def test_trainer_validate_decodes_and_fit_without_validation_does_not(monkeypatch):
+    import llama_fit
+
+    for name in ("PL_GLOBAL_SEED", "PL_SEED_WORKERS"):  # seed_everything sets them; restored after the test
+        monkeypatch.delenv(name, raising=False)
+    model, loader, trainer = llama_fit.build({**text_cfg(), "devices": 1, "steps": 2})
+    trainer.fit(model, loader)  # no validation loader: no validation during fit, so no samples
+    (callback,) = [c for c in trainer.callbacks if isinstance(c, TextSamples)]
+    assert callback.history == []
+    trainer.validate(model, loader, verbose=False)
+    reference = trained_llama({k: v.detach().clone() for k, v in model.state_dict().items()})
+    expected = [bytes(greedy(reference, list(p.encode()), 6)).decode("utf-8", errors="replace") for p in PROMPTS]
+    assert callback.history == [(2, expected)]
+
+
 def test_two_processes_log_the_text_one_device_logs(tmp_path):
     cfg = text_cfg()
     reference = one_device(cfg)["texts"]
