@@ -294,6 +294,9 @@ def test_llama_config_describes_a_two_stage_2bw_run():
     assert config["trainer"]["devices"] == 2 and config["trainer"]["accelerator"] == "cpu"
     assert config["trainer"]["strategy"]["init_args"]["schedule"] == "2bw"
     assert config["trainer"]["max_steps"] <= 500
+    # Tied as in SmolLM, with the embedding and the head on different stages (partition [3, 3] of 6 layers).
+    assert config["model"]["init_args"]["tie_embeddings"] is True
+    assert config["trainer"]["strategy"]["init_args"]["partition"] == [3, 3]
 
 
 def test_llama_config_trains_two_steps_in_one_process(tmp_path, monkeypatch):

@@ -1,0 +1,93 @@
+"""Trains ``models.Llama`` (tiny) with AsyncPipelineStrategy; every rank saves what it saw to ``OUT/rank{r}.pt``.
+
+Run by tests/test_llama_pipeline.py in a subprocess (Lightning's launcher re-executes this script for the other
+ranks); the tests also import ``run`` to make the same run on one device in their own process.
+
+Config keys: devices, stages (on one device), schedule, microbatches, partition, steps, tie, max_seq_len, seed,
+samples, batch, seq,
+val_every + val_batches (validation during fit), text_samples (TextSamples keyword arguments),
+log_dir (a TensorBoardLogger there), timeout.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+from torch.utils.data import DataLoader
+
+from lightning_async_pp import AsyncPipelineStrategy
+from lightning_async_pp.models import Llama
+
+
+def token_rows(samples: int, seq: int, seed: int = 3) -> list[torch.Tensor]:
+    """Rows of ``seq + 1`` byte ids with structure a tiny model picks up in a few steps (counting sequences)."""
+    g = torch.Generator().manual_seed(seed)
+    starts = torch.randint(0, 256, (samples, 1), generator=g)
+    steps = torch.randint(1, 4, (samples, 1), generator=g)
+    return list((starts + steps * torch.arange(seq + 1)) % 256)
+
+
+def build(cfg: dict) -> tuple[Llama, DataLoader, L.Trainer]:
+    L.seed_everything(cfg.get("seed", 0), verbose=False)
+    model = Llama("tiny", vocab_size=256, tie_embeddings=cfg.get("tie", True), max_seq_len=cfg.get("max_seq_len", 64),
+                  lr=cfg.get("lr", 3e-3))
+    rows = token_rows(cfg.get("samples", 32), cfg.get("seq", 16))
+    loader = DataLoader(rows, batch_size=cfg.get("batch", 8), shuffle=False, drop_last=True)
+    kwargs: dict[str, Any] = {}
+    if cfg.get("partition"):
+        kwargs["partition"] = cfg["partition"]
+    if cfg.get("devices", 2) == 1:
+        kwargs["num_stages"] = cfg.get("stages", 2)  # the one-device emulation of the same pipeline
+    strategy = AsyncPipelineStrategy(schedule=cfg.get("schedule", "2bw"), num_microbatches=cfg.get("microbatches", 4),
+                                     pipeline_timeout=cfg.get("timeout", 60.0), **kwargs)
+    callbacks = []
+    if cfg.get("text_samples") is not None:
+        from lightning_async_pp.callbacks import TextSamples
+
+        callbacks.append(TextSamples(**cfg["text_samples"]))
+    logger: Any = False
+    if cfg.get("log_dir"):
+        from lightning.pytorch.loggers import TensorBoardLogger
+
+        logger = TensorBoardLogger(cfg["log_dir"], name="", version=0)
+    val_every = cfg.get("val_every")
+    trainer = L.Trainer(
+        strategy=strategy, accelerator="cpu", devices=cfg.get("devices", 2), max_steps=cfg.get("steps", 4),
+        logger=logger, callbacks=callbacks, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, num_sanity_val_steps=0, log_every_n_steps=1,
+        limit_val_batches=cfg.get("val_batches", 1) if val_every else 0, val_check_interval=val_every,
+    )
+    return model, loader, trainer
+
+
+def run(cfg: dict, devices: int) -> tuple[dict, Llama, L.Trainer]:
+    model, loader, trainer = build({**cfg, "devices": devices})
+    trainer.fit(model, loader, loader if cfg.get("val_every") else None)
+    result: dict[str, Any] = {"rank": trainer.global_rank, "global_step": trainer.global_step}
+    samples = [c for c in trainer.callbacks if type(c).__name__ == "TextSamples"]
+    if samples:
+        result["texts"] = samples[0].history
+    if trainer.is_global_zero:
+        result["state_dict"] = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
+    return result, model, trainer
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--config", required=True)
+    parser.add_argument("--out", required=True, help="folder for rank{r}.pt")
+    args = parser.parse_args()
+    cfg = json.loads(args.config)
+    torch.set_num_threads(1)
+    result, _, trainer = run(cfg, devices=cfg.get("devices", 2))
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    torch.save(result, out / f"rank{trainer.global_rank}.pt")
+
+
+if __name__ == "__main__":
+    main()
