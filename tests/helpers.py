@@ -132,3 +132,28 @@ def muon_with_correction(params):
     from lightning_async_pp.optim import ErrorFeedback, Muon
 
     return ErrorFeedback(params, optimizer=lambda p: Muon(p, lr=0.02), coefficient=1.0)
+
+
+def delayed_loop(model, batches, delay: int = 1, version_of=None) -> dict:
+    """docs/design.md's update rule written out: W_{k+1} = W_k - U(grad f(W_{max(k-delay,0)}; B_k)) (or the
+    version ``version_of(k)``); optimizer state never rewound.
+
+    ``batches`` is the whole sequence B_0, B_1, ... (one update each). Returns the final ``state_dict`` (copied).
+    """
+    version_of = version_of or (lambda k: max(k - delay, 0))
+    opt = model.configure_optimizers()
+    params = list(model.parameters())  # a tied weight is listed once
+    history = [[p.detach().clone() for p in params]]
+    for k, batch in enumerate(batches):
+        current = [p.detach().clone() for p in params]
+        with torch.no_grad():
+            for p, w in zip(params, history[version_of(k)]):
+                p.copy_(w)
+        opt.zero_grad()
+        model.pipeline_loss(model.pipeline_forward(batch), batch).backward()
+        with torch.no_grad():
+            for p, w in zip(params, current):
+                p.copy_(w)
+        opt.step()
+        history.append([p.detach().clone() for p in params])
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent / "scripts"))
+from helpers import delayed_loop  # noqa: E402
 from scale_fit import ConfiguredMLP, build_loader  # noqa: E402
 
 from lightning_async_pp import AsyncPipelineStrategy  # noqa: E402
@@ -22,32 +23,17 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 STEPS = 6
 
 
-def delayed_loop(precision_dtype: torch.dtype) -> dict:
-    """2bw written out on CUDA: W_{k+1} = W_k - U(grad f(W_{max(k-1,0)}; B_k)), AdamW."""
+def delayed_reference(dtype: torch.dtype) -> dict:
+    """2bw written out on CUDA: W_{k+1} = W_k - U(grad f(W_{max(k-1,0)}; B_k)), AdamW, in ``dtype``."""
     L.seed_everything(0, verbose=False)
     model = ConfiguredMLP()
     with torch.device("cuda"):
         model.configure_model()
     for i, layer in enumerate(model.pipeline_layers()):
         model.init_layer(i, layer)
-    model.to(precision_dtype)
-    opt = model.configure_optimizers()
-    params = list(model.parameters())
-    history = [[p.detach().clone() for p in params]]
-    for k, batch in zip(range(STEPS), build_loader({})):
-        batch = [t.cuda().to(precision_dtype) for t in batch]
-        current = [p.detach().clone() for p in params]
-        with torch.no_grad():
-            for p, w in zip(params, history[max(k - 1, 0)]):
-                p.copy_(w)
-        opt.zero_grad()
-        model.pipeline_loss(model.pipeline_forward(batch), batch).backward()
-        with torch.no_grad():
-            for p, w in zip(params, current):
-                p.copy_(w)
-        opt.step()
-        history.append([p.detach().clone() for p in params])
-    return {k: v.detach().float().cpu() for k, v in model.state_dict().items()}
+    model.to(dtype)
+    batches = [[t.cuda().to(dtype) for t in batch] for _, batch in zip(range(STEPS), build_loader({}))]
+    return {k: v.float().cpu() for k, v in delayed_loop(model, batches, delay=1).items()}
 
 
 def pipeline_run(precision: str) -> dict:
@@ -66,12 +52,12 @@ def max_difference(a: dict, b: dict) -> float:
 
 
 def test_two_stages_on_one_cuda_device_follow_the_delayed_recurrence_in_fp32():
-    assert max_difference(pipeline_run("32-true"), delayed_loop(torch.float32)) < 1e-5
+    assert max_difference(pipeline_run("32-true"), delayed_reference(torch.float32)) < 1e-5
 
 
 def test_two_stages_on_one_cuda_device_follow_the_delayed_recurrence_in_bf16():
     # bf16 rounds at every step: the pipeline's microbatch sums may round differently from the whole batch's.
-    assert max_difference(pipeline_run("bf16-true"), delayed_loop(torch.bfloat16)) < 5e-2
+    assert max_difference(pipeline_run("bf16-true"), delayed_reference(torch.bfloat16)) < 5e-2
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")

@@ -57,7 +57,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent / "scripts"))
 import seam_fit  # noqa: E402
-from helpers import one_device_trainer  # noqa: E402
+from helpers import delayed_loop, one_device_trainer  # noqa: E402
 from seam_fit import DictLM, SeamTinyLM, TiedLM, build_loader, build_model  # noqa: E402
 
 from lightning_async_pp import AsyncPipelineStrategy  # noqa: E402
@@ -82,30 +82,6 @@ def _no_seed_leaks():
             os.environ.pop(k, None)
         else:
             os.environ[k] = v
-
-
-def delayed_loop(model, batches, delay: int = 1) -> dict[str, torch.Tensor]:
-    """docs/design.md's update rule written out: W_{k+1} = W_k - U(grad f(W_{max(k-delay,0)}; B_k)); optimizer
-    state never rewound.
-
-    ``batches`` is the whole sequence B_0, B_1, ... (one update each). Returns the final ``state_dict``.
-    """
-    opt = model.configure_optimizers()
-    params = list(model.parameters())  # a tied weight is listed once
-    history = [[p.detach().clone() for p in params]]
-    for k, batch in enumerate(batches):
-        current = [p.detach().clone() for p in params]
-        with torch.no_grad():
-            for p, w in zip(params, history[max(k - delay, 0)]):
-                p.copy_(w)
-        opt.zero_grad()
-        model.pipeline_loss(model.pipeline_forward(batch), batch).backward()
-        with torch.no_grad():
-            for p, w in zip(params, current):
-                p.copy_(w)
-        opt.step()
-        history.append([p.detach().clone() for p in params])
-    return state(model)
 
 
 def state(model) -> dict[str, torch.Tensor]:

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent / "scripts"))
+from helpers import delayed_loop  # noqa: E402
 from scale_fit import ConfiguredMLP, build_loader, run  # noqa: E402
 
 from lightning_async_pp.consolidate import consolidate_checkpoint, main as consolidate_main  # noqa: E402
@@ -154,31 +155,16 @@ def test_two_replicas_single_file_checkpoint_resumes_on_one_device(reference, tm
 
 
 def written_out(steps: int, version_of) -> dict:
-    """The update rule W_{k+1} = W_k - U(grad f(W_{version_of(k)}; B_k)) with AdamW, written out."""
+    """The one-device model's updates with the gradient of batch k taken at W_{version_of(k)}, written out."""
     import lightning as L
 
     L.seed_everything(0, verbose=False)
     model = ConfiguredMLP()
     model.configure_model()
-    layers = model.pipeline_layers()
-    for i, layer in enumerate(layers):
+    for i, layer in enumerate(model.pipeline_layers()):
         model.init_layer(i, layer)
-    opt = model.configure_optimizers()
-    params = list(model.parameters())
-    history = [[p.detach().clone() for p in params]]
-    for k, batch in zip(range(steps), build_loader(dict())):
-        current = [p.detach().clone() for p in params]
-        with torch.no_grad():
-            for p, w in zip(params, history[version_of(k)]):
-                p.copy_(w)
-        opt.zero_grad()
-        model.pipeline_loss(model.pipeline_forward(batch), batch).backward()
-        with torch.no_grad():
-            for p, w in zip(params, current):
-                p.copy_(w)
-        opt.step()
-        history.append([p.detach().clone() for p in params])
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+    batches = [batch for _, batch in zip(range(steps), build_loader({}))]
+    return delayed_loop(model, batches, version_of=version_of)
 
 
 def test_switching_2bw_to_1f1b_continues_synchronously_from_the_newest_weights(tmp_path):
