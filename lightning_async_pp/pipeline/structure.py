@@ -22,48 +22,50 @@ DTYPES = [
 Spec = Any  # "T" (a tensor leaf), None, ["tuple"|"list", [specs]] or ["dict", [[key, spec], ...]]
 
 
+# The walks are module-level functions, not nested closures: a recursive closure refers to itself through its cell,
+# a reference cycle that would keep the leaves (activations, and through their graphs the gradients) alive until
+# the garbage collector happens to run.
 def flatten(value: Any, where: str = "a stage's output") -> tuple[list[Tensor], Spec]:
     """The tensor leaves of ``value`` in order, and the spec that rebuilds it; anything else is refused."""
     leaves: list[Tensor] = []
+    return leaves, _flatten(value, "", where, leaves)
 
-    def walk(v: Any, path: str) -> Spec:
-        if isinstance(v, Tensor):
-            leaves.append(v)
-            return "T"
-        if v is None:
-            return None
-        if isinstance(v, tuple) and not hasattr(v, "_fields"):
-            return ["tuple", [walk(x, f"{path}[{i}]") for i, x in enumerate(v)]]
-        if isinstance(v, list):
-            return ["list", [walk(x, f"{path}[{i}]") for i, x in enumerate(v)]]
-        if isinstance(v, dict):
-            for key in v:
-                if not isinstance(key, (str, int)) or isinstance(key, bool):
-                    raise TypeError(f"{where}{path} has a dict key {key!r}; only str and int keys can cross a stage boundary")
-            return ["dict", [[key, walk(x, f"{path}[{key!r}]")] for key, x in v.items()]]
-        raise TypeError(
-            f"{where}{path} is a {type(v).__name__}; what crosses a pipeline stage boundary must be a tensor, None, "
-            f"or tuples, lists and dicts of them"
-        )
 
-    return leaves, walk(value, "")
+def _flatten(v: Any, path: str, where: str, leaves: list[Tensor]) -> Spec:
+    if isinstance(v, Tensor):
+        leaves.append(v)
+        return "T"
+    if v is None:
+        return None
+    if isinstance(v, tuple) and not hasattr(v, "_fields"):
+        return ["tuple", [_flatten(x, f"{path}[{i}]", where, leaves) for i, x in enumerate(v)]]
+    if isinstance(v, list):
+        return ["list", [_flatten(x, f"{path}[{i}]", where, leaves) for i, x in enumerate(v)]]
+    if isinstance(v, dict):
+        for key in v:
+            if not isinstance(key, (str, int)) or isinstance(key, bool):
+                raise TypeError(f"{where}{path} has a dict key {key!r}; only str and int keys can cross a stage boundary")
+        return ["dict", [[key, _flatten(x, f"{path}[{key!r}]", where, leaves)] for key, x in v.items()]]
+    raise TypeError(
+        f"{where}{path} is a {type(v).__name__}; what crosses a pipeline stage boundary must be a tensor, None, "
+        f"or tuples, lists and dicts of them"
+    )
 
 
 def unflatten(leaves: list[Tensor], spec: Spec) -> Any:
-    it = iter(leaves)
+    return _unflatten(spec, iter(leaves))
 
-    def build(s: Spec) -> Any:
-        if s == "T":
-            return next(it)
-        if s is None:
-            return None
-        kind, items = s
-        if kind == "dict":
-            return {key: build(sub) for key, sub in items}
-        built = [build(sub) for sub in items]
-        return tuple(built) if kind == "tuple" else built
 
-    return build(spec)
+def _unflatten(s: Spec, it: Any) -> Any:
+    if s == "T":
+        return next(it)
+    if s is None:
+        return None
+    kind, items = s
+    if kind == "dict":
+        return {key: _unflatten(sub, it) for key, sub in items}
+    built = [_unflatten(sub, it) for sub in items]
+    return tuple(built) if kind == "tuple" else built
 
 
 def carries_grad(t: Tensor) -> bool:
