@@ -30,7 +30,7 @@ from lightning_async_pp import _lightning
 from lightning_async_pp.lookahead import FetchedBatch, LookaheadLoader, transfer_early
 from lightning_async_pp.module import PipelineModule
 from lightning_async_pp.pipeline.comm import PipelineFailure
-from lightning_async_pp.pipeline.config import DelaySpec, PipelineConfig
+from lightning_async_pp.pipeline.config import CheckpointingSpec, DelaySpec, PipelineConfig
 from lightning_async_pp.pipeline.engine import PipelineEngine, check_names_and_shapes
 from lightning_async_pp.pipeline.partition import PartitionSpec
 from lightning_async_pp.pipeline.placement import layer_paths
@@ -41,7 +41,7 @@ from lightning_async_pp.pipeline.topology import PipelineTopology
 _LIGHTNING_KWARGS = ("accelerator", "parallel_devices", "cluster_environment", "checkpoint_io", "precision_plugin",
                      "process_group_backend", "timeout", "start_method")
 _OWN_KWARGS = ("schedule", "num_microbatches", "data_parallel_size", "partition", "delay", "sync_steps", "num_stages",
-               "gather_final_weights", "pipeline_timeout", "check_batches")
+               "gather_final_weights", "pipeline_timeout", "check_batches", "activation_checkpointing")
 
 
 class AsyncPipelineStrategy(DDPStrategy):
@@ -66,6 +66,10 @@ class AsyncPipelineStrategy(DDPStrategy):
             group timeout, so a failed or dead stage stops the others within about this long.
         check_batches: stages of a pipeline compare a fingerprint of each batch and stop with an error when they
             were given different data.
+        activation_checkpointing: ``True`` (every layer), a list of layer indices (positions in
+            ``pipeline_layers()``) or ``False``: the chosen layers keep no activations for backward and recompute
+            their forward there (non-reentrant ``torch.utils.checkpoint``), on the same weight version as the
+            first forward. Results are unchanged; memory drops, compute rises by about one forward.
     """
 
     strategy_name = "async_pipeline"
@@ -82,6 +86,7 @@ class AsyncPipelineStrategy(DDPStrategy):
         gather_final_weights: bool = True,
         pipeline_timeout: float = 300.0,
         check_batches: bool = True,
+        activation_checkpointing: CheckpointingSpec = False,
         *,
         accelerator: Any = None,
         parallel_devices: Any = None,
@@ -105,6 +110,7 @@ class AsyncPipelineStrategy(DDPStrategy):
             schedule=schedule, num_microbatches=num_microbatches, data_parallel_size=data_parallel_size,
             partition=partition, delay=delay, sync_steps=sync_steps, num_stages=num_stages,
             pipeline_timeout=pipeline_timeout, check_batches=check_batches,
+            activation_checkpointing=activation_checkpointing,
         )
         super().__init__(
             accelerator=accelerator, parallel_devices=parallel_devices, cluster_environment=cluster_environment,
