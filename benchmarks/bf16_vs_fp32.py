@@ -1,9 +1,9 @@
 #!/usr/bin/env python
 """bf16 against fp32 under 2BW on one device: training losses and the memory of the weights and the stash.
 
-The tiny GPT (``models.GPT``: 4 blocks, width 128, 4 heads, 128-byte sequences, its own AdamW, by default at its default lr 3e-4) trains
-for ``--steps`` steps with ``Trainer(strategy=AsyncPipelineStrategy("2bw", num_stages=2), precision=...)`` on
-windows of the Python standard library's sources (the same windows, in the same order, for every precision),
+The tiny GPT (``models.GPT``: 4 blocks, width 128, 4 heads, 128-byte sequences, its own AdamW at ``--lr``,
+default 3e-4 as the model's) trains for ``--steps`` steps with
+``Trainer(strategy=AsyncPipelineStrategy("2bw", num_stages=2), precision=...)`` on windows of the Python standard library's sources (the same windows, in the same order, for every precision),
 then ``trainer.validate`` gives the loss on held-out windows. Memory is counted from the tensors the engine
 holds: the parameters (``W_k``), the stash (``W_{k-1}``) and the optimizer state.
 
