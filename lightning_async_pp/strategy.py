@@ -31,7 +31,7 @@ from lightning_async_pp.lookahead import FetchedBatch, LookaheadLoader, transfer
 from lightning_async_pp.module import PipelineModule
 from lightning_async_pp.pipeline import checkpoint as ckpt
 from lightning_async_pp.pipeline.comm import PipelineFailure
-from lightning_async_pp.pipeline.config import DelaySpec, PipelineConfig
+from lightning_async_pp.pipeline.config import CheckpointingSpec, DelaySpec, PipelineConfig
 from lightning_async_pp.pipeline.engine import PipelineEngine, check_names_and_shapes
 from lightning_async_pp.pipeline.partition import PartitionSpec
 from lightning_async_pp.pipeline.placement import layer_paths
@@ -42,7 +42,8 @@ from lightning_async_pp.pipeline.topology import PipelineTopology
 _LIGHTNING_KWARGS = ("accelerator", "parallel_devices", "cluster_environment", "checkpoint_io", "precision_plugin",
                      "process_group_backend", "timeout", "start_method")
 _OWN_KWARGS = ("schedule", "num_microbatches", "data_parallel_size", "partition", "delay", "sync_steps", "num_stages",
-               "gather_final_weights", "pipeline_timeout", "check_batches", "save_distributed_checkpoint")
+               "gather_final_weights", "pipeline_timeout", "check_batches", "save_distributed_checkpoint",
+               "activation_checkpointing")
 
 
 class AsyncPipelineStrategy(DDPStrategy):
@@ -70,6 +71,10 @@ class AsyncPipelineStrategy(DDPStrategy):
         save_distributed_checkpoint: checkpoints are directories written through ``torch.distributed.checkpoint``
             (each stage writes its own tensors, nothing is gathered); ``False`` writes one file assembled on rank
             0. Either kind loads into any number of stages, data-parallel size or partition.
+        activation_checkpointing: ``True`` (every layer), a list of layer indices (positions in
+            ``pipeline_layers()``) or ``False``: the chosen layers keep no activations for backward and recompute
+            their forward there (non-reentrant ``torch.utils.checkpoint``), on the same weight version as the
+            first forward. Results are unchanged; memory drops, compute rises by about one forward.
     """
 
     strategy_name = "async_pipeline"
@@ -87,6 +92,7 @@ class AsyncPipelineStrategy(DDPStrategy):
         pipeline_timeout: float = 300.0,
         check_batches: bool = True,
         save_distributed_checkpoint: bool = True,
+        activation_checkpointing: CheckpointingSpec = False,
         *,
         accelerator: Any = None,
         parallel_devices: Any = None,
@@ -110,6 +116,7 @@ class AsyncPipelineStrategy(DDPStrategy):
             schedule=schedule, num_microbatches=num_microbatches, data_parallel_size=data_parallel_size,
             partition=partition, delay=delay, sync_steps=sync_steps, num_stages=num_stages,
             pipeline_timeout=pipeline_timeout, check_batches=check_batches,
+            activation_checkpointing=activation_checkpointing,
         )
         super().__init__(
             accelerator=accelerator, parallel_devices=parallel_devices, cluster_environment=cluster_environment,

@@ -33,16 +33,19 @@ class TupleIn(nn.Module):
 
 
 class TinyLM(PipelineModule):
-    """Regression MLP with enough layers to split into 4 stages; optionally a tuple crossing a boundary."""
+    """Regression MLP with enough layers to split into 4 stages; optionally a tuple crossing a boundary and dropout
+    in the hidden layers."""
 
     def __init__(self, width: int = 8, depth: int = 4, tuple_boundary: bool = False, optimizer: str = "sgd",
-                 fail_at: Optional[dict] = None, seed: int = 0) -> None:
+                 fail_at: Optional[dict] = None, seed: int = 0, dropout: float = 0.0) -> None:
         super().__init__()
         torch.manual_seed(seed)
         layers: list[nn.Module] = [nn.Linear(4, width)]
         for i in range(depth - 2):
             if tuple_boundary and i == 0:
                 layers += [TwoOutputs(width), TupleIn(width)]
+            elif dropout:
+                layers.append(nn.Sequential(nn.Tanh(), nn.Dropout(dropout), nn.Linear(width, width)))
             else:
                 layers.append(nn.Sequential(nn.Tanh(), nn.Linear(width, width)))
         layers.append(nn.Sequential(nn.Tanh(), nn.Linear(width, 1)))

@@ -13,6 +13,7 @@ from lightning_async_pp.pipeline.partition import PARTITION_METHODS, PartitionSp
 from lightning_async_pp.pipeline.schedule import SCHEDULES, check_schedule
 
 DelaySpec = Union[int, Sequence[int], None]
+CheckpointingSpec = Union[bool, Sequence[int]]
 
 
 def _is_int(value: object) -> bool:
@@ -32,6 +33,7 @@ class PipelineConfig:
     num_stages: Optional[int] = None  # one device only: how many stages the layers are split into
     pipeline_timeout: float = 300.0
     check_batches: bool = True
+    activation_checkpointing: CheckpointingSpec = False  # True (every layer) or indices into pipeline_layers()
 
     def __post_init__(self) -> None:
         if self.schedule not in SCHEDULES:
@@ -59,6 +61,14 @@ class PipelineConfig:
                 raise ValueError(f"delay must be an integer >= 0 or a non-empty list of them, got {self.delay!r}")
             if any(d < 0 for d in values):
                 raise ValueError(f"delay must be >= 0 (0 is synchronous, 1 is 2BW), got {self.delay!r}")
+        spec = self.activation_checkpointing
+        if not isinstance(spec, bool):
+            valid = "True, False or a list of layer indices (positions in pipeline_layers())"
+            if not isinstance(spec, Sequence) or isinstance(spec, str) or not all(_is_int(i) for i in spec):
+                raise ValueError(f"activation_checkpointing must be {valid}, got {spec!r}")
+            if any(i < 0 for i in spec) or len(set(spec)) != len(spec):
+                raise ValueError(f"activation_checkpointing must list distinct layer indices >= 0, got {list(spec)!r}")
+            object.__setattr__(self, "activation_checkpointing", tuple(spec))  # frozen: keep an immutable copy
 
     # ---- what follows from the number of processes ---------------------------------------------------------
     def stages_for(self, world_size: int) -> int:
@@ -91,6 +101,19 @@ class PipelineConfig:
                 f"stage(s); give one delay per stage (num_stages={len(delays)} on one device)"
             )
         return delays
+
+    def checkpointed_layers(self, num_layers: int) -> frozenset[int]:
+        """The indices of the layers whose forward is recomputed in backward (activation checkpointing)."""
+        spec = self.activation_checkpointing
+        if isinstance(spec, bool):
+            return frozenset(range(num_layers)) if spec else frozenset()
+        outside = [i for i in spec if i >= num_layers]
+        if outside:
+            raise ValueError(
+                f"activation_checkpointing lists layer(s) {outside}, but the model has {num_layers} pipeline layers "
+                f"(valid indices 0..{num_layers - 1})"
+            )
+        return frozenset(spec)
 
     def check(self, world_size: int) -> None:
         """Everything that can be checked from the process count alone: run before any process starts."""

@@ -109,6 +109,7 @@ class PipelineEngine:
         self.num_microbatches = config.microbatches_for(self.num_stages)
         self.topology = PipelineTopology(world_size, config.data_parallel_size, rank) if self.is_multiprocess else None
         config.check(world_size)
+        self.checkpointed_layers = config.checkpointed_layers(len(self.layers))
         self.ranges = partition_layers(self.layers, self.num_stages, config.partition)
         self.stage_of_layer = [s for s, r in enumerate(self.ranges) for _ in r]
         self.ties: list[Tie] = check_parameters_covered(root, self.layers, self.stage_of_layer)
@@ -218,7 +219,8 @@ class PipelineEngine:
             layers = [self.layers[i] for i in self.ranges[s]]
             holder = nn.ModuleList(layers)
             borrowed = {f"layers.{name}": owner_of[id(p)] for name, p in holder.named_parameters() if id(p) in owner_of}
-            stage = Stage(layers, s, self.num_stages, delay=delays[s], sync_steps=self.config.sync_steps, borrowed=borrowed)
+            stage = Stage(layers, s, self.num_stages, delay=delays[s], sync_steps=self.config.sync_steps, borrowed=borrowed,
+                          checkpointed=[i in self.checkpointed_layers for i in self.ranges[s]])
             for i, p in enumerate(stage.params):
                 owner_of.setdefault(id(p), (stage, i))
             stages.append(stage)

@@ -6,6 +6,7 @@ from typing import Any, Optional
 
 from torch import Tensor, nn
 from torch.func import functional_call
+from torch.utils.checkpoint import checkpoint
 
 from lightning_async_pp.pipeline.versions import WeightVersions
 
@@ -31,10 +32,16 @@ class Stage:
     the stage is one leaf (``functional_call`` ties the names), so its gradient sums over every use. A parameter
     listed in ``borrowed`` (``name -> (owner stage, index)``) belongs to another stage in this process and is
     read from that stage's versions: one leaf for the whole process, exact as within a stage.
+
+    ``checkpointed`` (one flag per layer) marks the layers whose forward is recomputed during backward
+    (activation checkpointing). Each such layer runs under ``torch.utils.checkpoint`` with its weight tensors as
+    explicit arguments, so the recomputation reads the same version as the first forward (the stash under 2BW),
+    not the module's own parameters, which hold the newest version by then.
     """
 
     def __init__(self, layers: Sequence[nn.Module], index: int, num_stages: int, delay: int = 1, sync_steps: int = 0,
-                 borrowed: Optional[dict[str, tuple["Stage", int]]] = None):
+                 borrowed: Optional[dict[str, tuple["Stage", int]]] = None,
+                 checkpointed: Optional[Sequence[bool]] = None):
         self.index = index
         self.num_stages = num_stages
         self.layers = StageLayers(layers)
@@ -44,6 +51,13 @@ class Stage:
         self.param_names = [name for name, _ in named]
         self.params = [p for _, p in named]
         self.versions = WeightVersions(self.params, delay=delay, sync_steps=sync_steps)
+        self.checkpointed = [bool(c) for c in checkpointed] if checkpointed is not None else [False] * len(layers)
+        if len(self.checkpointed) != len(layers):
+            raise ValueError(f"checkpointed has {len(self.checkpointed)} flags for {len(layers)} layers; give one per layer")
+        # Per layer: its own parameter names (every alias of a tied one) and the stage-level name of each tensor.
+        stage_name = {id(p): n for n, p in self.layers.named_parameters()}
+        self._layer_params = [[(n, stage_name[id(p)]) for n, p in layer.named_parameters(remove_duplicate=False)]
+                              for layer in self.layers.layers]
 
     @property
     def is_first(self) -> bool:
@@ -63,7 +77,19 @@ class Stage:
 
     def forward(self, batch_index: int, x: Any) -> Any:
         leaves = self.versions.leaves_for_batch(batch_index)
-        return functional_call(self.layers, self.weights(leaves, batch_index), (x,))
+        weights = self.weights(leaves, batch_index)
+        if not any(self.checkpointed):
+            return functional_call(self.layers, weights, (x,))  # one call for the stage: the cheapest path
+        for layer, names, recompute in zip(self.layers.layers, self._layer_params, self.checkpointed):
+            local = [n for n, _ in names]
+            tensors = [weights[s] for _, s in names]
+            if recompute:
+                # Non-reentrant: the recomputation replays the saved RNG and autocast state, and takes the very
+                # tensors passed here (this batch's version), so it equals the first forward.
+                x = checkpoint(_run_layer, layer, local, x, *tensors, use_reentrant=False)
+            else:
+                x = _run_layer(layer, local, x, *tensors)
+        return x
 
     def forward_newest(self, x: Any) -> Any:
         """Forward on the newest version (validation, test, predict)."""
@@ -71,3 +97,8 @@ class Stage:
 
     def take_gradients(self, batch_index: int) -> list[Tensor | None]:
         return self.versions.take_gradients(batch_index)
+
+
+def _run_layer(layer: nn.Module, names: list[str], x: Any, *tensors: Tensor) -> Any:
+    """``layer(x)`` with its parameters replaced by ``tensors`` (one per name in ``names``)."""
+    return functional_call(layer, dict(zip(names, tensors)), (x,))

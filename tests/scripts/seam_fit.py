@@ -58,6 +58,7 @@ class SeamHooks:
         self.seam = dict(seam or {})
         self.calls: dict[str, list] = {name: [] for name in HOOKS}
         self.seen_batches: list = []
+        self.losses: list[float] = []  # the training loss of every step
 
     def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
         if self.trainer.training:
@@ -83,6 +84,7 @@ class SeamHooks:
 
     def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
         self.calls["on_train_batch_end"].append(batch_idx)
+        self.losses.append(float(outputs["loss"]))
 
 
 class SeamTinyLM(SeamHooks, TinyLM):
@@ -208,6 +210,8 @@ def build_trainer(cfg: dict, devices: int, strategy: bool = True) -> L.Trainer:
     )
     if strategy:
         kwargs["strategy"] = build_strategy(cfg)
+    if "precision" in cfg:
+        kwargs["precision"] = cfg["precision"]
     if "use_distributed_sampler" in cfg:
         kwargs["use_distributed_sampler"] = cfg["use_distributed_sampler"]
     return L.Trainer(**kwargs)
@@ -223,6 +227,18 @@ def _cpu(obj: Any) -> Any:
     return obj
 
 
+def held_dtypes(engine: Any, optimizers: list) -> dict[str, list[str]]:
+    """The dtypes of what this process keeps per parameter: parameters, every weight-version slot (the newest and
+    the stash) and each optimizer state tensor (the ErrorFeedback buffer among them)."""
+    stages = engine.stages
+    return {
+        "params": sorted({str(p.dtype) for st in stages for p in st.params}),
+        "slots": sorted({str(t.dtype) for st in stages for slot in st.versions.slots for t in slot}),
+        "optimizer_state": sorted({f"{k}:{v.dtype}" for opt in optimizers for s in opt.state.values()
+                                   for k, v in s.items() if isinstance(v, torch.Tensor) and v.dim() > 0}),
+    }
+
+
 def run(cfg: dict, devices: int, strategy: bool = True) -> tuple[dict, PipelineModule, L.Trainer]:
     """fit (and the calls after it); returns what this rank saw, the model and the trainer."""
     if cfg.get("seed") is not None:
@@ -235,7 +251,10 @@ def run(cfg: dict, devices: int, strategy: bool = True) -> tuple[dict, PipelineM
     trainer = build_trainer(cfg, devices, strategy)
     trainer.fit(model, loader, ckpt_path=cfg.get("resume_from"))
     result: dict[str, Any] = {"rank": trainer.global_rank, "calls": model.calls, "seen_batches": model.seen_batches,
-                              "global_step": trainer.global_step}
+                              "global_step": trainer.global_step, "losses": model.losses}
+    engine = getattr(trainer.strategy, "engine", None)
+    if engine is not None:
+        result["dtypes"] = held_dtypes(engine, trainer.optimizers)
     if trainer.is_global_zero:
         result["state_dict"] = _cpu(model.state_dict())
         result["train_loss"] = _cpu(trainer.callback_metrics.get("train_loss"))
