@@ -235,3 +235,13 @@ def test_a_kill_in_the_middle_of_a_save_leaves_the_previous_checkpoint_loadable(
     consolidate_checkpoint(path, tmp_path / "one.ckpt")
     loaded = ConfiguredMLP.load_from_checkpoint(tmp_path / "one.ckpt")
     assert max_difference({k: v.detach() for k, v in loaded.state_dict().items()}, expected["state_dict"]) == 0.0
+
+
+def test_a_checkpoint_of_the_earlier_format_is_refused_naming_the_format(tmp_path):
+    run(dict(steps=3, checkpoint_dir=str(tmp_path), strategy_kwargs={"save_distributed_checkpoint": False}))
+    path = tmp_path / "epoch=0-step=3.ckpt"
+    checkpoint = torch.load(path, weights_only=False)
+    checkpoint["async_pipeline"] = {"schedule": "2bw", "num_stages": 1, "stages": []}  # the earlier layout
+    torch.save(checkpoint, path)
+    with pytest.raises(ValueError, match="earlier version.*format 0, this version reads 1"):
+        run(dict(steps=STEPS, resume_from=str(path)))

@@ -240,6 +240,13 @@ def single_file_parts(flat: Mapping[str, Any], meta: Mapping[str, Any]) -> dict[
 
 def file_source(checkpoint: Mapping[str, Any]) -> MemorySource:
     """The flat dictionary of a single-file checkpoint (``single_file_parts``), or of a plain Lightning one."""
+    saved = checkpoint.get("async_pipeline")
+    if saved is not None and saved.get("format") != FORMAT:
+        raise ValueError(
+            f"this checkpoint was written by an earlier version of lightning-async-pp (checkpoint format "
+            f"{saved.get('format', 0)}, this version reads {FORMAT}); its weights still load with "
+            f"model.load_state_dict(torch.load(path, weights_only=False)['state_dict'])"
+        )
     aliases = checkpoint.get("async_pipeline", {}).get("aliases", {})
     flat = {MODEL + k: v for k, v in checkpoint["state_dict"].items() if k not in aliases}
     flat.update(checkpoint.get("async_pipeline", {}).get("tensors", {}))
