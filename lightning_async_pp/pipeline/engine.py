@@ -134,6 +134,9 @@ class PipelineEngine:
             dp_group = topology.create_dp_group()
             self._create_groups(topology)
             remove_other_stages(root, self.layers, self.paths, self.stage_of_layer, topology.stage)
+            # Forget the parameters that left (their ids may be reused by new objects).
+            held = {id(p) for p in root.parameters()}
+            self.global_names = {i: n for i, n in self.global_names.items() if i in held}
             ranks = topology.pipeline_ranks
             s = topology.stage
             link = StageLink(
