@@ -41,7 +41,7 @@ from lightning_async_pp.pipeline.topology import PipelineTopology
 _LIGHTNING_KWARGS = ("accelerator", "parallel_devices", "cluster_environment", "checkpoint_io", "precision_plugin",
                      "process_group_backend", "timeout", "start_method")
 _OWN_KWARGS = ("schedule", "num_microbatches", "data_parallel_size", "partition", "delay", "sync_steps", "num_stages",
-               "gather_final_weights", "pipeline_timeout", "check_batches")
+               "gather_final_weights", "pipeline_timeout", "check_batches", "sync_from_step")
 
 
 class AsyncPipelineStrategy(DDPStrategy):
@@ -66,6 +66,9 @@ class AsyncPipelineStrategy(DDPStrategy):
             group timeout, so a failed or dead stage stops the others within about this long.
         check_batches: stages of a pipeline compare a fingerprint of each batch and stop with an error when they
             were given different data.
+        sync_from_step: updates ``k >= sync_from_step`` are synchronous (delay 0; across processes the pipeline
+            flushes every batch from then on): a synchronous tail for the final learning-rate decay, or a guard
+            against divergence. Default ``None``: never.
     """
 
     strategy_name = "async_pipeline"
@@ -82,6 +85,7 @@ class AsyncPipelineStrategy(DDPStrategy):
         gather_final_weights: bool = True,
         pipeline_timeout: float = 300.0,
         check_batches: bool = True,
+        sync_from_step: Optional[int] = None,
         *,
         accelerator: Any = None,
         parallel_devices: Any = None,
@@ -103,7 +107,8 @@ class AsyncPipelineStrategy(DDPStrategy):
             )
         self.config = PipelineConfig(
             schedule=schedule, num_microbatches=num_microbatches, data_parallel_size=data_parallel_size,
-            partition=partition, delay=delay, sync_steps=sync_steps, num_stages=num_stages,
+            partition=partition, delay=delay, sync_steps=sync_steps, sync_from_step=sync_from_step,
+            num_stages=num_stages,
             pipeline_timeout=pipeline_timeout, check_batches=check_batches,
         )
         super().__init__(
