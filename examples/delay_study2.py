@@ -7,8 +7,8 @@ is exact. One command per experiment:
 
     .venv/bin/python examples/delay_study2.py sweep     # d in {0,1,2,4,8} x {AdamW, Muon} x {plain, corrected}
     .venv/bin/python examples/delay_study2.py stages    # p=4: per-stage [3,2,1,0] vs uniform 1 vs uniform 3
-    .venv/bin/python examples/delay_study2.py iso       # async runs 1.25x, 1.5x, 2x as long: iso-loss overhead
-    .venv/bin/python examples/delay_study2.py tail      # sync_from_step for the last 20% / 10% of training
+    .venv/bin/python examples/delay_study2.py iso       # async runs 2x as long: iso-loss overhead
+    .venv/bin/python examples/delay_study2.py tail      # sync_from_step for the last 20% / 10% (plain 2BW)
     .venv/bin/python examples/delay_study2.py long      # 1.05 M parameters, 2000 updates
     .venv/bin/python examples/delay_study2.py report    # read every finished run, write tables and the figure
 
@@ -36,12 +36,11 @@ CONFIGS = study.CONFIGS
 #: Each optimizer's best synchronous lr in the first round's sweep (docs/delay-study.md).
 BEST_LR = {"adamw": 3e-3, "muon": 3e-2}
 DELAYS = (0, 1, 2, 4, 8)
-ISO_SCALES = (1.25, 1.5, 2.0)
+ISO_SCALES = (2.0,)  # more scales (1.25, 1.5) bracket the crossing better; 2 cores allowed one
 TAIL_FRACTIONS = (0.2, 0.1)
 BASE_STEPS, LONG_STEPS = 300, 2000
-#: BENCHMARKS.md, "Across processes" (4 stages, 4 processes, GPT 4 layers x 256, 8 microbatches, 2 CPU cores):
-#: 2bw 1.60x the 1f1b throughput. The only measured 2bw/1f1b ratio in the repository; see docs/delay-study.md.
-THROUGHPUT_RATIO = 1.60
+#: BENCHMARKS.md, "Run A (full table)": 2bw (Lightning) / 1f1b (Lightning) samples/s, p=2 stages on 2 CPU cores.
+THROUGHPUT_RATIOS = {"m=4": 9579 / 7513, "m=8": 9090 / 7721}
 
 
 @dataclass(frozen=True)
@@ -94,7 +93,9 @@ def plan(experiment: str, seeds: Sequence[int] = (0,)) -> list[Spec]:
                                           (f"--trainer.strategy.init_args.delay={d}",)))
             elif experiment == "stages":
                 four = ("--trainer.strategy.init_args.num_stages=4", "--trainer.strategy.init_args.partition=[1,1,1,1]")
-                for name, delay in (("perstage", "[3,2,1,0]"), ("uniform1", "1"), ("uniform3", "3")):
+                # uniform 1 and sync are the sweep's d=1 and d=0 runs: one uniform delay is the same rule however
+                # many stages share it
+                for name, delay in (("perstage", "[3,2,1,0]"), ("uniform3", "3")):
                     specs.append(Spec("stages", f"{opt}_{name}_s{seed}", _cell(opt, False), lr, seed,
                                       (*four, f"--trainer.strategy.init_args.delay={delay}")))
             elif experiment == "iso":
@@ -104,7 +105,7 @@ def plan(experiment: str, seeds: Sequence[int] = (0,)) -> list[Spec]:
                         specs.append(Spec("iso", f"{opt}_2bw{'_ef' if ef else ''}_x{scale:g}_s{seed}", _cell(opt, ef),
                                           lr, seed, _steps(n)))
             elif experiment == "tail":
-                for ef in (False, True):
+                for ef in (False,):  # (False, True) adds the corrected runs; left out for the CPU budget
                     for frac in TAIL_FRACTIONS:
                         k = round(BASE_STEPS * (1 - frac))
                         specs.append(Spec("tail", f"{opt}_2bw{'_ef' if ef else ''}_K{k}_s{seed}", _cell(opt, ef), lr,
@@ -196,18 +197,228 @@ def tail_closed(gap_full_async: float, gap_with_tail: float) -> float:
     return (gap_full_async - gap_with_tail) / gap_full_async if gap_full_async > 0 else math.nan
 
 
+# ---- the report ---------------------------------------------------------------------------------------------------
+def curves(specs: Sequence[Spec], out: Path) -> dict[str, list[tuple[int, float]]]:
+    """Validation curves of the finished runs, by name."""
+    return {s.name: c for s in specs if (s.log_dir(out) / study.DONE).exists() and (c := study.read_curve(s.log_dir(out)))}
+
+
+def _f(x: float, digits: int = 3) -> str:
+    return "n/a" if x != x else f"{x:.{digits}f}"
+
+
+def sweep_table(c: Mapping[str, Sequence[tuple[int, float]]], seed: int = 0) -> str:
+    lines = ["| optimizer (lr) | delay d | plain | corrected | gap plain - sync | gap corrected - sync | recovered |",
+             "|---|---|---|---|---|---|---|"]
+    for opt, lr in BEST_LR.items():
+        sync = c.get(f"{opt}_d0_s{seed}")
+        for d in DELAYS:
+            plain, corr = c.get(f"{opt}_d{d}_s{seed}"), c.get(f"{opt}_d{d}_ef_s{seed}")
+            if not (sync and plain and corr):
+                continue
+            s0, p, e = sync[-1][1], plain[-1][1], corr[-1][1]
+            lines.append(f"| {study.OPTIMIZER_LABELS[opt]} ({lr:g}) | {d} | {_f(p)} | {_f(e)} | {_f(p - s0)} | {_f(e - s0)} "
+                         f"| {study._pct(study.recovered_share(s0, p, e))} |")
+    return "\n".join(lines)
+
+
+def stages_table(sweep: Mapping[str, Sequence[tuple[int, float]]], stages: Mapping[str, Sequence[tuple[int, float]]],
+                 seed: int = 0) -> str:
+    lines = ["| optimizer (lr) | sync | uniform 1 (2BW) | per-stage [3,2,1,0] | uniform 3 | gap per-stage | gap uniform 3 "
+             "| uniform 3 / per-stage |", "|---|---|---|---|---|---|---|---|"]
+    for opt, lr in BEST_LR.items():
+        runs = [sweep.get(f"{opt}_d0_s{seed}"), sweep.get(f"{opt}_d1_s{seed}"), stages.get(f"{opt}_perstage_s{seed}"),
+                stages.get(f"{opt}_uniform3_s{seed}")]
+        if not all(runs):
+            continue
+        sync, one, per, three = (r[-1][1] for r in runs)
+        ratio = (three - sync) / (per - sync) if per > sync else math.nan
+        lines.append(f"| {study.OPTIMIZER_LABELS[opt]} ({lr:g}) | {_f(sync)} | {_f(one)} | {_f(per)} | {_f(three)} "
+                     f"| {_f(per - sync)} | {_f(three - sync)} | {_f(ratio, 2)} |")
+    return "\n".join(lines)
+
+
+def long_table(c: Mapping[str, Sequence[tuple[int, float]]], seed: int = 0) -> str:
+    k = round(LONG_STEPS * 0.85)
+    lines = ["| optimizer (lr) | sync | async (2BW) | async + correction | async, sync from 1700 | gap async - sync "
+             "| gap corrected - sync | recovered | tail closes |", "|---|---|---|---|---|---|---|---|---|"]
+    for opt, lr in BEST_LR.items():
+        sync, asyn, corr = (c.get(f"{opt}_{v}_s{seed}") for v in ("sync", "2bw", "2bw_ef"))
+        if not (sync and asyn and corr):
+            continue
+        tail = c.get(f"{opt}_2bw_K{k}_s{seed}")
+        s0, a, e = sync[-1][1], asyn[-1][1], corr[-1][1]
+        t = tail[-1][1] if tail else math.nan
+        lines.append(f"| {study.OPTIMIZER_LABELS[opt]} ({lr:g}) | {_f(s0)} | {_f(a)} | {_f(e)} | {_f(t)} | {_f(a - s0)} "
+                     f"| {_f(e - s0)} | {study._pct(study.recovered_share(s0, a, e))} | {study._pct(tail_closed(a - s0, t - s0))} |")
+    return "\n".join(lines)
+
+
+def recovered_along(sync: Sequence[tuple[int, float]], asyn: Sequence[tuple[int, float]],
+                    corr: Sequence[tuple[int, float]]) -> list[tuple[int, float]]:
+    """The recovered share at every validation step the three curves share."""
+    s, a, e = dict(sync), dict(asyn), dict(corr)
+    return [(k, study.recovered_share(s[k], a[k], e[k])) for k in sorted(set(s) & set(a) & set(e))]
+
+
+def iso_table(sweep: Mapping[str, Sequence[tuple[int, float]]], iso: Mapping[str, Sequence[tuple[int, float]]],
+              long: Mapping[str, Sequence[tuple[int, float]]], seed: int = 0) -> str:
+    lines = ["| run | sync final | async final | overhead, longer async runs | overhead, read off the sync curve "
+             + "".join(f"| net speedup ({m}, x{r:.2f}) " for m, r in THROUGHPUT_RATIOS.items()) + "|",
+             "|---|---|---|---|---" + "|---" * len(THROUGHPUT_RATIOS) + "|"]
+    for opt in BEST_LR:
+        sync = sweep.get(f"{opt}_d0_s{seed}")
+        for ef in (False, True):
+            base = sweep.get(f"{opt}_d1{'_ef' if ef else ''}_s{seed}")
+            if not (sync and base):
+                continue
+            finals = {1.0: base[-1][1]}
+            for scale in ISO_SCALES:
+                run = iso.get(f"{opt}_2bw{'_ef' if ef else ''}_x{scale:g}_s{seed}")
+                if run:
+                    finals[scale] = run[-1][1]
+            direct = overhead_from_longer_runs(finals, sync[-1][1]) if len(finals) > 1 else math.nan
+            if direct != direct and len(finals) == 1 + len(ISO_SCALES):
+                direct_text = f"> {max(ISO_SCALES) - 1:.0%}"
+            else:
+                direct_text = study._pct(direct) if direct == direct else "n/a"
+            read = overhead_from_sync_curve(sync, base[-1][1], BASE_STEPS)
+            best = direct if direct == direct else read
+            speed = "".join(f"| {_f(net_speedup(r, best), 2)} " for r in THROUGHPUT_RATIOS.values())
+            lines.append(f"| {study.OPTIMIZER_LABELS[opt]} {'async + correction' if ef else 'async'}, 300 updates "
+                         f"| {_f(sync[-1][1])} | {_f(base[-1][1])} | {direct_text} | {study._pct(read)} {speed}|")
+        sync_l = long.get(f"{opt}_sync_s{seed}")
+        for ef in (False, True):
+            run = long.get(f"{opt}_2bw{'_ef' if ef else ''}_s{seed}")
+            if not (sync_l and run):
+                continue
+            read = overhead_from_sync_curve(sync_l, run[-1][1], LONG_STEPS)
+            speed = "".join(f"| {_f(net_speedup(r, read), 2)} " for r in THROUGHPUT_RATIOS.values())
+            lines.append(f"| {study.OPTIMIZER_LABELS[opt]} {'async + correction' if ef else 'async'}, {LONG_STEPS} updates "
+                         f"(1.05 M) | {_f(sync_l[-1][1])} | {_f(run[-1][1])} | not run | {study._pct(read)} {speed}|")
+    return "\n".join(lines)
+
+
+def tail_table(sweep: Mapping[str, Sequence[tuple[int, float]]], tail: Mapping[str, Sequence[tuple[int, float]]],
+               seed: int = 0) -> str:
+    lines = ["| optimizer (lr) | variant | sync from | final | gap to sync | full-async gap | tail closes |",
+             "|---|---|---|---|---|---|---|"]
+    for opt, lr in BEST_LR.items():
+        sync = sweep.get(f"{opt}_d0_s{seed}")
+        for ef in (False, True):
+            full = sweep.get(f"{opt}_d1{'_ef' if ef else ''}_s{seed}")
+            if not (sync and full):
+                continue
+            for frac in TAIL_FRACTIONS:
+                k = round(BASE_STEPS * (1 - frac))
+                run = tail.get(f"{opt}_2bw{'_ef' if ef else ''}_K{k}_s{seed}")
+                if not run:
+                    continue
+                gap, full_gap = run[-1][1] - sync[-1][1], full[-1][1] - sync[-1][1]
+                lines.append(f"| {study.OPTIMIZER_LABELS[opt]} ({lr:g}) | {'async + correction' if ef else 'async'} "
+                             f"| {k} (last {frac:.0%}) | {_f(run[-1][1])} | {_f(gap)} | {_f(full_gap)} "
+                             f"| {study._pct(tail_closed(full_gap, gap))} |")
+    return "\n".join(lines)
+
+
+def plot_all(c: Mapping[str, Mapping[str, Sequence[tuple[int, float]]]], path: Path, seed: int = 0) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 4, figsize=(20, 4.3))
+    ax = axes[0]
+    for opt, ls in (("adamw", "-"), ("muon", "--")):
+        sync = c["sweep"].get(f"{opt}_d0_s{seed}")
+        for ef, color in ((False, "tab:red"), (True, "tab:green")):
+            pts = [(d, r[-1][1] - sync[-1][1]) for d in DELAYS
+                   if sync and (r := c["sweep"].get(f"{opt}_d{d}{'_ef' if ef else ''}_s{seed}"))]
+            if pts:
+                ax.plot(*zip(*pts), ls=ls, marker="o", color=color,
+                        label=f"{study.OPTIMIZER_LABELS[opt]}{' + correction' if ef else ''}")
+    ax.axhline(0, color="k", lw=0.8)
+    ax.set(title="final loss minus sync vs uniform delay d (300 updates)", xlabel="delay d (updates)", ylabel="gap", xscale="symlog")
+    ax.legend(fontsize=8)
+    ax = axes[1]
+    colors = {"sync": "tab:blue", "2bw": "tab:red", "2bw_ef": "tab:green", f"2bw_K{round(LONG_STEPS * 0.85)}": "tab:purple"}
+    for opt, ls in (("adamw", "-"), ("muon", "--")):
+        for v, color in colors.items():
+            run = c["long"].get(f"{opt}_{v}_s{seed}")
+            if run:
+                ax.plot(*zip(*run), ls=ls, color=color, label=f"{study.OPTIMIZER_LABELS[opt]} {v}")
+    ax.set(title=f"longer horizon: 1.05 M parameters, {LONG_STEPS} updates", xlabel="update", ylabel="validation loss")
+    ax.set_ylim(top=3.0)
+    ax.legend(fontsize=7)
+    ax = axes[2]
+    for opt, ls in (("adamw", "-"), ("muon", "--")):
+        for exp, marker, n in (("long", "o", LONG_STEPS), ("sweep", "s", BASE_STEPS)):
+            suffix = ("sync", "2bw", "2bw_ef") if exp == "long" else ("d0", "d1", "d1_ef")
+            runs = [c[exp].get(f"{opt}_{x}_s{seed}") for x in suffix]
+            if all(runs):
+                pts = recovered_along(*runs)
+                ax.plot([k / n for k, _ in pts], [r for _, r in pts], ls=ls, marker=marker,
+                        label=f"{study.OPTIMIZER_LABELS[opt]}, {n} updates")
+    ax.set(title="share of the gap the correction recovers, along training", xlabel="fraction of training",
+           ylabel="recovered share", ylim=(-0.5, 1.5))
+    ax.axhline(1, color="k", lw=0.5)
+    ax.legend(fontsize=8)
+    ax = axes[3]
+    for opt, ls in (("adamw", "-"), ("muon", "--")):
+        sync = c["sweep"].get(f"{opt}_d0_s{seed}")
+        if sync:
+            ax.axhline(sync[-1][1], ls=ls, color="tab:blue", lw=0.8, label=f"{study.OPTIMIZER_LABELS[opt]} sync, 1x")
+        for ef, color in ((False, "tab:red"), (True, "tab:green")):
+            base = c["sweep"].get(f"{opt}_d1{'_ef' if ef else ''}_s{seed}")
+            pts = [(1.0, base[-1][1])] if base else []
+            pts += [(sc, r[-1][1]) for sc in ISO_SCALES if (r := c["iso"].get(f"{opt}_2bw{'_ef' if ef else ''}_x{sc:g}_s{seed}"))]
+            if pts:
+                ax.plot(*zip(*pts), ls=ls, marker="o", color=color,
+                        label=f"{study.OPTIMIZER_LABELS[opt]} async{' + corr' if ef else ''}")
+    ax.set(title="iso-loss: async runs trained longer (own schedule)", xlabel="updates / 300", ylabel="final validation loss")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+BEGIN, END = "<!-- delay_study2.py results: begin -->", "<!-- delay_study2.py results: end -->"
+
+
+def report_all(out: Path, seeds: Sequence[int] = (0,), doc: Path = ROOT / "docs" / "delay-study.md",
+               figure: Path = ROOT / "docs" / "delay-study2.png") -> str:
+    seed = seeds[0]
+    c = {e: curves(plan(e, seeds) + (plan("longtail", seeds) if e == "long" else []), out)
+         for e in ("sweep", "stages", "iso", "tail", "long")}
+    text = (f"Delay sweep (uniform delay d, final validation loss, seed {seed}):\n\n{sweep_table(c['sweep'], seed)}\n\n"
+            f"Per-stage delays at p = 4 (seed {seed}):\n\n{stages_table(c['sweep'], c['stages'], seed)}\n\n"
+            f"Longer horizon (seed {seed}):\n\n{long_table(c['long'], seed)}\n\n"
+            f"Iso-loss token overhead and net speedup (seed {seed}):\n\n{iso_table(c['sweep'], c['iso'], c['long'], seed)}\n\n"
+            f"Synchronous tail (`sync_from_step`, seed {seed}):\n\n{tail_table(c['sweep'], c['tail'], seed)}\n")
+    (out / "results.md").write_text(text)
+    plot_all(c, figure, seed)
+    if doc.exists():
+        body = doc.read_text()
+        start, stop = body.find(BEGIN), body.find(END)
+        if 0 <= start < stop:
+            doc.write_text(f"{body[:start + len(BEGIN)]}\n{text}{body[stop:]}")
+    print(text)
+    return text
+
+
 def main(argv: Optional[Sequence[str]] = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("experiment", choices=(*EXPERIMENTS, "report"))
     parser.add_argument("--out", type=Path, default=ROOT / "runs" / "study2", help="where the runs' logs go")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0])
+    parser.add_argument("--optimizers", nargs="+", choices=sorted(BEST_LR), default=sorted(BEST_LR))
     parser.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")
     args = parser.parse_args(argv)
     out = args.out.resolve()
     if args.experiment == "report":
         report_all(out, args.seeds)
         return
-    specs = plan(args.experiment, args.seeds)
+    specs = [s for s in plan(args.experiment, args.seeds) if s.optimizer in args.optimizers]
     if args.dry_run:
         for spec in specs:
             print("lightning-async-pp", " ".join(spec.cli_args(out)))
