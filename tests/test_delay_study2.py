@@ -78,3 +78,19 @@ def test_every_planned_run_parses_through_the_cli(experiment, tmp_path, monkeypa
             assert strategy["sync_from_step"] in (240, 270, 1700)
         if spec.long:
             assert config["trainer"]["max_steps"] == 2000 and config["model"]["init_args"]["n_embd"] == 144
+
+
+@pytest.mark.parametrize("cell", ["adamw_sync", "adamw_2bw_ef", "muon_2bw"])
+def test_the_gpu_study_config_parses_with_every_kind_of_cell(cell, monkeypatch):
+    monkeypatch.setattr(sys, "argv", ["lightning-async-pp"])
+    configs = Path(__file__).resolve().parents[1] / "configs" / "study"
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), pytest.raises(SystemExit):
+        AsyncPipelineCLI(args=["fit", "--print_config", "--config", str(configs / "gpu" / "base.yaml"),
+                               "--config", str(configs / f"{cell}.yaml"), "--trainer.strategy.init_args.sync_from_step=8000"])
+    config = yaml.safe_load(out.getvalue())
+    assert config["trainer"]["precision"] == "bf16-true" and config["trainer"]["accelerator"] == "gpu"
+    assert config["model"]["init_args"]["size"] == "smollm-135m"
+    assert config["model"]["init_args"]["max_seq_len"] == config["data"]["block_size"]
+    assert config["trainer"]["strategy"]["init_args"]["sync_from_step"] == 8000
+    assert config["lr_scheduler"]["init_args"]["total_steps"] == config["trainer"]["max_steps"]
