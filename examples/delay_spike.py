@@ -7,7 +7,7 @@ preconditioned sharpness ``lambda_max(P H)`` (``P = lr / (sqrt(v_hat) + eps)``, 
 ``W_k``, power iteration on Hessian-vector products). ``report`` compares that sharpness with the linear stability
 bound of AdamW's momentum under delay d (with and without the correction) and draws docs/delay-spike.png.
 
-    .venv/bin/python examples/delay_spike.py run       # 5 runs of 240 updates, one at a time, into runs/spike/
+    .venv/bin/python examples/delay_spike.py run       # 8 runs of 240 updates, one at a time, into runs/spike/
     .venv/bin/python examples/delay_spike.py report    # the table and the figure
 """
 from __future__ import annotations
@@ -153,6 +153,9 @@ RUNS = (
     SpikeRun("adamw_2bw_data1", "adamw_2bw", data_seed=1),  # same initialization, another data order
     SpikeRun("adamw_sync_data1", "adamw_sync", data_seed=1),
     SpikeRun("adamw_2bw_init1", "adamw_2bw", seed=1),  # another initialization, same batches
+    SpikeRun("adamw_2bw_ef", "adamw_2bw_ef", sharpness_every=10),
+    SpikeRun("adamw_2bw_lr1e-3", "adamw_2bw", lr=1e-3, sharpness_every=10),
+    SpikeRun("muon_2bw", "muon_2bw"),
 )
 #: The runs stop at update 240 of the 300-update schedule (the lr schedule is unchanged): the spike is near 150.
 STOP = 240
