@@ -5,7 +5,8 @@ training loss as the pipeline computed it (at ``W_{k-d}``), the same batch's los
 gradient norm before clipping, the update norm ``||W_{k+1} - W_k||``, and every few updates AdamW's
 preconditioned sharpness ``lambda_max(P H)`` (``P = lr / (sqrt(v_hat) + eps)``, Hessian ``H`` of the batch loss at
 ``W_k``, power iteration on Hessian-vector products). ``report`` compares that sharpness with the linear stability
-bound of AdamW's momentum under delay d (with and without the correction) and draws docs/delay-spike.png.
+bound of AdamW's momentum under delay d (with and without the correction), draws docs/delay-spike.png and
+rewrites the marked block of docs/delay-study.md.
 
     .venv/bin/python examples/delay_spike.py run       # 8 runs of 240 updates, one at a time, into runs/spike/
     .venv/bin/python examples/delay_spike.py report    # the table and the figure
@@ -272,6 +273,9 @@ def report(out: Path, figure: Path) -> str:
     return "\n".join(lines)
 
 
+BEGIN, END = "<!-- delay_spike.py results: begin -->", "<!-- delay_spike.py results: end -->"
+
+
 def main(argv: Optional[Sequence[str]] = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("what", choices=("run", "report"))
@@ -289,6 +293,11 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
             train(run, args.out, args.extra)
     text = report(args.out, args.figure)
     (args.out / "results.md").write_text(text)
+    doc = ROOT / "docs" / "delay-study.md"
+    body = doc.read_text() if doc.exists() else ""
+    start, stop = body.find(BEGIN), body.find(END)
+    if 0 <= start < stop:  # the marked block of docs/delay-study.md
+        doc.write_text(f"{body[:start + len(BEGIN)]}\n{text}\n{body[stop:]}")
     print(text)
 
 
