@@ -203,14 +203,16 @@ def report(out: Path, figure: Path) -> str:
 
     runs = load(out)
     lines = ["| run | biggest rise (update, loss above its previous-10 mean) | lr there | grad norm there (median over run) "
-             "| update norm there (median) | loss(W_k) - loss(W_{k-1}) there |", "|---|---|---|---|---|---|"]
+             "| update norm there (median) | loss(W_k) - loss(W_{k-1}) there | largest grad norm after update 10 (at) |",
+             "|---|---|---|---|---|---|---|"]
     for name, rows in runs.items():
         k, rise = spike_window(rows)
         r = rows[k]
         med_g = float(np.median([x["grad_norm"] for x in rows]))
         med_u = float(np.median([x["update_norm"] for x in rows]))
         lines.append(f"| {name} | {k}: +{rise:.3f} | {r['lr']:.2e} | {r['grad_norm']:.2f} ({med_g:.2f}) "
-                     f"| {r['update_norm']:.3f} ({med_u:.3f}) | {r['fresh_loss'] - r['loss']:+.3f} |")
+                     f"| {r['update_norm']:.3f} ({med_u:.3f}) | {r['fresh_loss'] - r['loss']:+.3f} "
+                     f"| {max(x['grad_norm'] for x in rows[10:]):.1f} ({max(rows[10:], key=lambda x: x['grad_norm'])['k']}) |")
     bounds = {"sync (d=0)": stability_bound(0.9, 0), "2BW (d=1)": stability_bound(0.9, 1),
               "2BW + correction (d=1, c=1)": stability_bound(0.9, 1, 1.0)}
     lines += ["", "Linear stability bound on AdamW's preconditioned sharpness (beta1 = 0.9): "
