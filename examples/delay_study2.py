@@ -10,6 +10,8 @@ is exact. One command per experiment:
     .venv/bin/python examples/delay_study2.py iso       # async runs 1.5x and 2x as long: iso-loss overhead
     .venv/bin/python examples/delay_study2.py tail      # sync_from_step for the last 20% / 10% of training
     .venv/bin/python examples/delay_study2.py long      # 1.05 M parameters, 2000 updates
+    .venv/bin/python examples/delay_study2.py lowlr     # AdamW at lr 1e-3: sync, 2BW, 2BW + correction, 300 updates
+    .venv/bin/python examples/delay_study2.py longlowlr # the same at the longer horizon
     .venv/bin/python examples/delay_study2.py report    # read every finished run, write tables and the figure
 
 Runs go to ``runs/study2/<experiment>/<name>/`` (TensorBoard), finished runs are skipped (an interrupted
@@ -35,6 +37,8 @@ ROOT = study.ROOT
 CONFIGS = study.CONFIGS
 #: Each optimizer's best synchronous lr in the first round's sweep (docs/delay-study.md).
 BEST_LR = {"adamw": 3e-3, "muon": 3e-2}
+#: A second lr for the horizon question (AdamW's recovered share was 74% at 1e-3 in the first round).
+LOW_LR = {"adamw": 1e-3}
 DELAYS = (0, 1, 2, 4, 8)
 ISO_OPTIMIZERS = ("adamw", "muon")
 ISO_SCALES = (1.5, 2.0)
@@ -116,6 +120,14 @@ def plan(experiment: str, seeds: Sequence[int] = (0,)) -> list[Spec]:
             elif experiment == "long":
                 for variant in ("sync", "2bw", "2bw_ef"):
                     specs.append(Spec("long", f"{opt}_{variant}_s{seed}", f"{opt}_{variant}", lr, seed, long=True))
+            elif experiment in ("lowlr", "longlowlr"):
+                # the horizon question again at a lower lr, where the first round's correction recovered 74%
+                if opt not in LOW_LR:
+                    continue
+                for variant in ("sync", "2bw", "2bw_ef"):
+                    specs.append(Spec("long" if experiment == "longlowlr" else "sweep",
+                                      f"{opt}_{variant}_lr{LOW_LR[opt]:g}_s{seed}", f"{opt}_{variant}", LOW_LR[opt], seed,
+                                      long=experiment == "longlowlr"))
             elif experiment == "longtail":
                 k = round(LONG_STEPS * 0.85)
                 specs.append(Spec("long", f"{opt}_2bw_K{k}_s{seed}", f"{opt}_2bw", lr, seed,
@@ -125,7 +137,7 @@ def plan(experiment: str, seeds: Sequence[int] = (0,)) -> list[Spec]:
     return specs
 
 
-EXPERIMENTS = ("sweep", "stages", "iso", "tail", "long", "longtail")
+EXPERIMENTS = ("sweep", "stages", "iso", "tail", "long", "longtail", "lowlr", "longlowlr")
 
 
 def execute(spec: Spec, out: Path) -> tuple[bool, float]:
@@ -245,16 +257,27 @@ def long_table(c: Mapping[str, Sequence[tuple[int, float]]], seed: int = 0) -> s
     k = round(LONG_STEPS * 0.85)
     lines = ["| optimizer (lr) | sync | async (2BW) | async + correction | async, sync from 1700 | gap async - sync "
              "| gap corrected - sync | recovered | tail closes |", "|---|---|---|---|---|---|---|---|---|"]
-    for opt, lr in BEST_LR.items():
-        sync, asyn, corr = (c.get(f"{opt}_{v}_s{seed}") for v in ("sync", "2bw", "2bw_ef"))
+    rows = [(opt, lr, "") for opt, lr in BEST_LR.items()] + [(opt, lr, f"_lr{lr:g}") for opt, lr in LOW_LR.items()]
+    for opt, lr, tag in rows:
+        sync, asyn, corr = (c.get(f"{opt}_{v}{tag}_s{seed}") for v in ("sync", "2bw", "2bw_ef"))
         if not (sync and asyn and corr):
             continue
-        tail = c.get(f"{opt}_2bw_K{k}_s{seed}")
+        tail = c.get(f"{opt}_2bw_K{k}_s{seed}") if not tag else None
         s0, a, e = sync[-1][1], asyn[-1][1], corr[-1][1]
         t = tail[-1][1] if tail else math.nan
         lines.append(f"| {study.OPTIMIZER_LABELS[opt]} ({lr:g}) | {_f(s0)} | {_f(a)} | {_f(e)} | {_f(t)} | {_f(a - s0)} "
                      f"| {_f(e - s0)} | {study._pct(study.recovered_share(s0, a, e))} | {study._pct(tail_closed(a - s0, t - s0))} |")
     return "\n".join(lines)
+
+
+def _as_cells(sweep: Mapping[str, Sequence[tuple[int, float]]]) -> dict[str, Sequence[tuple[int, float]]]:
+    """The sweep's d=0 / d=1 / d=1 corrected runs under the long experiment's names (sync, 2bw, 2bw_ef)."""
+    out = dict(sweep)
+    for name, run in sweep.items():
+        for d, variant in (("_d0_", "_sync_"), ("_d1_ef_", "_2bw_ef_"), ("_d1_", "_2bw_")):
+            if d in name:
+                out.setdefault(name.replace(d, variant), run)
+    return out
 
 
 def recovered_along(sync: Sequence[tuple[int, float]], asyn: Sequence[tuple[int, float]],
@@ -391,11 +414,13 @@ BEGIN, END = "<!-- delay_study2.py results: begin -->", "<!-- delay_study2.py re
 def report_all(out: Path, seeds: Sequence[int] = (0,), doc: Path = ROOT / "docs" / "delay-study.md",
                figure: Path = ROOT / "docs" / "delay-study2.png") -> str:
     seed = seeds[0]
-    c = {e: curves(plan(e, seeds) + (plan("longtail", seeds) if e == "long" else []), out)
-         for e in ("sweep", "stages", "iso", "tail", "long")}
+    extra = {"long": plan("longtail", seeds) + plan("longlowlr", seeds), "sweep": plan("lowlr", seeds)}
+    c = {e: curves(plan(e, seeds) + extra.get(e, []), out) for e in ("sweep", "stages", "iso", "tail", "long")}
     text = (f"Delay sweep (uniform delay d, final validation loss, seed {seed}):\n\n{sweep_table(c['sweep'], seed)}\n\n"
             f"Per-stage delays at p = 4 (seed {seed}):\n\n{stages_table(c['sweep'], c['stages'], seed)}\n\n"
-            f"Longer horizon (seed {seed}):\n\n{long_table(c['long'], seed)}\n\n"
+            f"Longer horizon (seed {seed}; 1.05 M parameters, 2000 updates):\n\n{long_table(c['long'], seed)}\n\n"
+            f"The same three cells at 300 updates (136 K parameters; the lr {', '.join(f'{v:g}' for v in LOW_LR.values())} "
+            f"row from `lowlr`):\n\n{long_table(_as_cells(c['sweep']), seed)}\n\n"
             f"Iso-loss token overhead and net speedup (seed {seed}):\n\n{iso_table(c['sweep'], c['iso'], c['long'], seed)}\n\n"
             f"Synchronous tail (`sync_from_step`, seed {seed}):\n\n{tail_table(c['sweep'], c['tail'], seed)}\n")
     (out / "results.md").write_text(text)
