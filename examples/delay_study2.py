@@ -363,7 +363,8 @@ def plot_all(c: Mapping[str, Mapping[str, Sequence[tuple[int, float]]]], path: P
                 ax.plot(*zip(*pts), ls=ls, marker="o", color=color,
                         label=f"{study.OPTIMIZER_LABELS[opt]}{' + correction' if ef else ''}")
     ax.axhline(0, color="k", lw=0.8)
-    ax.set(title="final loss minus sync vs uniform delay d (300 updates)", xlabel="delay d (updates)", ylabel="gap", xscale="symlog")
+    ax.set(title="final loss minus sync vs uniform delay d (300 updates)", xlabel="delay d (updates)", ylabel="gap",
+           xticks=list(DELAYS))
     ax.legend(fontsize=8)
     ax = axes[1]
     colors = {"sync": "tab:blue", "2bw": "tab:red", "2bw_ef": "tab:green", f"2bw_K{round(LONG_STEPS * 0.85)}": "tab:purple"}
