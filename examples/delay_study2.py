@@ -441,13 +441,15 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     parser.add_argument("--out", type=Path, default=ROOT / "runs" / "study2", help="where the runs' logs go")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0])
     parser.add_argument("--optimizers", nargs="+", choices=sorted(BEST_LR), default=sorted(BEST_LR))
+    parser.add_argument("--names", nargs="+", help="run only these runs of the experiment (by folder name)")
     parser.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")
     args = parser.parse_args(argv)
     out = args.out.resolve()
     if args.experiment == "report":
         report_all(out, args.seeds)
         return
-    specs = [s for s in plan(args.experiment, args.seeds) if s.optimizer in args.optimizers]
+    specs = [s for s in plan(args.experiment, args.seeds)
+             if s.optimizer in args.optimizers and (not args.names or s.name in args.names)]
     if args.dry_run:
         for spec in specs:
             print("lightning-async-pp", " ".join(spec.cli_args(out)))
