@@ -368,23 +368,27 @@ def plot_all(c: Mapping[str, Mapping[str, Sequence[tuple[int, float]]]], path: P
     ax.legend(fontsize=8)
     ax = axes[1]
     colors = {"sync": "tab:blue", "2bw": "tab:red", "2bw_ef": "tab:green", f"2bw_K{round(LONG_STEPS * 0.85)}": "tab:purple"}
-    for opt, ls in (("adamw", "-"), ("muon", "--")):
+    lines = [("adamw", "", "-"), ("muon", "", "--")] + [(o, f"_lr{lr:g}", ":") for o, lr in LOW_LR.items()]
+    for opt, tag, ls in lines:
         for v, color in colors.items():
-            run = c["long"].get(f"{opt}_{v}_s{seed}")
+            run = c["long"].get(f"{opt}_{v}{tag}_s{seed}")
             if run:
-                ax.plot(*zip(*run), ls=ls, color=color, label=f"{study.OPTIMIZER_LABELS[opt]} {v}")
+                lr = LOW_LR[opt] if tag else BEST_LR[opt]
+                ax.plot(*zip(*run), ls=ls, color=color, label=f"{study.OPTIMIZER_LABELS[opt]} lr {lr:g} {v}")
     ax.set(title=f"longer horizon: 1.05 M parameters, {LONG_STEPS} updates", xlabel="update", ylabel="validation loss")
+    ax.set_ylim(bottom=2.0)
     ax.set_ylim(top=3.0)
     ax.legend(fontsize=7)
     ax = axes[2]
-    for opt, ls in (("adamw", "-"), ("muon", "--")):
+    for opt, tag, ls in lines:
         for exp, marker, n in (("long", "o", LONG_STEPS), ("sweep", "s", BASE_STEPS)):
-            suffix = ("sync", "2bw", "2bw_ef") if exp == "long" else ("d0", "d1", "d1_ef")
-            runs = [c[exp].get(f"{opt}_{x}_s{seed}") for x in suffix]
+            suffix = ("sync", "2bw", "2bw_ef") if exp == "long" or tag else ("d0", "d1", "d1_ef")
+            runs = [c[exp].get(f"{opt}_{x}{tag}_s{seed}") for x in suffix]
             if all(runs):
                 pts = recovered_along(*runs)
+                lr = LOW_LR[opt] if tag else BEST_LR[opt]
                 ax.plot([k / n for k, _ in pts], [r for _, r in pts], ls=ls, marker=marker,
-                        label=f"{study.OPTIMIZER_LABELS[opt]}, {n} updates")
+                        label=f"{study.OPTIMIZER_LABELS[opt]} lr {lr:g}, {n} updates")
     ax.set(title="share of the gap the correction recovers, along training", xlabel="fraction of training",
            ylabel="recovered share", ylim=(-0.5, 1.5))
     ax.axhline(1, color="k", lw=0.5)
