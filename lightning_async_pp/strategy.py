@@ -43,7 +43,7 @@ _LIGHTNING_KWARGS = ("accelerator", "parallel_devices", "cluster_environment", "
                      "process_group_backend", "timeout", "start_method")
 _OWN_KWARGS = ("schedule", "num_microbatches", "data_parallel_size", "partition", "delay", "sync_steps", "num_stages",
                "gather_final_weights", "pipeline_timeout", "check_batches", "save_distributed_checkpoint",
-               "activation_checkpointing")
+               "activation_checkpointing", "sync_from_step")
 
 
 class AsyncPipelineStrategy(DDPStrategy):
@@ -75,6 +75,9 @@ class AsyncPipelineStrategy(DDPStrategy):
             ``pipeline_layers()``) or ``False``: the chosen layers keep no activations for backward and recompute
             their forward there (non-reentrant ``torch.utils.checkpoint``), on the same weight version as the
             first forward. Results are unchanged; memory drops, compute rises by about one forward.
+        sync_from_step: updates ``k >= sync_from_step`` are synchronous (delay 0; across processes the pipeline
+            flushes every batch from then on): a synchronous tail for the final learning-rate decay, or a guard
+            against divergence. Default ``None``: never.
     """
 
     strategy_name = "async_pipeline"
@@ -93,6 +96,7 @@ class AsyncPipelineStrategy(DDPStrategy):
         check_batches: bool = True,
         save_distributed_checkpoint: bool = True,
         activation_checkpointing: CheckpointingSpec = False,
+        sync_from_step: Optional[int] = None,
         *,
         accelerator: Any = None,
         parallel_devices: Any = None,
@@ -114,7 +118,8 @@ class AsyncPipelineStrategy(DDPStrategy):
             )
         self.config = PipelineConfig(
             schedule=schedule, num_microbatches=num_microbatches, data_parallel_size=data_parallel_size,
-            partition=partition, delay=delay, sync_steps=sync_steps, num_stages=num_stages,
+            partition=partition, delay=delay, sync_steps=sync_steps, sync_from_step=sync_from_step,
+            num_stages=num_stages,
             pipeline_timeout=pipeline_timeout, check_batches=check_batches,
             activation_checkpointing=activation_checkpointing,
         )

@@ -46,6 +46,24 @@ def test_error_feedback_wrapping_muon_from_yaml_trains_two_steps(tmp_path, monke
     assert any("prev_update" in opt.state[p] for p in model.parameters())
 
 
+def test_error_feedback_per_part_coefficients_from_yaml(tmp_path, monkeypatch):
+    """coefficient 1 for the AdamW part, muon_coefficient 0 for the Muon part: only AdamW's parameters keep a
+    correction buffer, and each group reports its own coefficient."""
+    monkeypatch.chdir(tmp_path)
+    optimizer = {
+        "class_path": "lightning_async_pp.optim.ErrorFeedback",
+        "init_args": {"coefficient": 1.0, "muon_coefficient": 0.0,
+                      "optimizer": {"class_path": "lightning_async_pp.optim.Muon", "init_args": {"lr": 0.02}}},
+    }
+    cli = AsyncPipelineCLI(args=["fit", "--config", str(with_optimizer(tmp_path, optimizer))])
+    opt = cli.trainer.optimizers[0]
+    assert isinstance(opt, ErrorFeedback) and opt.muon_coefficient == 0.0 and cli.trainer.global_step == 2
+    assert {(g["use_muon"], opt.group_coefficient(g)) for g in opt.param_groups} == {(True, 0.0), (False, 1.0)}
+    for group in opt.param_groups:
+        for p in group["params"]:
+            assert ("prev_update" in opt.state[p]) == (not group["use_muon"])
+
+
 def test_warmup_cosine_from_yaml_steps_every_update(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     optimizer = {"class_path": "torch.optim.AdamW", "init_args": {"lr": 0.01}}

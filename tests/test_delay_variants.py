@@ -1,4 +1,4 @@
-"""Delay variants on one device: general delay d, per-stage delays (original PipeDream), sync start."""
+"""Delay variants on one device: general delay d, per-stage delays (original PipeDream), sync start, sync tail."""
 from __future__ import annotations
 
 import copy
@@ -48,6 +48,45 @@ def test_sync_steps_switch_to_the_delayed_rule_at_the_right_update():
     # switching one update later gives other weights
     later = fit(AsyncPipelineStrategy("2bw", 4, sync_steps=sync + 1))
     assert max_param_difference(model, later) > 1e-5
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
+def test_sync_from_step_makes_every_update_from_k_on_synchronous(optimizer):
+    k_sync = 4
+    model = TinyLM(optimizer=optimizer)
+    reference = copy.deepcopy(model)
+    trainer(AsyncPipelineStrategy("2bw", 4, sync_from_step=k_sync), steps=STEPS).fit(model, loader())
+
+    # Reference (docs/design.md): the delay is 1 for 0 < k < K and 0 for k >= K.
+    params = delayed_reference(reference, list(loader()), STEPS,
+                               version_for=lambda k: k if k == 0 or k >= k_sync else k - 1)
+    assert max_param_difference(model, params) < 1e-6
+    # one update more of the delayed rule ends elsewhere
+    assert max_param_difference(model, fit(AsyncPipelineStrategy("2bw", 4, sync_from_step=k_sync + 1), optimizer)) > 1e-5
+
+
+def test_sync_from_step_with_a_research_delay_and_a_sync_start():
+    """delay=d with sync_steps=S and sync_from_step=K: delay 0 for k < S, d (at most k) for S <= k < K, 0 after."""
+    d, s, k_sync = 2, 1, 5
+    model = TinyLM(optimizer="adamw")
+    reference = copy.deepcopy(model)
+    strategy = AsyncPipelineStrategy("2bw", 4, delay=d, sync_steps=s, sync_from_step=k_sync)
+    trainer(strategy, steps=STEPS + 1).fit(model, loader())
+
+    params = delayed_reference(reference, list(loader()), STEPS + 1,
+                               version_for=lambda k: k if k < s or k >= k_sync else max(k - d, 0))
+    assert max_param_difference(model, params) < 1e-6
+    assert strategy.engine.stages[0].versions.delay_for_batch(k_sync) == 0
+
+
+def test_sync_from_step_zero_is_the_synchronous_schedule():
+    assert max_param_difference(fit(AsyncPipelineStrategy("2bw", 4, sync_from_step=0)), fit(AsyncPipelineStrategy("1f1b", 4))) == 0
+
+
+@pytest.mark.parametrize("bad", [-1, 2.5, "3"])
+def test_bad_sync_from_step_is_a_clear_error(bad):
+    with pytest.raises(ValueError, match=rf"sync_from_step must be None \(never\) or an integer >= 0.*{bad!r}"):
+        AsyncPipelineStrategy("2bw", 4, sync_from_step=bad)
 
 
 def test_per_stage_delays_model_original_pipedream():

@@ -31,6 +31,17 @@ def test_2bw_four_stages_equal_the_one_device_2bw_run(tmp_path):
     assert max_difference(multiprocess_weights(cfg, tmp_path), one_device_weights(cfg)) < 1e-5
 
 
+@pytest.mark.parametrize("stages", [2, 4])
+def test_sync_from_step_flushes_from_k_on_and_equals_the_one_device_run(tmp_path, stages):
+    """2BW's lookahead stops before batch K (a lookahead forward of batch K would read W_{K-1}, not W_K)."""
+    cfg = dict(BASE, schedule="2bw", stages=stages, optimizer="adamw", model={"depth": 5}, sync_from_step=3)
+    multi = multiprocess_weights(cfg, tmp_path)
+    # The one-device run with sync_from_step follows the written-out recurrence (tests/test_delay_variants.py).
+    assert max_difference(multi, one_device_weights(cfg, sync_from_step=3)) < 1e-5
+    assert max_difference(multi, one_device_weights(cfg)) > 1e-4  # not plain 2BW
+    assert max_difference(multi, one_device_weights(cfg, sync_from_step=4)) > 1e-4  # the switch is at K, not later
+
+
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
 def test_synchronous_schedules_two_stages_equal_the_one_device_run(tmp_path, schedule):
     cfg = dict(BASE, schedule=schedule, stages=2, optimizer="adamw")

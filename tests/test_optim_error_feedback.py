@@ -255,3 +255,99 @@ def test_lightning_checkpoint_resume_restores_the_buffer(tmp_path, monkeypatch):
     assert resumed.trainer.global_step == 2
     assert torch.equal(opt.state[resumed.model.layer.weight][PREV_UPDATE], saved)
     assert opt.wrapped.muon.state[resumed.model.layer.weight][PREV_UPDATE] is opt.state[resumed.model.layer.weight][PREV_UPDATE]
+
+
+# ---- per-group coefficients ------------------------------------------------------------------------------------
+def hand_adamw_ef(steps: int, c: float, lr=0.05, wd=0.1, b1=0.9, b2=0.95, eps=1e-8) -> torch.Tensor:
+    """AdamW and the correction written out for one tensor (c = 0: plain AdamW)."""
+    w, m, v, prev = W0.clone(), torch.zeros(4, dtype=torch.float64), torch.zeros(4, dtype=torch.float64), None
+    for k in range(1, steps + 1):
+        g = grad_at(w)
+        m = b1 * m + (1 - b1) * g
+        v = b2 * v + (1 - b2) * g * g
+        u = lr * wd * w + (lr / (1 - b1**k)) * m / (v.sqrt() / math.sqrt(1 - b2**k) + eps)
+        w = w - u if prev is None or c == 0 else w - u - c * (u - prev)
+        prev = u
+    return w
+
+
+def two_groups(first: dict, second: dict, coefficient: float):
+    a, b = nn.Parameter(W0.clone()), nn.Parameter(W0.clone())
+    factory = partial(torch.optim.AdamW, lr=0.05, weight_decay=0.1, betas=(0.9, 0.95), eps=1e-8)
+    opt = ErrorFeedback([{"params": [a], **first}, {"params": [b], **second}], optimizer=factory, coefficient=coefficient)
+    return a, b, opt
+
+
+def step_both(a, b, opt, steps: range) -> None:
+    for _ in steps:
+        opt.zero_grad()
+        (a.pow(4).sum() / 4 + (A * a).sum() + b.pow(4).sum() / 4 + (A * b).sum()).backward()
+        opt.step()
+
+
+@pytest.mark.parametrize("first, second, coefficient, expected", [
+    ({}, {"coefficient": 0.0}, 1.0, (1.0, 0.0)),  # a group's own 0 beats the constructor's 1
+    ({"coefficient": 1.0}, {}, 0.0, (1.0, 0.0)),  # a group's own 1 beats the constructor's 0
+    ({"coefficient": 0.5}, {"coefficient": 2.0}, 1.0, (0.5, 2.0)),
+], ids=["group0_off", "group1_on", "both_own"])
+def test_each_group_follows_the_written_out_recurrence_with_its_own_coefficient(first, second, coefficient, expected):
+    a, b, opt = two_groups(first, second, coefficient)
+    step_both(a, b, opt, range(5))
+    assert torch.allclose(a.detach(), hand_adamw_ef(5, expected[0]), rtol=0, atol=1e-12)
+    assert torch.allclose(b.detach(), hand_adamw_ef(5, expected[1]), rtol=0, atol=1e-12)
+    # a group with coefficient 0 keeps no buffer
+    for p, c in zip((a, b), expected):
+        assert (PREV_UPDATE in opt.state[p]) == (c > 0)
+
+
+def test_group_coefficients_survive_a_checkpoint_round_trip_and_continue_exactly():
+    a, b, opt = two_groups({}, {"coefficient": 0.0}, 1.0)
+    step_both(a, b, opt, range(3))
+    buffer = io.BytesIO()
+    torch.save({"a": a.detach().clone(), "b": b.detach().clone(), "opt": opt.state_dict()}, buffer)
+    step_both(a, b, opt, range(3, 6))
+
+    buffer.seek(0)
+    checkpoint = torch.load(buffer, weights_only=True)
+    a2, b2, opt2 = two_groups({}, {}, 1.0)  # built without the group key: the checkpoint brings it back
+    with torch.no_grad():
+        a2.copy_(checkpoint["a"])
+        b2.copy_(checkpoint["b"])
+    opt2.load_state_dict(checkpoint["opt"])
+    assert opt2.group_coefficient(opt2.param_groups[1]) == 0.0
+    step_both(a2, b2, opt2, range(3, 6))
+    assert torch.equal(a, a2) and torch.equal(b, b2)
+    assert torch.allclose(b2.detach(), hand_adamw_ef(6, 0.0), rtol=0, atol=1e-12)
+
+
+def test_muon_coefficient_leaves_muons_part_uncorrected_and_corrects_the_adamw_part():
+    """coefficient=1, muon_coefficient=0 (RamTorch's default) on a separable loss: the matrix (Muon part) follows
+    bare Muon, the vector (AdamW part) follows AdamW with the correction written out."""
+    B = torch.linspace(-1.0, 1.0, 12, dtype=torch.float64).reshape(3, 4)
+
+    def run(make):
+        torch.manual_seed(0)
+        matrix, vector = nn.Parameter(torch.randn(3, 4, dtype=torch.float64)), nn.Parameter(W0.clone())
+        opt = make([("matrix", matrix), ("vector", vector)])
+        for _ in range(5):
+            opt.zero_grad()
+            (matrix.pow(4).sum() / 4 + (B * matrix).sum() + vector.pow(4).sum() / 4 + (A * vector).sum()).backward()
+            opt.step()
+        return matrix.detach(), vector.detach(), opt
+
+    muon = partial(Muon, lr=0.05, weight_decay=0.1)
+    matrix, vector, opt = run(partial(ErrorFeedback, optimizer=muon, coefficient=1.0, muon_coefficient=0.0))
+    bare_matrix, _, _ = run(muon)
+    corrected_matrix, _, _ = run(partial(ErrorFeedback, optimizer=muon, coefficient=1.0))
+    assert [(g["use_muon"], opt.group_coefficient(g)) for g in opt.param_groups] == [(True, 0.0), (False, 1.0)]
+    assert torch.equal(matrix, bare_matrix) and not torch.allclose(matrix, corrected_matrix, rtol=0, atol=1e-6)
+    assert torch.allclose(vector, hand_adamw_ef(5, 1.0, lr=0.05, wd=0.1), rtol=0, atol=1e-12)
+    # the Muon part keeps no buffer, the AdamW part does
+    params = [p for g in opt.param_groups for p in g["params"]]
+    assert [PREV_UPDATE in opt.state[p] for p in params] == [False, True]
+
+
+@pytest.mark.parametrize("bad", [-1.0, float("nan"), "1"])
+def test_bad_group_coefficient_is_refused_naming_the_group_and_value(bad):
+    with pytest.raises(ValueError, match=rf"coefficient of parameter group 1 must be >= 0, got {bad!r}"):
+        two_groups({}, {"coefficient": bad}, 1.0)

@@ -1,7 +1,7 @@
 """``StalenessMonitor``: how stale the gradients of asynchronous pipeline training are, in the logger.
 
 Notation (docs/design.md, "The update rule and the version rule"): ``W_k`` is the weights after ``k`` updates; batch ``k``'s gradient is taken at
-``W_{k-d}`` (``d``: the realized delay, 1 under 2BW, 0 for the synchronous schedules and during ``sync_steps``,
+``W_{k-d}`` (``d``: the realized delay, 1 under 2BW, 0 for the synchronous schedules, during ``sync_steps`` and from ``sync_from_step`` on,
 the configured value under the delay variants) and the update is applied to ``W_k``.
 """
 from __future__ import annotations
@@ -213,12 +213,14 @@ def _set_rng_state(cuda: list[int], state: tuple[Tensor, list[Tensor]]) -> None:
 
 
 def _error_feedback_states(optimizers: Sequence[Any]) -> dict[Any, dict]:
-    """``{parameter: its optimizer state}`` for parameters under an ErrorFeedback with a non-zero coefficient."""
+    """``{parameter: its optimizer state}`` for parameters in ErrorFeedback groups with a non-zero coefficient."""
     states: dict[Any, dict] = {}
     for opt in optimizers:
         opt = getattr(opt, "optimizer", opt)  # a LightningOptimizer wraps the real one
-        if isinstance(opt, ErrorFeedback) and opt.coefficient > 0:
+        if isinstance(opt, ErrorFeedback):
             for group in opt.param_groups:
+                if opt.group_coefficient(group) == 0:
+                    continue
                 for p in group["params"]:
                     state = opt.state.get(p)  # .get: do not add empty entries to the optimizer's state
                     if state is not None:

@@ -5,12 +5,13 @@ step old. Error feedback extrapolates with the change between consecutive update
 
     W_{k+1} = W_k - u_k - c (u_k - u_{k-1}),      no correction at the first update,
 
-where ``u_k`` is the wrapped optimizer's whole update (learning rate, weight decay, everything it does).
+where ``u_k`` is the wrapped optimizer's whole update (learning rate, weight decay, everything it does). ``c`` may
+differ per parameter group (e.g. 1 for AdamW groups and 0 for Muon's, as RamTorch's delayed optimizers default).
 """
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, Optional
 
 import torch
 from lightning.pytorch.cli import OptimizerCallable
@@ -28,8 +29,12 @@ class ErrorFeedback(Optimizer):
     - The wrapped optimizer (:attr:`wrapped`) steps once per :meth:`step`, at the weights the wrapper left,
       so its moments advance once per step; ``u_k`` is the change its step makes to each parameter.
     - Then each parameter with a gradient becomes ``W_k - u_k - c (u_k - u_{k-1})``; on a parameter's first
-      update, and for ``coefficient == 0``, nothing is added (with 0 the wrapper *is* the wrapped optimizer:
-      no buffer, no copy). Parameters without a gradient are left alone, their buffer unchanged.
+      update, and for ``c == 0``, nothing is added (with 0 the wrapper *is* the wrapped optimizer for those
+      parameters: no buffer, no copy). Parameters without a gradient are left alone, their buffer unchanged.
+    - ``c`` is per parameter group (:meth:`group_coefficient`): the group's own ``coefficient`` key if it has one;
+      else, for a group tagged ``use_muon: True`` (``optim.Muon``'s Muon part), ``muon_coefficient`` if given;
+      else the constructor's ``coefficient``. Group keys travel in ``state_dict()["param_groups"]``, so a
+      checkpoint keeps them.
     - Persistent state: exactly one parameter-sized buffer per parameter, ``state[p]["prev_update"]``
       (= ``u_{k-1}``), kept *inside the wrapped optimizer's per-parameter state*. So ``state_dict`` /
       ``load_state_dict`` (the wrapped optimizer's, delegated) carry it, cast to each parameter's dtype and
@@ -44,9 +49,11 @@ class ErrorFeedback(Optimizer):
     ``class_path``/``init_args`` into a partial that takes the parameters.
     """
 
-    def __init__(self, params: Iterable[Any], optimizer: OptimizerCallable, coefficient: float = 1.0) -> None:
-        if not coefficient >= 0:  # also rejects NaN
-            raise ValueError(f"ErrorFeedback coefficient must be >= 0, got {coefficient!r}")
+    def __init__(self, params: Iterable[Any], optimizer: OptimizerCallable, coefficient: float = 1.0,
+                 muon_coefficient: Optional[float] = None) -> None:
+        _check_coefficient(coefficient, "coefficient")
+        if muon_coefficient is not None:
+            _check_coefficient(muon_coefficient, "muon_coefficient")
         wrapped = optimizer(params)
         if not isinstance(wrapped, Optimizer):
             raise TypeError(
@@ -55,8 +62,20 @@ class ErrorFeedback(Optimizer):
             )
         self.wrapped = wrapped
         self.coefficient = float(coefficient)
+        self.muon_coefficient = None if muon_coefficient is None else float(muon_coefficient)
         # Optimizer.__setstate__ sets up hooks and step profiling without adding groups: the groups are the wrapped ones.
         Optimizer.__setstate__(self, {"defaults": wrapped.defaults})
+        for index, group in enumerate(self.param_groups):  # bad group coefficients fail here, not at the first step
+            self.group_coefficient(group, index)
+
+    def group_coefficient(self, group: dict[str, Any], index: Optional[int] = None) -> float:
+        """The correction coefficient ``c`` of one parameter group (see the class docstring for the order)."""
+        if "coefficient" in group:
+            where = "parameter group" + (f" {index}" if index is not None else "")
+            return _check_coefficient(group["coefficient"], f"coefficient of {where}")
+        if group.get("use_muon") and self.muon_coefficient is not None:
+            return self.muon_coefficient
+        return self.coefficient
 
     # The wrapped optimizer may replace these objects (torch's load_state_dict does), so always read through.
     @property  # type: ignore[override]
@@ -82,18 +101,27 @@ class ErrorFeedback(Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        if self.coefficient == 0:
+        corrected = []  # (param, c) of the parameters with a gradient in groups with c > 0
+        for index, group in enumerate(self.param_groups):
+            c = self.group_coefficient(group, index)
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                if c > 0:
+                    corrected.append((p, c))
+                elif p in self.state:
+                    self.state[p].pop(PREV_UPDATE, None)  # c = 0 keeps no buffer (a group set to 0 mid-run)
+        if not corrected:
             self.wrapped.step()
             return loss
-        params = [p for group in self.param_groups for p in group["params"] if p.grad is not None]
-        updates = [p.detach().clone() for p in params]  # W_k now; u_k = W_k - W_k' after the wrapped step
+        updates = [p.detach().clone() for p, _ in corrected]  # W_k now; u_k = W_k - W_k' after the wrapped step
         self.wrapped.step()
-        for param, update in zip(params, updates):
+        for (param, c), update in zip(corrected, updates):
             update.sub_(param)
             state = self.state[param]
             prev = state.get(PREV_UPDATE)
             if prev is not None:
-                param.add_(prev.sub_(update), alpha=self.coefficient)  # W_k' - c (u_k - u_{k-1})
+                param.add_(prev.sub_(update), alpha=c)  # W_k' - c (u_k - u_{k-1})
             state[PREV_UPDATE] = update
         return loss
 
@@ -114,4 +142,11 @@ class ErrorFeedback(Optimizer):
         return self.__dict__.copy()
 
     def __repr__(self) -> str:
-        return f"ErrorFeedback(coefficient={self.coefficient}, optimizer={self.wrapped!r})"
+        muon = "" if self.muon_coefficient is None else f", muon_coefficient={self.muon_coefficient}"
+        return f"ErrorFeedback(coefficient={self.coefficient}{muon}, optimizer={self.wrapped!r})"
+
+
+def _check_coefficient(value: Any, what: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:  # also rejects NaN
+        raise ValueError(f"ErrorFeedback {what} must be >= 0, got {value!r} (a number; 0 means no correction)")
+    return float(value)

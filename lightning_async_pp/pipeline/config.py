@@ -30,6 +30,7 @@ class PipelineConfig:
     partition: PartitionSpec = "parameters"
     delay: DelaySpec = None
     sync_steps: int = 0
+    sync_from_step: Optional[int] = None
     num_stages: Optional[int] = None  # one device only: how many stages the layers are split into
     pipeline_timeout: float = 300.0
     check_batches: bool = True
@@ -44,6 +45,11 @@ class PipelineConfig:
             raise ValueError(f"num_microbatches must be a positive integer, got {self.num_microbatches!r}")
         if not _is_int(self.sync_steps) or self.sync_steps < 0:
             raise ValueError(f"sync_steps must be an integer >= 0, got {self.sync_steps!r}")
+        if self.sync_from_step is not None and (not _is_int(self.sync_from_step) or self.sync_from_step < 0):
+            raise ValueError(
+                f"sync_from_step must be None (never) or an integer >= 0 (the first synchronous update), "
+                f"got {self.sync_from_step!r}"
+            )
         if self.num_stages is not None and (not _is_int(self.num_stages) or self.num_stages < 1):
             raise ValueError(f"num_stages must be a positive integer, got {self.num_stages!r}")
         if not isinstance(self.pipeline_timeout, (int, float)) or not self.pipeline_timeout > 0:

@@ -40,7 +40,7 @@ class Stage:
     """
 
     def __init__(self, layers: Sequence[nn.Module], index: int, num_stages: int, delay: int = 1, sync_steps: int = 0,
-                 borrowed: Optional[dict[str, tuple["Stage", int]]] = None,
+                 sync_from_step: Optional[int] = None, borrowed: Optional[dict[str, tuple["Stage", int]]] = None,
                  checkpointed: Optional[Sequence[bool]] = None):
         self.index = index
         self.num_stages = num_stages
@@ -50,7 +50,7 @@ class Stage:
         named = [(n, p) for n, p in self.layers.named_parameters() if n not in self.borrowed]
         self.param_names = [name for name, _ in named]
         self.params = [p for _, p in named]
-        self.versions = WeightVersions(self.params, delay=delay, sync_steps=sync_steps)
+        self.versions = WeightVersions(self.params, delay=delay, sync_steps=sync_steps, sync_from_step=sync_from_step)
         self.checkpointed = [bool(c) for c in checkpointed] if checkpointed is not None else [False] * len(layers)
         if len(self.checkpointed) != len(layers):
             raise ValueError(f"checkpointed has {len(self.checkpointed)} flags for {len(layers)} layers; give one per layer")

@@ -9,21 +9,25 @@ is exactly two versions: the parameters and one stash.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Optional
 
 import torch
 from torch import Tensor, nn
 
 
 class WeightVersions:
-    def __init__(self, params: Sequence[nn.Parameter], delay: int = 1, sync_steps: int = 0) -> None:
+    def __init__(self, params: Sequence[nn.Parameter], delay: int = 1, sync_steps: int = 0,
+                 sync_from_step: Optional[int] = None) -> None:
         if not isinstance(delay, int) or isinstance(delay, bool) or delay < 0:
             raise ValueError(f"delay must be an integer >= 0 (0 is synchronous, 1 is 2BW), got {delay!r}")
         if not isinstance(sync_steps, int) or sync_steps < 0:
             raise ValueError(f"sync_steps must be an integer >= 0, got {sync_steps!r}")
+        if sync_from_step is not None and (not isinstance(sync_from_step, int) or sync_from_step < 0):
+            raise ValueError(f"sync_from_step must be None or an integer >= 0, got {sync_from_step!r}")
         self.params = list(params)
         self.delay = delay
         self.sync_steps = sync_steps
+        self.sync_from_step = sync_from_step
         self.num_updates = 0  # k: the parameters hold W_k
         # Slot tensors are plain tensors, not the Parameters themselves: autograd leaves made from a slot then
         # keep their own version counter, so an in-place update of the Parameter (now pointing at another
@@ -39,8 +43,9 @@ class WeightVersions:
 
     # ---- which version a batch uses ----------------------------------------------------------------------
     def delay_for_batch(self, batch_index: int) -> int:
-        """Realized delay, in updates, of the gradient of batch ``batch_index``."""
-        if batch_index < self.sync_steps:
+        """Realized delay, in updates, of the gradient of batch ``batch_index``: 0 for a synchronous head
+        (``< sync_steps``) or tail (``>= sync_from_step``), otherwise ``delay`` (less for the first batches)."""
+        if batch_index < self.sync_steps or self.sync_from_step is not None and batch_index >= self.sync_from_step:
             return 0
         return min(self.delay, batch_index)
 

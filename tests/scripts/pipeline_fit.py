@@ -33,7 +33,7 @@ def main() -> None:
     strategy = AsyncPipelineStrategy(
         schedule=cfg["schedule"], num_microbatches=cfg["microbatches"],
         data_parallel_size=cfg.get("dp", 1), partition=cfg.get("partition", "parameters"),
-        pipeline_timeout=cfg.get("timeout", 60.0),
+        pipeline_timeout=cfg.get("timeout", 60.0), sync_from_step=cfg.get("sync_from_step"),
     )
     dataset = make_dataset(cfg.get("samples", 64))
     dp = cfg.get("dp", 1)
