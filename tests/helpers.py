@@ -160,3 +160,22 @@ def delayed_loop(model, batches, delay: int = 1, version_of=None) -> dict:
         opt.step()
         history.append([p.detach().clone() for p in params])
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def script_main(run) -> None:
+    """The entry of the multi-process test scripts (tests/scripts/): ``run(cfg, devices=...)`` on every rank, each
+    saving what it returned to ``OUT/rank{r}.pt``."""
+    import argparse
+    import json
+    from pathlib import Path
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--config", required=True)
+    parser.add_argument("--out", required=True, help="folder for rank{r}.pt")
+    args = parser.parse_args()
+    cfg = json.loads(args.config)
+    torch.set_num_threads(1)
+    result, _, trainer = run(cfg, devices=cfg.get("devices", 2))
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    torch.save(result, out / f"rank{trainer.global_rank}.pt")

@@ -10,17 +10,19 @@ log_dir (a TensorBoardLogger there), timeout.
 """
 from __future__ import annotations
 
-import argparse
-import json
-from pathlib import Path
+import os
+import sys
 from typing import Any
 
 import lightning as L
 import torch
 from torch.utils.data import DataLoader
 
-from lightning_async_pp import AsyncPipelineStrategy
-from lightning_async_pp.models import Llama
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from helpers import script_main  # noqa: E402
+
+from lightning_async_pp import AsyncPipelineStrategy  # noqa: E402
+from lightning_async_pp.models import Llama  # noqa: E402
 
 
 def token_rows(samples: int, seq: int, seed: int = 3) -> list[torch.Tensor]:
@@ -77,16 +79,7 @@ def run(cfg: dict, devices: int) -> tuple[dict, Llama, L.Trainer]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--config", required=True)
-    parser.add_argument("--out", required=True, help="folder for rank{r}.pt")
-    args = parser.parse_args()
-    cfg = json.loads(args.config)
-    torch.set_num_threads(1)
-    result, _, trainer = run(cfg, devices=cfg.get("devices", 2))
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    torch.save(result, out / f"rank{trainer.global_rank}.pt")
+    script_main(run)
 
 
 if __name__ == "__main__":

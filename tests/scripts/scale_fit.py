@@ -11,11 +11,8 @@ replicas, for the data split).
 """
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import sys
-from pathlib import Path
 from typing import Any
 
 import lightning as L
@@ -24,7 +21,7 @@ from torch import nn
 from torch.utils.data import Subset
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from helpers import ResumableLoader, make_dataset  # noqa: E402
+from helpers import ResumableLoader, make_dataset, script_main  # noqa: E402
 
 from lightning_async_pp import AsyncPipelineStrategy, PipelineModule  # noqa: E402
 from lightning_async_pp.models import Llama  # noqa: E402
@@ -125,15 +122,7 @@ def run(cfg: dict, devices: int = 1, strategy: bool = True) -> tuple[dict, Pipel
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--config", required=True)
-    parser.add_argument("--out", required=True)
-    args = parser.parse_args()
-    torch.set_num_threads(1)
-    result, _, trainer = run(json.loads(args.config), devices=json.loads(args.config).get("devices", 2))
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    torch.save(result, out / f"rank{trainer.global_rank}.pt")
+    script_main(run)
 
 
 if __name__ == "__main__":

@@ -20,11 +20,8 @@ Config keys (all optional but ``steps`` or ``max_epochs``):
 """
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import sys
-from pathlib import Path
 from typing import Any, Optional
 
 import lightning as L
@@ -33,7 +30,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from helpers import ResumableStream, TinyLM, make_dataset  # noqa: E402
+from helpers import ResumableStream, TinyLM, make_dataset, script_main  # noqa: E402
 
 from lightning_async_pp import AsyncPipelineStrategy, PipelineModule  # noqa: E402
 
@@ -274,16 +271,7 @@ def run(cfg: dict, devices: int, strategy: bool = True) -> tuple[dict, PipelineM
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--config", required=True)
-    parser.add_argument("--out", required=True, help="folder for rank{r}.pt")
-    args = parser.parse_args()
-    cfg = json.loads(args.config)
-    torch.set_num_threads(1)
-    result, _, trainer = run(cfg, devices=cfg.get("devices", 2))
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    torch.save(result, out / f"rank{trainer.global_rank}.pt")
+    script_main(run)
 
 
 if __name__ == "__main__":
