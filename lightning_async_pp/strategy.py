@@ -34,7 +34,7 @@ from lightning_async_pp.pipeline.comm import PipelineFailure
 from lightning_async_pp.pipeline.config import CheckpointingSpec, DelaySpec, PipelineConfig
 from lightning_async_pp.pipeline.engine import PipelineEngine, check_names_and_shapes
 from lightning_async_pp.pipeline.partition import PartitionSpec
-from lightning_async_pp.pipeline.placement import layer_paths
+from lightning_async_pp.pipeline.placement import layer_paths, replace_meta_tensors
 from lightning_async_pp.pipeline.topology import PipelineTopology
 
 #: Keyword arguments of Lightning's DDPStrategy that are meaningful here (the accelerator connector and users
@@ -536,12 +536,7 @@ class AsyncPipelineStrategy(DDPStrategy):
         if module is not None:
             # A setup that failed before materializing leaves meta tensors, which Lightning's move to the CPU
             # cannot copy: give them a placeholder of their shape (no memory) so the original error surfaces.
-            for sub in module.modules():
-                for tensors in (sub._parameters, sub._buffers):
-                    for name, t in tensors.items():
-                        if t is not None and t.is_meta:
-                            placeholder = torch.empty((), dtype=t.dtype).expand(t.shape)
-                            tensors[name] = torch.nn.Parameter(placeholder, t.requires_grad) if isinstance(t, torch.nn.Parameter) else placeholder
+            replace_meta_tensors(module, lambda t: torch.empty((), dtype=t.dtype).expand(t.shape))
         self._train_loader = None
         self._lookahead = None
         super().teardown()

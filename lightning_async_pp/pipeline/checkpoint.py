@@ -110,7 +110,7 @@ def check_model_fits(engine: Any, module_state: Mapping[str, Tensor], source: Te
                      check: Callable[[dict, dict, str], None]) -> None:
     """Names and shapes of the module state against the checkpoint's (all of them when this process holds the
     whole model, else those of its own stage)."""
-    expected = {model_key(engine, n)[len(MODEL):]: tuple(t.shape) for n, t in module_state.items()}
+    expected = {engine.aliases.get(n, n): tuple(t.shape) for n, t in module_state.items()}
     found = {k[len(MODEL):]: tuple(shape[0]) for k, shape in source.shapes.items()
              if k.startswith(MODEL) and shape is not None and (whole_model or k[len(MODEL):] in expected)}
     check(expected, found, "the model's state_dict")
@@ -152,20 +152,24 @@ def has_optimizer_state(source: TensorSource) -> bool:
 
 def load_optimizers(optimizers: Sequence[torch.optim.Optimizer], names: Mapping[int, str], tensors: Mapping[str, Any]) -> None:
     """Give each optimizer the saved state and group hyperparameters of its own parameters (by name)."""
+    saved: dict[tuple[str, str], dict[str, Any]] = {}  # (optimizer prefix, parameter name) -> {key: value}
+    for key, value in tensors.items():
+        if key.startswith(OPTIM):
+            prefix, name, entry = key.split("/", 2)
+            saved.setdefault((prefix, name), {})[entry] = value
     for i, optimizer in enumerate(optimizers):
-        prefix = f"{OPTIM}{i}/"
+        prefix = f"{OPTIM}{i}"
         state: dict[int, dict[str, Any]] = {}
         groups, index = [], 0
         for group in optimizer.param_groups:
             params = list(group["params"])
             hyper = {k: v for k, v in group.items() if k != "params"}
-            saved_group = tensors.get(f"{prefix}{names[id(params[0])]}/{GROUP}") if params else None
-            if saved_group is not None:
-                hyper.update(pickle.loads(saved_group))
+            first = saved.get((prefix, names[id(params[0])]), {}) if params else {}
+            if GROUP in first:
+                hyper.update(pickle.loads(first[GROUP]))
             groups.append({**hyper, "params": list(range(index, index + len(params)))})
             for p in params:
-                own = f"{prefix}{names[id(p)]}/"
-                entry = {k[len(own):]: v for k, v in tensors.items() if k.startswith(own) and not k.endswith(GROUP)}
+                entry = {k: v for k, v in saved.get((prefix, names[id(p)]), {}).items() if k != GROUP}
                 if entry:
                     state[index] = entry
                 index += 1

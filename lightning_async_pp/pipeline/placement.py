@@ -116,6 +116,18 @@ def has_meta_tensors(module: nn.Module) -> bool:
     return any(t.is_meta for t in (*module.parameters(), *module.buffers()))
 
 
+def replace_meta_tensors(module: nn.Module, make: Callable[[torch.Tensor], torch.Tensor]) -> None:
+    """Replace every meta tensor of ``module`` by ``make(tensor)``. Parameters are swapped in place
+    (``torch.utils.swap_tensors``), so a Parameter shared by several modules stays one object."""
+    for sub in module.modules():
+        for p in sub._parameters.values():
+            if p is not None and p.is_meta:
+                torch.utils.swap_tensors(p, nn.Parameter(make(p), p.requires_grad))
+        for name, b in sub._buffers.items():
+            if b is not None and b.is_meta:
+                sub._buffers[name] = make(b)
+
+
 @torch.no_grad()
 def materialize_layers(layers: Sequence[nn.Module], indices: Sequence[int], device: torch.device,
                        init_layer: Callable[[int, nn.Module], None]) -> None:
@@ -131,13 +143,7 @@ def materialize_layers(layers: Sequence[nn.Module], indices: Sequence[int], devi
         if not has_meta_tensors(layer):
             done.update(id(p) for p in layer.parameters())
             continue
-        for module in layer.modules():
-            for name, p in module._parameters.items():
-                if p is not None and p.is_meta:
-                    torch.utils.swap_tensors(p, nn.Parameter(torch.empty_like(p, device=device), p.requires_grad))
-            for name, b in module._buffers.items():
-                if b is not None and b.is_meta:
-                    module._buffers[name] = torch.empty_like(b, device=device)
+        replace_meta_tensors(layer, lambda t: torch.empty_like(t, device=device))
         kept = [(p, p.detach().clone()) for p in layer.parameters() if id(p) in done]
         init_layer(index, layer)
         for p, value in kept:
