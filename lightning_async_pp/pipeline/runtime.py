@@ -24,7 +24,7 @@ from torch import Tensor
 
 from lightning_async_pp.pipeline.comm import TAG_EVAL, TAG_LOSS, TAG_PREDICT, StageLink
 from lightning_async_pp.pipeline.microbatch import batch_size_of, fingerprint, split_microbatches, split_ragged
-from lightning_async_pp.pipeline.schedule import Action, step_actions
+from lightning_async_pp.pipeline.schedule import Action, lookahead_forwards, step_actions
 from lightning_async_pp.pipeline.stage import Stage
 from lightning_async_pp.pipeline.structure import as_received, flatten, input_gradient, unflatten
 
@@ -349,8 +349,8 @@ class PipelineRuntime:
         link.begin_step()
         stage = self.stages[0]
         if not stage.is_first:
-            sent = min(self.num_stages - stage.index, self.num_microbatches)  # the predecessor's lookahead forwards
-            received = min(self.num_stages - 1 - stage.index, self.num_microbatches)
+            sent = lookahead_forwards(self.schedule, stage.index - 1, self.num_stages, self.num_microbatches)
+            received = lookahead_forwards(self.schedule, stage.index, self.num_stages, self.num_microbatches)
             for nth in range(received, sent):
                 link.recv_activations(with_check=self.check_batches and nth == 0)
         link.flush_sends()

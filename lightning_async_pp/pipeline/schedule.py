@@ -36,6 +36,25 @@ def check_schedule(schedule: str, num_stages: int, num_microbatches: int) -> Non
         )
 
 
+def forwards_ahead(stage: int, num_stages: int, num_microbatches: int) -> int:
+    """Forwards a 1F1B/2BW stage runs before its first backward (its activations in flight in the steady state).
+
+    The textbook ``num_stages - 1 - stage`` leaves a stage no slack: the gradient it needs next is the one its
+    successor is computing right now, so every transfer round trip and every jitter of the successor stalls it.
+    Stages before the last run one forward more, which lets the next forward fill that wait (docs/design.md,
+    "Schedules as data"). The update semantics do not change: a batch's microbatches all read the version the batch is
+    due, and backwards run in the same order.
+    """
+    extra = 1 if stage < num_stages - 1 else 0
+    return min(num_stages - 1 - stage + extra, num_microbatches)
+
+
+def lookahead_forwards(schedule: str, stage: int, num_stages: int, num_microbatches: int) -> int:
+    """How many of the next batch's forwards ``stage`` runs during a step under the 2BW lookahead."""
+    return sum(a.batch == 1 for a in step_actions(schedule, stage, num_stages, num_microbatches,
+                                                   carried_in=True, lookahead=True))
+
+
 def step_actions(
     schedule: str, stage: int, num_stages: int, num_microbatches: int, *, carried_in: bool = False, lookahead: bool = False
 ) -> list[Action]:
@@ -52,7 +71,7 @@ def step_actions(
         carried_in = lookahead = False
     elif schedule != "2bw":
         raise ValueError(f"Unknown schedule {schedule!r}; valid schedules are {', '.join(map(repr, SCHEDULES))}")
-    ahead = min(num_stages - 1 - stage, m)  # forwards this stage runs ahead of its backwards
+    ahead = forwards_ahead(stage, num_stages, m)
     actions = [] if carried_in else [Action("F", 0, j) for j in range(ahead)]
     for j in range(m):
         t = j + ahead
