@@ -180,3 +180,19 @@ def test_flatten_and_unflatten_leave_no_reference_cycle_that_keeps_the_tensors_a
         assert alive() is None
     finally:
         gc.enable()
+
+
+def test_batch_fingerprint_changes_with_any_element_with_row_order_and_with_tensor_order():
+    from lightning_async_pp.pipeline.microbatch import fingerprint
+
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(512, 64, generator=g), torch.randint(0, 50, (512, 8), generator=g)
+    base = fingerprint((x, y))
+    assert fingerprint((x.clone(), y.clone())) == base  # equal data, equal fingerprint
+    changed = x.clone()
+    changed[301, 17] += 0.5  # one element, most likely not among the sampled positions
+    assert fingerprint((changed, y)) != base
+    assert fingerprint((x[torch.randperm(512, generator=g)], y)) != base  # the same rows in another order
+    assert fingerprint((x, y.flip(0))) != base
+    assert fingerprint({"a": x, "b": x * 2}) != fingerprint({"a": x * 2, "b": x})  # which tensor holds what
+    assert fingerprint((torch.ones(3, dtype=torch.bool),)).dtype == torch.float64

@@ -58,6 +58,10 @@ class Stage:
         stage_name = {id(p): n for n, p in self.layers.named_parameters()}
         self._layer_params = [[(n, stage_name[id(p)]) for n, p in layer.named_parameters(remove_duplicate=False)]
                               for layer in self.layers.layers]
+        # Every further name of a tensor used twice in the stage, with the name it is given under: passing each
+        # alias explicitly lets functional_call skip its search for ties on every forward.
+        self._aliases = [(n, stage_name[id(p)]) for n, p in self.layers.named_parameters(remove_duplicate=False)
+                         if stage_name[id(p)] != n]
 
     @property
     def is_first(self) -> bool:
@@ -79,7 +83,9 @@ class Stage:
         leaves = self.versions.leaves_for_batch(batch_index)
         weights = self.weights(leaves, batch_index)
         if not any(self.checkpointed):
-            return functional_call(self.layers, weights, (x,))  # one call for the stage: the cheapest path
+            for alias, name in self._aliases:
+                weights[alias] = weights[name]
+            return functional_call(self.layers, weights, (x,), tie_weights=False)  # one call: the cheapest path
         for layer, names, recompute in zip(self.layers.layers, self._layer_params, self.checkpointed):
             local = [n for n, _ in names]
             tensors = [weights[s] for _, s in names]
