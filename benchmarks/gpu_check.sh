@@ -2,32 +2,46 @@
 # What only a machine with a GPU can check, as one script (CI has no GPU). Run from the repository root:
 #     bash benchmarks/gpu_check.sh            # after `make test`'s setup (creates .venv)
 # Prints each section's output; exits non-zero if a test fails. Record the results in BENCHMARKS.md.
+# With OUT set to a folder, also writes there: gpu_check.log (everything printed), pytest_cuda.xml (JUnit) and
+# throughput.json (every throughput measurement). Expected to take a few minutes on one fast GPU.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
-status=0
-section() { echo; echo "=== $* ==="; }
+section() { echo; echo "=== $* (at ${SECONDS}s) ==="; }
 
-section "device"
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv || true
-$PY -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'devices', torch.cuda.device_count())"
+checks() {
+    local status=0
+    section "device"
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv || true
+    $PY -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'devices', torch.cuda.device_count())"
 
-section "one-device exactness on CUDA (fp32, bf16) and, with 2+ GPUs, 2 processes over NCCL"
-$PY -m pytest -q tests/test_cuda.py || status=1
+    section "one-device exactness on CUDA (fp32, bf16) and, with 2+ GPUs, 2 processes over NCCL"
+    $PY -m pytest -q tests/test_cuda.py ${OUT:+--junitxml "$OUT/pytest_cuda.xml"} || status=1
 
-section "CUDA tests elsewhere in the suite (precision checks)"
-$PY -m pytest -q tests/test_lightning_seam.py -k cuda || status=1
+    section "CUDA tests elsewhere in the suite (precision checks)"
+    $PY -m pytest -q tests/test_lightning_seam.py -k cuda || status=1
 
-section "memory: peak CUDA memory per process, 2 GiB model, SGD (1 process; 2 and 4 with enough GPUs)"
-ngpu=$($PY -c "import torch; print(torch.cuda.device_count())")
-procs="1"; [ "$ngpu" -ge 2 ] && procs="$procs 2"; [ "$ngpu" -ge 4 ] && procs="$procs 4"
-$PY benchmarks/memory.py --accelerator cuda --procs $procs || status=1
-$PY benchmarks/memory.py --accelerator cuda --procs $procs --optimizer adamw || status=1
+    section "memory: peak CUDA memory per process, 2 GiB model, SGD (1 process; 2 and 4 with enough GPUs)"
+    local ngpu procs
+    ngpu=$($PY -c "import torch; print(torch.cuda.device_count())")
+    procs="1"; [ "$ngpu" -ge 2 ] && procs="$procs 2"; [ "$ngpu" -ge 4 ] && procs="$procs 4"
+    $PY benchmarks/memory.py --accelerator cuda --procs $procs || status=1
+    $PY benchmarks/memory.py --accelerator cuda --procs $procs --optimizer adamw || status=1
 
-section "planner: predicted table for the measured device is in BENCHMARKS.md; throughput on CUDA"
-if $PY benchmarks/pipeline_throughput.py --help 2>/dev/null | grep -q -- "--accelerator"; then
-    $PY benchmarks/pipeline_throughput.py --accelerator cuda || status=1
-else
-    echo "pipeline_throughput.py has no --accelerator option yet: skipped"
+    section "throughput on CUDA: whole model vs the engine's 2 stages on one GPU; with 2+ GPUs the NCCL pairs"
+    if $PY benchmarks/pipeline_throughput.py --help 2>/dev/null | grep -q -- "--accelerator"; then
+        # Width 4096, m=4 and 8, 10 warm-up + 50 timed steps per run (the CUDA defaults): expected about a minute on one GPU.
+        $PY benchmarks/pipeline_throughput.py --accelerator cuda --wait-idle 5 ${OUT:+--json "$OUT/throughput.json"} \
+            || status=1
+    else
+        echo "pipeline_throughput.py has no --accelerator option yet: skipped"
+    fi
+    section "done"
+    return $status
+}
+
+if [ -n "${OUT:-}" ] && mkdir -p "$OUT"; then
+    checks 2>&1 | tee "$OUT/gpu_check.log"
+    exit "${PIPESTATUS[0]}"
 fi
-exit $status
+checks

@@ -1,8 +1,9 @@
 #!/usr/bin/env python
-"""Pipeline throughput on CPU: this package's schedules against ``torch.distributed.pipelining`` and one process.
+"""Pipeline throughput, CPU or CUDA: this package's schedules against ``torch.distributed.pipelining`` and one process.
 
-One run measures, on the same model (8 x [Linear(512, 512) + GELU], mean-squared-error regression), the same
-batches and the same optimizer, with one thread per process:
+One run on CPU (the default, ``--accelerator cpu``) measures, on the same model (8 x [Linear(512, 512) + GELU],
+``--width`` changes 512; mean-squared-error regression), the same batches and the same optimizer, with one thread
+per process:
 
 - ``2bw``, ``1f1b``, ``gpipe`` through ``lightning.Trainer(strategy=AsyncPipelineStrategy(...), devices=2)``, which
   is what users run (each run is this script started again as a subprocess: Lightning's launcher re-executes
@@ -35,17 +36,35 @@ planner's prediction against the measurement: each stage's mean forward, backwar
 measured activation transfer time are fed to ``pipeline.simulate.simulate()``, whose steady-state step time is
 compared with the measured one (see BENCHMARKS.md, "Predicted vs measured").
 
+``--accelerator cuda`` (width 4096 unless ``--width`` is given, 10 warm-up + 50 timed steps unless given, torch's
+own thread settings) measures on ``cuda:0`` in this process the whole model (whole batch, and microbatched) and the
+bare engine with both stages on that one GPU (``num_stages=2``, one process: the stages cannot overlap, so its
+ratio to the whole model is the engine's overhead); with two or more GPUs also the ceiling, the bare engine's three
+schedules and torch's two over NCCL, one GPU per process. Lightning is not measured there, nor ``--predict`` or
+``--profile``. Each step's end is taken after ``torch.cuda.synchronize()``. Without a CUDA device it stops at once.
+
 Run: ``make bench`` (= ``.venv/bin/python benchmarks/pipeline_throughput.py``); see BENCHMARKS.md.
 """
 from __future__ import annotations
 
+import argparse
 import os
+import sys
 
-# One thread per process, set before torch is imported (intra-op pools are sized at import).
-for _var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
-    os.environ[_var] = "1"
 
-import argparse  # noqa: E402
+def requested_accelerator(argv: list[str]) -> str:
+    """``--accelerator`` as given on the command line, read before torch is imported (see below)."""
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--accelerator", default="cpu")
+    return pre.parse_known_args(argv)[0].accelerator
+
+
+# On CPU one thread per process, set before torch is imported (intra-op pools are sized at import). On CUDA the
+# CPU only launches kernels, so torch keeps its own thread defaults. Spawned workers see the parent's argv.
+if requested_accelerator(sys.argv[1:]) == "cpu":
+    for _var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
+        os.environ[_var] = "1"
+
 import cProfile  # noqa: E402
 import io  # noqa: E402
 import json  # noqa: E402
@@ -55,7 +74,6 @@ import signal  # noqa: E402
 import socket  # noqa: E402
 import statistics  # noqa: E402
 import subprocess  # noqa: E402
-import sys  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
 from datetime import timedelta  # noqa: E402
@@ -68,21 +86,24 @@ import torch.multiprocessing as mp  # noqa: E402
 from torch import nn  # noqa: E402
 from torch.nn import functional as F  # noqa: E402
 
-WIDTH = 512
+WIDTH = 512  # the CPU default; --width changes it
+CUDA_WIDTH = 4096  # the CUDA default: large enough that the GPU, not the launching CPU, sets the pace
 DEPTH = 8
 STAGES = 2
 SCHEDULES = ("2bw", "1f1b", "gpipe")
 TORCH_SCHEDULES = ("Schedule1F1B", "ScheduleGPipe")
 CHILD_TIMEOUT = 240.0  # seconds any child run may take before it is killed
+CPU_STEPS = (20, 5)  # default timed and warm-up steps per run on CPU
+CUDA_STEPS = (50, 10)  # on CUDA: steps take milliseconds, and the first ones pay for cuBLAS's set-up
 
 # ---------------------------------------------------------------------------------------------------------------
 # The model, the data and the optimizer: identical in every system measured.
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def make_layers(seed: int = 0) -> list[nn.Module]:
+def make_layers(width: int, seed: int = 0) -> list[nn.Module]:
     torch.manual_seed(seed)
-    return [nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.GELU()) for _ in range(DEPTH)]
+    return [nn.Sequential(nn.Linear(width, width), nn.GELU()) for _ in range(DEPTH)]
 
 
 def stage_layers(layers: list[nn.Module], stage: int) -> list[nn.Module]:
@@ -90,10 +111,27 @@ def stage_layers(layers: list[nn.Module], stage: int) -> list[nn.Module]:
     return layers[stage * per : (stage + 1) * per]
 
 
-def make_batches(cfg: dict) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def make_batches(cfg: dict, device: Optional[torch.device] = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Every step's batch, made in advance on the CPU (the same values on every rank and device) and, for a GPU,
+    copied onto it before the clock starts."""
     g = torch.Generator().manual_seed(1)
-    rows = cfg["rows"] * cfg["m"]
-    return [(torch.randn(rows, WIDTH, generator=g), torch.randn(rows, WIDTH, generator=g)) for _ in range(total_steps(cfg))]
+    rows, width = cfg["rows"] * cfg["m"], cfg["width"]
+    batches = [(torch.randn(rows, width, generator=g), torch.randn(rows, width, generator=g))
+               for _ in range(total_steps(cfg))]
+    if device is not None and device.type != "cpu":
+        batches = [(x.to(device), y.to(device)) for x, y in batches]
+    return batches
+
+
+def device_of(cfg: dict, rank: int = 0) -> torch.device:
+    """The device a process works on: the CPU, or on CUDA one GPU per rank."""
+    return torch.device("cuda", rank) if cfg["accelerator"] == "cuda" else torch.device("cpu")
+
+
+def setup_threads(cfg: dict) -> None:
+    """One thread per process is a CPU measure; a process driving a GPU keeps torch's defaults."""
+    if cfg["accelerator"] == "cpu":
+        one_thread()
 
 
 def make_optimizer(params: Any, name: str) -> torch.optim.Optimizer:
@@ -134,18 +172,25 @@ class StepClock:
 
     The timed window runs from the end of step ``warmup - 1`` to the end of step ``warmup + steps - 1``. The
     machine-wide CPU use minus what the measured processes used tells whether something else was running.
+    On a GPU a step ends when its kernels have finished: each tick waits for the device first (CUDA kernels run
+    asynchronously to the CPU that launched them), and the result adds the device's peak allocated memory.
     """
 
-    def __init__(self, cfg: dict) -> None:
+    def __init__(self, cfg: dict, device: Optional[torch.device] = None) -> None:
         self.first, self.last = cfg["warmup"] - 1, cfg["warmup"] + cfg["steps"] - 1
         self.stamps: list[float] = []
         self._start = self._end = (0.0, 0.0)
+        self.cuda = device if device is not None and device.type == "cuda" else None
+        if self.cuda is not None:
+            torch.cuda.reset_peak_memory_stats(self.cuda)
 
     def in_window(self) -> bool:
         """Whether the step about to run is a timed one."""
         return self.first < len(self.stamps) <= self.last
 
     def tick(self) -> None:
+        if self.cuda is not None:
+            torch.cuda.synchronize(self.cuda)
         self.stamps.append(time.perf_counter())
         i = len(self.stamps) - 1
         if i == self.first:
@@ -156,7 +201,7 @@ class StepClock:
     def result(self) -> dict:
         window = self.stamps[self.first : self.last + 1]
         steps = [b - a for a, b in zip(window, window[1:])]
-        return {
+        result = {
             "sec_per_step": statistics.median(steps),  # robust to a step slowed by something else on the machine
             "mean_sec_per_step": (window[-1] - window[0]) / len(steps),
             "wall_s": window[-1] - window[0],
@@ -164,6 +209,9 @@ class StepClock:
             "system_busy_s": self._end[1] - self._start[1],
             "rss_mib": peak_rss_mib(),
         }
+        if self.cuda is not None:
+            result["cuda_peak_mib"] = torch.cuda.max_memory_allocated(self.cuda) / 2**20
+        return result
 
 
 def peak_rss_mib() -> float:
@@ -192,16 +240,20 @@ def one_thread() -> None:
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def run_single(cfg: dict, microbatched: bool = False) -> dict:
+def run_single(cfg: dict, microbatched: bool = False, rank: int = 0) -> dict:
     """The whole model in this process: the whole batch at once, or (``microbatched``) as the pipeline splits it,
     accumulating the microbatch gradients; the latter has the pipeline's matrix shapes, so twice its rate is what
     two stages could reach with no overhead at all."""
-    one_thread()
-    model = nn.Sequential(*make_layers())
+    setup_threads(cfg)
+    device = device_of(cfg, rank)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)  # in a spawned process of the ceiling, nothing lands on another rank's GPU
+    model = nn.Sequential(*make_layers(cfg["width"])).to(device)
     opt = make_optimizer(model.parameters(), cfg["optimizer"])
-    clock = StepClock(cfg)
+    batches = make_batches(cfg, device)
+    clock = StepClock(cfg, device)
     parts = cfg["m"] if microbatched else 1
-    for x, y in make_batches(cfg):
+    for x, y in batches:
         opt.zero_grad(set_to_none=True)
         for xs, ys in zip(x.chunk(parts), y.chunk(parts)):
             (mse(model(xs), ys) / parts).backward()
@@ -211,7 +263,7 @@ def run_single(cfg: dict, microbatched: bool = False) -> dict:
 
 
 def _single_worker(rank: int, cfg: dict, out_dir: str) -> None:
-    result = run_single(cfg)
+    result = run_single(cfg, rank=rank)
     Path(out_dir, f"single{rank}.json").write_text(json.dumps(result))
 
 
@@ -250,28 +302,34 @@ def spawn_pair(target: Callable, args: tuple, timeout: float) -> None:
         raise RuntimeError(f"{target.__name__} failed: exit codes {codes}")
 
 
-def init_gloo(rank: int, port: int) -> None:
+def init_group(rank: int, port: int, cfg: dict) -> None:
+    """gloo on CPU; NCCL on CUDA, this rank on GPU ``rank`` (NCCL needs one GPU per rank)."""
+    backend = "nccl" if cfg["accelerator"] == "cuda" else "gloo"
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
     dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=STAGES, timeout=timedelta(seconds=120)
+        backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=STAGES, timeout=timedelta(seconds=120)
     )
 
 
 def _torchpp_worker(rank: int, port: int, cfgs: list[dict], out_dir: str, profile: bool) -> None:
-    one_thread()
-    init_gloo(rank, port)
+    setup_threads(cfgs[0])
+    init_group(rank, port, cfgs[0])
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
     classes = {"Schedule1F1B": Schedule1F1B, "ScheduleGPipe": ScheduleGPipe}
+    device = device_of(cfgs[0], rank)
     results = []
     for cfg in cfgs:
-        module = nn.Sequential(*stage_layers(make_layers(), rank))
-        stage = PipelineStage(module, rank, STAGES, device=torch.device("cpu"))
+        module = nn.Sequential(*stage_layers(make_layers(cfg["width"]), rank)).to(device)
+        stage = PipelineStage(module, rank, STAGES, device=device)
         schedule = classes[cfg["schedule"]](stage, cfg["m"], loss_fn=mse)
         opt = make_optimizer(module.parameters(), cfg["optimizer"])
         split = _TorchSplit(stage) if profile else None
         prof = cProfile.Profile(time.thread_time) if profile else None
-        clock, opt_s = StepClock(cfg), 0.0
-        for x, y in make_batches(cfg):
+        batches = make_batches(cfg, device)
+        clock, opt_s = StepClock(cfg, device), 0.0
+        for x, y in batches:
             timed = clock.in_window()
             if split is not None:
                 split.active = timed
@@ -343,62 +401,70 @@ class _TorchSplit:
 
 
 def _engine_worker(rank: int, port: int, cfgs: list[dict], out_dir: str, profile: bool) -> None:
-    """This package's ``PipelineEngine`` driven by a plain loop doing what the strategy does, without Lightning."""
-    one_thread()
-    init_gloo(rank, port)
+    """This package's ``PipelineEngine``, one stage per process (see :func:`run_engine`)."""
+    setup_threads(cfgs[0])
+    init_group(rank, port, cfgs[0])
+    traced = any(c.get("trace") for c in cfgs)
+    transfer_s = transfer_seconds(rank, cfgs[0]["rows"], cfgs[0]["width"]) if traced else None
+    results = [run_engine(cfg, rank, STAGES, profile, transfer_s) for cfg in cfgs]
+    Path(out_dir, f"engine{rank}.json").write_text(json.dumps(results))
+    dist.destroy_process_group()
+
+
+def run_engine(cfg: dict, rank: int, world_size: int, profile: bool = False,
+               transfer_s: Optional[float] = None) -> dict:
+    """This package's ``PipelineEngine`` driven by a plain loop doing what the strategy does, without Lightning:
+    this process's stage of ``world_size`` processes or, with ``world_size=1``, all ``STAGES`` stages in this one
+    process (on one GPU the stages cannot overlap: this measures the engine's overhead)."""
     from lightning_async_pp.pipeline.config import PipelineConfig
     from lightning_async_pp.pipeline.engine import PipelineEngine
 
-    device = torch.device("cpu")
-    transfer_s = transfer_seconds(rank, cfgs[0]["rows"]) if any(c.get("trace") for c in cfgs) else None
-    results = []
-    for cfg in cfgs:
-        # What the Lightning runs give AsyncPipelineStrategy, with the timeout the other pairs use.
-        config = PipelineConfig(schedule=cfg["schedule"], num_microbatches=cfg["m"], partition="uniform",
-                                pipeline_timeout=120.0)
-        root = nn.ModuleList(make_layers())
-        engine = PipelineEngine.build(root, list(root), config, input_fn=lambda b: b[0],
-                                      loss_fn=lambda out, b: mse(out, b[1]), device=device,
-                                      world_size=STAGES, rank=rank)
-        root.to(device)
-        engine.start()
-        opt = make_optimizer(engine.params, cfg["optimizer"])
-        batches = make_batches(cfg)
-        prof = cProfile.Profile(time.thread_time) if profile else None
-        clock, times, spans = StepClock(cfg), [], None
-        for i, batch in enumerate(batches):
-            timed = clock.in_window()
-            if cfg.get("trace") and i == cfg["warmup"]:  # the timed steps, traced
-                engine.start_trace()
-            if prof is not None and timed:
-                prof.enable()
-            # As AsyncPipelineStrategy.train_loss: the next batch is the 2BW lookahead, except on the last step.
-            last = i + 1 == len(batches)
-            engine.train_step(batch, None if last or not engine.uses_lookahead() else batches[i + 1])
-            # As AsyncPipelineStrategy.backward and optimizer_step.
-            for p, g in zip(engine.params, engine.gradients):
-                p.grad = g
-            engine.prepare_update()
-            t = time.perf_counter()
-            opt.step()
-            engine.record_optimizer(t, time.perf_counter())
-            clock.tick()
-            if prof is not None and timed:
-                prof.disable()
-            if timed:
-                times.append(_times_dict(engine.stats.last_times))
-            if cfg.get("trace") and i == cfg["warmup"] + cfg["steps"] - 1:
-                spans = engine.stop_trace()
+    device = device_of(cfg, rank)
+    # What the Lightning runs give AsyncPipelineStrategy, with the timeout the other pairs use.
+    config = PipelineConfig(schedule=cfg["schedule"], num_microbatches=cfg["m"], partition="uniform",
+                            pipeline_timeout=120.0, num_stages=STAGES if world_size == 1 else None)
+    root = nn.ModuleList(make_layers(cfg["width"]))
+    engine = PipelineEngine.build(root, list(root), config, input_fn=lambda b: b[0],
+                                  loss_fn=lambda out, b: mse(out, b[1]), device=device,
+                                  world_size=world_size, rank=rank)
+    root.to(device)
+    engine.start()
+    opt = make_optimizer(engine.params, cfg["optimizer"])
+    batches = make_batches(cfg, device)
+    prof = cProfile.Profile(time.thread_time) if profile else None
+    clock, times, spans = StepClock(cfg, device), [], None
+    for i, batch in enumerate(batches):
+        timed = clock.in_window()
+        if cfg.get("trace") and i == cfg["warmup"]:  # the timed steps, traced
+            engine.start_trace()
+        if prof is not None and timed:
+            prof.enable()
+        # As AsyncPipelineStrategy.train_loss: the next batch is the 2BW lookahead, except on the last step.
+        last = i + 1 == len(batches)
+        engine.train_step(batch, None if last or not engine.uses_lookahead() else batches[i + 1])
+        # As AsyncPipelineStrategy.backward and optimizer_step.
+        for p, g in zip(engine.params, engine.gradients):
+            p.grad = g
+        engine.prepare_update()
+        t = time.perf_counter()
+        opt.step()
+        engine.record_optimizer(t, time.perf_counter())
+        clock.tick()
+        if prof is not None and timed:
+            prof.disable()
+        if timed:
+            times.append(_times_dict(engine.stats.last_times))
+        if cfg.get("trace") and i == cfg["warmup"] + cfg["steps"] - 1:
+            spans = engine.stop_trace()
+    if world_size > 1:
         dist.barrier()
-        result = {**cfg, "rank": rank, **clock.result(), "times": _mean_times(times)}
-        if spans is not None:
-            result["costs"] = {**span_costs(spans, rank, cfg["steps"]), "transfer_s": transfer_s}
-        if prof is not None:
-            result["profile"] = _profile_text(prof)
-            result["cpu_profile"] = _profile_summary(prof, cfg["steps"])
-        results.append(result)
-    Path(out_dir, f"engine{rank}.json").write_text(json.dumps(results))
-    dist.destroy_process_group()
+    result = {**cfg, "rank": rank, **clock.result(), "times": _mean_times(times)}
+    if spans is not None:
+        result["costs"] = {**span_costs(spans, rank, cfg["steps"]), "transfer_s": transfer_s}
+    if prof is not None:
+        result["profile"] = _profile_text(prof)
+        result["cpu_profile"] = _profile_summary(prof, cfg["steps"])
+    return result
 
 
 def _times_dict(t: Any) -> dict:
@@ -409,9 +475,9 @@ def _mean_times(times: list[dict]) -> dict:
     return {k: statistics.fmean(t[k] for t in times) for k in times[0]} if times else {}
 
 
-def transfer_seconds(rank: int, rows: int, rounds: int = 30) -> float:
-    """One activation's (rows x WIDTH float32) transfer between the two processes: half the median round trip."""
-    x = torch.zeros(rows, WIDTH)
+def transfer_seconds(rank: int, rows: int, width: int, rounds: int = 30) -> float:
+    """One activation's (rows x width float32) transfer between the two processes: half the median round trip."""
+    x = torch.zeros(rows, width)
     trips = []
     for _ in range(rounds):
         dist.barrier()
@@ -482,7 +548,7 @@ def lightning_child(cfg: dict, out_dir: str) -> None:
     class MLPRegressor(PipelineModule):
         def __init__(self) -> None:
             super().__init__()
-            self.layers = nn.ModuleList(make_layers())
+            self.layers = nn.ModuleList(make_layers(cfg["width"]))
 
         def pipeline_layers(self) -> list[nn.Module]:
             return list(self.layers)
@@ -645,12 +711,18 @@ def _rate(key: str, procs: list[dict], rows: int) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--microbatches", type=int, nargs="+", default=[4, 8], help="microbatches per batch (m)")
-    parser.add_argument("--steps", type=int, default=20, help="timed steady-state steps per run")
-    parser.add_argument("--warmup", type=int, default=5, help="untimed steps before the timed ones")
+    parser.add_argument("--accelerator", choices=("cpu", "cuda"), default="cpu",
+                        help="cpu: every system, one thread per process, gloo; cuda: one process on cuda:0 and, with "
+                             "2+ GPUs, the 2-process runs over NCCL (one GPU per process), no Lightning runs")
+    parser.add_argument("--steps", type=int, help=f"timed steady-state steps per run (default {CPU_STEPS[0]} on CPU, "
+                                                  f"{CUDA_STEPS[0]} on CUDA)")
+    parser.add_argument("--warmup", type=int, help=f"untimed steps before the timed ones (default {CPU_STEPS[1]} on "
+                                                   f"CPU, {CUDA_STEPS[1]} on CUDA)")
+    parser.add_argument("--width", type=int, help=f"features of every layer (default {WIDTH} on CPU, {CUDA_WIDTH} on CUDA)")
     parser.add_argument("--rows-per-microbatch", type=int, default=128, help="samples in one microbatch")
     parser.add_argument("--optimizer", choices=("sgd", "adamw"), default="sgd")
-    parser.add_argument("--quick", action="store_true", help="m=4 only, fewer steps, no engine-only runs")
-    parser.add_argument("--no-engine", action="store_true", help="skip the bare-engine (no Lightning) runs")
+    parser.add_argument("--quick", action="store_true", help="m=4 only, fewer steps, no engine-only runs (on CUDA: kept)")
+    parser.add_argument("--no-engine", action="store_true", help="skip the bare-engine (no Lightning) runs (on CUDA: the 2-GPU ones)")
     parser.add_argument("--only-engines", action="store_true",
                         help="measure only one process, the bare engine and torch's schedules (no Lightning); no report")
     parser.add_argument("--predict", action="store_true",
@@ -670,16 +742,34 @@ def main() -> None:
     if args.child == "lightning":
         lightning_child(json.loads(args.config), args.out_dir)
         return
+    cuda = args.accelerator == "cuda"
+    default_steps, default_warmup = CUDA_STEPS if cuda else CPU_STEPS
+    args.steps = default_steps if args.steps is None else args.steps
+    args.warmup = default_warmup if args.warmup is None else args.warmup
+    args.width = (CUDA_WIDTH if cuda else WIDTH) if args.width is None else args.width
     if args.quick:
-        args.microbatches, args.steps, args.warmup, args.no_engine = [4], min(args.steps, 10), min(args.warmup, 3), True
+        args.microbatches, args.steps, args.warmup = [4], min(args.steps, 10), min(args.warmup, 3)
+        args.no_engine = args.no_engine or not cuda  # on CUDA the bare engine stands in for Lightning: kept
     if args.warmup < 1 or args.steps < 1:
         parser.error("--warmup and --steps must be >= 1")
+    if args.width < 1 or args.rows_per_microbatch < 1:
+        parser.error(f"--width and --rows-per-microbatch must be >= 1, got {args.width} and {args.rows_per_microbatch}")
+    if cuda:
+        for flag in ("predict", "profile", "profile_only"):
+            if getattr(args, flag):
+                parser.error(f"--{flag.replace('_', '-')} measures on CPU only; drop it or use --accelerator cpu")
+        if not torch.cuda.is_available():
+            sys.exit(f"no CUDA device: torch.cuda.is_available() is False (torch {torch.__version__}, built for CUDA "
+                     f"{torch.version.cuda or 'none'}); run on a machine with an NVIDIA GPU, or with --accelerator cpu")
+        main_cuda(args)
+        return
 
     one_thread()
     started = time.perf_counter()
-    base = {"rows": args.rows_per_microbatch, "steps": args.steps, "warmup": args.warmup, "optimizer": args.optimizer}
+    base = {"rows": args.rows_per_microbatch, "steps": args.steps, "warmup": args.warmup, "optimizer": args.optimizer,
+            "width": args.width, "accelerator": "cpu"}
     load = os.getloadavg()[0]
-    print(f"# pipeline throughput: {DEPTH} x [Linear({WIDTH},{WIDTH}) + GELU], {STAGES} stages, "
+    print(f"# pipeline throughput: {DEPTH} x [Linear({args.width},{args.width}) + GELU], {STAGES} stages, "
           f"{args.rows_per_microbatch} rows per microbatch, optimizer {args.optimizer}, "
           f"{args.warmup} warmup + {args.steps} timed steps, torch {torch.__version__}, {os.cpu_count()} CPUs, "
           f"1 thread per process, load average before start {load:.2f}", flush=True)
@@ -745,6 +835,125 @@ def main() -> None:
           f"load average now {os.getloadavg()[0]:.2f})")
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
+
+
+def main_cuda(args: argparse.Namespace) -> None:
+    """The CUDA measurements: one process on ``cuda:0`` (the whole model; the engine with both stages), and with
+    two or more GPUs the 2-process pairs over NCCL, one GPU per process. Lightning's runs are not measured."""
+    started = time.perf_counter()
+    ngpu = torch.cuda.device_count()
+    base = {"rows": args.rows_per_microbatch, "steps": args.steps, "warmup": args.warmup, "optimizer": args.optimizer,
+            "width": args.width, "accelerator": "cuda"}
+    load = os.getloadavg()[0]
+    gpus = ", ".join(f"{torch.cuda.get_device_name(i)} ({torch.cuda.get_device_properties(i).total_memory / 2**30:.0f}"
+                     f" GiB)" for i in range(ngpu))
+    tf32 = "on" if torch.backends.cuda.matmul.allow_tf32 else "off"
+    print(f"# pipeline throughput on CUDA: {DEPTH} x [Linear({args.width},{args.width}) + GELU], {STAGES} stages, "
+          f"{args.rows_per_microbatch} rows per microbatch, fp32 (TF32 matmul {tf32}), optimizer {args.optimizer}, "
+          f"{args.warmup} warmup + {args.steps} timed steps, torch {torch.__version__} (CUDA {torch.version.cuda}), "
+          f"{ngpu} GPU(s): {gpus}; {os.cpu_count()} CPUs, load average before start {load:.2f}", flush=True)
+    two = ngpu >= STAGES
+    if not two:
+        print(f"  only {ngpu} GPU: the {STAGES}-process runs (NCCL needs one GPU per process) are skipped", flush=True)
+    print("  Lightning runs are not measured on CUDA (bare engine and torch's schedules only)", flush=True)
+
+    results: dict[str, Any] = {"config": base, "load_before": load, "gpus": gpus, "runs": {}}
+    runs = results["runs"]
+    quiet = Quiet(args.wait_idle, args.retries)
+
+    def in_process(run: Callable[[], dict]) -> list[dict]:
+        try:
+            return [run()]
+        finally:
+            torch.cuda.empty_cache()  # give the GPU back before the next run (or the spawned processes) starts
+
+    for m in args.microbatches:
+        cfg = {**base, "m": m}
+        rows = cfg["rows"] * m
+
+        def record(key: str, res: list[dict]) -> None:
+            runs[key] = res
+            sec = rows / _rate(key, res, rows)
+            peak = " / ".join(f"{r['cuda_peak_mib']:,.0f}" for r in res)
+            print(f"  m={m} {key.split('/m')[0]:<26} {sec * 1e3:8.2f} ms/step {rows / sec:9.0f} samples/s   "
+                  f"peak GPU memory {peak} MiB   others' CPU {others_cpu(res):5.1%}", flush=True)
+
+        record(f"single/m{m}", quiet.measure(lambda: in_process(lambda: run_single(cfg))))
+        record(f"single_mb/m{m}", quiet.measure(lambda: in_process(lambda: run_single(cfg, microbatched=True))))
+        for schedule in SCHEDULES:
+            one = {**cfg, "schedule": schedule}
+            record(f"engine1/{schedule}/m{m}", quiet.measure(lambda: in_process(lambda: run_engine(one, 0, 1))))
+        if not two:
+            continue
+        record(f"ceiling/m{m}", quiet.measure(lambda: run_ceiling(cfg, CHILD_TIMEOUT)))
+        groups = [("torch", _torchpp_worker, "torchpp", TORCH_SCHEDULES)]
+        if not args.no_engine:
+            groups.insert(0, ("engine", _engine_worker, "engine", SCHEDULES))
+        for prefix, worker, name, schedules in groups:
+            for pair in quiet.measure_group(worker, name, [{**cfg, "schedule": s} for s in schedules]):
+                record(f"{prefix}/{pair[0]['schedule']}/m{m}", pair)
+
+    print()
+    print(cuda_report(results, args, two))
+    print(f"\n(benchmark wall time {time.perf_counter() - started:.0f}s; "
+          f"load average now {os.getloadavg()[0]:.2f})")
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1))
+
+
+def cuda_report(results: dict, args: argparse.Namespace, two: bool) -> str:
+    runs, cfg, ms = results["runs"], results["config"], args.microbatches
+    rate = lambda key, m: _rate(key, runs[key], cfg["rows"] * m)  # noqa: E731
+    lines = ["## Throughput on CUDA (samples/s from the median steady-state step time on rank 0)\n",
+             "Every step ends with `torch.cuda.synchronize()` before its time is taken. *vs one GPU*: against the "
+             "whole model in one process on one GPU, whole batch at once. The engine with both stages on one GPU "
+             "cannot overlap them: its ratio to one GPU is the engine's overhead (1.00 = none). *peak GPU MiB*: "
+             "`torch.cuda.max_memory_allocated` of rank 0's device.\n"]
+    systems = [("one GPU, whole batch (baseline)", "single"),
+               ("one GPU, m microbatches accumulated", "single_mb")]
+    systems += [(f"{s} (bare engine, {STAGES} stages on one GPU)", f"engine1/{s}") for s in SCHEDULES]
+    if two:
+        systems.append((f"{STAGES} independent processes, one GPU each (sum)", "ceiling"))
+        if not args.no_engine:
+            systems += [(f"**{s}** (bare engine, {STAGES} GPUs, NCCL)", f"engine/{s}") for s in SCHEDULES]
+        systems += [(f"torch {s} ({STAGES} GPUs, NCCL)", f"torch/{s}") for s in TORCH_SCHEDULES]
+    lines.append("| system | " + " | ".join(f"m={m}: samples/s | ms/step | vs one GPU | peak GPU MiB | others' CPU"
+                                             for m in ms) + " |")
+    lines.append("|---|" + "---:|---:|---:|---:|---:|" * len(ms))
+    for label, key in systems:
+        cells = []
+        for m in ms:
+            k = f"{key}/m{m}"
+            r = rate(k, m)
+            cells.append(f"{r:,.0f} | {cfg['rows'] * m / r * 1e3:.2f} | {r / rate(f'single/m{m}', m):.2f}x | "
+                         f"{runs[k][0]['cuda_peak_mib']:,.0f} | {others_cpu(runs[k]):.0%}")
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+
+    lines.append("\n## Ratios against peers measured in this run\n")
+    lines.append("| ratio | " + " | ".join(f"m={m}" for m in ms) + " | target |")
+    lines.append("|---|" + "---:|" * len(ms) + "---|")
+
+    def ratio_row(label: str, num: str, den: str, target: str, scale: Callable[[int], float] = lambda m: 1.0) -> None:
+        vals = [rate(f"{num}/m{m}", m) / rate(f"{den}/m{m}", m) * scale(m) for m in ms]
+        lines.append(f"| {label} | " + " | ".join(f"{v:.2f}" for v in vals) + f" | {target} |")
+
+    for s in SCHEDULES:
+        ratio_row(f"{s} bare engine, {STAGES} stages on one GPU / one GPU (engine overhead)", f"engine1/{s}", "single",
+                  "1.00 = no overhead")
+    ratio_row("one GPU, microbatched / one GPU (cost of the microbatches' smaller matrices)", "single_mb", "single", "-")
+    if two:
+        if not args.no_engine:
+            ratio_row("2bw bare engine / torch Schedule1F1B", "engine/2bw", "torch/Schedule1F1B", "-")
+            ratio_row("1f1b bare engine / torch Schedule1F1B", "engine/1f1b", "torch/Schedule1F1B", "-")
+            ratio_row("gpipe bare engine / torch ScheduleGPipe", "engine/gpipe", "torch/ScheduleGPipe", "-")
+            ratio_row(f"2bw bare engine ({STAGES} GPUs) / one GPU", "engine/2bw", "single", "-")
+        ratio_row(f"{STAGES} independent processes / one GPU (ceiling)", "ceiling", "single", "-")
+        ratio_row(f"{STAGES} x (one GPU, microbatched) / one GPU (no-overhead pipeline)", "single_mb", "single", "-",
+                  scale=lambda m: float(STAGES))
+    else:
+        lines.append(f"\n(one GPU: the {STAGES}-process runs over NCCL were skipped; they need {STAGES} GPUs)")
+    lines.append("\nLightning (`Trainer` with `AsyncPipelineStrategy`) is not measured on CUDA by this benchmark.")
+    return "\n".join(lines)
 
 
 def report(results: dict, args: argparse.Namespace) -> str:
