@@ -32,12 +32,25 @@ class TupleIn(nn.Module):
         return torch.tanh(self.proj(x)) + 0.1 * s
 
 
+class PassThrough(nn.Module):
+    """Returns its very input: a stage made of it sends on the tensor it received, and autograd may keep the
+    gradient it receives as that input's gradient."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.unused = nn.Parameter(torch.zeros(1))  # a stage needs a parameter for its optimizer
+
+    def forward(self, x):
+        return x
+
+
 class TinyLM(PipelineModule):
     """Regression MLP with enough layers to split into 4 stages; optionally a tuple crossing a boundary and dropout
     in the hidden layers."""
 
     def __init__(self, width: int = 8, depth: int = 4, tuple_boundary: bool = False, optimizer: str = "sgd",
-                 fail_at: Optional[dict] = None, seed: int = 0, dropout: float = 0.0) -> None:
+                 fail_at: Optional[dict] = None, seed: int = 0, dropout: float = 0.0,
+                 passthrough_at: Optional[int] = None) -> None:
         super().__init__()
         torch.manual_seed(seed)
         layers: list[nn.Module] = [nn.Linear(4, width)]
@@ -49,6 +62,8 @@ class TinyLM(PipelineModule):
             else:
                 layers.append(nn.Sequential(nn.Tanh(), nn.Linear(width, width)))
         layers.append(nn.Sequential(nn.Tanh(), nn.Linear(width, 1)))
+        if passthrough_at is not None:
+            layers.insert(passthrough_at, PassThrough())
         self.layers = nn.ModuleList(layers)
         self.optimizer_name = optimizer
         self.fail_at = fail_at  # {"stage": s, "step": k}: raise there (failure tests)

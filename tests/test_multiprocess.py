@@ -55,6 +55,20 @@ def test_clipping_uses_the_norm_over_all_stages(tmp_path):
     assert max_difference(multi, one_device_weights(dict(cfg, clip=None))) > 1e-4
 
 
+def test_reused_receive_buffers_keep_2bw_equal_to_the_one_device_run(tmp_path):
+    """The receive-buffer pools (on by default on CUDA only) run here with gloo. The middle of three stages passes
+    its input through as its output, so its activation buffer is still being sent on, and the gradient it
+    receives may become its input's gradient: neither may be overwritten by the next receive."""
+    cfg = dict(BASE, schedule="2bw", stages=3, reuse_buffers=True, model={"depth": 4, "passthrough_at": 2},
+               partition=[2, 1, 2])
+    proc = run_multiprocess(cfg, tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    reused = [int((tmp_path / f"buffers_reused_{rank}.txt").read_text()) for rank in range(3)]
+    assert reused[0] > 0 and reused[2] > 0, reused  # stage 0 reuses gradient buffers, stage 2 activation buffers
+    one = one_device_weights(cfg)
+    assert max_difference(torch.load(tmp_path / "final.pt"), one) < 1e-5
+
+
 def test_tuple_across_a_boundary_and_uneven_partition(tmp_path):
     # 6 layers as [2, 4]: the boundary after layer 2 carries the tuple (tanh(h), sum(h)).
     cfg = dict(BASE, schedule="2bw", stages=2, model={"depth": 5, "tuple_boundary": True}, partition=[2, 4])

@@ -66,7 +66,21 @@ class FailureBoard:
 
 
 class StageLink:
-    """The links of one stage to its previous and next stage (global ranks)."""
+    """The links of one stage to its previous and next stage (global ranks).
+
+    On CUDA (NCCL) two things differ, both behind ``device.type == "cuda"`` (docs/design.md, "The runtime"):
+
+    - **Waits do not block the host.** NCCL runs each transfer on its own CUDA stream; ``work.wait()`` without a
+      timeout only makes the compute stream wait for it, so the host keeps queueing kernels and transfers overlap
+      compute. (A wait *with* a timeout blocks the host thread until the transfer is done.) NCCL's watchdog
+      bounds a hang by the process group's timeout, which is ``pipeline_timeout``.
+    - **Receive buffers are reused** (``reuse_buffers``): a training activation's buffers go back to a pool once
+      its microbatch's backward has sent the input gradients, a gradient's once the backward that took it ran,
+      so steady-state training allocates none. Buffers still shared with something in flight (a stage that
+      passes its input through as its output, a gradient autograd kept as an input's ``.grad``) are not reused.
+    """
+
+    REUSE_BUFFERS_ON_CPU = False  # tests turn this on to check the pools with gloo on CPU
 
     def __init__(
         self,
@@ -95,6 +109,11 @@ class StageLink:
         self._posted_act: deque = deque()  # pre-posted activation receives, oldest first
         self._posted_grad: deque = deque()
         self.wait_seconds = 0.0  # time spent blocked waiting for a neighbour (communication wait)
+        self.on_cuda = device.type == "cuda"
+        self.reuse_buffers = self.on_cuda or self.REUSE_BUFFERS_ON_CPU
+        self._act_pool: list[list[Tensor]] = []  # free receive buffers, one list of leaves per activation
+        self._grad_pool: list[list[Optional[Tensor]]] = []
+        self.buffers_reused = 0  # receives posted into a pooled buffer
         # Called with (name, start, end, args) for every wait, when a trace is being recorded.
         self.recorder: Optional[Callable[[str, float, float, dict], None]] = None
 
@@ -110,7 +129,10 @@ class StageLink:
         """
         start = time.perf_counter()
         try:
-            work.wait(timedelta(seconds=self.timeout))
+            if self.on_cuda:
+                work.wait()  # a stream wait: the host goes on queueing (see the class docstring)
+            else:
+                work.wait(timedelta(seconds=self.timeout))
         except Exception as err:
             waited = time.perf_counter() - start
             time.sleep(0.2)  # give the failing stage a moment to post its report
@@ -153,8 +175,10 @@ class StageLink:
         while self._pending_sends:
             self._complete_oldest(self._pending_sends)
 
-    def _irecv(self, shape: tuple[int, ...], dtype: torch.dtype, src: int, tag: int) -> tuple[Any, Tensor]:
-        buf = torch.empty(shape, dtype=dtype, device=self.device)
+    def _irecv(self, shape: tuple[int, ...], dtype: torch.dtype, src: int, tag: int,
+               buf: Optional[Tensor] = None) -> tuple[Any, Tensor]:
+        if buf is None:
+            buf = torch.empty(shape, dtype=dtype, device=self.device)
         return dist.irecv(buf, src=src, tag=tag), buf
 
     # ---- layouts (what a value looks like) travel as a length, then JSON bytes -----------------------------------
@@ -176,8 +200,10 @@ class StageLink:
         for i, t in enumerate(leaves):
             self._isend(t.detach(), dst, tag + 2 + i, carried)
 
-    def _recv_leaves(self, layout: Layout, src: int, tag: int) -> list[tuple[Any, Tensor]]:
-        return [self._irecv(m.shape, m.dtype, src, tag + 2 + i) for i, m in enumerate(layout.metas)]
+    def _recv_leaves(self, layout: Layout, src: int, tag: int,
+                     bufs: Optional[list[Tensor]] = None) -> list[tuple[Any, Tensor]]:
+        return [self._irecv(m.shape, m.dtype, src, tag + 2 + i, bufs[i] if bufs else None)
+                for i, m in enumerate(layout.metas)]
 
     # ---- training: activations forward ----------------------------------------------------------------------
     def send_activations(self, outputs: Any, carried: bool = False, check: Optional[Tensor] = None) -> None:
@@ -201,7 +227,8 @@ class StageLink:
         if self.in_layout is None:
             self.in_layout = self._recv_layout(self.prev_rank, TAG_HEADER, "the activation header")
         check = self._irecv((1,), torch.float64, self.prev_rank, TAG_CHECK) if with_check else None
-        self._posted_act.append((check, self._recv_leaves(self.in_layout, self.prev_rank, TAG_ACT)))
+        bufs = self._take(self._act_pool)
+        self._posted_act.append((check, self._recv_leaves(self.in_layout, self.prev_rank, TAG_ACT, bufs)))
 
     def recv_activations(self, with_check: bool = False) -> tuple[list[Tensor], Optional[Tensor]]:
         """The next activation's leaves (as autograd leaves where a gradient flows back) and its fingerprint."""
@@ -225,10 +252,41 @@ class StageLink:
 
     def post_gradient_recv(self) -> None:
         assert self.out_layout is not None, "gradients are received only after activations were sent"
+        bufs = self._take(self._grad_pool) or [None] * len(self.out_layout.metas)
         self._posted_grad.append(
-            [self._irecv(m.shape, m.dtype, self.next_rank, TAG_GRAD + i) if m.needs_grad else None
-             for i, m in enumerate(self.out_layout.metas)]
+            [self._irecv(m.shape, m.dtype, self.next_rank, TAG_GRAD + i, buf) if m.needs_grad else None
+             for i, (m, buf) in enumerate(zip(self.out_layout.metas, bufs))]
         )
+
+    # ---- reusing receive buffers --------------------------------------------------------------------------------
+    def _take(self, pool: list) -> Optional[list]:
+        if not pool:
+            return None
+        self.buffers_reused += 1
+        return pool.pop()
+
+    def release_microbatch(self, inputs: list[Tensor], outputs: list[Tensor],
+                           gradients: Optional[list[Optional[Tensor]]]) -> None:
+        """A training microbatch's backward ran and its input gradients were sent: its received ``inputs``
+        (activation buffers) and received output ``gradients`` may take the next transfers.
+
+        Not a buffer whose memory may still be in use: an output that is the input itself (its send to the next
+        stage has completed by now, since that stage sent back the gradient computed from it), or a gradient that
+        autograd kept as an input's ``.grad`` (it copies one the caller still holds). Neither happens today;
+        ruling them out costs a set per microbatch."""
+        if not self.reuse_buffers:
+            return
+        in_use = {t.untyped_storage().data_ptr() for t in outputs}
+        in_use.update(t.grad.untyped_storage().data_ptr() for t in inputs if t.grad is not None)
+        if inputs and self.in_layout is not None and len(inputs) == len(self.in_layout.metas):
+            if not any(t.untyped_storage().data_ptr() in in_use for t in inputs):
+                for t in inputs:
+                    t.grad = None
+                    t.requires_grad_(False)
+                self._act_pool.append(inputs)
+        if gradients is not None and not any(g is not None and g.untyped_storage().data_ptr() in in_use
+                                             for g in gradients):
+            self._grad_pool.append(list(gradients))
 
     def recv_gradients(self) -> list[Optional[Tensor]]:
         if not self._posted_grad:

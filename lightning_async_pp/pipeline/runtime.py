@@ -125,6 +125,7 @@ class PipelineRuntime:
         self._next_check: Optional[Tensor] = None  # fingerprint of the lookahead batch
         self._inflight: dict[tuple[int, int, int], tuple[list[Tensor], Any]] = {}  # (stage, batch, mb)
         self._losses: dict[int, Tensor] = {}  # running loss sum of batches in flight (last stage)
+        self._checks_due: list[tuple] = []  # (received fingerprint, own, stage, batch) to compare after the step
         if link is not None:
             link.recorder = self._record_wait
 
@@ -223,6 +224,9 @@ class PipelineRuntime:
                 waiting = {s: str(q[0]) for s, q in queues.items() if q}
                 raise RuntimeError(f"the schedule cannot make progress: stages wait on each other at {waiting}")
         self._carried_in = lookahead
+        # Compared once the step's work is queued: on CUDA a comparison waits for the device.
+        while self._checks_due:
+            self._compare(*self._checks_due.pop(0))
 
         if last.is_last:
             loss = self._losses.pop(k)
@@ -276,7 +280,7 @@ class PipelineRuntime:
                 inputs, check = self.link.recv_activations(with_check=self.check_batches and j == 0)
                 self._receives.used_f += 1
                 if check is not None:
-                    self._compare(check, checks[action.batch], stage, b)
+                    self._checks_due.append((check, checks[action.batch], stage, b))
                 x = unflatten(inputs, self.link.in_layout.spec)
             else:
                 inputs, spec = acts.pop((stage.index, b, j))
@@ -299,6 +303,7 @@ class PipelineRuntime:
             self._inflight[(stage.index, b, j)] = (inputs, out_leaves)
             return elapsed
         inputs, out_leaves = self._inflight.pop((stage.index, b, j))
+        received: Optional[list[Optional[Tensor]]] = None
         if stage.is_last:
             start = time.perf_counter()
             out_leaves.backward()
@@ -318,6 +323,9 @@ class PipelineRuntime:
                 self.link.send_gradients(inputs)
             else:
                 grads[(stage.index - 1, b, j)] = [input_gradient(t) if t.requires_grad else None for t in inputs]
+        if remote_in or remote_out:
+            self.link.release_microbatch(inputs if remote_in else [], [] if stage.is_last else out_leaves,
+                                         received if remote_out else None)
         return elapsed
 
     def _compare(self, received: Tensor, own: Optional[Tensor], stage: Stage, b: int) -> None:

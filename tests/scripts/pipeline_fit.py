@@ -28,6 +28,10 @@ def main() -> None:
     args = parser.parse_args()
     cfg = json.loads(args.config)
     torch.set_num_threads(1)
+    if cfg.get("reuse_buffers"):
+        from lightning_async_pp.pipeline.comm import StageLink
+
+        StageLink.REUSE_BUFFERS_ON_CPU = True  # what CUDA does: the pools, checked here with gloo
     model = TinyLM(**cfg.get("model", {}), optimizer=cfg.get("optimizer", "sgd"), fail_at=cfg.get("fail_at"))
     monitor_logger, monitors = _monitoring(cfg)
     strategy = AsyncPipelineStrategy(
@@ -58,6 +62,10 @@ def main() -> None:
         val_check_interval=cfg.get("val_every", cfg["steps"]) if cfg.get("val_batches") else None,
     )
     trainer.fit(model, loader, loader if cfg.get("val_batches") else None, ckpt_path=cfg.get("resume_from"))
+    if cfg.get("reuse_buffers"):
+        link = trainer.strategy.engine.runtime.link
+        with open(f"buffers_reused_{trainer.global_rank}.txt", "w") as f:  # in the test's tmp_path (the cwd)
+            f.write(str(link.buffers_reused))
     if trainer.is_global_zero:
         torch.save({k: v.detach().cpu() for k, v in model.state_dict().items()}, args.out)
         print("SAMPLER_KWARGS", json.dumps(trainer.strategy.distributed_sampler_kwargs))
