@@ -12,6 +12,7 @@ onto the slot that will hold ``W_{k+1}`` before the optimizer writes them (weigh
 """
 from __future__ import annotations
 
+import math
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -331,7 +332,7 @@ class PipelineRuntime:
     def _compare(self, received: Tensor, own: Optional[Tensor], stage: Stage, b: int) -> None:
         if own is None:
             return
-        if not torch.allclose(received.to(own.device, torch.float64), own, rtol=1e-9, atol=0.0):
+        if not math.isclose(received.item(), own.item(), rel_tol=1e-9, abs_tol=0.0):
             raise BatchMismatch(
                 f"stage {stage.index} was given another batch than stage {stage.index - 1} for training batch {b} "
                 f"(fingerprints {own.item():.6g} and {received.item():.6g}). Every stage of a pipeline must see the "
@@ -341,8 +342,8 @@ class PipelineRuntime:
 
     def cancel_lookahead(self) -> None:
         """Drop the next batch's forwards that already ran: Lightning will not train that batch (an epoch was cut
-        short, or training stopped). Each stage takes the one activation still in transit from its predecessor
-        and drops it, so nothing crosses into the next step."""
+        short, or training stopped). Each stage takes the activations still in transit from its predecessor
+        and drops them, so nothing crosses into the next step."""
         if not self._carried_in:
             return
         k = self.batch_index
