@@ -37,13 +37,14 @@ def check_schedule(schedule: str, num_stages: int, num_microbatches: int) -> Non
 
 
 def forwards_ahead(stage: int, num_stages: int, num_microbatches: int) -> int:
-    """Forwards a 1F1B/2BW stage runs before its first backward (its activations in flight in the steady state).
+    """Warm-up forwards of a 1F1B/2BW stage: it runs this many, then alternates a forward and a backward, so at
+    most ``ahead + 1`` of its microbatches are in flight.
 
     The textbook ``num_stages - 1 - stage`` leaves a stage no slack: the gradient it needs next is the one its
     successor is computing right now, so every transfer round trip and every jitter of the successor stalls it.
     Stages before the last run one forward more, which lets the next forward fill that wait (docs/design.md,
-    "Schedules as data"). The update semantics do not change: a batch's microbatches all read the version the batch is
-    due, and backwards run in the same order.
+    "Schedules as data"). The update semantics do not change: a batch's microbatches all read the version the
+    batch is due, and backwards run in the same order.
     """
     extra = 1 if stage < num_stages - 1 else 0
     return min(num_stages - 1 - stage + extra, num_microbatches)
