@@ -78,6 +78,8 @@ class StageLink:
       its microbatch's backward has sent the input gradients, a gradient's once the backward that took it ran,
       so steady-state training allocates none. Buffers still shared with something in flight (a stage that
       passes its input through as its output, a gradient autograd kept as an input's ``.grad``) are not reused.
+      On CUDA "the backward ran" means its kernels are queued; NCCL starts each transfer after the work already
+      queued on the compute stream, so a new receive writes a pooled buffer only after its last reader ran.
     """
 
     REUSE_BUFFERS_ON_CPU = False  # tests turn this on to check the pools with gloo on CPU
