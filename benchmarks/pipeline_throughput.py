@@ -901,9 +901,44 @@ def main_cuda(args: argparse.Namespace) -> None:
         Path(args.json).write_text(json.dumps(results, indent=1))
 
 
+def _throughput_table(lines: list[str], systems: list[tuple[str, str]], results: dict, ms: list[int], *,
+                      baseline: str, ms_digits: int, peak: Optional[tuple[str, Callable[[list], str]]] = None) -> None:
+    """One row per ``(label, key)`` system: samples/s, ms per step, the ratio to ``single`` (column ``baseline``),
+    ``peak`` (a column name and a cell from the run's processes) if given, and others' CPU; per m."""
+    runs, rows = results["runs"], results["config"]["rows"]
+    rate = lambda key, m: _rate(key, runs[key], rows * m)  # noqa: E731
+    columns = ["samples/s", "ms/step", baseline] + ([peak[0]] if peak else []) + ["others' CPU"]
+    lines.append("| system | " + " | ".join(f"m={m}: " + " | ".join(columns) for m in ms) + " |")
+    lines.append("|---|" + "---:|" * len(columns) * len(ms))
+    for label, key in systems:
+        cells = []
+        for m in ms:
+            k = f"{key}/m{m}"
+            r = rate(k, m)
+            cell = [f"{r:,.0f}", f"{rows * m / r * 1e3:.{ms_digits}f}", f"{r / rate(f'single/m{m}', m):.2f}x"]
+            cell += [peak[1](runs[k])] if peak else []
+            cells.append(" | ".join(cell + [f"{others_cpu(runs[k]):.0%}"]))
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+
+
+def _ratio_table(lines: list[str], results: dict, ms: list[int]) -> Callable[..., None]:
+    """Starts the ratios section; returns ``ratio_row(label, num, den, target, scale=...)``, which adds the row of
+    ``num``'s rate over ``den``'s (times ``scale(m)``) per m."""
+    runs, rows = results["runs"], results["config"]["rows"]
+    rate = lambda key, m: _rate(key, runs[key], rows * m)  # noqa: E731
+    lines.append("\n## Ratios against peers measured in this run\n")
+    lines.append("| ratio | " + " | ".join(f"m={m}" for m in ms) + " | target |")
+    lines.append("|---|" + "---:|" * len(ms) + "---|")
+
+    def ratio_row(label: str, num: str, den: str, target: str, scale: Callable[[int], float] = lambda m: 1.0) -> None:
+        vals = [rate(f"{num}/m{m}", m) / rate(f"{den}/m{m}", m) * scale(m) for m in ms]
+        lines.append(f"| {label} | " + " | ".join(f"{v:.2f}" for v in vals) + f" | {target} |")
+
+    return ratio_row
+
+
 def cuda_report(results: dict, args: argparse.Namespace, two: bool) -> str:
-    runs, cfg, ms = results["runs"], results["config"], args.microbatches
-    rate = lambda key, m: _rate(key, runs[key], cfg["rows"] * m)  # noqa: E731
+    ms = args.microbatches
     lines = ["## Throughput on CUDA (samples/s from the median steady-state step time on rank 0)\n",
              "Every step ends with `torch.cuda.synchronize()` before its time is taken. *vs one GPU*: against the "
              "whole model in one process on one GPU, whole batch at once. The engine with both stages on one GPU "
@@ -917,26 +952,9 @@ def cuda_report(results: dict, args: argparse.Namespace, two: bool) -> str:
         if not args.no_engine:
             systems += [(f"**{s}** (bare engine, {STAGES} GPUs, NCCL)", f"engine/{s}") for s in SCHEDULES]
         systems += [(f"torch {s} ({STAGES} GPUs, NCCL)", f"torch/{s}") for s in TORCH_SCHEDULES]
-    lines.append("| system | " + " | ".join(f"m={m}: samples/s | ms/step | vs one GPU | peak GPU MiB | others' CPU"
-                                             for m in ms) + " |")
-    lines.append("|---|" + "---:|---:|---:|---:|---:|" * len(ms))
-    for label, key in systems:
-        cells = []
-        for m in ms:
-            k = f"{key}/m{m}"
-            r = rate(k, m)
-            cells.append(f"{r:,.0f} | {cfg['rows'] * m / r * 1e3:.2f} | {r / rate(f'single/m{m}', m):.2f}x | "
-                         f"{runs[k][0]['cuda_peak_mib']:,.0f} | {others_cpu(runs[k]):.0%}")
-        lines.append(f"| {label} | " + " | ".join(cells) + " |")
-
-    lines.append("\n## Ratios against peers measured in this run\n")
-    lines.append("| ratio | " + " | ".join(f"m={m}" for m in ms) + " | target |")
-    lines.append("|---|" + "---:|" * len(ms) + "---|")
-
-    def ratio_row(label: str, num: str, den: str, target: str, scale: Callable[[int], float] = lambda m: 1.0) -> None:
-        vals = [rate(f"{num}/m{m}", m) / rate(f"{den}/m{m}", m) * scale(m) for m in ms]
-        lines.append(f"| {label} | " + " | ".join(f"{v:.2f}" for v in vals) + f" | {target} |")
-
+    _throughput_table(lines, systems, results, ms, baseline="vs one GPU", ms_digits=2,
+                      peak=("peak GPU MiB", lambda procs: f"{procs[0]['cuda_peak_mib']:,.0f}"))
+    ratio_row = _ratio_table(lines, results, ms)
     for s in SCHEDULES:
         ratio_row(f"{s} bare engine, {STAGES} stages on one GPU / one GPU (engine overhead)", f"engine1/{s}", "single",
                   "1.00 = no overhead")
@@ -959,8 +977,6 @@ def cuda_report(results: dict, args: argparse.Namespace, two: bool) -> str:
 def report(results: dict, args: argparse.Namespace) -> str:
     runs, cfg = results["runs"], results["config"]
     lines = []
-    rate = lambda key, m: _rate(key, runs[key], cfg["rows"] * m)  # noqa: E731
-
     lines.append("## Throughput (samples/s from the median steady-state step time on rank 0)\n")
     lines.append("*others' CPU*: share of the machine's CPU time used by processes other than the measured ones during "
                  "the timed window (0% on an otherwise idle machine).\n")
@@ -972,25 +988,8 @@ def report(results: dict, args: argparse.Namespace) -> str:
         systems += [(f"{s} (bare engine)", f"engine/{s}") for s in SCHEDULES]
     systems += [(f"torch {s}", f"torch/{s}") for s in TORCH_SCHEDULES]
     ms = args.microbatches
-    lines.append("| system | " + " | ".join(f"m={m}: samples/s | ms/step | vs 1 process | others' CPU" for m in ms) + " |")
-    lines.append("|---|" + "---:|---:|---:|---:|" * len(ms))
-    for label, key in systems:
-        cells = []
-        for m in ms:
-            k = f"{key}/m{m}"
-            r = rate(k, m)
-            cells.append(f"{r:,.0f} | {cfg['rows'] * m / r * 1e3:.1f} | {r / rate(f'single/m{m}', m):.2f}x | "
-                         f"{others_cpu(runs[k]):.0%}")
-        lines.append(f"| {label} | " + " | ".join(cells) + " |")
-
-    lines.append("\n## Ratios against peers measured in this run\n")
-    lines.append("| ratio | " + " | ".join(f"m={m}" for m in ms) + " | target |")
-    lines.append("|---|" + "---:|" * len(ms) + "---|")
-
-    def ratio_row(label: str, num: str, den: str, target: str, scale: Callable[[int], float] = lambda m: 1.0) -> None:
-        vals = [rate(f"{num}/m{m}", m) / rate(f"{den}/m{m}", m) * scale(m) for m in ms]
-        lines.append(f"| {label} | " + " | ".join(f"{v:.2f}" for v in vals) + f" | {target} |")
-
+    _throughput_table(lines, systems, results, ms, baseline="vs 1 process", ms_digits=1)
+    ratio_row = _ratio_table(lines, results, ms)
     ratio_row("2bw (Lightning) / torch Schedule1F1B", "lightning/2bw", "torch/Schedule1F1B", ">= 1.2 at m=4")
     ratio_row("1f1b (Lightning) / torch Schedule1F1B", "lightning/1f1b", "torch/Schedule1F1B", "-")
     ratio_row("gpipe (Lightning) / torch ScheduleGPipe", "lightning/gpipe", "torch/ScheduleGPipe", "-")
