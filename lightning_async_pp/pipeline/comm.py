@@ -280,12 +280,11 @@ class StageLink:
             return
         in_use = {t.untyped_storage().data_ptr() for t in outputs}
         in_use.update(t.grad.untyped_storage().data_ptr() for t in inputs if t.grad is not None)
-        if inputs and self.in_layout is not None and len(inputs) == len(self.in_layout.metas):
-            if not any(t.untyped_storage().data_ptr() in in_use for t in inputs):
-                for t in inputs:
-                    t.grad = None
-                    t.requires_grad_(False)
-                self._act_pool.append(inputs)
+        if inputs and not any(t.untyped_storage().data_ptr() in in_use for t in inputs):
+            for t in inputs:
+                t.grad = None
+                t.requires_grad_(False)
+            self._act_pool.append(inputs)
         if gradients is not None and not any(g is not None and g.untyped_storage().data_ptr() in in_use
                                              for g in gradients):
             self._grad_pool.append(list(gradients))
