@@ -62,19 +62,21 @@ class PipelineModule(PassesFetchedBatches, L.LightningModule):
         """Initialize pipeline layer ``index`` after a pipeline strategy gave it memory (it was built on the meta
         device in ``configure_model``). Called only on the process that runs the layer.
 
-        Default: ``reset_parameters()`` of each of its submodules that holds tensors, drawing from the global RNG
-        seeded from ``torch.initial_seed()`` and ``index`` (the global RNG is left as it was), so a layer's
-        weights do not depend on which other layers a process builds. Override it for a custom initialization,
-        and for buffers that ``reset_parameters`` does not set.
+        Default: ``reset_parameters()`` of each of its submodules that holds parameters (and of those holding
+        only buffers, where they have one), drawing from the global RNG seeded from ``torch.initial_seed()`` and
+        ``index`` (the global RNG is left as it was), so a layer's weights do not depend on which other layers a
+        process builds. Buffers computed in ``__init__`` keep their values (the strategy builds only parameters on
+        the meta device). Override it for a custom initialization.
         """
         seed = (torch.initial_seed() * 1_000_003 + index) % 2**63
         devices = [p.device for p in layer.parameters() if p.device.type == "cuda"][:1]
         with torch.random.fork_rng(devices=devices):
             torch.manual_seed(seed)
             for module in layer.modules():
-                if not any(True for _ in (*module.parameters(recurse=False), *module.buffers(recurse=False))):
-                    continue
                 reset = getattr(module, "reset_parameters", None)
+                has_params = any(True for _ in module.parameters(recurse=False))
+                if not has_params and not (callable(reset) and any(True for _ in module.buffers(recurse=False))):
+                    continue
                 if not callable(reset):
                     raise TypeError(
                         f"pipeline layer {index} was built on the meta device and its submodule "

@@ -34,7 +34,7 @@ from lightning_async_pp.pipeline.comm import PipelineFailure
 from lightning_async_pp.pipeline.config import CheckpointingSpec, DelaySpec, PipelineConfig
 from lightning_async_pp.pipeline.engine import PipelineEngine, check_names_and_shapes
 from lightning_async_pp.pipeline.partition import PartitionSpec
-from lightning_async_pp.pipeline.placement import layer_paths, replace_meta_tensors
+from lightning_async_pp.pipeline.placement import layer_paths, parameters_on_meta, replace_meta_tensors
 from lightning_async_pp.pipeline.topology import PipelineTopology
 
 #: Keyword arguments of Lightning's DDPStrategy that are meaningful here (the accelerator connector and users
@@ -156,6 +156,13 @@ class AsyncPipelineStrategy(DDPStrategy):
         return self.world_size_total > 1
 
     @property
+    def root_device(self) -> torch.device:
+        assert self.parallel_devices is not None
+        # One process runs on its one device, as single-device Lightning does, even where the environment names
+        # another local rank (a one-device Trainer in a script that Lightning's launcher re-ran as rank 1).
+        return self.parallel_devices[self.local_rank if self.is_multiprocess else 0]
+
+    @property
     def topology(self) -> PipelineTopology:
         return PipelineTopology(self.world_size_total, self.data_parallel_size, self.global_rank)
 
@@ -182,6 +189,12 @@ class AsyncPipelineStrategy(DDPStrategy):
     # ---- launching and process groups -------------------------------------------------------------------------
     def _configure_launcher(self) -> None:
         self.config.check(self.world_size_total)  # before any process is started
+        if not self.is_multiprocess:
+            # One process needs no launcher, as single-device Lightning has none. DDP's would set LOCAL_RANK in
+            # the environment, and a later multi-process Trainer in the same script would then take its processes
+            # to be started externally and wait for ranks that nobody starts.
+            self._launcher = None
+            return
         super()._configure_launcher()
 
     def setup_environment(self) -> None:
@@ -256,10 +269,11 @@ class AsyncPipelineStrategy(DDPStrategy):
 
     @contextmanager
     def tensor_init_context(self, empty_init: Optional[bool] = None) -> Iterator[None]:
-        """Layers created in ``configure_model`` (or ``trainer.init_module()``) are created on the meta device,
-        without memory, as Lightning's ``ModelParallelStrategy`` does; ``setup`` materializes only this process's
-        stage (:meth:`PipelineEngine.materialize`). ``empty_init=False`` creates them normally."""
-        with torch.device("meta") if empty_init is not False else nullcontext(), self.precision_plugin.tensor_init_context():
+        """Layers created in ``configure_model`` (or ``trainer.init_module()``) get their parameters on the meta
+        device, without memory, as under Lightning's ``ModelParallelStrategy``; buffers stay real, so a table
+        computed in ``__init__`` keeps its values. ``setup`` materializes only this process's stage
+        (:meth:`PipelineEngine.materialize`). ``empty_init=False`` creates them normally."""
+        with parameters_on_meta() if empty_init is not False else nullcontext(), self.precision_plugin.tensor_init_context():
             yield
 
     def model_to_device(self) -> None:

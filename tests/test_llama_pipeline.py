@@ -67,3 +67,47 @@ def test_two_processes_train_llama_exactly_as_one_device(tie, tmp_path):
     assert max_difference(weights, initial) > 1e-3  # the steps did move the weights
     tied_gap = (weights["embed.weight"] - weights["head.proj.weight"]).abs().max().item()
     assert (tied_gap == 0.0) if tie else (tied_gap > 1e-3)
+
+
+def _compare_calls(ranks: list[dict], reference: dict) -> None:
+    calls = ranks[0]["calls"]
+    assert len(calls) == len(reference["calls"])
+    for i, (got, want) in enumerate(zip(calls, reference["calls"])):
+        assert max_difference(got["state_dict"], want["state_dict"]) < TOL, f"weights after call {i}"
+        for key, value in want.items():
+            if key == "logits":
+                assert torch.allclose(got["logits"], value, atol=TOL, rtol=0), f"predictions of call {i}"
+            elif key != "state_dict":
+                assert abs(got[key] - value) < TOL, (i, key, got[key], value)
+
+
+@pytest.mark.parametrize("sequence", [["fit", "validate", "predict", "test", "fit"], ["predict", "validate", "fit"]],
+                         ids=["fit-validate-predict-test-fit", "predict-validate-fit"])
+def test_a_sequence_of_trainer_calls_with_a_tie_across_processes_equals_one_device(sequence, tmp_path):
+    # Each call builds a new engine on the model the previous call left (split across the processes): every
+    # process must derive the same ties and groups from it (a mismatch used to wait in new_group until the
+    # timeout), and the numbers must still be the one-device ones. A smaller lr than the default: the second fit
+    # starts a fresh AdamW, whose first steps scale the tied sum's 1e-8 rounding difference (summed across
+    # processes, one leaf on one device) by lr / eps for gradients near zero.
+    cfg = {"tie": True, "steps": 2, "partition": [3, 3], "sequence": sequence, "timeout": 30.0, "lr": 3e-4}
+    _compare_calls(run_two_processes(cfg, tmp_path), one_device(cfg))
+
+
+def test_a_one_device_fit_then_a_two_process_fit_in_one_interpreter_equals_one_device(tmp_path):
+    # Lightning's launcher re-runs the script for rank 1, so there the one-device Trainer runs with LOCAL_RANK=1 in
+    # the environment (it must still use its one device); then both processes continue the one-device weights.
+    cfg = {"tie": True, "steps": 2, "partition": [3, 3], "sequence": ["fit", "fit", "validate"], "timeout": 120.0,
+           "lr": 3e-4}
+    _compare_calls(run_two_processes({**cfg, "first_on_one_device": True}, tmp_path), one_device(cfg))
+
+
+def test_processes_that_build_different_models_fail_fast_with_a_message(tmp_path):
+    # Rank 1 builds the model untied: the processes would create different process groups. They must say so at
+    # setup, well before the 300 s pipeline timeout (the subprocess is given 120 s).
+    cfg = {"tie": True, "steps": 2, "partition": [3, 3], "untie_on_other_ranks": True, "timeout": 300.0}
+    env = {k: v for k, v in os.environ.items() if k not in _RENDEZVOUS}
+    env.update(PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--config", json.dumps(cfg), "--out", str(tmp_path / "out")],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0
+    assert "the processes see different pipelines" in proc.stderr and "rank 1:" in proc.stderr, proc.stderr[-3000:]

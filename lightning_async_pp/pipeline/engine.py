@@ -30,6 +30,7 @@ from lightning_async_pp.pipeline.placement import (
     check_parameters_covered,
     layer_paths,
     materialize_layers,
+    reassemble_layers,
     remove_other_stages,
     restore_layers,
 )
@@ -109,6 +110,9 @@ class PipelineEngine:
         self.num_microbatches = config.microbatches_for(self.num_stages)
         self.topology = PipelineTopology(world_size, config.data_parallel_size, rank) if self.is_multiprocess else None
         config.check(world_size)
+        # A previous engine on this model (an earlier trainer call) took other stages' layers out of the tree:
+        # put them back, so the ties, names and groups below are derived from the same model on every process.
+        reassemble_layers(root, self.layers, self.paths)
         self.checkpointed_layers = config.checkpointed_layers(len(self.layers))
         self.ranges = partition_layers(self.layers, self.num_stages, config.partition)
         self.stage_of_layer = [s for s, r in enumerate(self.ranges) for _ in r]
@@ -204,7 +208,17 @@ class PipelineEngine:
         return cls(root, layers, layer_paths(root, layers), config, **kwargs)
 
     def _create_groups(self, topology: PipelineTopology) -> None:
-        # new_group is collective: every rank creates every group, in the same order.
+        # new_group is collective: every rank creates every group, in the same order. Processes that disagree on
+        # the groups would wait in new_group until the timeout, so they first compare what they will create.
+        mine = (self.num_stages, [r.start for r in self.ranges], [(tuple(t.param.shape), t.stages) for t in self.ties])
+        everyone: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, mine)
+        if any(other != mine for other in everyone):
+            raise RuntimeError(
+                "the processes see different pipelines (stages, first layer of each stage, tied parameters as "
+                f"(shape, stages)): " + "; ".join(f"rank {r}: {v}" for r, v in enumerate(everyone))
+                + ". Every process must build the same model with the same pipeline_layers()"
+            )
         for d in range(topology.data_parallel_size):
             group = dist.new_group([topology.rank_of(s, d) for s in range(topology.num_stages)])
             if d == topology.dp_rank:

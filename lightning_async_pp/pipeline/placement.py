@@ -1,13 +1,15 @@
 """Putting a stage's layers in place: each process keeps only its own stage's layers in the model.
 
-The other stages' layers are taken out of the module tree (replaced by a parameter-free :class:`RemoteLayer`)
-and moved to the ``meta`` device, so ``model.parameters()``, and therefore the optimizer, see only this stage's
-parameters, and no memory is held for them. :func:`restore_layers` puts them back (used on rank 0 to gather
-the whole model at the end of training).
+The other stages' layers are taken out of the module tree (replaced by a :class:`RemoteLayer`) and moved to
+the ``meta`` device, so ``model.parameters()``, and therefore the optimizer, see only this stage's parameters,
+and no memory is held for them. :func:`restore_layers` puts them back (used on rank 0 to gather the whole model
+at the end of training); :func:`reassemble_layers` puts them back as they are (without memory) so that a later
+trainer call sees on every process the model the first call saw.
 """
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -16,11 +18,24 @@ from torch import nn
 
 
 class RemoteLayer(nn.Module):
-    """Stands in the model for a layer that lives on another pipeline stage."""
+    """Stands in the model for a layer that lives on another pipeline stage.
 
-    def __init__(self, stage: int) -> None:
+    A parameter of that layer which this stage also uses (a tie) stays registered here under its path in the layer,
+    so the model lists it under the name it has on one device (``embed.weight``, not the head's alias): anything
+    keyed by name (parameter groups, Muon's routing, checkpoints) then agrees on every stage.
+    """
+
+    def __init__(self, stage: int, tied: Sequence[tuple[str, nn.Parameter]] = ()) -> None:
         super().__init__()
         self.stage = stage
+        for path, p in tied:
+            *parents, name = path.split(".")
+            holder: nn.Module = self
+            for part in parents:
+                if part not in holder._modules:
+                    holder.add_module(part, nn.Module())
+                holder = holder._modules[part]
+            holder.register_parameter(name, p)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         raise RuntimeError(f"this layer lives on pipeline stage {self.stage}; run it through the pipeline")
@@ -85,31 +100,77 @@ def remove_other_stages(root: nn.Module, layers: Sequence[nn.Module], paths: Seq
     own = {id(p) for layer, owner in zip(layers, stage_of_layer) if owner == stage for p in layer.parameters()}
     for layer, path, owner in zip(layers, paths, stage_of_layer):
         if owner != stage:
-            _set_submodule(root, path, RemoteLayer(owner))
+            tied = [(n, p) for n, p in layer.named_parameters() if id(p) in own]
+            _set_submodule(root, path, RemoteLayer(owner, tied))
             # A parameter tied to one of this stage's layers must survive the move to meta: the remote layer gets
-            # a stand-in, and the real one goes back when the layer is restored.
+            # a stand-in, and the real one goes back when the layer is restored or reassembled.
             for module in layer.modules():
                 for name, p in list(module._parameters.items()):
                     if p is not None and id(p) in own:
-                        tied = getattr(module, "_pipeline_tied", {})
-                        tied[name] = p
-                        object.__setattr__(module, "_pipeline_tied", tied)
+                        held = getattr(module, "_pipeline_tied", {})
+                        held[name] = p
+                        object.__setattr__(module, "_pipeline_tied", held)
                         module._parameters[name] = nn.Parameter(torch.empty_like(p, device="meta"), p.requires_grad)
+            # Non-persistent buffers (rotary tables, say) are in no state_dict, so gathering could not bring them
+            # back: they stay as they are (they are small); everything else leaves memory.
+            kept = [(m, n, b) for m in layer.modules() for n, b in m._buffers.items()
+                    if b is not None and n in m._non_persistent_buffers_set]
             layer.to(torch.device("meta"))
+            for m, n, b in kept:
+                m._buffers[n] = b
+
+
+def _retie(layer: nn.Module) -> None:
+    """Give back the real Parameters that :func:`remove_other_stages` replaced by meta stand-ins."""
+    for module in layer.modules():
+        for name, p in getattr(module, "_pipeline_tied", {}).items():
+            module._parameters[name] = p
+        object.__setattr__(module, "_pipeline_tied", {})
+
+
+def reassemble_layers(root: nn.Module, layers: Sequence[nn.Module], paths: Sequence[str]) -> None:
+    """Put every layer back into ``root`` as it is (other stages' layers stay without memory) and re-tie their
+    parameters, so the model looks on every process as it did before the last call split it: the ties, global
+    names and process groups a new engine derives from it are then the same on all processes."""
+    for layer, path in zip(layers, paths):
+        if root.get_submodule(path) is not layer:
+            _retie(layer)
+            _set_submodule(root, path, layer)
 
 
 def restore_layers(root: nn.Module, layers: Sequence[nn.Module], paths: Sequence[str], state: dict[str, torch.Tensor], device: torch.device) -> None:
     """Put every layer back into ``root`` and load ``state`` (full-model keys) into those that were remote."""
     for layer, path in zip(layers, paths):
         if isinstance(root.get_submodule(path), RemoteLayer):
-            layer.to_empty(device=device)
+            replace_meta_tensors(layer, lambda t: torch.empty_like(t, device=device))
+            layer.to(device)  # the non-persistent buffers kept by remove_other_stages
             prefix = path + "."
             layer.load_state_dict({k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)})
-            for module in layer.modules():  # re-tie: the copies are identical, one Parameter serves both again
-                for name, p in getattr(module, "_pipeline_tied", {}).items():
-                    module._parameters[name] = p
-                object.__setattr__(module, "_pipeline_tied", {})
+            _retie(layer)  # the copies are identical: one Parameter serves both again
             _set_submodule(root, path, layer)
+
+
+@contextmanager
+def parameters_on_meta() -> Iterator[None]:
+    """Modules created inside get their parameters on the ``meta`` device (no memory) while buffers stay real.
+
+    A buffer computed in ``__init__`` (a rotary or scale table) is set by no ``reset_parameters``; built on meta it
+    would come back as uninitialized memory. This is accelerate's ``init_empty_weights(include_buffers=False)``:
+    each parameter is moved to meta as it is registered, so at most one is ever allocated."""
+    register = nn.Module.register_parameter
+
+    def register_on_meta(module: nn.Module, name: str, param: Any) -> None:
+        register(module, name, param)
+        if param is not None and not param.is_meta:
+            moved = nn.Parameter(param.to("meta"), param.requires_grad)
+            moved.__dict__.update(param.__dict__)  # attributes libraries set on parameters (HF's init flags)
+            module._parameters[name] = moved
+
+    nn.Module.register_parameter = register_on_meta  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = register  # type: ignore[method-assign]
 
 
 def has_meta_tensors(module: nn.Module) -> bool:

@@ -35,10 +35,17 @@ def token_rows(samples: int, seq: int, seed: int = 3) -> list[torch.Tensor]:
 
 def build(cfg: dict) -> tuple[Llama, DataLoader, L.Trainer]:
     L.seed_everything(cfg.get("seed", 0), verbose=False)
-    model = Llama("tiny", vocab_size=256, tie_embeddings=cfg.get("tie", True), max_seq_len=cfg.get("max_seq_len", 64),
+    tie = cfg.get("tie", True)
+    if cfg.get("untie_on_other_ranks") and os.environ.get("LOCAL_RANK", "0") != "0":
+        tie = not tie  # a model that differs between processes (the launcher sets LOCAL_RANK for rank 1)
+    model = Llama("tiny", vocab_size=256, tie_embeddings=tie, max_seq_len=cfg.get("max_seq_len", 64),
                   lr=cfg.get("lr", 3e-3))
     rows = token_rows(cfg.get("samples", 32), cfg.get("seq", 16))
     loader = DataLoader(rows, batch_size=cfg.get("batch", 8), shuffle=False, drop_last=True)
+    return model, loader, make_trainer(cfg)
+
+
+def make_trainer(cfg: dict) -> L.Trainer:
     kwargs: dict[str, Any] = {}
     if cfg.get("partition"):
         kwargs["partition"] = cfg["partition"]
@@ -61,12 +68,14 @@ def build(cfg: dict) -> tuple[Llama, DataLoader, L.Trainer]:
         strategy=strategy, accelerator="cpu", devices=cfg.get("devices", 2), max_steps=cfg.get("steps", 4),
         logger=logger, callbacks=callbacks, enable_checkpointing=False, enable_progress_bar=False,
         enable_model_summary=False, num_sanity_val_steps=0, log_every_n_steps=1,
-        limit_val_batches=cfg.get("val_batches", 1) if val_every else 0, val_check_interval=val_every,
+        limit_val_batches=cfg.get("val_batches", 1) if val_every or cfg.get("sequence") else 0, val_check_interval=val_every,
     )
-    return model, loader, trainer
+    return trainer
 
 
 def run(cfg: dict, devices: int) -> tuple[dict, Llama, L.Trainer]:
+    if cfg.get("sequence"):
+        return run_sequence(cfg, devices)
     model, loader, trainer = build({**cfg, "devices": devices})
     trainer.fit(model, loader, loader if cfg.get("val_every") else None)
     result: dict[str, Any] = {"rank": trainer.global_rank, "global_step": trainer.global_step}
@@ -75,6 +84,32 @@ def run(cfg: dict, devices: int) -> tuple[dict, Llama, L.Trainer]:
         result["texts"] = samples[0].history
     if trainer.is_global_zero:
         result["state_dict"] = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
+    return result, model, trainer
+
+
+def run_sequence(cfg: dict, devices: int) -> tuple[dict, Llama, L.Trainer]:
+    """Several trainer calls on one model in one interpreter, as a script or notebook makes them: ``sequence`` lists
+    them ("fit", "validate", "test", "predict"; a "fit" after the first continues the weights with a new Trainer).
+    With ``first_on_one_device`` the first call runs on one device before the others run on ``devices``. Records
+    every loss, prediction and the weights after each call (rank 0's, gathered)."""
+    model, loader, trainer = build({**cfg, "devices": 1 if cfg.get("first_on_one_device") else devices})
+    result: dict[str, Any] = {"calls": []}
+    for i, call in enumerate(cfg["sequence"]):
+        if i > 0:
+            trainer = make_trainer({**cfg, "devices": devices})
+        if call == "fit":
+            trainer.fit(model, loader)
+            record: Any = {"train_loss": float(trainer.callback_metrics["train_loss"])}
+        elif call == "predict":
+            outputs = trainer.predict(model, loader)
+            record = {"logits": torch.cat([o for o in outputs]) if outputs[0] is not None else None}
+        else:
+            metrics = getattr(trainer, call)(model, loader, verbose=False)[0]
+            record = {k: float(v) for k, v in metrics.items()}
+        if trainer.is_global_zero:
+            record["state_dict"] = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
+        result["calls"].append(record)
+    result["rank"] = trainer.global_rank
     return result, model, trainer
 
 
