@@ -289,3 +289,31 @@ def test_hf_two_processes_equal_one_device_and_the_consolidated_checkpoint_loads
     upstream.save_pretrained(tmp_path / "hf")
     reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
     torch.testing.assert_close(reloaded(batch[:, :-1]).logits, ours(batch), rtol=0, atol=0)
+
+
+# ---- the YAML configs --------------------------------------------------------------------------------------------
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+
+
+@pytest.mark.parametrize("name, cls", [("hf_llama_tiny", HuggingFaceCausalLM), ("litgpt_tiny", LitGPT)])
+def test_adapter_config_trains_two_steps_in_one_process(name, cls, tmp_path, monkeypatch):
+    import yaml
+
+    from lightning_async_pp.cli import AsyncPipelineCLI
+
+    monkeypatch.setattr(sys, "argv", ["lightning-async-pp"])
+    monkeypatch.chdir(tmp_path)
+    config = yaml.safe_load((CONFIGS / f"{name}.yaml").read_text())
+    # One process (the one-device emulation of the same 2 stages): under pytest, Lightning's launcher would re-run
+    # the whole test session for a second rank.
+    config["trainer"].update(devices=1, max_steps=2, limit_val_batches=1, val_check_interval=2, log_every_n_steps=1,
+                             default_root_dir=str(tmp_path))
+    config["trainer"]["strategy"]["init_args"]["num_stages"] = 2
+    config["trainer"]["logger"]["init_args"]["save_dir"] = str(tmp_path / "logs")
+    config["data"].update(block_size=32, batch_size=4, max_bytes=60_000, cache_dir=str(tmp_path / "cache"))
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(config))
+    cli = AsyncPipelineCLI(args=["fit", "--config", str(path)])
+    assert isinstance(cli.model, cls) and cli.trainer.global_step == 2
+    assert len(cli.model.pipeline_layers()) == 7 and cli.trainer.strategy.num_stages == 2
+    assert torch.isfinite(cli.trainer.callback_metrics["val_loss"])
