@@ -7,16 +7,12 @@ the one-device run. Configs are built here; nothing is downloaded.
 """
 from __future__ import annotations
 
-import copy
 import os
-import subprocess
 import sys
-import json
 from pathlib import Path
 
 import pytest
 import torch
-from torch import nn
 
 pytest.importorskip("transformers")
 pytest.importorskip("litgpt")
@@ -28,6 +24,7 @@ from transformers import AutoConfig, AutoModelForCausalLM  # noqa: E402
 sys.path.insert(0, str(Path(__file__).parent / "scripts"))
 import adapter_fit  # noqa: E402
 from helpers import delayed_loop  # noqa: E402
+from pipeline_runs import max_difference, run_here_on_one_device, script_ranks  # noqa: E402
 
 from lightning_async_pp.consolidate import consolidate_checkpoint  # noqa: E402
 from lightning_async_pp.models import HuggingFaceCausalLM, LitGPT  # noqa: E402
@@ -36,8 +33,6 @@ from lightning_async_pp.pipeline.placement import materialize_layers  # noqa: E4
 SCRIPT = Path(__file__).parent / "scripts" / "adapter_fit.py"
 TOL = 1e-5
 VOCAB = 256
-_RENDEZVOUS = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK", "LOCAL_WORLD_SIZE",
-               "PL_GLOBAL_SEED", "PL_SEED_WORKERS")
 
 TINY = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=64)
@@ -62,11 +57,6 @@ def built(model):
 def tokens(b: int = 3, t: int = 16, seed: int = 1) -> torch.Tensor:
     """A batch as the data module makes it: (B, T + 1) token ids."""
     return torch.randint(0, VOCAB, (b, t + 1), generator=torch.Generator().manual_seed(seed))
-
-
-def max_difference(a: dict, b: dict) -> float:
-    assert a.keys() == b.keys(), (sorted(a), sorted(b))
-    return max((a[k].float() - b[k].float()).abs().max().item() for k in a)
 
 
 # ---- Hugging Face: the upstream model's forward, loss, keys, init --------------------------------------------------
@@ -211,16 +201,7 @@ def test_litgpt_config_by_name_or_mapping_and_unsupported_configs_are_refused():
 
 # ---- under the pipeline: one device against the written-out rule ---------------------------------------------------
 def one_device(cfg: dict) -> dict:
-    saved = {k: os.environ.get(k) for k in ("PL_GLOBAL_SEED", "PL_SEED_WORKERS")}
-    try:
-        result, _, _ = adapter_fit.run(cfg, devices=1)
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-    return result
+    return run_here_on_one_device(adapter_fit.run, cfg)
 
 
 @pytest.mark.parametrize("adapter", ["hf", "litgpt"])
@@ -254,14 +235,8 @@ def test_litgpt_consolidated_checkpoint_loads_strictly_into_litgpt_gpt(tmp_path)
 
 
 # ---- two processes -----------------------------------------------------------------------------------------------
-def run_two_processes(cfg: dict, tmp_path: Path, timeout: float = 240) -> list[dict]:
-    env = {k: v for k, v in os.environ.items() if k not in _RENDEZVOUS}
-    env.update(PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
-    out = tmp_path / "out"
-    proc = subprocess.run([sys.executable, str(SCRIPT), "--config", json.dumps(cfg), "--out", str(out)],
-                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=timeout)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)]
+def run_two_processes(cfg: dict, tmp_path: Path) -> list[dict]:
+    return script_ranks(SCRIPT, cfg, tmp_path)
 
 
 @pytest.mark.multiprocess

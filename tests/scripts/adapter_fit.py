@@ -20,6 +20,7 @@ from torch.utils.data import DataLoader
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from helpers import script_main  # noqa: E402
+from llama_fit import token_rows  # noqa: E402  (the same counting rows)
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing is downloaded: configs are built here
 
@@ -30,14 +31,6 @@ from lightning_async_pp.models import HuggingFaceCausalLM, LitGPT  # noqa: E402
 HF_LLAMA = dict(model_type="llama", vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=True)
 LITGPT_PYTHIA = dict(name="pythia-14m", n_layer=2, n_embd=32, n_head=4, vocab_size=256, block_size=64)
-
-
-def token_rows(samples: int, seq: int, seed: int = 3) -> list[torch.Tensor]:
-    """Rows of ``seq + 1`` byte ids with structure a tiny model picks up in a few steps (counting sequences)."""
-    g = torch.Generator().manual_seed(seed)
-    starts = torch.randint(0, 256, (samples, 1), generator=g)
-    steps = torch.randint(1, 4, (samples, 1), generator=g)
-    return list((starts + steps * torch.arange(seq + 1)) % 256)
 
 
 def build_model(cfg: dict) -> L.LightningModule:
