@@ -44,10 +44,18 @@ def as_pretrained_config(config: Any) -> Any:
 
 class DecoderLayerInputs:
     """Forward pre-hook of one upstream decoder layer: called as ``layer(hidden_states)`` (by the pipeline), it adds
-    the keyword arguments ``model.forward`` would pass (no cache, positions ``0..T-1``)."""
+    the keyword arguments ``model.forward`` would pass (no cache, positions ``0..T-1``).
 
-    def __init__(self, config: Any, rotary: nn.Module, make_mask: Callable[..., Any]) -> None:
+    The names follow the installed transformers: 4.x passes ``cache_position`` and ``past_key_values`` (and the
+    mask helpers take ``input_embeds``), 5.x passes neither (and takes ``inputs_embeds``, ``cache``)."""
+
+    def __init__(self, config: Any, rotary: nn.Module, make_mask: Callable[..., Any], layer: nn.Module) -> None:
         self.config, self.rotary, self.make_mask = config, rotary, make_mask
+        mask_args = inspect.signature(make_mask).parameters
+        self.embeds_name = "inputs_embeds" if "inputs_embeds" in mask_args else "input_embeds"
+        self.mask_cache = {name: None for name in ("past_key_values", "cache") if name in mask_args}
+        self.mask_takes_cache_position = "cache_position" in mask_args
+        self.layer_takes_cache_position = "cache_position" in inspect.signature(type(layer).forward).parameters
 
     def __call__(self, module: nn.Module, args: tuple, kwargs: dict) -> Optional[tuple[tuple, dict]]:
         if kwargs or len(args) != 1:
@@ -57,10 +65,15 @@ class DecoderLayerInputs:
         position_ids = cache_position.unsqueeze(0)
         if self.rotary.inv_freq.device != hidden.device:
             self.rotary.to(hidden.device)  # once per process: the rotary module is shared by its layers
-        mask = self.make_mask(config=self.config, input_embeds=hidden, attention_mask=None,
-                              cache_position=cache_position, past_key_values=None, position_ids=position_ids)
-        return (hidden,), dict(attention_mask=mask, position_ids=position_ids, cache_position=cache_position,
-                               position_embeddings=self.rotary(hidden, position_ids), use_cache=False)
+        mask_kwargs = dict(config=self.config, attention_mask=None, position_ids=position_ids, **self.mask_cache)
+        mask_kwargs[self.embeds_name] = hidden
+        if self.mask_takes_cache_position:
+            mask_kwargs["cache_position"] = cache_position
+        layer_kwargs = dict(attention_mask=self.make_mask(**mask_kwargs), position_ids=position_ids,
+                            position_embeddings=self.rotary(hidden, position_ids), use_cache=False)
+        if self.layer_takes_cache_position:
+            layer_kwargs["cache_position"] = cache_position
+        return (hidden,), layer_kwargs
 
 
 class HuggingFaceCausalLM(AdoptedCausalLM):
@@ -119,7 +132,7 @@ class HuggingFaceCausalLM(AdoptedCausalLM):
             if attention not in masks:
                 raise ValueError(f"HuggingFaceCausalLM cannot split {name}: its layers use {attention!r} attention; "
                                  f"supported: {', '.join(masks)}")
-            block.register_forward_pre_hook(DecoderLayerInputs(base.config, rotary, masks[attention]), with_kwargs=True)
+            block.register_forward_pre_hook(DecoderLayerInputs(base.config, rotary, masks[attention], block), with_kwargs=True)
         self.model, self.lm_head = base, upstream.lm_head
         self._init_weights = upstream._init_weights
         return [base.embed_tokens, *blocks, base.norm, upstream.lm_head]
