@@ -5,8 +5,8 @@ An adapter builds the upstream model in ``configure_model()``, adopts its top-le
 head as pipeline layers. What crosses a stage boundary is the hidden state (B, T, C): each block gets what the
 upstream model's ``forward`` would give it (rotary tables, the causal mask) from a forward pre-hook that fills
 them in when the block is called with the hidden state alone, so the upstream modules run unchanged (their class,
-code and key paths stay the upstream ones). Each layer is initialized by the upstream model's own rule, from a
-generator seeded by the layer's index, so a layer's weights do not depend on which process builds it.
+code and key paths stay the upstream ones). Each layer is initialized by the upstream model's own rule, from the
+global RNG seeded by the layer's index, so a layer's weights do not depend on which process builds it.
 """
 from __future__ import annotations
 

@@ -86,8 +86,8 @@ class HuggingFaceCausalLM(AdoptedCausalLM):
         lr, weight_decay: the AdamW of :meth:`configure_optimizers` (matrices decayed, norms not).
         init_seed: seed of the per-layer initialization; ``None`` uses ``torch.initial_seed()``. Each layer is
             initialized by the upstream ``_init_weights`` (``normal(0, initializer_range)`` matrices, norms 1,
-            padding row 0) from a generator seeded by this seed and the layer's index, so one device and p
-            processes build the same weights.
+            padding row 0) drawing from the global RNG seeded by this seed and the layer's index (and left as it
+            was), so one device and p processes build the same weights.
     """
 
     def __init__(self, config: Any, lr: float = 3e-4, weight_decay: float = 0.1, init_seed: Optional[int] = None) -> None:
@@ -114,12 +114,14 @@ class HuggingFaceCausalLM(AdoptedCausalLM):
             )
         base = upstream.model
         blocks = list(base.layers)
+        if not blocks:
+            raise ValueError(f"HuggingFaceCausalLM: {name} has no decoder layers (num_hidden_layers={self.config.num_hidden_layers})")
         forward_args = inspect.signature(type(blocks[0]).forward).parameters
         if "position_embeddings" not in forward_args:
             raise ValueError(f"HuggingFaceCausalLM cannot split {name}: its decoder layer {type(blocks[0]).__name__}.forward "
                              f"takes no position_embeddings (transformers >= 4.54 passes them to every layer)")
-        # The rotary module holds only the non-persistent inv_freq: rebuilt off the meta device (where the strategy
-        # builds layers) from the config, as its constructor computes it, and kept out of the module tree.
+        # The rotary module holds only non-persistent buffers (inv_freq): rebuilt off the meta device (where the
+        # strategy builds layers) from the config, as its constructor computes them, and kept out of the module tree.
         with torch.device("cpu"):
             rotary = type(base.rotary_emb)(config=base.config)
         del base._modules["rotary_emb"]

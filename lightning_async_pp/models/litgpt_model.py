@@ -79,8 +79,8 @@ class LitGPT(AdoptedCausalLM):
         lr, weight_decay: the AdamW of :meth:`configure_optimizers` (matrices decayed, norms not).
         init_seed: seed of the per-layer initialization; ``None`` uses ``torch.initial_seed()``. Each layer is
             initialized by litgpt's ``GPT._init_weights`` (``normal(0, 0.02)`` linear and embedding weights, zero
-            biases) and norms by their ``reset_parameters`` (as ``GPT(config)`` builds them), from a generator
-            seeded by this seed and the layer's index.
+            biases) and norms by their ``reset_parameters`` (as ``GPT(config)`` builds them), drawing from the
+            global RNG seeded by this seed and the layer's index.
     """
 
     def __init__(self, config: Any, lr: float = 3e-4, weight_decay: float = 0.1, init_seed: Optional[int] = None) -> None:
