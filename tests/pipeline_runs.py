@@ -54,3 +54,32 @@ def one_device_weights(cfg: dict, batch: int | None = None, strategy: bool = Tru
 def max_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     assert a.keys() == b.keys(), (sorted(a), sorted(b))
     return max((a[k].float() - b[k].float()).abs().max().item() for k in a)
+
+
+_RENDEZVOUS = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK", "LOCAL_WORLD_SIZE",
+               "PL_GLOBAL_SEED", "PL_SEED_WORKERS")
+
+
+def script_ranks(script: Path, cfg: dict, tmp_path: Path, ranks: int = 2, timeout: float = 240) -> list[dict]:
+    """Run a tests/scripts/ script (``helpers.script_main``) on its processes; what each rank saw, rank 0 first."""
+    env = {k: v for k, v in os.environ.items() if k not in _RENDEZVOUS}
+    env.update(PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
+    out = tmp_path / "out"
+    proc = subprocess.run([sys.executable, str(script), "--config", json.dumps(cfg), "--out", str(out)],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(ranks)]
+
+
+def run_here_on_one_device(run, cfg: dict) -> dict:
+    """A script's ``run(cfg, devices=1)`` in this process, leaving the seed variables Lightning sets as they were."""
+    saved = {k: os.environ.get(k) for k in ("PL_GLOBAL_SEED", "PL_SEED_WORKERS")}
+    try:
+        result, _, _ = run(cfg, devices=1)
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    return result

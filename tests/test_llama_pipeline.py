@@ -7,9 +7,6 @@ the two stages share one leaf.
 """
 from __future__ import annotations
 
-import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -18,40 +15,18 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent / "scripts"))
 import llama_fit  # noqa: E402
+from pipeline_runs import max_difference, run_here_on_one_device, script_ranks  # noqa: E402
 
 SCRIPT = Path(__file__).parent / "scripts" / "llama_fit.py"
 TOL = 1e-5
-_RENDEZVOUS = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK", "LOCAL_WORLD_SIZE",
-               "PL_GLOBAL_SEED", "PL_SEED_WORKERS")
 
 
-def run_two_processes(cfg: dict, tmp_path: Path, timeout: float = 180) -> list[dict]:
-    """What each rank saw, rank 0 first."""
-    env = {k: v for k, v in os.environ.items() if k not in _RENDEZVOUS}
-    env.update(PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
-    out = tmp_path / "out"
-    proc = subprocess.run([sys.executable, str(SCRIPT), "--config", json.dumps(cfg), "--out", str(out)],
-                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=timeout)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)]
+def run_two_processes(cfg: dict, tmp_path: Path) -> list[dict]:
+    return script_ranks(SCRIPT, cfg, tmp_path, timeout=180)
 
 
 def one_device(cfg: dict) -> dict:
-    saved = {k: os.environ.get(k) for k in ("PL_GLOBAL_SEED", "PL_SEED_WORKERS")}
-    try:
-        result, _, _ = llama_fit.run(cfg, devices=1)
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-    return result
-
-
-def max_difference(a: dict, b: dict) -> float:
-    assert a.keys() == b.keys(), (sorted(a), sorted(b))
-    return max((a[k].float() - b[k].float()).abs().max().item() for k in a)
+    return run_here_on_one_device(llama_fit.run, cfg)
 
 
 @pytest.mark.parametrize("tie", [True, False], ids=["tied", "untied"])

@@ -1,5 +1,8 @@
-"""Example models built on ``PipelineModule``."""
+"""Example models built on ``PipelineModule``, and adapters of upstream models (``HuggingFaceCausalLM`` needs the
+``hf`` extra, ``LitGPT`` the ``litgpt`` extra; both import their library only when built)."""
 from lightning_async_pp.models.gpt import GPT
+from lightning_async_pp.models.huggingface import HuggingFaceCausalLM
+from lightning_async_pp.models.litgpt_model import LitGPT
 from lightning_async_pp.models.llama import Llama
 
-__all__ = ["GPT", "Llama"]
+__all__ = ["GPT", "HuggingFaceCausalLM", "LitGPT", "Llama"]

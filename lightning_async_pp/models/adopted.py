@@ -1,0 +1,106 @@
+"""What the adapters of upstream language models share (``HuggingFaceCausalLM``, ``LitGPT``).
+
+An adapter builds the upstream model in ``configure_model()``, adopts its top-level children as its own (so its
+``state_dict()`` keys are the upstream model's), and lists the upstream embedding, blocks, final norm and output
+head as pipeline layers. What crosses a stage boundary is the hidden state (B, T, C): each block gets what the
+upstream model's ``forward`` would give it (rotary tables, the causal mask) from a forward pre-hook that fills
+them in when the block is called with the hidden state alone, so the upstream modules run unchanged (their class,
+code and key paths stay the upstream ones). Each layer is initialized by the upstream model's own rule, from the
+global RNG seeded by the layer's index, so a layer's weights do not depend on which process builds it.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from lightning_async_pp.module import PipelineModule
+from lightning_async_pp.optim.groups import decay_matrices_only
+
+
+def missing_package(package: str, extra: str) -> ImportError:
+    return ImportError(f"this model needs the {package!r} package: pip install 'lightning-async-pp[{extra}]'")
+
+
+class AdoptedCausalLM(PipelineModule):
+    """Base of the upstream-model adapters: batches are LongTensors (B, T + 1) of token ids; inputs are all but the
+    last token, targets all but the first (as :class:`~lightning_async_pp.models.Llama`).
+
+    Subclasses implement :meth:`build_upstream` (assign the upstream children, return the pipeline layers) and
+    :meth:`init_module` (the upstream initialization of one submodule).
+    """
+
+    def __init__(self, lr: float = 3e-4, weight_decay: float = 0.1, init_seed: Optional[int] = None) -> None:
+        super().__init__()
+        self.lr, self.weight_decay, self.init_seed = lr, weight_decay, init_seed
+        self._layers: Optional[list[nn.Module]] = None
+
+    # ---- for subclasses ----------------------------------------------------------------------------------------
+    def build_upstream(self) -> list[nn.Module]:
+        raise NotImplementedError
+
+    def init_module(self, module: nn.Module) -> None:
+        raise NotImplementedError
+
+    # ---- building ----------------------------------------------------------------------------------------------
+    def configure_model(self) -> None:
+        if self._layers is not None:  # Lightning calls this hook on every trainer entry point
+            return
+        layers = self.build_upstream()
+        for index, layer in enumerate(layers):
+            # A buffer that the initialization does not set would stay uninitialized memory after the pipeline
+            # materializes a layer built on the meta device; the adapters keep rotary tables outside the layers.
+            buffers = [name for name, _ in layer.named_buffers()]
+            if buffers:
+                raise ValueError(
+                    f"{type(self).__name__}: pipeline layer {index} ({type(layer).__name__}) holds buffers {buffers}, "
+                    f"which its initialization does not set; this architecture is not supported by the adapter"
+                )
+        self._layers = layers
+        self.init_weights()
+
+    def init_weights(self) -> None:
+        """(Re-)initialize every materialized layer (layers on the ``meta`` device are skipped). As the pipeline's
+        materialization does, a parameter shared by two layers (a tied embedding and head) keeps the value its first
+        layer gave it."""
+        done: set[int] = set()
+        for index, layer in enumerate(self.pipeline_layers()):
+            if any(p.is_meta for p in layer.parameters()):
+                continue
+            kept = [(p, p.detach().clone()) for p in layer.parameters() if id(p) in done]
+            self.init_layer(index, layer)
+            with torch.no_grad():
+                for p, value in kept:
+                    p.copy_(value)
+            done.update(id(p) for p in layer.parameters())
+
+    @torch.no_grad()
+    def init_layer(self, index: int, layer: nn.Module) -> None:
+        """The upstream rule for every submodule of pipeline layer ``index``, drawing from the global RNG seeded by
+        ``init_seed`` (default ``torch.initial_seed()``) and ``index`` (the global RNG is left as it was)."""
+        base = self.init_seed if self.init_seed is not None else torch.initial_seed()
+        devices = [p.device for p in layer.parameters() if p.device.type == "cuda"][:1]
+        with torch.random.fork_rng(devices=devices):
+            torch.manual_seed((base * 1_000_003 + index) % 2**63)
+            for module in layer.modules():
+                self.init_module(module)
+
+    # ---- the PipelineModule contract -------------------------------------------------------------------------
+    def pipeline_layers(self) -> Sequence[nn.Module]:
+        if self._layers is None:
+            raise RuntimeError(f"{type(self).__name__}'s layers are built in configure_model(); call it (or let the Trainer) first")
+        return self._layers
+
+    def pipeline_input(self, batch: Tensor) -> Tensor:
+        return batch[:, :-1]
+
+    def pipeline_loss(self, logits: Tensor, batch: Tensor) -> Tensor:
+        return F.cross_entropy(logits.flatten(0, 1).float(), batch[:, 1:].flatten())
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        # As models.Llama: weight decay on matrices only; a tied matrix is listed once, under its first name.
+        groups = decay_matrices_only(self.named_parameters(), self.weight_decay)
+        return torch.optim.AdamW(groups, lr=self.lr, betas=(0.9, 0.95))

@@ -1,0 +1,153 @@
+"""``HuggingFaceCausalLM``: a transformers decoder-only causal LM of the Llama family's layout as a ``PipelineModule``.
+
+The upstream model (``AutoModelForCausalLM.from_config(config)``) is built in ``configure_model()``; its children
+``model`` and ``lm_head`` become this module's, so ``state_dict()`` keys are exactly the upstream ones and a
+consolidated checkpoint loads with ``strict=True`` into ``AutoModelForCausalLM.from_config(config)``. Pipeline
+layers: ``model.embed_tokens``, each of ``model.layers``, ``model.norm``, ``lm_head``. A decoder layer called with
+the hidden state alone gets the rest of what ``model.forward`` gives it (positions, rotary cos/sin, the causal or
+sliding-window mask for its attention implementation) from a forward pre-hook; called the upstream way (with
+keyword arguments) it is untouched. The rotary embedding holds only a non-persistent buffer: it is rebuilt off
+the meta device and kept outside the module tree (``model.rotary_emb`` still names it), so its ``inv_freq`` is
+the upstream value whatever device the layers were built on. ``tie_word_embeddings`` ties ``lm_head.weight`` to
+``model.embed_tokens.weight`` (one Parameter; across stages the engine keeps identical copies).
+"""
+from __future__ import annotations
+
+import inspect
+from collections.abc import Mapping
+from typing import Any, Callable, Optional
+
+import torch
+from torch import nn
+
+from lightning_async_pp.models.adopted import AdoptedCausalLM, missing_package
+
+#: What the adapter takes from the upstream model, as dotted paths of ``AutoModelForCausalLM.from_config(config)``.
+LAYOUT = ("model.embed_tokens", "model.layers", "model.norm", "model.rotary_emb", "lm_head")
+
+
+def as_pretrained_config(config: Any) -> Any:
+    """A ``transformers.PretrainedConfig`` from one, or from a mapping with ``model_type`` (``AutoConfig.for_model``)."""
+    try:
+        from transformers import AutoConfig, PretrainedConfig
+    except ImportError as err:
+        raise missing_package("transformers", "hf") from err
+    if isinstance(config, PretrainedConfig):
+        return config
+    if isinstance(config, Mapping):
+        if "model_type" not in config:
+            raise ValueError(f"a HuggingFaceCausalLM config mapping needs a 'model_type' (e.g. llama, mistral, qwen2); got keys {sorted(config)}")
+        rest = {k: v for k, v in config.items() if k != "model_type"}
+        return AutoConfig.for_model(config["model_type"], **rest)
+    raise TypeError(f"config must be a transformers.PretrainedConfig or a mapping with 'model_type', got {type(config).__name__}")
+
+
+class DecoderLayerInputs:
+    """Forward pre-hook of one upstream decoder layer: called as ``layer(hidden_states)`` (by the pipeline), it adds
+    the keyword arguments ``model.forward`` would pass (no cache, positions ``0..T-1``).
+
+    The names follow the installed transformers: 4.x passes ``cache_position`` and ``past_key_values`` (and the
+    mask helpers take ``input_embeds``), 5.x passes neither (and takes ``inputs_embeds``, ``cache``)."""
+
+    def __init__(self, config: Any, rotary: nn.Module, make_mask: Callable[..., Any], layer: nn.Module) -> None:
+        self.config, self.rotary, self.make_mask = config, rotary, make_mask
+        mask_args = inspect.signature(make_mask).parameters
+        self.embeds_name = "inputs_embeds" if "inputs_embeds" in mask_args else "input_embeds"
+        self.mask_cache = {name: None for name in ("past_key_values", "cache") if name in mask_args}
+        self.mask_takes_cache_position = "cache_position" in mask_args
+        self.layer_takes_cache_position = "cache_position" in inspect.signature(type(layer).forward).parameters
+
+    def __call__(self, module: nn.Module, args: tuple, kwargs: dict) -> Optional[tuple[tuple, dict]]:
+        if kwargs or len(args) != 1:
+            return None  # called the upstream way
+        (hidden,) = args
+        cache_position = torch.arange(hidden.shape[1], device=hidden.device)
+        position_ids = cache_position.unsqueeze(0)
+        if self.rotary.inv_freq.device != hidden.device:
+            self.rotary.to(hidden.device)  # once per process: the rotary module is shared by its layers
+        mask_kwargs = dict(config=self.config, attention_mask=None, position_ids=position_ids, **self.mask_cache)
+        mask_kwargs[self.embeds_name] = hidden
+        if self.mask_takes_cache_position:
+            mask_kwargs["cache_position"] = cache_position
+        layer_kwargs = dict(attention_mask=self.make_mask(**mask_kwargs), position_ids=position_ids,
+                            position_embeddings=self.rotary(hidden, position_ids), use_cache=False)
+        if self.layer_takes_cache_position:
+            layer_kwargs["cache_position"] = cache_position
+        return (hidden,), layer_kwargs
+
+
+class HuggingFaceCausalLM(AdoptedCausalLM):
+    """A transformers causal LM (Llama/SmolLM, Mistral, Qwen2 and others laid out as ``model.embed_tokens``,
+    ``model.layers``, ``model.norm``, ``model.rotary_emb``, ``lm_head``) as a ``PipelineModule``.
+
+    Args:
+        config: a ``transformers.PretrainedConfig``, or a mapping with ``model_type`` and the config's fields
+            (what LightningCLI YAML gives: ``{model_type: llama, hidden_size: 64, ...}``). Nothing is downloaded.
+        lr, weight_decay: the AdamW of :meth:`configure_optimizers` (matrices decayed, norms not).
+        init_seed: seed of the per-layer initialization; ``None`` uses ``torch.initial_seed()``. Each layer is
+            initialized by the upstream ``_init_weights`` (``normal(0, initializer_range)`` matrices, norms 1,
+            padding row 0) drawing from the global RNG seeded by this seed and the layer's index (and left as it
+            was), so one device and p processes build the same weights.
+    """
+
+    def __init__(self, config: Any, lr: float = 3e-4, weight_decay: float = 0.1, init_seed: Optional[int] = None) -> None:
+        super().__init__(lr=lr, weight_decay=weight_decay, init_seed=init_seed)
+        self.config = as_pretrained_config(config)
+        # A plain mapping, so that load_from_checkpoint rebuilds the config without unpickling transformers objects.
+        self.save_hyperparameters({"config": self.config.to_dict(), "lr": lr, "weight_decay": weight_decay, "init_seed": init_seed})
+        self.model: Optional[nn.Module] = None  # built in configure_model()
+        self.lm_head: Optional[nn.Module] = None
+        self._init_weights: Optional[Callable[[nn.Module], None]] = None
+
+    def build_upstream(self) -> list[nn.Module]:
+        from transformers import AutoModelForCausalLM
+        from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+
+        upstream = AutoModelForCausalLM.from_config(self.config)
+        name = f"{type(upstream).__name__} (model_type {self.config.model_type!r})"
+        missing = [path for path in LAYOUT if not _has_path(upstream, path)]
+        if missing:
+            raise ValueError(
+                f"HuggingFaceCausalLM cannot split {name} into pipeline layers: it has no {', '.join(missing)}. "
+                f"The adapter takes decoder-only models laid out as {', '.join(LAYOUT)} (Llama, Mistral, Qwen2, ...); "
+                f"for another layout write a PipelineModule whose pipeline_layers() lists its parts (README, 'Your own model')"
+            )
+        base = upstream.model
+        blocks = list(base.layers)
+        if not blocks:
+            raise ValueError(f"HuggingFaceCausalLM: {name} has no decoder layers (num_hidden_layers={self.config.num_hidden_layers})")
+        forward_args = inspect.signature(type(blocks[0]).forward).parameters
+        if "position_embeddings" not in forward_args:
+            raise ValueError(f"HuggingFaceCausalLM cannot split {name}: its decoder layer {type(blocks[0]).__name__}.forward "
+                             f"takes no position_embeddings (transformers >= 4.54 passes them to every layer)")
+        # The rotary module holds only non-persistent buffers (inv_freq): rebuilt off the meta device (where the
+        # strategy builds layers) from the config, as its constructor computes them, and kept out of the module tree.
+        with torch.device("cpu"):
+            rotary = type(base.rotary_emb)(config=base.config)
+        del base._modules["rotary_emb"]
+        object.__setattr__(base, "rotary_emb", rotary)  # model.forward still finds it
+        for block in blocks:
+            attention = getattr(block, "attention_type", None)
+            if attention is None:  # Mistral: one kind of attention, sliding if the config has a window
+                attention = "sliding_attention" if getattr(self.config, "sliding_window", None) is not None else "full_attention"
+            masks = {"full_attention": create_causal_mask, "sliding_attention": create_sliding_window_causal_mask}
+            if attention not in masks:
+                raise ValueError(f"HuggingFaceCausalLM cannot split {name}: its layers use {attention!r} attention; "
+                                 f"supported: {', '.join(masks)}")
+            block.register_forward_pre_hook(DecoderLayerInputs(base.config, rotary, masks[attention], block), with_kwargs=True)
+        self.model, self.lm_head = base, upstream.lm_head
+        self._init_weights = upstream._init_weights
+        return [base.embed_tokens, *blocks, base.norm, upstream.lm_head]
+
+    def init_module(self, module: nn.Module) -> None:
+        assert self._init_weights is not None
+        self._init_weights(module)
+
+
+def _has_path(root: Any, path: str) -> bool:
+    for part in path.split("."):
+        if not hasattr(root, part):
+            return False
+        root = getattr(root, part)
+    return isinstance(root, nn.Module)
+

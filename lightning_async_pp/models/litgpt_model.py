@@ -1,0 +1,125 @@
+"""``LitGPT``: litgpt's ``GPT`` as a ``PipelineModule``.
+
+The upstream ``litgpt.GPT(config)`` is built in ``configure_model()``; its children ``transformer`` and ``lm_head``
+become this module's, so ``state_dict()`` keys are litgpt's and a consolidated checkpoint loads with
+``strict=True`` into ``litgpt.GPT(config)``. Pipeline layers: ``transformer.wte``, each of ``transformer.h``,
+``transformer.ln_f``, ``lm_head``. A block called with the hidden state alone gets the rope cos/sin for positions
+``0..T-1`` (litgpt's ``GPT.forward`` without a KV cache) from a forward pre-hook. The rope cache (litgpt keeps it
+as non-persistent buffers of ``GPT``) is computed off the meta device by litgpt's own ``rope_cache()`` and kept
+outside the module tree.
+"""
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any, Optional
+
+import torch
+from torch import Tensor, nn
+
+from lightning_async_pp.models.adopted import AdoptedCausalLM, missing_package
+
+#: Config fields whose ``GPT.forward`` code sits outside the blocks; the adapter refuses them (value: what is "off").
+UNSUPPORTED = {"scale_embeddings": False, "final_logit_softcapping": None, "rope_indices": None}
+
+
+def as_litgpt_config(config: Any) -> Any:
+    """A ``litgpt.Config`` from one, a config name (``Config.from_name``), or a mapping (with ``name``: that
+    config with the other keys overriding it; without: ``Config(**mapping)``)."""
+    try:
+        from litgpt import Config
+    except ImportError as err:
+        raise missing_package("litgpt", "litgpt") from err
+    if isinstance(config, Config):
+        return config
+    if isinstance(config, str):
+        return Config.from_name(config)
+    if isinstance(config, Mapping):
+        rest = {k: v for k, v in config.items() if k != "name"}
+        return Config.from_name(config["name"], **rest) if "name" in config else Config(**rest)
+    raise TypeError(f"config must be a litgpt.Config, a config name or a mapping, got {type(config).__name__}")
+
+
+class RopeCache:
+    """litgpt's rope cos/sin (max_seq_length, n_elem), kept outside the module tree; moved to a device on first use."""
+
+    def __init__(self, cos: Tensor, sin: Tensor) -> None:
+        self.cos, self.sin = cos, sin
+
+    def take(self, length: int, device: torch.device) -> tuple[Tensor, Tensor]:
+        if length > self.cos.shape[0]:
+            raise ValueError(f"Cannot forward sequence of length {length}, max seq length is only {self.cos.shape[0]}.")
+        if self.cos.device != device:
+            self.cos, self.sin = self.cos.to(device), self.sin.to(device)
+        return self.cos[:length].unsqueeze(0), self.sin[:length].unsqueeze(0)
+
+
+class BlockInputs:
+    """Forward pre-hook of one litgpt ``Block``: called as ``block(x)`` (by the pipeline), it adds ``cos, sin`` for
+    positions ``0..T-1`` and no mask (causal), as ``GPT.forward`` does without a KV cache."""
+
+    def __init__(self, rope: RopeCache) -> None:
+        self.rope = rope
+
+    def __call__(self, module: nn.Module, args: tuple) -> Optional[tuple]:
+        if len(args) != 1:
+            return None  # called the upstream way
+        (x,) = args
+        cos, sin = self.rope.take(x.shape[1], x.device)
+        return x, cos, sin
+
+
+class LitGPT(AdoptedCausalLM):
+    """litgpt's ``GPT`` as a ``PipelineModule``.
+
+    Args:
+        config: a ``litgpt.Config``, a config name (``"pythia-14m"``: ``Config.from_name``, nothing downloaded), or
+            a mapping (``{name: pythia-14m, n_layer: 2, vocab_size: 256}``: that config with overrides; without
+            ``name``: ``Config(**mapping)``).
+        lr, weight_decay: the AdamW of :meth:`configure_optimizers` (matrices decayed, norms not).
+        init_seed: seed of the per-layer initialization; ``None`` uses ``torch.initial_seed()``. Each layer is
+            initialized by litgpt's ``GPT._init_weights`` (``normal(0, 0.02)`` linear and embedding weights, zero
+            biases) and norms by their ``reset_parameters`` (as ``GPT(config)`` builds them), drawing from the
+            global RNG seeded by this seed and the layer's index.
+    """
+
+    def __init__(self, config: Any, lr: float = 3e-4, weight_decay: float = 0.1, init_seed: Optional[int] = None) -> None:
+        super().__init__(lr=lr, weight_decay=weight_decay, init_seed=init_seed)
+        self.config = as_litgpt_config(config)
+        unsupported = {k: getattr(self.config, k) for k, off in UNSUPPORTED.items() if getattr(self.config, k) != off}
+        if unsupported:
+            raise ValueError(
+                f"LitGPT cannot split litgpt config {self.config.name!r} into pipeline layers: GPT.forward applies "
+                f"{unsupported} outside its blocks; supported: {UNSUPPORTED}"
+            )
+        self.save_hyperparameters({"config": dataclasses.asdict(self.config), "lr": lr, "weight_decay": weight_decay,
+                                   "init_seed": init_seed})
+        self.transformer: Optional[nn.Module] = None  # built in configure_model()
+        self.lm_head: Optional[nn.Module] = None
+        self._init_weights: Any = None
+
+    def build_upstream(self) -> list[nn.Module]:
+        from litgpt import GPT
+
+        upstream = GPT(self.config)
+        # GPT's cos/sin buffers are computed in its constructor (on the meta device under the strategy): computed
+        # again here on the CPU, by litgpt's own function, and kept outside the module tree.
+        with torch.device("cpu"):
+            cos, sin = upstream.rope_cache(device=torch.device("cpu"))
+        rope = RopeCache(cos, sin)
+        blocks = list(upstream.transformer.h)
+        for block in blocks:
+            block.register_forward_pre_hook(BlockInputs(rope))
+        self.lm_head, self.transformer = upstream.lm_head, upstream.transformer  # litgpt's order of keys
+        self._init_weights = upstream._init_weights
+        self.rope = rope
+        return [upstream.transformer.wte, *blocks, upstream.transformer.ln_f, upstream.lm_head]
+
+    def init_module(self, module: nn.Module) -> None:
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            self._init_weights(module)
+        elif any(True for _ in module.parameters(recurse=False)):  # norms: what GPT(config) gives them
+            reset = getattr(module, "reset_parameters", None)
+            if not callable(reset):
+                raise TypeError(f"LitGPT: {type(module).__name__} has parameters but no reset_parameters() to initialize them")
+            reset()

@@ -1,0 +1,80 @@
+"""Trains a tiny ``models.HuggingFaceCausalLM`` or ``models.LitGPT`` with AsyncPipelineStrategy; every rank saves what
+it saw to ``OUT/rank{r}.pt``.
+
+Run by tests/test_adapters.py in a subprocess (Lightning's launcher re-executes this script for the other rank);
+the tests also import ``build_model``/``run`` for the same run on one device in their own process.
+
+Config keys: adapter ("hf" or "litgpt"), model (adapter config overrides), devices, stages (on one device),
+schedule, microbatches, partition, steps, seed, samples, batch, seq, lr, checkpoint_dir (a sharded checkpoint at
+the last step).
+"""
+from __future__ import annotations
+
+import os
+import sys
+from typing import Any
+
+import lightning as L
+import torch
+from torch.utils.data import DataLoader
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from helpers import script_main  # noqa: E402
+from llama_fit import token_rows  # noqa: E402  (the same counting rows)
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing is downloaded: configs are built here
+
+from lightning_async_pp import AsyncPipelineStrategy  # noqa: E402
+from lightning_async_pp.models import HuggingFaceCausalLM, LitGPT  # noqa: E402
+
+#: Tiny configs: 2 blocks, so that embedding | blocks | norm + head split into 2 stages in several ways.
+HF_LLAMA = dict(model_type="llama", vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=True)
+LITGPT_PYTHIA = dict(name="pythia-14m", n_layer=2, n_embd=32, n_head=4, vocab_size=256, block_size=64)
+
+
+def build_model(cfg: dict) -> L.LightningModule:
+    lr = cfg.get("lr", 3e-3)  # as llama_fit; litgpt's key biases get only rounding noise as gradient, which Adam scales to ~lr
+    if cfg.get("adapter", "hf") == "hf":
+        return HuggingFaceCausalLM({**HF_LLAMA, **cfg.get("model", {})}, lr=lr, init_seed=cfg.get("seed", 0))
+    return LitGPT({**LITGPT_PYTHIA, **cfg.get("model", {})}, lr=lr, init_seed=cfg.get("seed", 0))
+
+
+def loader(cfg: dict) -> DataLoader:
+    rows = token_rows(cfg.get("samples", 32), cfg.get("seq", 16))
+    return DataLoader(rows, batch_size=cfg.get("batch", 8), shuffle=False, drop_last=True)
+
+
+def run(cfg: dict, devices: int) -> tuple[dict, L.LightningModule, L.Trainer]:
+    L.seed_everything(cfg.get("seed", 0), verbose=False)
+    model = build_model(cfg)
+    kwargs: dict[str, Any] = {}
+    if cfg.get("partition"):
+        kwargs["partition"] = cfg["partition"]
+    if devices == 1:
+        kwargs["num_stages"] = cfg.get("stages", 2)  # the one-device emulation of the same pipeline
+    strategy = AsyncPipelineStrategy(schedule=cfg.get("schedule", "2bw"), num_microbatches=cfg.get("microbatches", 4),
+                                     pipeline_timeout=60.0, **kwargs)
+    callbacks = []
+    if cfg.get("checkpoint_dir"):
+        from lightning.pytorch.callbacks import ModelCheckpoint
+
+        callbacks.append(ModelCheckpoint(dirpath=cfg["checkpoint_dir"], every_n_train_steps=cfg.get("steps", 4)))
+    trainer = L.Trainer(
+        strategy=strategy, accelerator="cpu", devices=devices, max_steps=cfg.get("steps", 4), logger=False,
+        callbacks=callbacks, enable_checkpointing=bool(callbacks), enable_progress_bar=False,
+        enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,
+    )
+    trainer.fit(model, loader(cfg))
+    result: dict[str, Any] = {"rank": trainer.global_rank, "global_step": trainer.global_step}
+    if trainer.is_global_zero:
+        result["state_dict"] = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
+    return result, model, trainer
+
+
+def main() -> None:
+    script_main(run)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,294 @@
+"""models.HuggingFaceCausalLM and models.LitGPT against the upstream models they adapt.
+
+The references are the upstream classes themselves (``AutoModelForCausalLM.from_config``, ``litgpt.GPT``): the same
+weights give the same logits and loss, the state_dict keys are theirs, the initialization follows their rule; the
+pipeline runs are checked against the update rule written out (helpers.delayed_loop) and, on 2 processes, against
+the one-device run. Configs are built here; nothing is downloaded.
+"""
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+pytest.importorskip("litgpt")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+from litgpt import GPT, Config  # noqa: E402
+from transformers import AutoConfig, AutoModelForCausalLM  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).parent / "scripts"))
+import adapter_fit  # noqa: E402
+from helpers import delayed_loop  # noqa: E402
+from pipeline_runs import max_difference, run_here_on_one_device, script_ranks  # noqa: E402
+
+from lightning_async_pp.consolidate import consolidate_checkpoint  # noqa: E402
+from lightning_async_pp.models import HuggingFaceCausalLM, LitGPT  # noqa: E402
+from lightning_async_pp.pipeline.placement import materialize_layers  # noqa: E402
+
+SCRIPT = Path(__file__).parent / "scripts" / "adapter_fit.py"
+TOL = 1e-5
+VOCAB = 256
+
+TINY = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=64)
+HF_CASES = {
+    "llama-tied": dict(model_type="llama", tie_word_embeddings=True),
+    "llama-untied": dict(model_type="llama", tie_word_embeddings=False),
+    "llama-eager": dict(model_type="llama", tie_word_embeddings=True, attn_implementation="eager"),  # a real mask
+    "mistral-window-4": dict(model_type="mistral", sliding_window=4, tie_word_embeddings=False),
+    "qwen2": dict(model_type="qwen2", tie_word_embeddings=True),  # biases on q, k, v
+}
+
+
+def hf_config(case: str, **overrides):
+    return AutoConfig.for_model(**{**TINY, **HF_CASES[case], **overrides})
+
+
+def built(model):
+    model.configure_model()
+    return model
+
+
+def tokens(b: int = 3, t: int = 16, seed: int = 1) -> torch.Tensor:
+    """A batch as the data module makes it: (B, T + 1) token ids."""
+    return torch.randint(0, VOCAB, (b, t + 1), generator=torch.Generator().manual_seed(seed))
+
+
+# ---- Hugging Face: the upstream model's forward, loss, keys, init --------------------------------------------------
+@pytest.mark.parametrize("case", list(HF_CASES))
+def test_hf_adapter_gives_the_upstream_logits_and_loss_with_the_upstream_keys(case):
+    config = hf_config(case)
+    ours = built(HuggingFaceCausalLM(config, init_seed=3)).eval()
+    upstream = AutoModelForCausalLM.from_config(config).eval()
+    assert list(ours.state_dict()) == list(upstream.state_dict())
+    upstream.load_state_dict(ours.state_dict(), strict=True)
+    batch = tokens()
+    logits = ours(batch)
+    torch.testing.assert_close(logits, upstream(batch[:, :-1]).logits, rtol=0, atol=0)
+    # The upstream loss shifts its labels itself: the whole row is its input and its labels.
+    torch.testing.assert_close(ours.pipeline_loss(logits, batch), upstream(batch, labels=batch).loss)
+    tied = config.tie_word_embeddings
+    assert (ours.lm_head.weight is ours.model.embed_tokens.weight) == tied
+
+
+def test_hf_sliding_window_of_mistral_is_applied():
+    # Guards the test above: with T = 16 a window of 4 changes the logits, so the adapter's mask is checked there.
+    windowed = built(HuggingFaceCausalLM(hf_config("mistral-window-4"), init_seed=3)).eval()
+    full = built(HuggingFaceCausalLM(hf_config("mistral-window-4", sliding_window=None), init_seed=3)).eval()
+    full.load_state_dict(windowed.state_dict())
+    batch = tokens()
+    assert not torch.allclose(windowed(batch), full(batch))
+    torch.testing.assert_close(windowed(batch)[:, :4], full(batch)[:, :4])  # inside the window: the same
+
+
+def test_hf_layers_are_embedding_decoder_layers_norm_and_head_passing_the_hidden_state():
+    model = built(HuggingFaceCausalLM(hf_config("llama-tied")))
+    layers = model.pipeline_layers()
+    assert layers == [model.model.embed_tokens, *model.model.layers, model.model.norm, model.lm_head]
+    x = model.pipeline_input(tokens())
+    for layer in layers[:-1]:
+        x = layer(x)
+        assert isinstance(x, torch.Tensor) and x.shape == (3, 16, 32)  # what crosses a stage boundary
+
+
+def test_hf_init_follows_the_upstream_rule():
+    config = hf_config("llama-untied", hidden_size=128, intermediate_size=256, initializer_range=0.05, pad_token_id=7)
+    model = built(HuggingFaceCausalLM(config))
+    for name, p in model.named_parameters():
+        if p.dim() == 2:
+            assert p.std().item() == pytest.approx(0.05, rel=0.05), name
+        else:
+            assert torch.equal(p, torch.ones_like(p)), name  # RMSNorm gains
+    assert torch.equal(model.model.embed_tokens.weight[7], torch.zeros(128))  # the padding row, as _init_weights does
+
+
+def test_hf_init_is_seeded_per_layer_index():
+    two = built(HuggingFaceCausalLM(hf_config("llama-tied"), init_seed=5))
+    three = built(HuggingFaceCausalLM(hf_config("llama-tied", num_hidden_layers=3), init_seed=5))
+    other = built(HuggingFaceCausalLM(hf_config("llama-tied"), init_seed=6))
+    # A layer's weights do not depend on how many layers follow it (a stage builds only its own).
+    assert max_difference(two.model.layers[1].state_dict(), three.model.layers[1].state_dict()) == 0.0
+    assert torch.equal(two.model.embed_tokens.weight, three.model.embed_tokens.weight)
+    assert not torch.equal(two.model.layers[0].self_attn.q_proj.weight, other.model.layers[0].self_attn.q_proj.weight)
+    assert not torch.equal(two.model.layers[0].self_attn.q_proj.weight, two.model.layers[1].self_attn.q_proj.weight)
+
+
+def test_hf_built_on_meta_and_materialized_has_the_upstream_rotary_buffer_and_the_same_weights():
+    """What the strategy does: configure_model under the meta device, then per-layer materialization."""
+    config = hf_config("llama-tied", rope_theta=500.0)
+    with torch.device("meta"):
+        lazy = built(HuggingFaceCausalLM(config, init_seed=2))
+    assert lazy.model.embed_tokens.weight.is_meta
+    layers = lazy.pipeline_layers()
+    materialize_layers(layers, list(range(len(layers))), torch.device("cpu"), lazy.init_layer)
+    upstream = AutoModelForCausalLM.from_config(config)
+    inv_freq = lazy.model.rotary_emb.inv_freq
+    assert not inv_freq.is_meta and torch.equal(inv_freq, upstream.model.rotary_emb.inv_freq)
+    assert not any(t.is_meta for t in (*lazy.parameters(), *lazy.buffers()))
+    eager = built(HuggingFaceCausalLM(config, init_seed=2))
+    assert max_difference(lazy.state_dict(), eager.state_dict()) == 0.0
+    assert lazy.lm_head.weight is lazy.model.embed_tokens.weight
+
+
+def test_hf_config_may_be_a_mapping_with_model_type_and_rebuilds_from_its_hyperparameters():
+    mapping = {**TINY, **HF_CASES["qwen2"]}
+    model = built(HuggingFaceCausalLM(mapping, init_seed=1))
+    assert type(model.model).__name__ == "Qwen2Model"
+    again = built(HuggingFaceCausalLM(**model.hparams))  # what load_from_checkpoint does
+    assert again.config.to_dict() == model.config.to_dict()
+    assert max_difference(again.state_dict(), model.state_dict()) == 0.0
+    with pytest.raises(ValueError, match="model_type"):
+        HuggingFaceCausalLM({"hidden_size": 32})
+
+
+def test_hf_refuses_an_architecture_it_cannot_split_naming_what_is_missing():
+    gpt2 = AutoConfig.for_model("gpt2", n_layer=2, n_embd=32, n_head=4, vocab_size=VOCAB)
+    with pytest.raises(ValueError, match=r"GPT2LMHeadModel.*no model\.embed_tokens, model\.layers, model\.norm, model\.rotary_emb"):
+        HuggingFaceCausalLM(gpt2).configure_model()
+
+
+# ---- litgpt ---------------------------------------------------------------------------------------------------------
+LITGPT_CASES = {
+    "pythia": dict(name="pythia-14m", n_layer=2, n_embd=32, n_head=4, vocab_size=VOCAB, block_size=64),
+    "llama-style": dict(name="tiny-llama-1.1b", n_layer=2, n_embd=32, n_head=4, n_query_groups=2,
+                        intermediate_size=64, vocab_size=VOCAB, block_size=64),
+}
+
+
+@pytest.mark.parametrize("case", list(LITGPT_CASES))
+def test_litgpt_adapter_gives_the_upstream_logits_with_the_upstream_keys(case):
+    config = Config.from_name(**LITGPT_CASES[case])
+    ours = built(LitGPT(config, init_seed=3)).eval()
+    upstream = GPT(config).eval()
+    assert list(ours.state_dict()) == list(upstream.state_dict())
+    upstream.load_state_dict(ours.state_dict(), strict=True)
+    batch = tokens()
+    torch.testing.assert_close(ours(batch), upstream(batch[:, :-1]), rtol=0, atol=0)
+    assert torch.equal(ours.rope.cos, upstream.cos) and torch.equal(ours.rope.sin, upstream.sin)
+
+
+def test_litgpt_init_follows_the_upstream_rule_and_rope_is_real_after_a_meta_build():
+    config = Config.from_name(**{**LITGPT_CASES["pythia"], "n_embd": 128})
+    with torch.device("meta"):
+        lazy = built(LitGPT(config, init_seed=4))
+    layers = lazy.pipeline_layers()
+    materialize_layers(layers, list(range(len(layers))), torch.device("cpu"), lazy.init_layer)
+    assert not lazy.rope.cos.is_meta and torch.equal(lazy.rope.cos, GPT(config).cos)
+    for name, p in lazy.named_parameters():
+        if p.dim() == 2:  # GPT._init_weights: normal(0, 0.02) for linear and embedding weights
+            assert p.std().item() == pytest.approx(0.02, rel=0.05), name
+        elif "norm" in name or "ln_f" in name:
+            assert torch.equal(p, torch.ones_like(p) if name.endswith("weight") else torch.zeros_like(p)), name
+        else:
+            assert torch.equal(p, torch.zeros_like(p)), name  # linear biases
+    assert max_difference(lazy.state_dict(), built(LitGPT(config, init_seed=4)).state_dict()) == 0.0
+
+
+def test_litgpt_config_by_name_or_mapping_and_unsupported_configs_are_refused():
+    assert LitGPT("pythia-14m").config.n_layer == 6
+    model = LitGPT({"name": "pythia-14m", "n_layer": 2, "vocab_size": VOCAB})
+    assert (model.config.n_layer, model.config.padded_vocab_size) == (2, VOCAB)
+    again = LitGPT(**model.hparams)
+    assert again.config == model.config
+    with pytest.raises(ValueError, match="scale_embeddings"):
+        LitGPT({"name": "pythia-14m", "scale_embeddings": True})
+
+
+# ---- under the pipeline: one device against the written-out rule ---------------------------------------------------
+def one_device(cfg: dict) -> dict:
+    return run_here_on_one_device(adapter_fit.run, cfg)
+
+
+@pytest.mark.parametrize("adapter", ["hf", "litgpt"])
+def test_two_stage_2bw_on_one_device_follows_the_delayed_recurrence(adapter):
+    # embedding + block 0 | block 1 + norm + head: with hf the tied matrix is used on both stages.
+    cfg = {"adapter": adapter, "steps": 4, "partition": [2, 3]}
+    result = one_device(cfg)
+    assert result["global_step"] == 4
+    model = built(adapter_fit.build_model(cfg))
+    batches = [b for _, b in zip(range(4), adapter_fit.loader(cfg))]
+    expected = delayed_loop(model, batches, delay=1)
+    assert max_difference(result["state_dict"], expected) < TOL
+    initial = built(adapter_fit.build_model(cfg)).state_dict()
+    assert max_difference(result["state_dict"], initial) > 1e-3  # the steps did move the weights
+    # the delay matters: the synchronous recurrence ends elsewhere
+    assert max_difference(result["state_dict"], delayed_loop(built(adapter_fit.build_model(cfg)), batches, delay=0)) > 1e-4
+
+
+def test_litgpt_consolidated_checkpoint_loads_strictly_into_litgpt_gpt(tmp_path):
+    cfg = {"adapter": "litgpt", "steps": 2, "partition": [2, 3], "checkpoint_dir": str(tmp_path / "ckpt")}
+    result = one_device(cfg)
+    consolidate_checkpoint(tmp_path / "ckpt" / "epoch=0-step=2.ckpt", tmp_path / "one.ckpt")
+    state = torch.load(tmp_path / "one.ckpt", weights_only=False)["state_dict"]
+    upstream = GPT(Config.from_name(**adapter_fit.LITGPT_PYTHIA)).eval()
+    upstream.load_state_dict(state, strict=True)
+    assert max_difference(upstream.state_dict(), result["state_dict"]) == 0.0
+    ours = built(adapter_fit.build_model(cfg)).eval()
+    ours.load_state_dict(state, strict=True)
+    batch = tokens()
+    torch.testing.assert_close(upstream(batch[:, :-1]), ours(batch), rtol=0, atol=0)
+
+
+# ---- two processes -----------------------------------------------------------------------------------------------
+def run_two_processes(cfg: dict, tmp_path: Path) -> list[dict]:
+    return script_ranks(SCRIPT, cfg, tmp_path)
+
+
+@pytest.mark.multiprocess
+def test_hf_two_processes_equal_one_device_and_the_consolidated_checkpoint_loads_into_the_upstream_class(tmp_path):
+    # Tied embedding and head on different processes (embedding + block 0 | block 1 + norm + head).
+    cfg = {"adapter": "hf", "steps": 4, "partition": [2, 3], "checkpoint_dir": str(tmp_path / "ckpt")}
+    ranks = run_two_processes(cfg, tmp_path)
+    assert [r["global_step"] for r in ranks] == [4, 4]
+    weights = ranks[0]["state_dict"]
+    reference = one_device({k: v for k, v in cfg.items() if k != "checkpoint_dir"})["state_dict"]
+    assert max_difference(weights, reference) < TOL
+    assert torch.equal(weights["model.embed_tokens.weight"], weights["lm_head.weight"])  # identical copies
+    # The sharded checkpoint, consolidated, loads strictly into the plain transformers class.
+    consolidate_checkpoint(tmp_path / "ckpt" / "epoch=0-step=4.ckpt", tmp_path / "one.ckpt")
+    state = torch.load(tmp_path / "one.ckpt", weights_only=False)["state_dict"]
+    config = AutoConfig.for_model(**adapter_fit.HF_LLAMA)
+    upstream = AutoModelForCausalLM.from_config(config).eval()
+    upstream.load_state_dict(state, strict=True)
+    assert max_difference(upstream.state_dict(), weights) == 0.0
+    ours = built(adapter_fit.build_model(cfg)).eval()
+    ours.load_state_dict(state, strict=True)
+    batch = tokens()
+    torch.testing.assert_close(upstream(batch[:, :-1]).logits, ours(batch), rtol=0, atol=0)
+    # ... and from there save_pretrained / from_pretrained (a local folder) work as for any transformers model.
+    upstream.save_pretrained(tmp_path / "hf")
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    torch.testing.assert_close(reloaded(batch[:, :-1]).logits, ours(batch), rtol=0, atol=0)
+
+
+# ---- the YAML configs --------------------------------------------------------------------------------------------
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+
+
+@pytest.mark.parametrize("name, cls", [("hf_llama_tiny", HuggingFaceCausalLM), ("litgpt_tiny", LitGPT)])
+def test_adapter_config_trains_two_steps_in_one_process(name, cls, tmp_path, monkeypatch):
+    import yaml
+
+    from lightning_async_pp.cli import AsyncPipelineCLI
+
+    monkeypatch.setattr(sys, "argv", ["lightning-async-pp"])
+    monkeypatch.chdir(tmp_path)
+    config = yaml.safe_load((CONFIGS / f"{name}.yaml").read_text())
+    # One process (the one-device emulation of the same 2 stages): under pytest, Lightning's launcher would re-run
+    # the whole test session for a second rank.
+    config["trainer"].update(devices=1, max_steps=2, limit_val_batches=1, val_check_interval=2, log_every_n_steps=1,
+                             default_root_dir=str(tmp_path))
+    config["trainer"]["strategy"]["init_args"]["num_stages"] = 2
+    config["trainer"]["logger"]["init_args"]["save_dir"] = str(tmp_path / "logs")
+    config["data"].update(block_size=32, batch_size=4, max_bytes=60_000, cache_dir=str(tmp_path / "cache"))
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(config))
+    cli = AsyncPipelineCLI(args=["fit", "--config", str(path)])
+    assert isinstance(cli.model, cls) and cli.trainer.global_step == 2
+    assert len(cli.model.pipeline_layers()) == 7 and cli.trainer.strategy.num_stages == 2
+    assert torch.isfinite(cli.trainer.callback_metrics["val_loss"])
