@@ -60,15 +60,19 @@ _RENDEZVOUS = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK",
                "PL_GLOBAL_SEED", "PL_SEED_WORKERS")
 
 
-def script_ranks(script: Path, cfg: dict, tmp_path: Path, ranks: int = 2, timeout: float = 240) -> list[dict]:
-    """Run a tests/scripts/ script (``helpers.script_main``) on its processes; what each rank saw, rank 0 first."""
+def run_script(script: Path, cfg: dict, tmp_path: Path, timeout: float = 240) -> subprocess.CompletedProcess:
+    """Run a tests/scripts/ script (``helpers.script_main``), which saves each rank's result in ``tmp_path/out``."""
     env = {k: v for k, v in os.environ.items() if k not in _RENDEZVOUS}
     env.update(PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
-    out = tmp_path / "out"
-    proc = subprocess.run([sys.executable, str(script), "--config", json.dumps(cfg), "--out", str(out)],
+    return subprocess.run([sys.executable, str(script), "--config", json.dumps(cfg), "--out", str(tmp_path / "out")],
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def script_ranks(script: Path, cfg: dict, tmp_path: Path, ranks: int = 2, timeout: float = 240) -> list[dict]:
+    """Run a tests/scripts/ script on its processes; what each rank saw, rank 0 first."""
+    proc = run_script(script, cfg, tmp_path, timeout)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(ranks)]
+    return [torch.load(tmp_path / "out" / f"rank{r}.pt", weights_only=False) for r in range(ranks)]
 
 
 def run_here_on_one_device(run, cfg: dict) -> dict:

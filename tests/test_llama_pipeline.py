@@ -15,7 +15,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent / "scripts"))
 import llama_fit  # noqa: E402
-from pipeline_runs import max_difference, run_here_on_one_device, script_ranks  # noqa: E402
+from pipeline_runs import max_difference, run_here_on_one_device, run_script, script_ranks  # noqa: E402
 
 SCRIPT = Path(__file__).parent / "scripts" / "llama_fit.py"
 TOL = 1e-5
@@ -80,9 +80,6 @@ def test_processes_that_build_different_models_fail_fast_with_a_message(tmp_path
     # Rank 1 builds the model untied: the processes would create different process groups. They must say so at
     # setup, well before the 300 s pipeline timeout (the subprocess is given 120 s).
     cfg = {"tie": True, "steps": 2, "partition": [3, 3], "untie_on_other_ranks": True, "timeout": 300.0}
-    env = {k: v for k, v in os.environ.items() if k not in _RENDEZVOUS}
-    env.update(PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
-    proc = subprocess.run([sys.executable, str(SCRIPT), "--config", json.dumps(cfg), "--out", str(tmp_path / "out")],
-                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    proc = run_script(SCRIPT, cfg, tmp_path, timeout=120)
     assert proc.returncode != 0
     assert "the processes see different pipelines" in proc.stderr and "rank 1:" in proc.stderr, proc.stderr[-3000:]

@@ -119,6 +119,36 @@ def test_a_layer_without_reset_parameters_built_on_meta_is_a_clear_error():
         trainer.fit(Model(), build_loader(dict()))
 
 
+def test_a_buffer_computed_in_init_of_a_layer_built_in_configure_model_keeps_its_values():
+    # A table computed in __init__ (rotary frequencies, a scale) is set by no reset_parameters: built on meta it
+    # came back as uninitialized memory and training ran on it silently.
+    class Scaled(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 4)
+            self.register_buffer("scale", torch.linspace(1.0, 2.0, 4), persistent=False)
+
+        def forward(self, x):
+            return self.lin(x) * self.scale
+
+    class Model(ConfiguredMLP):
+        def configure_model(self):
+            if self.layers is None:
+                self.layers = torch.nn.ModuleList([Scaled(), torch.nn.Linear(4, 1)])
+
+    import lightning as L
+
+    from lightning_async_pp import AsyncPipelineStrategy
+
+    model = Model()
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=1, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False,
+                        strategy=AsyncPipelineStrategy(num_stages=2, num_microbatches=2))
+    trainer.fit(model, build_loader(dict()))
+    assert torch.equal(model.layers[0].scale, torch.linspace(1.0, 2.0, 4))
+    assert not model.layers[0].lin.weight.is_meta
+
+
 # ---- resuming in another layout ---------------------------------------------------------------------------------
 def test_two_stage_run_equals_one_device_and_its_sharded_checkpoint_resumes_on_one_device(two_stages, reference):
     ranks, checkpoint = two_stages
