@@ -336,6 +336,9 @@ class AsyncPipelineStrategy(DDPStrategy):
         engine = self.engine
         assert engine is not None
         with self._reporting_failures():
+            # The previous batch's gradient has been applied by every optimizer that steps (several under manual
+            # optimization): drop it before this batch's backward accumulates the next one.
+            engine.release_gradients()
             if engine.has_lookahead and batch is not self._lookahead:
                 engine.cancel_lookahead()  # Lightning did not train the batch fetched ahead (epoch cut, stop)
             self._lookahead = self._next_batch(batch_idx)
@@ -381,8 +384,6 @@ class AsyncPipelineStrategy(DDPStrategy):
         if self.engine is not None and self._update_started is not None:
             self.engine.record_optimizer(self._update_started, time.perf_counter())
             self._update_started = None
-            # Under the pipeline the next batch's backward runs before Lightning's zero_grad would free this one.
-            self.engine.release_gradients()
         return output
 
     # ---- failures -------------------------------------------------------------------------------------------
@@ -505,6 +506,7 @@ class AsyncPipelineStrategy(DDPStrategy):
         super().on_train_end()
         if self.engine is not None:
             self.engine.cancel_lookahead()
+            self.engine.release_gradients()
         self._gather_after_call()
 
     def on_validation_end(self) -> None:
