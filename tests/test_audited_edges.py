@@ -46,3 +46,20 @@ def test_two_optimizers_under_manual_optimization_both_update_as_in_plain_lightn
     for name, value in plain.state_dict().items():
         assert not torch.equal(value, start[name]), f"{name} never moved in plain Lightning"
         assert torch.allclose(piped.state_dict()[name], value, atol=1e-6, rtol=0), name
+
+
+def test_a_group_loaded_in_another_layout_keeps_its_own_param_names():
+    from lightning_async_pp.pipeline import checkpoint as ckpt
+
+    a, b = torch.nn.Parameter(torch.ones(2)), torch.nn.Parameter(torch.ones(3))
+    saved = torch.optim.AdamW([("a", a), ("b", b)], lr=0.5)  # named parameters: the groups carry param_names
+    (a.sum() + b.sum()).backward()
+    saved.step()
+    flat = ckpt._optimizer_by_name(saved, {id(a): "a", id(b): "b"}, f"{ckpt.OPTIM}0/")
+    # Another layout: this process holds b alone.
+    b2 = torch.nn.Parameter(torch.ones(3))
+    loaded = torch.optim.AdamW([("b", b2)], lr=0.1)
+    ckpt.load_optimizers([loaded], {id(b2): "b"}, copy.deepcopy(flat))
+    group = loaded.param_groups[0]
+    assert group["param_names"] == ["b"] and group["lr"] == 0.5
+    assert torch.equal(loaded.state[b2]["exp_avg"], saved.state[b]["exp_avg"])

@@ -166,7 +166,9 @@ def load_optimizers(optimizers: Sequence[torch.optim.Optimizer], names: Mapping[
             hyper = {k: v for k, v in group.items() if k != "params"}
             first = saved.get((prefix, names[id(params[0])]), {}) if params else {}
             if GROUP in first:
-                hyper.update(pickle.loads(first[GROUP]))
+                # The saved group's hyperparameters, but not its member list: in another layout the group holds
+                # other parameters, and ``param_names`` must stay this group's own.
+                hyper.update({k: v for k, v in pickle.loads(first[GROUP]).items() if k != "param_names"})
             groups.append({**hyper, "params": list(range(index, index + len(params)))})
             for p in params:
                 entry = {k: v for k, v in saved.get((prefix, names[id(p)]), {}).items() if k != GROUP}
