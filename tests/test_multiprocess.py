@@ -77,7 +77,9 @@ def test_tuple_across_a_boundary_and_uneven_partition(tmp_path):
 
 
 def test_data_parallel_two_by_two_stages_equals_one_device_on_concatenated_batches(tmp_path):
-    cfg = dict(schedule="2bw", stages=2, dp=2, microbatches=2, steps=5, batch=4, samples=64, optimizer="adamw")
+    # The second replica's processes perturb their weights before the Trainer: replicas must start from the first's.
+    cfg = dict(schedule="2bw", stages=2, dp=2, microbatches=2, steps=5, batch=4, samples=64, optimizer="adamw",
+               perturb_replicas=True)
     proc = run_multiprocess(cfg, tmp_path)
     assert proc.returncode == 0, proc.stderr[-5000:]
     assert 'SAMPLER_KWARGS {"num_replicas": 2, "rank": 0}' in proc.stdout

@@ -176,6 +176,13 @@ class PipelineEngine:
         for tie, group in self._tie_groups:
             assert topology is not None
             dist.broadcast(tie.param.data, src=topology.rank_of(tie.owner, topology.dp_rank), group=group)
+        if self._dp_group is not None:
+            # Replicas start from the first replica's weights and buffers, as DDP does: a model initialized
+            # differently per process (an unseeded run) would otherwise train r different models.
+            assert topology is not None
+            held = nn.ModuleList([self.layers[i] for i in own])
+            for t in [*held.parameters(), *held.buffers()]:
+                dist.broadcast(t.data, src=topology.rank_of(topology.stage, 0), group=self._dp_group)
 
     def start(self) -> "PipelineEngine":
         """Create this process's stages from its layers as they are now (on their device): call after moving the

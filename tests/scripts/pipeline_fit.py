@@ -33,6 +33,10 @@ def main() -> None:
 
         StageLink.REUSE_BUFFERS_ON_CPU = True  # what CUDA does: the pools, checked here with gloo
     model = TinyLM(**cfg.get("model", {}), optimizer=cfg.get("optimizer", "sgd"), fail_at=cfg.get("fail_at"))
+    if cfg.get("perturb_replicas") and int(os.environ.get("LOCAL_RANK", 0)) >= cfg["stages"]:
+        with torch.no_grad():  # a replica that initialized differently: setup must give it the first replica's
+            for p in model.parameters():
+                p.add_(torch.randn_like(p))
     monitor_logger, monitors = _monitoring(cfg)
     strategy = AsyncPipelineStrategy(
         schedule=cfg["schedule"], num_microbatches=cfg["microbatches"],
