@@ -260,6 +260,7 @@ class AsyncPipelineStrategy(DDPStrategy):
         module._pipeline_executor = self
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
+            self.engine.check_tied_hyperparameters(self.optimizers)
             _optimizers_to_device(self.optimizers, self.root_device)
         self.setup_precision_plugin()
         if self.is_multiprocess:

@@ -83,3 +83,20 @@ def test_processes_that_build_different_models_fail_fast_with_a_message(tmp_path
     proc = run_script(SCRIPT, cfg, tmp_path, timeout=120)
     assert proc.returncode != 0
     assert "the processes see different pipelines" in proc.stderr and "rank 1:" in proc.stderr, proc.stderr[-3000:]
+
+
+def test_parameter_groups_chosen_by_name_put_both_copies_of_a_tie_in_the_same_group(tmp_path):
+    # The last stage lists the tied matrix as embed.weight (its one-device name), so a rule on names gives it the
+    # embedding's group there too; under the head's name the copies took different learning rates and drifted.
+    cfg = {"tie": True, "steps": 3, "partition": [3, 3], "groups_by_name": "by_name"}
+    ranks = run_two_processes(cfg, tmp_path)
+    weights = ranks[0]["state_dict"]
+    assert max_difference(weights, one_device(cfg)["state_dict"]) < TOL
+    assert torch.equal(weights["embed.weight"], weights["head.proj.weight"])
+
+
+def test_tied_copies_with_different_optimizer_groups_are_refused_before_training(tmp_path):
+    cfg = {"tie": True, "steps": 2, "partition": [3, 3], "groups_by_name": "rank_dependent", "timeout": 300.0}
+    proc = run_script(SCRIPT, cfg, tmp_path, timeout=120)
+    assert proc.returncode != 0
+    assert "'embed.weight' is tied across pipeline stages, but its optimizer groups differ" in proc.stderr, proc.stderr[-3000:]

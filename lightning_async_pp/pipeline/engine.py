@@ -251,6 +251,32 @@ class PipelineEngine:
             stages.append(stage)
         return stages
 
+    def check_tied_hyperparameters(self, optimizers: Sequence[torch.optim.Optimizer]) -> None:
+        """Copies of a parameter tied across processes must be updated alike: refuse (on every process, before
+        training) optimizer groups whose hyperparameters differ between the copies. Collective over all ranks."""
+        if not self.is_multiprocess:
+            return
+        tied = {id(t.param) for t in self.ties}
+        mine: dict[str, list] = {}
+        for i, optimizer in enumerate(optimizers):
+            for group in optimizer.param_groups:
+                hyper = repr(sorted((k, v) for k, v in group.items() if k not in ("params", "param_names")))
+                for p in group["params"]:
+                    if id(p) in tied:
+                        mine.setdefault(self.global_names[id(p)], []).append((i, hyper))
+        everyone: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, (self.rank, mine))
+        seen: dict[str, tuple[int, list]] = {}
+        for rank, groups in everyone:
+            for name, hyper in groups.items():
+                first = seen.setdefault(name, (rank, hyper))
+                if first[1] != hyper:
+                    raise ValueError(
+                        f"the parameter {name!r} is tied across pipeline stages, but its optimizer groups differ: "
+                        f"rank {first[0]} has {first[1]}, rank {rank} has {hyper}. Its copies would drift apart; "
+                        f"give it the same group (lr, weight decay, ...) on every stage"
+                    )
+
     # ---- training --------------------------------------------------------------------------------------------
     @property
     def params(self) -> list[nn.Parameter]:

@@ -33,13 +33,34 @@ def token_rows(samples: int, seq: int, seed: int = 3) -> list[torch.Tensor]:
     return list((starts + steps * torch.arange(seq + 1)) % 256)
 
 
+class LlamaGroupedByName(Llama):
+    """Parameter groups chosen by name, as users write them: the embedding (and so the head tied to it) at a
+    tenth of the learning rate; ``rank_dependent_lr`` makes the group differ between processes."""
+
+    def __init__(self, *args: Any, rank_dependent_lr: bool = False, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.rank_dependent_lr = rank_dependent_lr
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        named = list(self.named_parameters())
+        slow = 0.1 * (1 + self.global_rank if self.rank_dependent_lr else 1)
+        return torch.optim.AdamW([
+            {"params": [p for n, p in named if n.startswith("embed.")], "lr": self.hparams.lr * slow},
+            {"params": [p for n, p in named if not n.startswith("embed.")]},
+        ], lr=self.hparams.lr)
+
+
 def build(cfg: dict) -> tuple[Llama, DataLoader, L.Trainer]:
     L.seed_everything(cfg.get("seed", 0), verbose=False)
     tie = cfg.get("tie", True)
     if cfg.get("untie_on_other_ranks") and os.environ.get("LOCAL_RANK", "0") != "0":
         tie = not tie  # a model that differs between processes (the launcher sets LOCAL_RANK for rank 1)
-    model = Llama("tiny", vocab_size=256, tie_embeddings=tie, max_seq_len=cfg.get("max_seq_len", 64),
-                  lr=cfg.get("lr", 3e-3))
+    kwargs: dict[str, Any] = {}
+    if cfg.get("groups_by_name"):
+        kwargs["rank_dependent_lr"] = cfg["groups_by_name"] == "rank_dependent"
+    model = (LlamaGroupedByName if cfg.get("groups_by_name") else Llama)(
+        "tiny", vocab_size=256, tie_embeddings=tie, max_seq_len=cfg.get("max_seq_len", 64), lr=cfg.get("lr", 3e-3),
+        **kwargs)
     rows = token_rows(cfg.get("samples", 32), cfg.get("seq", 16))
     loader = DataLoader(rows, batch_size=cfg.get("batch", 8), shuffle=False, drop_last=True)
     return model, loader, make_trainer(cfg)
