@@ -56,3 +56,28 @@ def replace_sigterm_broadcast(trainer: Any, check: Callable[[], None]) -> None:
     across all stages, which would put a bubble back into 2BW.
     """
     trainer.fit_loop.epoch_loop._broadcast_sigterm_tensor = check
+
+
+def configure_optimizers(module: Any) -> list[Any]:
+    """The optimizers ``module.configure_optimizers()`` returns, in Lightning's order, whatever form it returns
+    them in (one optimizer, a list, a dict, lists with schedulers).
+
+    Relies on: ``lightning.pytorch.core.optimizer._init_optimizers_and_lr_schedulers(module)`` returning
+    ``(optimizers, scheduler_configs)``, as the trainer's own setup uses it."""
+    from lightning.pytorch.core.optimizer import _init_optimizers_and_lr_schedulers
+
+    return list(_init_optimizers_and_lr_schedulers(module)[0])
+
+
+def batches_trained(checkpoint: dict) -> int:
+    """How many training batches had run when a Lightning checkpoint was saved: the engine's update count (one
+    update per batch, whatever the number of optimizers).
+
+    Relies on: the fit loop's checkpoint state holding the epoch loop's batch progress under
+    ``checkpoint["loops"]["fit_loop"]["epoch_loop.batch_progress"]["total"]["processed"]``. Neither ``global_step``
+    (every optimizer's steps) nor ``_batches_that_stepped`` (counted after ``on_train_batch_end``, where
+    ModelCheckpoint saves) is that number."""
+    try:
+        return int(checkpoint["loops"]["fit_loop"]["epoch_loop.batch_progress"]["total"]["processed"])
+    except (KeyError, TypeError):
+        return int(checkpoint.get("global_step", 0))

@@ -483,7 +483,9 @@ class AsyncPipelineStrategy(DDPStrategy):
         own = module.state_dict()
         ckpt.check_model_fits(engine, own, source, not self.is_multiprocess, check_names_and_shapes)
         tensors = source.read(ckpt.needed_keys(engine, own, source))
-        num_updates = checkpoint.get("async_pipeline", {}).get("num_updates", 0)
+        # A plain Lightning checkpoint counts its updates in the loop's state: sync_from_step counts from the start.
+        num_updates = (checkpoint["async_pipeline"].get("num_updates", 0) if "async_pipeline" in checkpoint
+                       else _lightning.batches_trained(checkpoint))
         ckpt.load_engine(engine, module, tensors, num_updates)
         # Keep only what load_optimizer_state_dict will take (nothing outside fit), not a second copy of the model.
         fitting = module.trainer.state.fn == TrainerFn.FITTING
@@ -497,6 +499,16 @@ class AsyncPipelineStrategy(DDPStrategy):
             ckpt.load_optimizers(self.optimizers, self.engine.global_names, self._tensors)
         elif not self.is_multiprocess:
             super().load_optimizer_state_dict(checkpoint)  # a plain Lightning checkpoint
+        elif checkpoint.get("optimizer_states"):
+            # A plain Lightning checkpoint knows parameters by index in the whole model's optimizers: name them as
+            # the whole model's configure_optimizers() orders them, then load by name like our own checkpoints.
+            module = self.lightning_module
+            with self.engine.whole_model():
+                names = {id(p): n for n, p in module.named_parameters()}
+                order = [[names[id(p)] for g in o.param_groups for p in g["params"]]
+                         for o in _lightning.configure_optimizers(module)]
+            tensors = ckpt.plain_optimizer_tensors(checkpoint["optimizer_states"], order)
+            ckpt.load_optimizers(self.optimizers, self.engine.global_names, tensors)
         for optimizer in self.optimizers:
             _optimizer_to_device(optimizer, self.root_device)
         self._source, self._tensors = None, {}

@@ -77,3 +77,20 @@ def test_pipeline_module_lets_a_batch_fetched_ahead_pass_the_loops_transfer_call
     x, y = torch.ones(2, 4), torch.full((2, 1), 4.0)
     assert torch.equal(_lightning.before_batch_transfer(model, [x, y])[1], y / 2)
     assert torch.equal(model._on_before_batch_transfer([x, y])[1], y / 2)
+
+
+def test_a_checkpoint_saved_by_model_checkpoint_counts_its_trained_batches_and_configure_optimizers_reads_again(tmp_path):
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    from lightning.pytorch.demos.boring_classes import BoringModel
+
+    model = BoringModel()
+    trainer = L.Trainer(max_steps=5, logger=False, enable_progress_bar=False, enable_model_summary=False,
+                        default_root_dir=tmp_path, accelerator="cpu", devices=1, limit_val_batches=0,
+                        callbacks=[ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=3, save_top_k=-1)])
+    trainer.fit(model)
+    checkpoint = torch.load(tmp_path / "epoch=0-step=3.ckpt", weights_only=False)  # saved in on_train_batch_end
+    assert checkpoint["loops"]["fit_loop"]["epoch_loop.batch_progress"]["total"]["processed"] == 3
+    assert _lightning.batches_trained(checkpoint) == 3
+    optimizers = _lightning.configure_optimizers(model)
+    assert len(optimizers) == 1 and isinstance(optimizers[0], torch.optim.Optimizer)
+    assert [p for g in optimizers[0].param_groups for p in g["params"]] == list(model.parameters())

@@ -187,6 +187,21 @@ def test_two_replicas_single_file_checkpoint_resumes_on_one_device(reference, tm
     assert max_difference(resumed["state_dict"], reference["dp"]["state_dict"]) < TOL
 
 
+def test_a_plain_lightning_checkpoint_resumes_on_one_device_and_two_stages_with_its_optimizer_state_and_update_count(tmp_path):
+    # Saved by plain Lightning (no strategy): its AdamW moments are keyed by index in the whole model's optimizer,
+    # and its update count is the loop's. Both must survive a resume on any number of processes (two processes
+    # used to start fresh moments, and every layout restarted the engine's count at 0).
+    run(dict(steps=3, checkpoint_dir=str(tmp_path / "ckpt"), save_every=3), strategy=False)
+    plain = tmp_path / "ckpt" / "epoch=0-step=3.ckpt"
+    full, _, _ = run(dict(steps=6), strategy=False)
+    alone, _, _ = run(dict(steps=6, schedule="1f1b", resume_from=str(plain)))
+    assert alone["batch_index"] == 6
+    assert max_difference(alone["state_dict"], full["state_dict"]) < TOL
+    ranks = multiprocess(dict(devices=2, steps=6, schedule="1f1b", resume_from=str(plain)), tmp_path)
+    assert [r["batch_index"] for r in ranks] == [6, 6]
+    assert max_difference(ranks[0]["state_dict"], full["state_dict"]) < TOL
+
+
 def written_out(steps: int, version_of) -> dict:
     """The one-device model's updates with the gradient of batch k taken at W_{version_of(k)}, written out."""
     import lightning as L

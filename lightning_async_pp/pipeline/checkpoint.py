@@ -45,14 +45,42 @@ def engine_tensors(engine: Any, module_state: Mapping[str, Tensor], optimizers: 
 
 def _optimizer_by_name(optimizer: torch.optim.Optimizer, names: Mapping[int, str], prefix: str) -> dict[str, Any]:
     state = optimizer.state_dict()
+    name_of = {index: names[id(p)] for saved, group in zip(state["param_groups"], optimizer.param_groups)
+               for index, p in zip(saved["params"], group["params"])}
+    return _state_by_name(state, name_of, prefix)
+
+
+def _state_by_name(state: Mapping[str, Any], name_of: Mapping[int, str], prefix: str) -> dict[str, Any]:
+    """A torch optimizer ``state_dict`` (keyed by parameter index) as flat keys of parameter names."""
     out: dict[str, Any] = {}
-    for saved, group in zip(state["param_groups"], optimizer.param_groups):
+    for saved in state["param_groups"]:
         hyper = pickle.dumps({k: v for k, v in saved.items() if k != "params"})
-        for index, p in zip(saved["params"], group["params"]):
-            name = names[id(p)]
+        for index in saved["params"]:
+            name = name_of[index]
             out[f"{prefix}{name}/{GROUP}"] = hyper
             for key, value in state["state"].get(index, {}).items():
                 out[f"{prefix}{name}/{key}"] = value
+    return out
+
+
+def plain_optimizer_tensors(optimizer_states: Sequence[Mapping[str, Any]], names: Sequence[Sequence[str]]) -> dict[str, Any]:
+    """The optimizer keys of the flat dictionary from a plain Lightning checkpoint, whose ``optimizer_states`` know
+    parameters by index only. ``names[i]`` lists optimizer ``i``'s parameter names in index order, as the whole
+    model's ``configure_optimizers()`` builds it (what the checkpointed run built)."""
+    if len(optimizer_states) != len(names):
+        raise ValueError(
+            f"the checkpoint holds {len(optimizer_states)} optimizer state(s) but configure_optimizers() returns "
+            f"{len(names)} optimizer(s); resume with the optimizers the checkpoint was trained with"
+        )
+    out: dict[str, Any] = {}
+    for i, (state, order) in enumerate(zip(optimizer_states, names)):
+        indices = [index for group in state["param_groups"] for index in group["params"]]
+        if len(indices) != len(order):
+            raise ValueError(
+                f"optimizer {i} of the checkpoint holds {len(indices)} parameters, but the model's "
+                f"configure_optimizers() gives it {len(order)}; resume with the model and optimizer it was trained with"
+            )
+        out.update(_state_by_name(state, dict(zip(indices, order)), f"{OPTIM}{i}/"))
     return out
 
 

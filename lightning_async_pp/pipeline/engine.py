@@ -13,7 +13,8 @@ See docs/design.md for the version rule and the invariants.
 """
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -183,6 +184,20 @@ class PipelineEngine:
             held = nn.ModuleList([self.layers[i] for i in own])
             for t in [*held.parameters(), *held.buffers()]:
                 dist.broadcast(t.data, src=topology.rank_of(topology.stage, 0), group=self._dp_group)
+
+    @contextmanager
+    def whole_model(self) -> Iterator[None]:
+        """Every layer back in the model (other stages' layers still without memory), as on one device, for code
+        that must see the whole model's structure (the order a plain checkpoint's optimizer saw); then split
+        again."""
+        if self.topology is None:
+            yield
+            return
+        reassemble_layers(self.root, self.layers, self.paths)
+        try:
+            yield
+        finally:
+            remove_other_stages(self.root, self.layers, self.paths, self.stage_of_layer, self.topology.stage)
 
     def start(self) -> "PipelineEngine":
         """Create this process's stages from its layers as they are now (on their device): call after moving the

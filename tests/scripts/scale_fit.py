@@ -116,6 +116,8 @@ def run(cfg: dict, devices: int = 1, strategy: bool = True) -> tuple[dict, Pipel
     trainer, record = build_trainer(cfg, devices, strategy)
     trainer.fit(model, build_loader(cfg), ckpt_path=cfg.get("resume_from"))
     result: dict[str, Any] = {"held": record.held, "global_step": trainer.global_step}
+    if strategy:
+        result["batch_index"] = trainer.strategy.engine.stats.batch_index  # the engine's update count
     if trainer.is_global_zero:
         result["state_dict"] = {k: v.detach().clone() for k, v in model.state_dict().items()}
     return result, model, trainer
