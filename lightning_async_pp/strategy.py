@@ -427,7 +427,10 @@ class AsyncPipelineStrategy(DDPStrategy):
         return True
 
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        return self.lightning_module.state_dict()  # this stage's part; save_checkpoint assembles the rest
+        # This stage's part (save_checkpoint assembles the rest), with buffers as the trained batches left them:
+        # the lookahead's forwards of the next batch may have updated running statistics already.
+        trained = self.engine.trained_buffers() if self.engine is not None else {}
+        return {k: trained.get(id(v), v).detach() for k, v in self.lightning_module.state_dict(keep_vars=True).items()}
 
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
         return {}  # saved by parameter name with the weights (save_checkpoint), so any layout can load it

@@ -45,12 +45,12 @@ class PassThrough(nn.Module):
 
 
 class TinyLM(PipelineModule):
-    """Regression MLP with enough layers to split into 4 stages; optionally a tuple crossing a boundary and dropout
-    in the hidden layers."""
+    """Regression MLP with enough layers to split into 4 stages; optionally a tuple crossing a boundary, dropout or
+    BatchNorm in the hidden layers."""
 
     def __init__(self, width: int = 8, depth: int = 4, tuple_boundary: bool = False, optimizer: str = "sgd",
                  fail_at: Optional[dict] = None, seed: int = 0, dropout: float = 0.0,
-                 passthrough_at: Optional[int] = None) -> None:
+                 passthrough_at: Optional[int] = None, batchnorm: bool = False) -> None:
         super().__init__()
         torch.manual_seed(seed)
         layers: list[nn.Module] = [nn.Linear(4, width)]
@@ -59,6 +59,8 @@ class TinyLM(PipelineModule):
                 layers += [TwoOutputs(width), TupleIn(width)]
             elif dropout:
                 layers.append(nn.Sequential(nn.Tanh(), nn.Dropout(dropout), nn.Linear(width, width)))
+            elif batchnorm:  # running statistics: buffers that every training forward changes
+                layers.append(nn.Sequential(nn.Tanh(), nn.BatchNorm1d(width), nn.Linear(width, width)))
             else:
                 layers.append(nn.Sequential(nn.Tanh(), nn.Linear(width, width)))
         layers.append(nn.Sequential(nn.Tanh(), nn.Linear(width, 1)))

@@ -237,6 +237,28 @@ def test_epoch_cut_by_on_train_batch_start_two_stages_equal_the_one_device_2bw_r
     assert max_difference(ranks[0]["state_dict"], one_device(CUT)["state_dict"]) < TOL
 
 
+@pytest.mark.multiprocess
+def test_epoch_cut_after_a_lookahead_leaves_running_statistics_as_one_device(tmp_path):
+    # The cut batch's first forwards ran (the lookahead) and updated BatchNorm statistics; it is never trained, so
+    # they must be undone.
+    cfg = dict(CUT, **OWN_SAMPLER, model={"optimizer": "sgd", "batchnorm": True}, data={"samples": 64, "batch": 16},
+               microbatches=2)
+    reference = one_device(cfg)["state_dict"]
+    assert any("num_batches_tracked" in k for k in reference)
+    assert max_difference(seam_results(cfg, tmp_path)[0]["state_dict"], reference) < TOL
+
+
+@pytest.mark.multiprocess
+def test_validation_between_steps_reads_the_running_statistics_of_the_trained_batches(tmp_path):
+    # Validated after batches 1 and 3 of an epoch, while the next batch's first forwards (the lookahead) have
+    # already updated the statistics that BatchNorm reads in evaluation.
+    cfg = dict(BATCHNORM, steps=4, val_every=2)
+    reference = one_device(cfg)["val_losses"]
+    assert len(reference) == 2
+    ranks = seam_results(cfg, tmp_path)
+    assert max(abs(a - b) for a, b in zip(ranks[0]["val_losses"], reference)) < TOL, (ranks[0]["val_losses"], reference)
+
+
 SHUFFLED = dict(model={"optimizer": "adamw"}, seed=1234, max_epochs=3, microbatches=4,
                 data={"kind": "shuffle", "samples": 32, "batch": 8}, seam={"record_batches": True})
 
@@ -285,6 +307,26 @@ def test_unsized_stateful_loader_resumed_in_the_second_epoch_continues_exactly_o
                                 resume_from=str(checkpoints / "last.ckpt")), tmp_path / "resumed")
     assert [r["global_step"] for r in resumed] == [9, 9]
     assert max_difference(resumed[0]["state_dict"], unsized_reference()) < TOL
+
+
+# Microbatches of 8 rows: BatchNorm over 2 rows divides by a variance so small that rounding (the thread count of a
+# reduction) decides the result.
+BATCHNORM = dict(UNSIZED, model={"optimizer": "sgd", "batchnorm": True}, data={"kind": "unsized", "samples": 64, "batch": 16},
+                 microbatches=2)
+
+
+@pytest.mark.multiprocess
+def test_running_statistics_saved_with_a_lookahead_in_flight_resume_exactly_on_two_stages(tmp_path):
+    # Saved after 5 of 7 updates: the first stage has run batch 6's first forwards, which updated its BatchNorm
+    # statistics (and num_batches_tracked) before batch 6 is trained. The checkpoint must hold the statistics of
+    # the trained batches, or the resumed run, which runs those forwards again, counts them twice.
+    reference = one_device(BATCHNORM)["state_dict"]
+    checkpoints = tmp_path / "checkpoints"
+    seam_results(dict(BATCHNORM, steps=7, save_every=5, checkpoint_dir=str(checkpoints)), tmp_path / "first")
+    resumed = seam_results(dict(BATCHNORM, resume_from=str(checkpoints / "epoch=1-step=5.ckpt")), tmp_path / "resumed")
+    assert [r["global_step"] for r in resumed] == [9, 9]
+    assert any("running_mean" in k for k in reference)
+    assert max_difference(resumed[0]["state_dict"], reference) < TOL
 
 
 # ---- 3. the same batches on 1 and p processes ---------------------------------------------------------------------

@@ -326,6 +326,11 @@ class PipelineEngine:
         """The batch whose forwards already ran will not be trained: drop them (see ``PipelineRuntime``)."""
         self.runtime.cancel_lookahead()
 
+    def trained_buffers(self) -> dict[int, Tensor]:
+        """``id(buffer) -> value`` as the trained batches left each buffer that the next batch's forwards (2BW's
+        lookahead) have since changed in place: a checkpoint saves these values."""
+        return self.runtime.trained_buffers()
+
     def prepare_update(self) -> None:
         """Move the parameters onto the slot of ``W_{k+1}``; call after the gradient is complete, before the
         optimizer writes the parameters in place."""

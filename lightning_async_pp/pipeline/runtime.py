@@ -15,7 +15,8 @@ from __future__ import annotations
 import math
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -127,6 +128,9 @@ class PipelineRuntime:
         self._inflight: dict[tuple[int, int, int], tuple[list[Tensor], Any]] = {}  # (stage, batch, mb)
         self._losses: dict[int, Tensor] = {}  # running loss sum of batches in flight (last stage)
         self._checks_due: list[tuple] = []  # (received fingerprint, own, stage, batch) to compare after the step
+        # Per stage, its persistent buffers and their values before the lookahead's first forward of the next
+        # batch (BatchNorm statistics, say): what they are for the batches trained so far.
+        self._trained_buffers: dict[int, list[tuple[torch.nn.Module, str, Tensor]]] = {}
         if link is not None:
             link.recorder = self._record_wait
 
@@ -178,6 +182,7 @@ class PipelineRuntime:
     # ---- training -----------------------------------------------------------------------------------------
     def train_batch(self, batch: Any, next_batch: Any = None) -> Tensor:
         k = self.batch_index
+        self._trained_buffers = {}  # the batch whose forwards ran ahead is trained now
         link = self.link
         lookahead = self.uses_lookahead(next_batch is not None)
         m = self.num_microbatches
@@ -286,6 +291,8 @@ class PipelineRuntime:
             else:
                 inputs, spec = acts.pop((stage.index, b, j))
                 x = unflatten(inputs, spec)
+            if action.batch == 1 and stage.index not in self._trained_buffers:
+                self._trained_buffers[stage.index] = [(m, n, m._buffers[n].clone()) for m, n in stage.persistent_buffers()]
             start = time.perf_counter()
             out = stage.forward(b, x)
             if stage.is_last:
@@ -340,6 +347,27 @@ class PipelineRuntime:
                 f"strategy keeps your sampler and seeds a shuffling one identically on every stage)"
             )
 
+    def trained_buffers(self) -> dict[int, Tensor]:
+        """``id(buffer) -> value`` for each buffer the lookahead's forwards changed, as the trained batches left
+        it: what a checkpoint saves and evaluation reads (the next batch is not trained yet)."""
+        return {id(m._buffers[n]): saved for held in self._trained_buffers.values() for m, n, saved in held}
+
+    @contextmanager
+    def buffers_as_trained(self) -> Iterator[None]:
+        """The modules hold the trained values inside (evaluation between two steps), the lookahead's after.
+
+        The tensors are swapped, not copied into: the lookahead's graphs in flight saved the live buffers (CPU
+        BatchNorm's backward keeps the running statistics), and an in-place write would invalidate them."""
+        held = [entry for entries in self._trained_buffers.values() for entry in entries]
+        live = [m._buffers[n] for m, n, _ in held]
+        for m, n, saved in held:
+            m._buffers[n] = saved
+        try:
+            yield
+        finally:
+            for (m, n, _), tensor in zip(held, live):
+                m._buffers[n] = tensor
+
     def cancel_lookahead(self) -> None:
         """Drop the next batch's forwards that already ran: Lightning will not train that batch (an epoch was cut
         short, or training stopped). Each stage takes the activations still in transit from its predecessor
@@ -348,6 +376,11 @@ class PipelineRuntime:
             return
         k = self.batch_index
         self._carried_in = False
+        with torch.no_grad():  # the dropped forwards' changes to buffers are undone too
+            for entries in self._trained_buffers.values():
+                for m, n, saved in entries:
+                    m._buffers[n].copy_(saved)
+        self._trained_buffers = {}
         for key in [key for key in self._inflight if key[1] == k]:
             del self._inflight[key]
         for stage in self.stages:
@@ -380,6 +413,10 @@ class PipelineRuntime:
     @torch.no_grad()
     def _forward_all(self, batch: Any, tag: int, on_last: Callable[[Any, Any], None]) -> None:
         """Every microbatch of ``batch`` forward through this process's stages; ``on_last(output, microbatch)``."""
+        with self.buffers_as_trained():
+            self._forward_microbatches(batch, tag, on_last)
+
+    def _forward_microbatches(self, batch: Any, tag: int, on_last: Callable[[Any, Any], None]) -> None:
         link = self.link
         for mb in split_ragged(batch, self.num_microbatches):
             first = self.stages[0]

@@ -97,6 +97,11 @@ class Stage:
                 x = _run_layer(layer, local, x, *tensors)
         return x
 
+    def persistent_buffers(self) -> list[tuple[nn.Module, str]]:
+        """Where the buffers a checkpoint saves live (running statistics, say): those a forward may change."""
+        return [(m, n) for m in self.layers.modules() for n, b in m._buffers.items()
+                if b is not None and n not in m._non_persistent_buffers_set]
+
     def forward_newest(self, x: Any) -> Any:
         """Forward on the newest version (validation, test, predict)."""
         return self.layers(x)

@@ -16,7 +16,8 @@ Config keys (all optional but ``steps`` or ``max_epochs``):
     after: ["validate", "test", "predict"], in that order
     seed: L.seed_everything(seed) before anything else;  rng_per_rank: each process's global RNG differs
     schedule, microbatches, partition, timeout, strategy_kwargs, use_distributed_sampler (left at
-    Lightning's default unless given), steps, max_epochs, save_every + checkpoint_dir, resume_from
+    Lightning's default unless given), steps, max_epochs, save_every + checkpoint_dir, resume_from,
+    val_every (validation on a fixed loader every that many training batches, its losses recorded)
 """
 from __future__ import annotations
 
@@ -56,6 +57,7 @@ class SeamHooks:
         self.calls: dict[str, list] = {name: [] for name in HOOKS}
         self.seen_batches: list = []
         self.losses: list[float] = []  # the training loss of every step
+        self.val_losses: list[float] = []  # the loss of every validation during fit
 
     def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
         if self.trainer.training:
@@ -82,6 +84,10 @@ class SeamHooks:
     def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
         self.calls["on_train_batch_end"].append(batch_idx)
         self.losses.append(float(outputs["loss"]))
+
+    def on_validation_epoch_end(self) -> None:
+        if self.trainer.state.fn == "fit":  # a validation within fit (val_every)
+            self.val_losses.append(float(self.trainer.callback_metrics["val_loss"]))
 
 
 class SeamTinyLM(SeamHooks, TinyLM):
@@ -204,6 +210,7 @@ def build_trainer(cfg: dict, devices: int, strategy: bool = True) -> L.Trainer:
         accelerator="cpu", devices=devices, max_steps=cfg.get("steps", -1), max_epochs=cfg.get("max_epochs"),
         logger=False, enable_checkpointing=bool(callbacks), callbacks=callbacks, enable_progress_bar=False,
         enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=cfg.get("val_batches", 1.0),
+        val_check_interval=cfg.get("val_every"),
     )
     if strategy:
         kwargs["strategy"] = build_strategy(cfg)
@@ -246,9 +253,10 @@ def run(cfg: dict, devices: int, strategy: bool = True) -> tuple[dict, PipelineM
         # No seed: each process's global RNG is in its own state, as after seeding from the clock.
         torch.manual_seed(1000 + 17 * int(os.environ.get("LOCAL_RANK", 0)))
     trainer = build_trainer(cfg, devices, strategy)
-    trainer.fit(model, loader, ckpt_path=cfg.get("resume_from"))
+    val_loader = build_loader(cfg, {"kind": "seq", "samples": 32, "batch": 16}) if cfg.get("val_every") else None
+    trainer.fit(model, loader, val_loader, ckpt_path=cfg.get("resume_from"))
     result: dict[str, Any] = {"rank": trainer.global_rank, "calls": model.calls, "seen_batches": model.seen_batches,
-                              "global_step": trainer.global_step, "losses": model.losses}
+                              "global_step": trainer.global_step, "losses": model.losses, "val_losses": model.val_losses}
     engine = getattr(trainer.strategy, "engine", None)
     if engine is not None:
         result["dtypes"] = held_dtypes(engine, trainer.optimizers)
