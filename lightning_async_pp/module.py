@@ -110,9 +110,8 @@ class PipelineModule(PassesFetchedBatches, L.LightningModule):
         trainer = self._trainer
         if "async_pipeline" not in checkpoint or trainer is None or getattr(trainer.state, "fn", None) != "fit":
             return
-        from lightning_async_pp.strategy import AsyncPipelineStrategy
-
-        if not isinstance(trainer.strategy, AsyncPipelineStrategy):
+        # Asked of the strategy instead of importing it: the strategy imports this module.
+        if not getattr(trainer.strategy, "resumes_pipeline_checkpoints", False):
             raise ValueError(
                 f"this checkpoint was saved by AsyncPipelineStrategy ({checkpoint['async_pipeline'].get('num_stages')} "
                 f"pipeline stage(s)); its optimizer states are saved by parameter name, so resume it with "

@@ -81,6 +81,8 @@ class AsyncPipelineStrategy(DDPStrategy):
     """
 
     strategy_name = "async_pipeline"
+    #: Read by ``PipelineModule.on_load_checkpoint``: this strategy resumes its own checkpoints (any layout).
+    resumes_pipeline_checkpoints = True
 
     def __init__(
         self,

@@ -94,3 +94,17 @@ def test_a_checkpoint_saved_by_model_checkpoint_counts_its_trained_batches_and_c
     optimizers = _lightning.configure_optimizers(model)
     assert len(optimizers) == 1 and isinstance(optimizers[0], torch.optim.Optimizer)
     assert [p for g in optimizers[0].param_groups for p in g["params"]] == list(model.parameters())
+
+
+def test_the_module_contract_does_not_import_the_strategy():
+    # strategy.py imports module.py; module.py asks the strategy a question (resumes_pipeline_checkpoints) instead.
+    import ast
+    from pathlib import Path
+
+    import lightning_async_pp.module as module
+
+    tree = ast.parse(Path(module.__file__).read_text())
+    imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)} | {
+        a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    assert not any(name and "strategy" in name for name in imported), imported
+    assert AsyncPipelineStrategy.resumes_pipeline_checkpoints is True
