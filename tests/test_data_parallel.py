@@ -11,6 +11,7 @@ import torch.distributed as dist
 from helpers import TinyLM, make_dataset
 from lightning.pytorch.callbacks import ModelCheckpoint
 from pipeline_runs import max_difference, run_multiprocess
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from torch import nn
 from torch.utils.data import DataLoader, Subset
 
@@ -59,7 +60,18 @@ def test_sharded_optimizer_equals_the_unsharded_run_with_half_the_state_per_repl
     (tmp_path / "plain").mkdir()
     (tmp_path / "sharded").mkdir()
     plain = run_ok(cfg, tmp_path / "plain")
-    sharded = run_ok(dict(cfg, shard_optimizer=True), tmp_path / "sharded")
+    monitored = dict(cfg, shard_optimizer=True, monitors={"pipeline": {}}, log_every_n_steps=2)
+    proc = run_multiprocess(monitored, tmp_path / "sharded")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    sharded = torch.load(tmp_path / "sharded" / "final.pt")
+    # PipelineMonitor: the reduction's exposed time beside its whole time, per logging step
+    log_dir = next(line.split(" ", 1)[1] for line in proc.stdout.splitlines() if line.startswith("LOG_DIR "))
+    events = EventAccumulator(log_dir, size_guidance={"scalars": 0})
+    events.Reload()
+    logged = {tag: {e.step: e.value for e in events.Scalars(tag)} for tag in events.Tags()["scalars"]}
+    for k in (1, 3):
+        total, exposed = logged["pipeline/dp_comm_s"][k], logged["pipeline/dp_comm_exposed_s"][k]
+        assert 0 < total and 0 <= exposed <= total, (k, total, exposed)
     assert max_difference(sharded, plain) < 1e-6
     if optimizer == "adamw_ef":  # Muon's Newton-Schulz (bf16 in torch) magnifies the order of the replicas' sum
         assert max_difference(sharded, concatenated_run(cfg, steps=5)) < 1e-5
