@@ -8,7 +8,7 @@ import lightning as L
 import pytest
 import torch
 import torch.distributed as dist
-from helpers import TinyLM, make_dataset
+from helpers import TinyLM, delayed_loop, make_dataset
 from lightning.pytorch.callbacks import ModelCheckpoint
 from pipeline_runs import max_difference, run_multiprocess
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -97,6 +97,10 @@ def test_sharded_checkpoints_resume_exactly_across_layouts_and_consolidate(tmp_p
     multi = run_ok(dict(cfg, steps=4, shard_optimizer=True, save_every=2, checkpoint_dir=str(run / "ckpt"), keep_checkpoints=True,
                         report_optimizer_state=True), run)
     assert max_difference(multi, reference) < 1e-5
+    # and the update rule written out (2bw: every batch's gradient at the previous version) on those batches
+    batches = list(DataLoader(Subset(make_dataset(16), [0, 2, 4, 6, 1, 3, 5, 7, 8, 10, 12, 14, 9, 11, 13, 15]),
+                              batch_size=8)) * 2
+    assert max_difference(multi, delayed_loop(TinyLM(optimizer="adamw_ef"), batches, delay=1)) < 1e-5
     per_stage = state_bytes(run, 4)  # ranks 0, 1: stage 0, 1 of replica 0; ranks 2, 3: of replica 1
     for stage in range(2):  # whole parameters (a few small ones here): both replicas hold part of the state
         assert 0 < per_stage[stage] and 0 < per_stage[stage + 2]
