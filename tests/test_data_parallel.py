@@ -246,3 +246,16 @@ def test_plan_prints_the_reduction_table_with_each_stage_s_gradient_bytes(capsys
     assert f"| {last * 4 / 2**30:.2f} GiB |" in row
     expected_ms = (2 * 7 / 8 * last * 4 / 25e9 + 14 * 5e-6) * 1e3  # ring all-reduce over 8, fp32 gradients
     assert f"| {expected_ms:.3g} ms |" in row
+
+
+def test_bad_shard_optimizer_values_and_unrebuildable_optimizers_are_clear_errors():
+    with pytest.raises(ValueError, match=r"shard_optimizer must be True .* or False, got 'yes'"):
+        AsyncPipelineStrategy("2bw", num_microbatches=4, shard_optimizer="yes")
+
+    class Needs(torch.optim.SGD):
+        def __init__(self, params, secret):  # a required argument that defaults do not name
+            super().__init__(params, lr=0.1)
+
+    p = nn.Parameter(torch.zeros(2))
+    with pytest.raises(TypeError, match=r"shard_optimizer=True builds each replica's optimizer again .* Needs"):
+        rebuild(Needs([p], secret=1), [{"params": [p], "lr": 0.1}])
