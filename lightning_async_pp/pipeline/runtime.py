@@ -7,7 +7,8 @@ stage whose next action waits for a neighbour in this process yields to the othe
 "The runtime"). There is no second code path per schedule: a new schedule is a new action list.
 
 ``train_batch(batch, next_batch)`` returns the batch's mean loss on every rank and leaves the batch gradient of
-``params`` in ``gradients`` (averaged over data-parallel replicas); ``prepare_update()`` moves the parameters
+``params`` in ``gradients`` (with data-parallel replicas, their mean once ``finish_reduction()`` has waited for the
+reduction that the batch's last backward started); ``prepare_update()`` moves the parameters
 onto the slot that will hold ``W_{k+1}`` before the optimizer writes them (weight stashing).
 """
 from __future__ import annotations
