@@ -28,6 +28,14 @@ checks() {
     $PY benchmarks/memory.py --accelerator cuda --procs $procs || status=1
     $PY benchmarks/memory.py --accelerator cuda --procs $procs --optimizer adamw || status=1
 
+    section "data parallel p=2 x r=2 over NCCL (4+ GPUs): optimizer state sharded vs not, reduction exposed vs the planner"
+    if [ "$ngpu" -ge 4 ]; then
+        $PY benchmarks/data_parallel.py --accelerator cuda --stages 2 --replicas 2 --width 4096 --batch 32 \
+            ${OUT:+--json "$OUT/data_parallel.json"} || status=1
+    else
+        echo "needs 4 GPUs, found $ngpu: skipped"
+    fi
+
     section "throughput on CUDA: whole model vs the engine's 2 stages on one GPU; with 2+ GPUs the NCCL pairs"
     if $PY benchmarks/pipeline_throughput.py --help 2>/dev/null | grep -q -- "--accelerator"; then
         # Width 4096, m=4 and 8, 10 warm-up + 50 timed steps per run (the CUDA defaults): expected about a minute on one GPU.

@@ -11,6 +11,11 @@ bubble, speedup over ``1f1b`` and the most forwards a stage holds in flight. The
   --intermediate --vocab --seq-len``): FLOPs per layer, an accelerator rate (``--tflops`` x ``--mfu``) and a
   link bandwidth (``--link-gbps``) give the times; blocks are split to balance FLOPs.
 
+``--data-parallel R`` adds a table of the data-parallel gradient reduction (each stage's gradient all-reduced
+over its ``R`` replicas with a ring: ``2 (R-1)/R`` x its bytes over ``--dp-gbps``, plus ``2 (R-1)`` latencies)
+with no overlap, overlapped from the last backward (what the engine does), and, for 2BW, deferred to batch
+``k+2``'s first forward; a shape gives each stage's gradient bytes, other cost sources take ``--dp-reduce-s``.
+
 ``--trace PATH`` writes the simulated timelines as the Chrome trace ``PipelineMonitor`` writes (open it at
 https://ui.perfetto.dev). See README "Planning a pipeline" and BENCHMARKS.md "Predicted beyond this machine".
 """
@@ -19,7 +24,7 @@ from __future__ import annotations
 import argparse
 import math
 import sys
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Optional, Sequence
 
@@ -63,6 +68,16 @@ class Shape:
         block = 2 * h * h + 2 * h * self.kv_dim + 3 * h * self.intermediate + 2 * h
         return self.layers * block + self.vocab * h + h
 
+    def layer_parameters(self, split_blocks: bool) -> list[int]:
+        """Parameters of each pipeline layer, as :meth:`pipeline_layers` splits them. The tied embedding/head is
+        held (and its gradient reduced) by the first and by the last layer's stage; the final norm goes last."""
+        h = self.hidden
+        attention, mlp = 2 * h * h + 2 * h * self.kv_dim + h, 3 * h * self.intermediate + h
+        params = [n for _ in range(self.layers) for n in ((attention, mlp) if split_blocks else (attention + mlp,))]
+        params[0] += self.vocab * h
+        params[-1] += self.vocab * h + h
+        return params
+
     def pipeline_layers(self, split_blocks: bool) -> list[int]:
         """Forward FLOPs per token of each pipeline layer: one per block (``split_blocks``: attention and MLP
         apart). The embedding (a lookup, no FLOPs) goes with the first layer, the head with the last."""
@@ -93,6 +108,8 @@ class Costs:
     backward_s: list[float]
     comm_s: float
     layers_per_stage: Optional[list[int]]
+    dp_reduce_s: list[float] = field(default_factory=list)  # per stage; empty without data parallelism
+    gradient_bytes: list[int] = field(default_factory=list)  # per stage, from a shape
 
 
 class CostModel:
@@ -144,9 +161,29 @@ class CostModel:
             return [self.fixed_stages]
         return list(candidates or DEFAULT_STAGES)
 
+    def dp_reduction(self, p: int, counts: Optional[list[int]]) -> tuple[list[float], list[int]]:
+        """Seconds of each stage's ring all-reduce over ``--data-parallel`` replicas, and its gradient bytes."""
+        args, r = self.args, self.args.data_parallel
+        if r <= 1:
+            return [], []
+        if args.dp_reduce_s is not None:
+            return [args.dp_reduce_s] * p, []
+        if self.shape is None or counts is None:
+            raise ValueError("--data-parallel needs each stage's reduction time: give --dp-reduce-s, or a model shape "
+                             "(whose gradient bytes per stage the plan computes)")
+        per_layer = self.shape.layer_parameters(args.split_blocks)
+        nbytes, start = [], 0
+        for c in counts:
+            nbytes.append(sum(per_layer[start : start + c]) * args.grad_bytes)
+            start += c
+        gbps = args.dp_gbps if args.dp_gbps is not None else args.link_gbps
+        ring = lambda b: 2 * (r - 1) / r * b / (gbps * 1e9) + 2 * (r - 1) * args.dp_latency_s  # noqa: E731
+        return [ring(b) for b in nbytes], nbytes
+
     def costs(self, p: int) -> Optional[Costs]:
         if self.fixed_stages is not None:
-            return Costs(list(self.args.stage_forward_s), list(self.stage_backward), self.comm_s, None)
+            return Costs(list(self.args.stage_forward_s), list(self.stage_backward), self.comm_s, None,
+                         self.dp_reduction(p, None)[0])
         if p > len(self.layer_forward):
             return None
         # Contiguous split balancing the forward time (integer weights: nanoseconds, at least 1).
@@ -155,7 +192,8 @@ class CostModel:
         for c in counts:
             forward.append(sum(self.layer_forward[start : start + c]))
             start += c
-        return Costs(forward, [self.backward_ratio * f for f in forward], self.comm_s, counts)
+        reduce_s, nbytes = self.dp_reduction(p, counts)
+        return Costs(forward, [self.backward_ratio * f for f in forward], self.comm_s, counts, reduce_s, nbytes)
 
 
 def fmt_seconds(s: float) -> str:
@@ -230,6 +268,7 @@ def plan(args: argparse.Namespace) -> tuple[list[str], list[dict]]:
     lines += ["| " + " | ".join(head) + " |", "|" + "---:|" * len(head)]
 
     records: list[dict] = []
+    dp_lines: list[str] = []
     written: list[str] = []
     several = len(model.stages(args.stages)) * len(args.microbatches) * len(schedules) > 1
     for p in model.stages(args.stages):
@@ -267,10 +306,45 @@ def plan(args: argparse.Namespace) -> tuple[list[str], list[dict]]:
             lines.append("| " + " | ".join(cells) + " |")
             records.append({"p": p, "m": m, "layers_per_stage": counts,
                             "results": {s: r for s, r in results.items() if s in schedules}})
+            if costs.dp_reduce_s:
+                dp = dp_row(args, p, m, costs, [s for s in schedules if results[s] is not None])
+                dp_lines.append(dp[0])
+                records[-1]["data_parallel"] = dp[1]
+    if dp_lines:
+        r = args.data_parallel
+        gbps = args.dp_gbps if args.dp_gbps is not None else args.link_gbps
+        lines += ["", f"## Data parallel: {r} replicas per stage", "",
+                  f"Each stage's gradient ({args.grad_bytes} bytes per parameter) is all-reduced over its {r} replicas "
+                  f"(ring: 2 (r-1)/r x bytes / {gbps:g} GB/s + 2 (r-1) x {fmt_seconds(args.dp_latency_s)}), on a link "
+                  f"of its own. Step time (and, in brackets, the reduction time per step not hidden, the slowest "
+                  f"stage's) with the reduction *after* the step's last action, *overlapped* from the last backward "
+                  f"in {args.dp_buckets} buckets (what the engine does), and for 2bw *deferred* until batch k+2's first "
+                  f"forward (not done inside Lightning's loop; see docs/design.md, \"Data parallelism\").", ""]
+        head = ["p", "m", "gradient / stage (max)", "reduction (max)"]
+        for s in schedules:
+            head += [f"{s} after", f"{s} overlapped"] + (["2bw deferred"] if s == "2bw" else [])
+        lines += ["| " + " | ".join(head) + " |", "|" + "---:|" * len(head)] + dp_lines
     if written:
         lines += ["", f"Timelines (Chrome trace) written to {written[0]}"
                   + (f" and {len(written) - 1} more files beside it" if len(written) > 1 else "")]
     return lines, records
+
+
+def dp_row(args: argparse.Namespace, p: int, m: int, costs: Costs, schedules: list[str]) -> tuple[str, dict]:
+    """One row of the data-parallel table and its results: every schedule with each placement of the reduction."""
+    cells = [str(p), str(m), f"{max(costs.gradient_bytes) / 2**30:.2f} GiB" if costs.gradient_bytes else "-",
+             fmt_seconds(max(costs.dp_reduce_s))]
+    results: dict[str, SimulationResult] = {}
+    for s in args.schedules:
+        if s not in schedules:
+            cells += ["-", "-"] + (["-"] if s == "2bw" else [])
+            continue
+        for mode in ("none", "backward") + (("deferred",) if s == "2bw" else ()):
+            r = results[f"{s}/{mode}"] = simulate(
+                s, p, m, costs.forward_s, costs.backward_s, comm_s=costs.comm_s, optimizer_s=args.optimizer_s,
+                steps=max(args.steps, 4), dp_reduce_s=costs.dp_reduce_s, dp_overlap=mode, dp_buckets=args.dp_buckets)
+            cells.append(f"{fmt_seconds(r.step_time_s)} ({fmt_seconds(max(r.dp_exposed_s))})")
+    return "| " + " | ".join(cells) + " |", results
 
 
 def parser() -> argparse.ArgumentParser:
@@ -308,6 +382,13 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--mfu", type=_fraction, default=0.4, help="share of the peak reached (default 0.4)")
     s.add_argument("--link-gbps", type=_positive, default=25.0, help="link bandwidth between stages, GB/s (default 25)")
     s.add_argument("--bytes-per-value", type=_positive_int, default=2, help="bytes per activation value (default 2)")
+    d = ap.add_argument_group("data parallelism (a second table)")
+    d.add_argument("--data-parallel", "-r", type=_positive_int, default=1, help="replicas of each stage (default 1)")
+    d.add_argument("--dp-gbps", type=_positive, help="bandwidth of the replicas' link, GB/s (default --link-gbps)")
+    d.add_argument("--dp-latency-s", type=_seconds, default=5e-6, help="latency per ring step (default 5 µs)")
+    d.add_argument("--grad-bytes", type=_positive_int, default=4, help="bytes per gradient value (default 4, fp32)")
+    d.add_argument("--dp-buckets", type=_positive_int, default=8, help="buckets the overlapped reduction uses (default 8)")
+    d.add_argument("--dp-reduce-s", type=_seconds, help="seconds of one stage's reduction (without a model shape)")
     return ap
 
 

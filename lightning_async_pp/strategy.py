@@ -35,6 +35,7 @@ from lightning_async_pp.pipeline.config import CheckpointingSpec, DelaySpec, Pip
 from lightning_async_pp.pipeline.engine import PipelineEngine, check_names_and_shapes
 from lightning_async_pp.pipeline.partition import PartitionSpec
 from lightning_async_pp.pipeline.placement import layer_paths, parameters_on_meta, replace_meta_tensors
+from lightning_async_pp.pipeline.sharding import shard_optimizers
 from lightning_async_pp.pipeline.topology import PipelineTopology
 
 #: Keyword arguments of Lightning's DDPStrategy that are meaningful here (the accelerator connector and users
@@ -43,7 +44,7 @@ _LIGHTNING_KWARGS = ("accelerator", "parallel_devices", "cluster_environment", "
                      "process_group_backend", "timeout", "start_method")
 _OWN_KWARGS = ("schedule", "num_microbatches", "data_parallel_size", "partition", "delay", "sync_steps", "num_stages",
                "gather_final_weights", "pipeline_timeout", "check_batches", "save_distributed_checkpoint",
-               "activation_checkpointing", "sync_from_step")
+               "activation_checkpointing", "sync_from_step", "shard_optimizer")
 
 
 class AsyncPipelineStrategy(DDPStrategy):
@@ -78,6 +79,11 @@ class AsyncPipelineStrategy(DDPStrategy):
         sync_from_step: updates ``k >= sync_from_step`` are synchronous (delay 0; across processes the pipeline
             flushes every batch from then on): a synchronous tail for the final learning-rate decay, or a guard
             against divergence. Default ``None``: never.
+        shard_optimizer: ZeRO-1: each stage's optimizer state (moments, ``ErrorFeedback``'s buffer) is split across
+            its ``data_parallel_size`` replicas by ``torch.distributed.optim.ZeroRedundancyOptimizer``, whole
+            parameters to each (Muon keeps whole matrices); every replica still holds all weights and the
+            gradient. Results are unchanged. Checkpoints keep the same keys, so they load with sharding on or off
+            and any layout. No effect with one pipeline.
     """
 
     strategy_name = "async_pipeline"
@@ -99,6 +105,7 @@ class AsyncPipelineStrategy(DDPStrategy):
         save_distributed_checkpoint: bool = True,
         activation_checkpointing: CheckpointingSpec = False,
         sync_from_step: Optional[int] = None,
+        shard_optimizer: bool = False,
         *,
         accelerator: Any = None,
         parallel_devices: Any = None,
@@ -123,7 +130,7 @@ class AsyncPipelineStrategy(DDPStrategy):
             partition=partition, delay=delay, sync_steps=sync_steps, sync_from_step=sync_from_step,
             num_stages=num_stages,
             pipeline_timeout=pipeline_timeout, check_batches=check_batches,
-            activation_checkpointing=activation_checkpointing,
+            activation_checkpointing=activation_checkpointing, shard_optimizer=shard_optimizer,
         )
         super().__init__(
             accelerator=accelerator, parallel_devices=parallel_devices, cluster_environment=cluster_environment,
@@ -263,6 +270,8 @@ class AsyncPipelineStrategy(DDPStrategy):
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
             self.engine.check_tied_hyperparameters(self.optimizers)
+            if self.config.shard_optimizer and self.engine.dp_group is not None:
+                self.optimizers = shard_optimizers(self.optimizers, self.engine.dp_group)  # ZeRO-1 per stage
             _optimizers_to_device(self.optimizers, self.root_device)
         self.setup_precision_plugin()
         if self.is_multiprocess:
@@ -442,7 +451,9 @@ class AsyncPipelineStrategy(DDPStrategy):
         path = os.fspath(filepath)
         own = self.not_a_replica
         module_state = checkpoint.pop("state_dict")
-        flat = ckpt.engine_tensors(self.engine, module_state, self.optimizers) if own else {}
+        sharded = ckpt.owned_parameters(self.optimizers, self.engine.global_names) is not None
+        # Replicas hold the same weights; with a sharded optimizer each one adds the state it holds.
+        flat = ckpt.engine_tensors(self.engine, module_state, self.optimizers, weights=own) if own or sharded else {}
         meta = ckpt.checkpoint_meta(self.engine, self.schedule, self.data_parallel_size)
         if self.save_distributed_checkpoint:
             checkpoint["async_pipeline"] = meta
@@ -487,7 +498,8 @@ class AsyncPipelineStrategy(DDPStrategy):
             source = self._source = ckpt.file_source(checkpoint)
         own = module.state_dict()
         ckpt.check_model_fits(engine, own, source, not self.is_multiprocess, check_names_and_shapes)
-        tensors = source.read(ckpt.needed_keys(engine, own, source))
+        owned = ckpt.owned_parameters(self.optimizers, engine.global_names)
+        tensors = source.read(ckpt.needed_keys(engine, own, source, owned))
         # A plain Lightning checkpoint counts its updates in the loop's state: sync_from_step counts from the start.
         num_updates = (checkpoint["async_pipeline"].get("num_updates", 0) if "async_pipeline" in checkpoint
                        else _lightning.batches_trained(checkpoint))

@@ -50,7 +50,7 @@ class TinyLM(PipelineModule):
 
     def __init__(self, width: int = 8, depth: int = 4, tuple_boundary: bool = False, optimizer: str = "sgd",
                  fail_at: Optional[dict] = None, seed: int = 0, dropout: float = 0.0,
-                 passthrough_at: Optional[int] = None, batchnorm: bool = False) -> None:
+                 passthrough_at: Optional[int] = None, batchnorm: bool = False, lr_schedule: bool = False) -> None:
         super().__init__()
         torch.manual_seed(seed)
         layers: list[nn.Module] = [nn.Linear(4, width)]
@@ -69,6 +69,7 @@ class TinyLM(PipelineModule):
         self.layers = nn.ModuleList(layers)
         self.optimizer_name = optimizer
         self.fail_at = fail_at  # {"stage": s, "step": k}: raise there (failure tests)
+        self.lr_schedule = lr_schedule  # a per-step learning-rate schedule with the optimizer
 
     def pipeline_layers(self):
         return list(self.layers)
@@ -84,7 +85,11 @@ class TinyLM(PipelineModule):
         return super().training_step(batch, batch_idx)
 
     def configure_optimizers(self):
-        return make_optimizer_factory(self.optimizer_name)(self.parameters())
+        optimizer = make_optimizer_factory(self.optimizer_name)(self.parameters())
+        if not self.lr_schedule:
+            return optimizer
+        schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda k: 1.0 / (1.0 + k))
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
 
 
 def make_optimizer_factory(name: str):
@@ -94,6 +99,8 @@ def make_optimizer_factory(name: str):
         return lambda params: torch.optim.AdamW(params, lr=0.01, weight_decay=0.1)
     if name == "muon_ef":
         return muon_with_correction
+    if name == "adamw_ef":
+        return adamw_with_correction
     raise ValueError(name)
 
 
@@ -146,6 +153,12 @@ def one_device_trainer(strategy=None, steps: int = 6, **kwargs):
     if strategy is not None:
         defaults["strategy"] = strategy
     return L.Trainer(**defaults)
+
+
+def adamw_with_correction(params):
+    from lightning_async_pp.optim import ErrorFeedback
+
+    return ErrorFeedback(params, optimizer=lambda p: torch.optim.AdamW(p, lr=0.01, weight_decay=0.1), coefficient=1.0)
 
 
 def muon_with_correction(params):

@@ -243,7 +243,8 @@ def test_both_monitors_write_every_documented_tag_to_tensorboard_and_all_values_
     expected = {f"staleness/{n}" for n in ("drift", "delay", "update_norm", "correction_norm", "grad_cosine",
                                             "loss_delta")}
     expected |= {f"staleness/stage0/{n}" for n in ("drift", "delay", "update_norm", "correction_norm", "grad_cosine")}
-    timing = ("compute_s", "comm_wait_s", "optimizer_s", "idle_s", "overhead_s", "step_time_s", "bubble_fraction")
+    timing = ("compute_s", "comm_wait_s", "optimizer_s", "idle_s", "overhead_s", "step_time_s", "bubble_fraction",
+              "dp_comm_s", "dp_comm_exposed_s")
     expected |= {f"pipeline/{n}" for n in timing + ("tokens_per_sec", "samples_per_sec", "peak_memory_mb")}
     expected |= {f"pipeline/stage0/{n}" for n in timing + ("peak_memory_mb",)}
     assert expected <= set(logged), expected - set(logged)

@@ -174,6 +174,18 @@ def test_tied_embedding_and_head_across_two_stages_equal_one_device_semantics(tm
     assert max_difference(multi, reference) < TOL
 
 
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_tied_embedding_and_head_across_stages_with_sharded_replicas_follow_the_delayed_recurrence(tmp_path):
+    # 2 stages x 2 replicas given the same batches (no distributed sampler), so the replicas' mean is the batch
+    # gradient; each stage's AdamW state, the tied copies' included, is sharded across its two replicas.
+    cfg = dict(TIED, schedule="2bw", partition=[2, 2], devices=4, **OWN_SAMPLER,
+               strategy_kwargs={"data_parallel_size": 2, "shard_optimizer": True})
+    multi = seam_results(cfg, tmp_path)[0]["state_dict"]
+    assert torch.equal(multi["embed.weight"], multi["head.weight"])  # identical copies
+    assert max_difference(multi, delayed_loop(TiedLM(), batches_of(cfg)[:STEPS], delay=1)) < TOL
+
+
 # ---- 2. hooks exactly once per batch under the 2BW lookahead --------------------------------------------------------
 HOOKED = dict(model={"optimizer": "adamw"}, steps=STEPS, data={"samples": 64, "batch": 8}, microbatches=4)
 

@@ -21,7 +21,9 @@ from lightning_async_pp.pipeline.microbatch import batch_size_of
 
 log = logging.getLogger(__name__)
 
-_TIMES = ("compute_s", "comm_wait_s", "optimizer_s", "idle_s", "overhead_s", "step_time_s")
+_TIMES = ("compute_s", "comm_wait_s", "optimizer_s", "dp_comm_exposed_s", "dp_comm_s", "idle_s", "overhead_s",
+          "step_time_s")
+_STEP_PARTS = ("compute_s", "comm_wait_s", "optimizer_s", "dp_comm_exposed_s", "idle_s")  # a stage's step, summed
 _MEAN_FIELDS = _TIMES + ("tokens_per_sec", "samples_per_sec")
 _MAX_FIELDS = ("peak_memory_mb",)
 _STAGE_FIELDS = _TIMES + ("bubble_fraction", "peak_memory_mb")
@@ -37,11 +39,14 @@ class PipelineMonitor(Callback):
     - ``compute_s``: forward and backward;
     - ``comm_wait_s``: blocked waiting for a neighbour's activation, gradient or loss, or for a send to be taken;
     - ``optimizer_s``: the optimizer update;
+    - ``dp_comm_exposed_s``: with data-parallel replicas, blocked waiting for the gradient reduction (the part of
+      it the rest of the step did not hide); ``dp_comm_s`` beside it is the reduction's whole time, from its
+      first bucket's start (in the batch's last backward) to the end of that wait, not a part of the step;
     - ``idle_s``: the rest of the pipeline's step (its step time, from the start of the step's pipeline work to
-      the end of its update, minus the three above): scheduling and Python work between actions;
+      the end of its update, minus the four above): scheduling and Python work between actions;
     - ``overhead_s``: wall time outside the pipeline's steps: Lightning's loop and hooks (including its
       per-step broadcast across ranks), data loading, logging;
-    - ``step_time_s``: wall time per step, the sum of the five.
+    - ``step_time_s``: wall time per step, the sum of the six.
 
     These are logged per stage (``pipeline/stage{s}/...``, the mean over data-parallel replicas) and for the whole
     model (``pipeline/...``, the mean over processes). On one device all stages run in one process and are timed
@@ -49,7 +54,7 @@ class PipelineMonitor(Callback):
 
     - ``pipeline/bubble_fraction``: ``1 - sum_s C_s / (S x T)``, with ``S`` the number of stages, ``C_s`` the
       forward+backward seconds per step of stage ``s`` and ``T = max_s T_s`` the pipeline's step time, where
-      ``T_s = compute_s + comm_wait_s + optimizer_s + idle_s`` is stage ``s``'s step from the start of its
+      ``T_s = compute_s + comm_wait_s + optimizer_s + dp_comm_exposed_s + idle_s`` is stage ``s``'s step from the start of its
       pipeline work to the end of its update (the pipeline steps at the pace of its slowest stage). It is the
       share of the stages' time within the pipeline's step not spent computing: fill and drain, waiting for
       neighbours, the optimizer, imbalance between stages. Per stage, ``pipeline/stage{s}/bubble_fraction`` is
@@ -122,7 +127,7 @@ class PipelineMonitor(Callback):
         self._window_start = start
         self._excluded = 0.0
         self._steps = 0
-        self._compute = self._comm_wait = self._optimizer = self._pipeline = 0.0
+        self._compute = self._comm_wait = self._optimizer = self._pipeline = self._dp = self._dp_exposed = 0.0
         self._tokens = self._samples = 0
 
     # ---- per batch ----------------------------------------------------------------------------------------
@@ -144,6 +149,8 @@ class PipelineMonitor(Callback):
         self._compute += times.compute
         self._comm_wait += times.comm_wait
         self._optimizer += times.optimizer
+        self._dp += times.dp_comm
+        self._dp_exposed += times.dp_comm_exposed
         self._pipeline += times.total
         inputs = pl_module.pipeline_input(batch)
         self._tokens += sum(t.numel() for t in _tensors(inputs))
@@ -180,11 +187,13 @@ class PipelineMonitor(Callback):
         n = max(self._steps, 1)
         per_pipeline = self._rows(strategy)  # every process of a pipeline sees the same batches
         compute, comm, opt, pipeline = self._compute / n, self._comm_wait / n, self._optimizer / n, self._pipeline / n
+        dp, dp_exposed = self._dp / n, self._dp_exposed / n
         step = wall / n
         row = strategy.topology.stage if strategy.is_multiprocess else 0
         self._figures.update(row, {
             "compute_s": compute, "comm_wait_s": comm, "optimizer_s": opt,
-            "idle_s": max(0.0, pipeline - compute - comm - opt), "overhead_s": max(0.0, step - pipeline),
+            "dp_comm_exposed_s": dp_exposed, "dp_comm_s": dp,
+            "idle_s": max(0.0, pipeline - compute - comm - opt - dp_exposed), "overhead_s": max(0.0, step - pipeline),
             "step_time_s": step,
             "tokens_per_sec": self._tokens / wall / per_pipeline,
             "samples_per_sec": self._samples / wall / per_pipeline,
@@ -200,7 +209,7 @@ class PipelineMonitor(Callback):
         out: dict[str, float] = {}
         rows = list(table.values())
         # The pipeline's step time: the slowest stage's, from the start of its pipeline work to its update's end.
-        step = max(sum(r[f] for f in ("compute_s", "comm_wait_s", "optimizer_s", "idle_s")) for r in rows)
+        step = max(sum(r[f] for f in _STEP_PARTS) for r in rows)
         bubbles = {s: 1.0 - r["compute_s"] / step if step > 0 else 0.0 for s, r in table.items()}
         if per_stage:
             for s, row in sorted(table.items()):

@@ -125,6 +125,11 @@ class ErrorFeedback(Optimizer):
             state[PREV_UPDATE] = update
         return loss
 
+    def rewrap(self, params: Iterable[Any], optimizer: OptimizerCallable) -> "ErrorFeedback":
+        """The same correction around ``optimizer(params)``, e.g. over one replica's share of the parameters
+        (``shard_optimizer=True``): the buffer then exists only for those parameters."""
+        return type(self)(params, optimizer=optimizer, coefficient=self.coefficient, muon_coefficient=self.muon_coefficient)
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.wrapped.zero_grad(set_to_none=set_to_none)
 

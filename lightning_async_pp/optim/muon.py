@@ -78,7 +78,7 @@ class Muon(Optimizer):
             adamw_betas=tuple(adamw_betas), adamw_eps=adamw_eps,
         )
         super().__init__(params, defaults)  # calls add_param_group (below) for each group
-        if not self.param_groups:
+        if not any(group["params"] for group in self.param_groups):
             raise ValueError("Muon got parameter groups without any parameters")
         self.state = _PartsState(self)
 
@@ -109,6 +109,11 @@ class Muon(Optimizer):
                 raise ValueError(f"parameter {name or tuple(param.shape)} appears in more than one parameter group")
             use_muon = bool(explicit) if explicit is not None else self._routes_to_muon(name, param)
             halves[use_muon].append(item)
+        if not items:
+            # An empty group (a replica's share of a group under shard_optimizer=True) belongs to neither part;
+            # it is kept so that the group count, and so the positions of the groups, match the template's.
+            self.param_groups.append({**group, "params": [], "use_muon": bool(explicit)})
+            return
         for use_muon, half in halves.items():
             if not half:
                 continue
@@ -149,6 +154,9 @@ class Muon(Optimizer):
             )
         shares: dict[bool, dict[str, Any]] = {True: {"state": {}, "param_groups": []}, False: {"state": {}, "param_groups": []}}
         for index, (group, saved) in enumerate(zip(self.param_groups, saved_groups)):
+            if not group["params"]:  # an empty group, in no part: only its settings
+                group.update({k: v for k, v in saved.items() if k != "params"})
+                continue
             use_muon = group["use_muon"]
             if saved.get("use_muon") is not use_muon:
                 where = {True: "Muon", False: "AdamW"}
@@ -169,7 +177,8 @@ class Muon(Optimizer):
                 part.load_state_dict(share)
         # The parts now hold new group dicts; re-point ours in place (same list object, same order).
         new_groups = {use_muon: iter(part.param_groups) for use_muon, part in ((True, self.muon), (False, self.adamw)) if part}
-        self.param_groups[:] = [next(new_groups[group["use_muon"]]) for group in self.param_groups]
+        self.param_groups[:] = [next(new_groups[group["use_muon"]]) if group["params"] else group
+                                for group in self.param_groups]
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():
             post_hook(self)
 

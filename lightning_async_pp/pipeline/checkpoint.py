@@ -25,16 +25,20 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch import Tensor, nn
 
+from lightning_async_pp.pipeline.sharding import local_optimizer, sync_group_settings
+
 MODEL, STASH, OPTIM, GROUP = "model.", "stash.", "optim.", "@group"
 META_FILE = "meta.pt"
 FORMAT = 1
 
 
 # ---- what a process contributes --------------------------------------------------------------------------------
-def engine_tensors(engine: Any, module_state: Mapping[str, Tensor], optimizers: Sequence[torch.optim.Optimizer]) -> dict[str, Any]:
-    """This process's part of the flat dictionary: its module state, stashed versions and optimizer states."""
-    flat: dict[str, Any] = {MODEL + engine.aliases.get(n, n): t for n, t in module_state.items()}
-    for view in engine.stats.stages:
+def engine_tensors(engine: Any, module_state: Mapping[str, Tensor], optimizers: Sequence[torch.optim.Optimizer],
+                   weights: bool = True) -> dict[str, Any]:
+    """This process's part of the flat dictionary: its module state, stashed versions (unless ``weights`` is
+    False: a data-parallel replica) and optimizer states (a sharded optimizer: the parameters this process owns)."""
+    flat: dict[str, Any] = {MODEL + engine.aliases.get(n, n): t for n, t in module_state.items()} if weights else {}
+    for view in engine.stats.stages if weights else ():
         k = engine.stats.batch_index
         for o in range(1, min(view.delay, k) + 1):
             flat.update({f"{STASH}{o}.{n}": t for n, t in zip(view.param_names, view.version(k - o))})
@@ -44,6 +48,7 @@ def engine_tensors(engine: Any, module_state: Mapping[str, Tensor], optimizers: 
 
 
 def _optimizer_by_name(optimizer: torch.optim.Optimizer, names: Mapping[int, str], prefix: str) -> dict[str, Any]:
+    optimizer = local_optimizer(optimizer)  # sharded: only the state this replica holds
     state = optimizer.state_dict()
     name_of = {index: names[id(p)] for saved, group in zip(state["param_groups"], optimizer.param_groups)
                for index, p in zip(saved["params"], group["params"])}
@@ -144,15 +149,18 @@ def check_model_fits(engine: Any, module_state: Mapping[str, Tensor], source: Te
     check(expected, found, "the model's state_dict")
 
 
-def needed_keys(engine: Any, module_state_names: Iterable[str], source: TensorSource) -> list[str]:
+def needed_keys(engine: Any, module_state_names: Iterable[str], source: TensorSource,
+                optimizer_owned: Optional[set[str]] = None) -> list[str]:
     """The keys this process reads: its module state, the stashed versions its stages hold under their delay
-    (those the checkpoint has) and its parameters' optimizer states."""
+    (those the checkpoint has) and its parameters' optimizer states (with ``optimizer_owned``, a sharded
+    optimizer's names: only those parameters' state, and every parameter's group settings)."""
     keys = {model_key(engine, n) for n in module_state_names}
     for view in engine.stats.stages:
         for o in range(1, view.delay + 1):
             keys.update(f"{STASH}{o}.{n}" for n in view.param_names)
     own = {n for view in engine.stats.stages for n in view.param_names}
-    keys.update(k for k in source.shapes if k.startswith(OPTIM) and k.split("/", 2)[1] in own)
+    keys.update(k for k in source.shapes if k.startswith(OPTIM) and k.split("/", 2)[1] in own
+                and (optimizer_owned is None or k.endswith("/" + GROUP) or k.split("/", 2)[1] in optimizer_owned))
     return sorted(k for k in keys if k in source.shapes)
 
 
@@ -185,8 +193,17 @@ def load_optimizers(optimizers: Sequence[torch.optim.Optimizer], names: Mapping[
         if key.startswith(OPTIM):
             prefix, name, entry = key.split("/", 2)
             saved.setdefault((prefix, name), {})[entry] = value
-    for i, optimizer in enumerate(optimizers):
+    for i, sharded in enumerate(optimizers):
         prefix = f"{OPTIM}{i}"
+        optimizer = local_optimizer(sharded)
+        if optimizer is not sharded:
+            # The exposed groups take the settings saved with their parameters, also where this replica owns
+            # none of a group's parameters (its local group is then empty).
+            for group in sharded.param_groups:
+                hyper = next((saved[(prefix, names[id(p)])][GROUP] for p in group["params"]
+                              if GROUP in saved.get((prefix, names[id(p)]), {})), None)
+                if hyper is not None:
+                    group.update(pickle.loads(hyper))
         state: dict[int, dict[str, Any]] = {}
         groups, index = [], 0
         for group in optimizer.param_groups:
@@ -204,6 +221,16 @@ def load_optimizers(optimizers: Sequence[torch.optim.Optimizer], names: Mapping[
                     state[index] = entry
                 index += 1
         optimizer.load_state_dict({"state": state, "param_groups": groups})
+        sync_group_settings(sharded)
+
+
+def owned_parameters(optimizers: Sequence[torch.optim.Optimizer], names: Mapping[int, str]) -> Optional[set[str]]:
+    """The names of the parameters whose optimizer state this process holds, when its optimizers are sharded
+    (``None`` otherwise: it holds them all)."""
+    locals_ = [local_optimizer(o) for o in optimizers]
+    if all(local is o for local, o in zip(locals_, optimizers)):
+        return None
+    return {names[id(p)] for local in locals_ for g in local.param_groups for p in g["params"]}
 
 
 # ---- writing a sharded checkpoint safely ---------------------------------------------------------------------------

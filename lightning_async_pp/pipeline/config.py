@@ -35,6 +35,7 @@ class PipelineConfig:
     pipeline_timeout: float = 300.0
     check_batches: bool = True
     activation_checkpointing: CheckpointingSpec = False  # True (every layer) or indices into pipeline_layers()
+    shard_optimizer: bool = False  # ZeRO-1: each stage's optimizer state split across its data-parallel replicas
 
     def __post_init__(self) -> None:
         if self.schedule not in SCHEDULES:
@@ -67,6 +68,11 @@ class PipelineConfig:
                 raise ValueError(f"delay must be an integer >= 0 or a non-empty list of them, got {self.delay!r}")
             if any(d < 0 for d in values):
                 raise ValueError(f"delay must be >= 0 (0 is synchronous, 1 is 2BW), got {self.delay!r}")
+        if not isinstance(self.shard_optimizer, bool):
+            raise ValueError(
+                f"shard_optimizer must be True (each stage's optimizer state split across its data-parallel "
+                f"replicas) or False, got {self.shard_optimizer!r}"
+            )
         spec = self.activation_checkpointing
         if not isinstance(spec, bool):
             valid = "True, False or a list of layer indices (positions in pipeline_layers())"

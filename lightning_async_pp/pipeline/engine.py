@@ -130,13 +130,14 @@ class PipelineEngine:
         self._tie_groups: list[tuple[Tie, Any]] = []
         self.pipeline_group: Any = None
         self.board = FailureBoard(None)
-        link, dp_group = None, None
+        link, dp_group, loss_group = None, None, None
         if self.is_multiprocess:
             topology = self.topology
             assert topology is not None
             local = [topology.stage]
             self.board = FailureBoard.from_default_group()
             dp_group = topology.create_dp_group()
+            loss_group = topology.create_dp_group()  # the batch loss's mean, apart from the gradient buckets
             self._create_groups(topology)
             remove_other_stages(root, self.layers, self.paths, self.stage_of_layer, topology.stage)
             # Forget the parameters that left (their ids may be reused by new objects).
@@ -159,6 +160,8 @@ class PipelineEngine:
                     )
         self._local, self._delays, self._link = local, delays, link
         self._dp_group = dp_group if self.is_multiprocess else None
+        self._loss_group = loss_group
+        self._ties_due = False  # the tied-gradient sum waits for the data-parallel reduction
         self._input_fn, self._loss_fn = input_fn, loss_fn
         self.stages: list[Stage] = []
 
@@ -208,6 +211,7 @@ class PipelineEngine:
             input_fn=self._input_fn, loss_fn=self._loss_fn, link=self._link,
             pipeline_ranks=self.topology.pipeline_ranks if self.topology else [0],
             dp_group=self._dp_group, dp_size=self.config.data_parallel_size, check_batches=self.config.check_batches,
+            loss_group=self._loss_group,
         )
         names = self.global_names
         self.stage_views = [StageView(st.index, st.versions.delay, tuple(names[id(p)] for p in st.params), st)
@@ -298,7 +302,19 @@ class PipelineEngine:
         return self.runtime.params
 
     @property
+    def dp_group(self) -> Any:
+        """The process group of this stage's data-parallel replicas (``None`` with one pipeline)."""
+        return self._dp_group
+
+    @property
     def gradients(self) -> list[Optional[Tensor]]:
+        """The last batch's gradient, averaged over data-parallel replicas and summed over tied copies. The
+        data-parallel reduction runs in the background from the batch's last backward; this waits for it (the
+        first read after :meth:`train_step`, which is Lightning's ``backward``)."""
+        if self._ties_due:
+            self._ties_due = False
+            self.runtime.finish_reduction()
+            self._sum_tied_gradients()
         return self.runtime.gradients
 
     @property
@@ -312,12 +328,12 @@ class PipelineEngine:
         """Forward and backward of every microbatch of ``batch`` (and, under 2BW across processes, the first
         forwards of ``next_batch``); returns the batch's mean loss and leaves its gradient in :attr:`gradients`."""
         loss = self.runtime.train_batch(batch, next_batch)
-        self._sum_tied_gradients()
+        self._ties_due = True  # summed on the first read of ``gradients``, once the replicas' mean is there
         return loss
 
     def _sum_tied_gradients(self) -> None:
         for i, tie, group in self._tied_slots:
-            g = self.gradients[i]
+            g = self.runtime.gradients[i]
             if g is None:
                 g = self.runtime.gradients[i] = torch.zeros_like(tie.param)
             dist.all_reduce(g, group=group)

@@ -7,7 +7,8 @@ stage whose next action waits for a neighbour in this process yields to the othe
 "The runtime"). There is no second code path per schedule: a new schedule is a new action list.
 
 ``train_batch(batch, next_batch)`` returns the batch's mean loss on every rank and leaves the batch gradient of
-``params`` in ``gradients`` (averaged over data-parallel replicas); ``prepare_update()`` moves the parameters
+``params`` in ``gradients`` (with data-parallel replicas, their mean once ``finish_reduction()`` has waited for the
+reduction that the batch's last backward started); ``prepare_update()`` moves the parameters
 onto the slot that will hold ``W_{k+1}`` before the optimizer writes them (weight stashing).
 """
 from __future__ import annotations
@@ -25,6 +26,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from lightning_async_pp.pipeline.comm import TAG_EVAL, TAG_LOSS, TAG_PREDICT, StageLink
+from lightning_async_pp.pipeline.data_parallel import GradientReducer
 from lightning_async_pp.pipeline.microbatch import batch_size_of, fingerprint, split_microbatches, split_ragged
 from lightning_async_pp.pipeline.schedule import Action, lookahead_forwards, step_actions
 from lightning_async_pp.pipeline.stage import Stage
@@ -56,11 +58,13 @@ class StepTimes:
     compute: float = 0.0  # forward and backward
     comm_wait: float = 0.0  # blocked waiting for a neighbour's activation, gradient or loss
     optimizer: float = 0.0  # the update (set by the caller that runs the optimizer)
+    dp_comm: float = 0.0  # the data-parallel gradient reduction, from its first bucket's start to the end of its wait
+    dp_comm_exposed: float = 0.0  # of that, the time blocked waiting for it (what the step's other work did not hide)
 
     @property
     def idle(self) -> float:
         """Everything else: scheduling, Python overhead, data handling."""
-        return max(0.0, self.total - self.compute - self.comm_wait - self.optimizer)
+        return max(0.0, self.total - self.compute - self.comm_wait - self.optimizer - self.dp_comm_exposed)
 
 
 @dataclass
@@ -110,6 +114,7 @@ class PipelineRuntime:
         dp_group: Any = None,
         dp_size: int = 1,
         check_batches: bool = True,
+        loss_group: Any = None,
     ) -> None:
         self.stages = list(stages)
         self.num_stages = self.stages[0].num_stages
@@ -119,6 +124,10 @@ class PipelineRuntime:
         self.link = link
         self.pipeline_ranks = list(pipeline_ranks)
         self.dp_group, self.dp_size = dp_group, dp_size
+        self.loss_group = loss_group if loss_group is not None else dp_group
+        # Data parallel: one stage per process; its gradient accumulates in the reducer's buckets.
+        self.reducer = GradientReducer(self.params, dp_group, dp_size) if dp_size > 1 else None
+        self._backwards_left = 0  # this step's backwards of the current batch still to run (data parallel)
         self.check_batches = check_batches and link is not None
         self.gradients: list[Optional[Tensor]] = []
         self.last_times = StepTimes()
@@ -214,6 +223,9 @@ class PipelineRuntime:
             checked=[] if first.is_first else [a.microbatch == 0 for a in queues[first.index] if a.op == "F"],
             gradients=0 if last.is_last else sum(a.op == "B" for a in queues[last.index]),
         )
+        if self.reducer is not None:
+            self._backwards_left = sum(a.op == "B" and a.batch == 0 for a in queues[first.index])
+            self.reducer.attach(first.versions.leaves_for_batch(k))
         acts: dict[tuple[int, int, int], tuple[list[Tensor], Any]] = {}  # in-process hand-overs, by receiver
         grads: dict[tuple[int, int, int], list[Optional[Tensor]]] = {}
         compute = 0.0
@@ -246,13 +258,32 @@ class PipelineRuntime:
         if link is not None:
             link.flush_sends()  # all but the lookahead's sends: their receives were posted during this step
         self.gradients = [g for stage in self.stages for g in stage.take_gradients(k)]
-        if self.dp_size > 1:
-            self._all_reduce_mean(self.gradients, loss)
+        if self.reducer is not None:
+            self.reducer.launch_rest()
+            dist.all_reduce(loss, group=self.loss_group)  # its own group: not queued behind the gradient buckets
+            loss /= self.dp_size
+            if not self.reducer.OVERLAP:
+                self.gradients = self.reducer.finish(self.gradients)
         self.last_times = StepTimes(
             total=time.perf_counter() - step_start, compute=compute,
             comm_wait=(link.wait_seconds - wait_before) if link is not None else 0.0,
         )
+        if self.reducer is not None and not self.reducer.OVERLAP:
+            self.last_times.dp_comm = self.last_times.dp_comm_exposed = self.reducer.exposed_s
         return loss.to(torch.float32)
+
+    @property
+    def reduction_pending(self) -> bool:
+        return self.reducer is not None and self.reducer.pending
+
+    def finish_reduction(self) -> None:
+        """Wait for the data-parallel reduction of the last step's gradient (launched during its last backward)."""
+        if not self.reduction_pending:
+            return
+        assert self.reducer is not None
+        self.gradients = self.reducer.finish(self.gradients)
+        self.last_times.dp_comm, self.last_times.dp_comm_exposed = self.reducer.total_s, self.reducer.exposed_s
+        self.last_times.total += self.reducer.exposed_s
 
     def _ready(self, stage: Stage, action: Action, k: int, acts: dict, grads: dict) -> bool:
         key = (stage.index, k + action.batch, action.microbatch)
@@ -312,6 +343,10 @@ class PipelineRuntime:
             return elapsed
         inputs, out_leaves = self._inflight.pop((stage.index, b, j))
         received: Optional[list[Optional[Tensor]]] = None
+        if self.reducer is not None and action.batch == 0:
+            self._backwards_left -= 1
+            if self._backwards_left == 0:
+                self.reducer.arm()  # the gradients become final in this backward: buckets start as they do
         if stage.is_last:
             start = time.perf_counter()
             out_leaves.backward()
@@ -396,18 +431,6 @@ class PipelineRuntime:
             for nth in range(received, sent):
                 link.recv_activations(with_check=self.check_batches and nth == 0)
         link.flush_sends()
-
-    def _all_reduce_mean(self, grads: list[Optional[Tensor]], loss: Tensor) -> None:
-        present = [g for g in grads if g is not None]
-        flat = torch.cat([g.reshape(-1).to(torch.float64 if g.dtype == torch.float64 else torch.float32) for g in present]
-                         + [loss.reshape(1).to(torch.float32)])
-        dist.all_reduce(flat, group=self.dp_group)
-        flat /= self.dp_size
-        offset = 0
-        for g in present:
-            g.copy_(flat[offset : offset + g.numel()].view_as(g))
-            offset += g.numel()
-        loss.copy_(flat[-1])
 
     # ---- evaluation and prediction (newest weights, forward only, batches of any size) -------------------------
     @torch.no_grad()

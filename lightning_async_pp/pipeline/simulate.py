@@ -8,7 +8,9 @@ lookahead forwards from one step into the next), then its optimizer update:
 - a forward of microbatch ``j`` of batch ``b`` on stage ``s > 0`` starts once stage ``s`` is free and stage
   ``s-1``'s forward of the same microbatch ended ``comm_s`` earlier (the activation's transfer);
 - a backward on stage ``s < p-1`` waits likewise for stage ``s+1``'s backward of the same microbatch;
-- each stage's optimizer update (``optimizer_s``) runs after the last action of its step's list.
+- each stage's optimizer update (``optimizer_s``) runs after the last action of its step's list;
+- with data-parallel replicas (``dp_reduce_s``), the update also waits for the stage's gradient reduction (see
+  :func:`simulate` for the three placements ``dp_overlap`` models).
 
 Nothing here knows what a schedule looks like: a new schedule in ``schedule.py`` is simulated as it is run.
 Transfers overlap compute (a stage is not busy while its activation travels) and a link carries any number of
@@ -66,6 +68,10 @@ class SimulationResult:
     backward_s: list[float] = field(default_factory=list)
     comm_s: list[float] = field(default_factory=list)  # per boundary s -> s+1
     optimizer_s: list[float] = field(default_factory=list)
+    dp_reduce_s: list[float] = field(default_factory=list)  # per stage: its gradient's reduction over the replicas
+    dp_overlap: str = "none"
+    dp_exposed_s: list[float] = field(default_factory=list)  # per stage, steady state: reduction not hidden, per step
+    dp_spans: list[list[SimSpan]] = field(default_factory=list)  # per stage: the reductions (on their own link)
 
     @property
     def makespan_s(self) -> float:
@@ -91,6 +97,9 @@ def simulate(
     comm_s: Seconds = 0.0,
     optimizer_s: Seconds = 0.0,
     steps: int = 6,
+    dp_reduce_s: Seconds = 0.0,
+    dp_overlap: str = "backward",
+    dp_buckets: int = 4,
 ) -> SimulationResult:
     """Simulate ``steps`` training steps of ``schedule`` on ``num_stages`` stages with ``num_microbatches``.
 
@@ -102,11 +111,30 @@ def simulate(
         optimizer_s: seconds of a stage's optimizer update after its step: one number, or one per stage.
         steps: training steps to simulate (at least 3): the first warms the pipeline up, the last drains it
             (the end of training starts no lookahead); the steady state is measured over the ones between.
+        dp_reduce_s: seconds to reduce one stage's whole gradient across its data-parallel replicas (one number
+            or one per stage); each stage has its own link for it, beside the pipeline's transfers.
+        dp_overlap: where that reduction runs. ``"none"``: after the stage's last action of the step, before its
+            update. ``"backward"`` (what the runtime does): in ``dp_buckets`` equal buckets, each started as the
+            batch's last backward on the stage passes its layers (bucket ``i`` of ``n`` is ready ``i/n`` of the
+            way through it), one after another on the link; the update waits for the last. ``"deferred"``: as
+            ``"backward"``, but under 2BW the update of batch ``k`` is put off until just before the stage's first
+            forward of batch ``k+2`` (the first to read ``W_{k+1}``; batch ``k+1`` reads ``W_k``), so the next
+            step's early work hides the reduction. Within Lightning's loop the update of batch ``k`` runs in
+            step ``k`` (before its schedulers and checkpoints), so the runtime does not do this; the planner
+            shows what it would buy. Synchronous schedules have no such slack: there it is ``"backward"``.
     """
     p, m, fwd, bwd, comm, opt = check_inputs(
         schedule, num_stages, num_microbatches, forward_s, backward_s, comm_s, optimizer_s, steps
     )
+    reduce_s = _seconds("dp_reduce_s", dp_reduce_s, p, "stage", positive=False)
+    if dp_overlap not in DP_OVERLAPS:
+        raise ValueError(f"dp_overlap must be one of {', '.join(map(repr, DP_OVERLAPS))}, got {dp_overlap!r}")
+    if not _is_int(dp_buckets) or dp_buckets < 1:
+        raise ValueError(f"dp_buckets must be a positive integer, got {dp_buckets!r}")
 
+    deferred = dp_overlap == "deferred" and uses_lookahead(schedule, True) and any(r > 0 for r in reduce_s)
+    if deferred and steps < 4:
+        raise ValueError(f"dp_overlap='deferred' needs steps >= 4 (the last two steps' updates are not deferred), got {steps}")
     # Each stage's work over all steps: its step lists as the runtime runs them, each followed by the update.
     work: list[list[tuple[int, Optional[str], int, int]]] = []  # (step, op or None for the update, batch, mb)
     for s in range(p):
@@ -118,7 +146,21 @@ def simulate(
                 items.append((k, a.op, k + a.batch, a.microbatch))
             items.append((k, None, k, -1))
             carried_in = lookahead
+        if deferred:
+            items = _defer_updates(items)
         work.append(items)
+    # Per stage and step: where the step's last backward of its own batch and its last action sit in the work list.
+    last_b: list[dict[int, int]] = [{} for _ in range(p)]
+    last_action: list[dict[int, int]] = [{} for _ in range(p)]
+    for s in range(p):
+        for i, (k, op, b, _) in enumerate(work[s]):
+            if op is not None:
+                last_action[s][k] = i
+                if op == "B" and b == k:
+                    last_b[s][k] = i
+    marks: dict[tuple[int, int], float] = {}  # (stage, work index) -> (start, end) of the last backward / action
+    dp_spans: list[list[SimSpan]] = [[] for _ in range(p)]
+    exposed: list[dict[int, float]] = [{} for _ in range(p)]
 
     ends: dict[tuple[str, int, int, int], float] = {}  # (op, stage, batch, microbatch) -> end time
     free = [0.0] * p
@@ -134,6 +176,11 @@ def simulate(
                 k, op, b, j = items[pos[s]]
                 if op is None:
                     start = free[s]
+                    if reduce_s[s] > 0:
+                        done = _reduction(s, k, reduce_s[s], dp_overlap, dp_buckets, marks, last_b, last_action,
+                                          dp_spans[s])
+                        exposed[s][k] = max(0.0, done - start)
+                        start = max(start, done)
                     end = start + opt[s]
                     tl.append(SimSpan(s, OPTIMIZER, b, None, start, end, k))
                     step_ends[s].append(end)
@@ -161,6 +208,8 @@ def simulate(
                     ends[(op, s, b, j)] = end
                     tl.append(SimSpan(s, name, b, j, start, end, k))
                 free[s] = end
+                if op is not None:
+                    marks[(s, pos[s])] = (start, end)
                 pos[s] += 1
                 remaining -= 1
                 progressed = True
@@ -170,7 +219,8 @@ def simulate(
 
     # Steady state: the steps between the first (pipeline filling) and the last (no lookahead, drain).
     step_done = [max(step_ends[s][k] for s in range(p)) for k in range(steps)]
-    first, last = 0, steps - 2
+    # A deferred update of step k lands in step k+1, and the last step (no lookahead) defers nothing: one step less.
+    first, last = 0, steps - 2 - int(deferred)
     step_time = (step_done[last] - step_done[first]) / (last - first)
     stage_bubbles = []
     for s in range(p):
@@ -192,7 +242,45 @@ def simulate(
         schedule=schedule, num_stages=p, num_microbatches=m, steps=steps, step_time_s=step_time,
         bubble_fraction=sum(stage_bubbles) / p, stage_bubble_fractions=stage_bubbles, peak_activations=peaks,
         timelines=timelines, step_ends=step_ends, forward_s=fwd, backward_s=bwd, comm_s=comm, optimizer_s=opt,
+        dp_reduce_s=reduce_s, dp_overlap=dp_overlap, dp_spans=dp_spans,
+        dp_exposed_s=[sum(e for k, e in exposed[s].items() if first < k <= last) / (last - first) for s in range(p)],
     )
+
+
+#: Where the data-parallel reduction runs in :func:`simulate` (see its ``dp_overlap``).
+DP_OVERLAPS = ("none", "backward", "deferred")
+DP_REDUCE = "dp_reduce"  # the span name of a reduction
+
+
+def _defer_updates(items: list[tuple[int, Optional[str], int, int]]) -> list[tuple[int, Optional[str], int, int]]:
+    """Move each step's update to just before the first action on batch ``k+2`` (or the next update)."""
+    updates = [it for it in items if it[1] is None]
+    rest = [it for it in items if it[1] is not None]
+    out: list[tuple[int, Optional[str], int, int]] = []
+    due = 0  # the next update to place
+    for it in rest:
+        while due < len(updates) and (it[2] >= updates[due][0] + 2 or it[0] > updates[due][0] + 1):
+            out.append(updates[due])
+            due += 1
+        out.append(it)
+    return out + updates[due:]
+
+
+def _reduction(s: int, k: int, seconds: float, overlap: str, buckets: int, marks: dict, last_b: list, last_action: list,
+               spans: list[SimSpan]) -> float:
+    """When stage ``s``'s reduction of step ``k``'s gradient ends (and its spans, on the stage's own link)."""
+    if overlap == "none" or k not in last_b[s]:
+        start = marks[(s, last_action[s][k])][1]
+        spans.append(SimSpan(s, DP_REDUCE, k, None, start, start + seconds, k))
+        return start + seconds
+    b_start, b_end = marks[(s, last_b[s][k])]
+    t = 0.0
+    for i in range(1, buckets + 1):
+        ready = b_start + (b_end - b_start) * i / buckets
+        t = max(t, ready)
+        spans.append(SimSpan(s, DP_REDUCE, k, i - 1, t, t + seconds / buckets, k))
+        t += seconds / buckets
+    return t
 
 
 def uses_lookahead(schedule: str, next_batch_exists: bool) -> bool:

@@ -42,6 +42,7 @@ def main() -> None:
         schedule=cfg["schedule"], num_microbatches=cfg["microbatches"],
         data_parallel_size=cfg.get("dp", 1), partition=cfg.get("partition", "parameters"),
         pipeline_timeout=cfg.get("timeout", 60.0), sync_from_step=cfg.get("sync_from_step"),
+        shard_optimizer=cfg.get("shard_optimizer", False),
     )
     dataset = make_dataset(cfg.get("samples", 64))
     dp = cfg.get("dp", 1)
@@ -56,7 +57,8 @@ def main() -> None:
         loader = DataLoader(dataset, batch_size=cfg["batch"], shuffle=False, drop_last=True)
     callbacks = []
     if cfg.get("save_every"):
-        callbacks.append(ModelCheckpoint(dirpath=cfg["checkpoint_dir"], save_last=True, every_n_train_steps=cfg["save_every"]))
+        callbacks.append(ModelCheckpoint(dirpath=cfg["checkpoint_dir"], save_last=True, every_n_train_steps=cfg["save_every"],
+                                         save_top_k=-1 if cfg.get("keep_checkpoints") else 1))
     trainer = L.Trainer(
         strategy=strategy, accelerator="cpu", devices=cfg["stages"] * cfg.get("dp", 1), max_steps=cfg["steps"],
         logger=monitor_logger, enable_checkpointing=bool(callbacks), callbacks=callbacks + monitors,
@@ -70,6 +72,11 @@ def main() -> None:
         link = trainer.strategy.engine.runtime.link
         with open(f"buffers_reused_{trainer.global_rank}.txt", "w") as f:  # in the test's tmp_path (the cwd)
             f.write(str(link.buffers_reused))
+    if cfg.get("report_optimizer_state"):
+        from lightning_async_pp.pipeline.sharding import state_nbytes
+
+        with open(f"optimizer_state_{trainer.global_rank}.txt", "w") as f:  # in the test's tmp_path (the cwd)
+            f.write(str(sum(state_nbytes(o) for o in trainer.strategy.optimizers)))
     if trainer.is_global_zero:
         torch.save({k: v.detach().cpu() for k, v in model.state_dict().items()}, args.out)
         print("SAMPLER_KWARGS", json.dumps(trainer.strategy.distributed_sampler_kwargs))

@@ -1,0 +1,145 @@
+"""The data-parallel gradient reduction of one stage: bucketed, in place, and overlapped with the step's work.
+
+A stage's replicas average their batch gradients. The gradients accumulate, microbatch by microbatch, directly in
+a few flat bucket buffers allocated once (each leaf's ``.grad`` is a view into its bucket before the batch's
+first backward, and autograd adds into it in place), so the reduction needs no second copy of the gradient. A
+bucket is all-reduced asynchronously as soon as its gradients are final: during the batch's last backward on
+this stage, once each of its leaves has taken its last microbatch's gradient (a post-accumulate hook), else
+right after that backward. :meth:`GradientReducer.finish` waits for them; the engine calls it only when the
+gradient is first needed, in Lightning's ``backward``, so the reduction runs behind the rest of the backward,
+the step's remaining sends and receives, and Lightning's work between ``training_step`` and ``backward``. See
+docs/design.md, "Data parallelism".
+
+With ``OVERLAP = False`` every bucket is reduced after the step's last action and waited for at once (the
+reduction on the critical path, for comparison). No Lightning import here.
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+
+@dataclass
+class _Bucket:
+    indices: list[int]  # positions in the stage's parameter list, in the order they sit in ``buffer``
+    buffer: Tensor
+    views: list[Tensor] = field(default_factory=list)
+    pending: set[int] = field(default_factory=set)  # leaves not yet final in this step's last backward
+    work: Any = None
+
+
+class GradientReducer:
+    """Averages one stage's batch gradient over its data-parallel ``group`` of ``size`` replicas.
+
+    Per step: :meth:`attach` (before the batch's first backward), :meth:`arm` (before its last backward on this
+    stage), :meth:`launch_rest` (after it), :meth:`finish` (before the gradient is used).
+    """
+
+    BUCKET_BYTES = 25 * 2**20  # as DistributedDataParallel's default bucket_cap_mb
+    OVERLAP = True
+
+    def __init__(self, params: Sequence[Tensor], group: Any, size: int) -> None:
+        self.group, self.size = group, size
+        self.buckets: list[_Bucket] = []
+        # Buckets in reverse parameter order, as DDP: a stage's last layers get their gradients first in backward.
+        order = [i for i in reversed(range(len(params))) if params[i].requires_grad]
+        current: list[int] = []
+        for i in order:
+            if current and (params[i].dtype != params[current[0]].dtype or params[i].device != params[current[0]].device
+                            or sum(params[j].numel() * params[j].element_size() for j in current + [i]) > self.BUCKET_BYTES):
+                self._add_bucket(params, current)
+                current = []
+            current.append(i)
+        if current:
+            self._add_bucket(params, current)
+        self._bucket_of = {i: b for b in self.buckets for i in b.indices}
+        self._leaves: list[Tensor] = []
+        self._hooks: list[Any] = []
+        self._touched: set[int] = set()
+        self._armed = False
+        self.started: Optional[float] = None  # when the first bucket of this step was launched
+        self.total_s = 0.0  # last step: first launch to the end of the wait
+        self.exposed_s = 0.0  # last step: time blocked waiting for it
+
+    def _add_bucket(self, params: Sequence[Tensor], indices: list[int]) -> None:
+        numel = sum(params[i].numel() for i in indices)
+        buffer = torch.zeros(numel, dtype=params[indices[0]].dtype, device=params[indices[0]].device)
+        bucket = _Bucket(list(indices), buffer)
+        offset = 0
+        for i in indices:
+            bucket.views.append(buffer[offset : offset + params[i].numel()].view_as(params[i]))
+            offset += params[i].numel()
+        self.buckets.append(bucket)
+
+    @property
+    def pending(self) -> bool:
+        return any(b.work is not None for b in self.buckets)
+
+    # ---- one step ------------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def attach(self, leaves: Sequence[Tensor]) -> None:
+        """Make each leaf's ``.grad`` a zeroed view into its bucket, so that the batch's microbatch gradients
+        accumulate there in place (the previous batch's gradient has been applied by now)."""
+        self._leaves = list(leaves)
+        self._touched = set()
+        self._armed = False
+        self.started = None
+        for bucket in self.buckets:
+            bucket.buffer.zero_()
+            bucket.pending = set(bucket.indices)
+            for i, view in zip(bucket.indices, bucket.views):
+                self._leaves[i].grad = view
+        for i in self._bucket_of:
+            self._hooks.append(self._leaves[i].register_post_accumulate_grad_hook(self._hook(i)))
+
+    def _hook(self, i: int) -> Any:
+        def accumulated(_: Tensor) -> None:
+            self._touched.add(i)
+            if self._armed and self.OVERLAP:
+                bucket = self._bucket_of[i]
+                bucket.pending.discard(i)
+                if not bucket.pending:
+                    self._launch(bucket)
+        return accumulated
+
+    def arm(self) -> None:
+        """The batch's last backward on this stage starts: each leaf's next accumulation is its last."""
+        self._armed = True
+
+    def launch_rest(self) -> None:
+        """After the last backward: launch every bucket not launched yet (leaves that took no gradient then)."""
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks = []
+        for bucket in self.buckets:
+            if bucket.work is None:
+                self._launch(bucket)
+
+    def _launch(self, bucket: _Bucket) -> None:
+        if self.started is None:
+            self.started = time.perf_counter()
+        bucket.work = dist.all_reduce(bucket.buffer, group=self.group, async_op=True)
+
+    def finish(self, gradients: list[Optional[Tensor]]) -> list[Optional[Tensor]]:
+        """Wait for every bucket and divide by the number of replicas. Returns ``gradients`` (the leaves'
+        ``.grad``, one per parameter) with ``None`` for a leaf that took no gradient in the whole step, as
+        without data parallelism."""
+        if not self.pending:
+            return gradients
+        start = time.perf_counter()
+        for bucket in self.buckets:
+            if bucket.work is not None:
+                bucket.work.wait()
+                bucket.work = None
+                bucket.buffer.div_(self.size)
+        end = time.perf_counter()
+        self.exposed_s = end - start
+        self.total_s = end - (self.started if self.started is not None else start)
+        self._leaves = []
+        return [g if i in self._touched else None for i, g in enumerate(gradients)]
