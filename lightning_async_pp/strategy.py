@@ -12,13 +12,12 @@ from contextlib import contextmanager, nullcontext
 import os
 import sys
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from datetime import timedelta
 from typing import Any, Optional
 
 import torch
-import torch.distributed as dist
-from lightning.fabric.utilities.optimizer import _optimizer_to_device, _optimizers_to_device
+from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.pytorch import Trainer
 from lightning.pytorch.plugins.precision import MixedPrecision
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
@@ -29,10 +28,11 @@ from torch import Tensor
 from lightning_async_pp import _lightning
 from lightning_async_pp.lookahead import FetchedBatch, LookaheadLoader, transfer_early
 from lightning_async_pp.module import PipelineModule
+from lightning_async_pp.strategy_state import PipelineStateHooks
 from lightning_async_pp.pipeline import checkpoint as ckpt
 from lightning_async_pp.pipeline.comm import PipelineFailure
 from lightning_async_pp.pipeline.config import CheckpointingSpec, DelaySpec, PipelineConfig
-from lightning_async_pp.pipeline.engine import PipelineEngine, check_names_and_shapes
+from lightning_async_pp.pipeline.engine import PipelineEngine
 from lightning_async_pp.pipeline.partition import PartitionSpec
 from lightning_async_pp.pipeline.placement import layer_paths, parameters_on_meta, replace_meta_tensors
 from lightning_async_pp.pipeline.sharding import shard_optimizers
@@ -47,7 +47,7 @@ _OWN_KWARGS = ("schedule", "num_microbatches", "data_parallel_size", "partition"
                "activation_checkpointing", "sync_from_step", "shard_optimizer")
 
 
-class AsyncPipelineStrategy(DDPStrategy):
+class AsyncPipelineStrategy(PipelineStateHooks, DDPStrategy):
     """Pipeline-parallel training of a :class:`~lightning_async_pp.PipelineModule`.
 
     Args:
@@ -429,152 +429,6 @@ class AsyncPipelineStrategy(DDPStrategy):
         self._report_failure(exception)
         super().on_exception(exception)
 
-    # ---- checkpoints ------------------------------------------------------------------------------------------
-    # Every stage contributes its own tensors, keyed by global names (pipeline/checkpoint.py); see docs/design.md,
-    # "Checkpoints". Nothing is gathered for a sharded checkpoint; a single file is assembled on rank 0.
-    @property
-    def restore_checkpoint_after_setup(self) -> bool:
-        # The stashed versions live in the engine's stages, which exist only after setup.
-        return True
-
-    def lightning_module_state_dict(self) -> dict[str, Any]:
-        # This stage's part (save_checkpoint assembles the rest), with buffers as the trained batches left them:
-        # the lookahead's forwards of the next batch may have updated running statistics already.
-        trained = self.engine.trained_buffers() if self.engine is not None else {}
-        return {k: trained.get(id(v), v).detach() for k, v in self.lightning_module.state_dict(keep_vars=True).items()}
-
-    def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
-        return {}  # saved by parameter name with the weights (save_checkpoint), so any layout can load it
-
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
-        assert self.engine is not None
-        path = os.fspath(filepath)
-        own = self.not_a_replica
-        module_state = checkpoint.pop("state_dict")
-        sharded = ckpt.owned_parameters(self.optimizers, self.engine.global_names) is not None
-        # Replicas hold the same weights; with a sharded optimizer each one adds the state it holds.
-        flat = ckpt.engine_tensors(self.engine, module_state, self.optimizers, weights=own) if own or sharded else {}
-        meta = ckpt.checkpoint_meta(self.engine, self.schedule, self.data_parallel_size)
-        if self.save_distributed_checkpoint:
-            checkpoint["async_pipeline"] = meta
-            ckpt.save_sharded(path, flat, checkpoint, is_coordinator=self.is_global_zero, barrier=self.barrier)
-            return
-        parts = self._gather_to_zero(_cpu(flat) if self.is_multiprocess else flat)
-        if self.is_global_zero:
-            merged: dict[str, Any] = {}
-            for part in parts or []:
-                merged.update(part)
-            checkpoint.update(ckpt.single_file_parts(merged, meta))
-            # Write beside the target and rename: a crash mid-write leaves the previous checkpoint intact.
-            tmp = f"{path}.tmp-{os.getpid()}"
-            self.checkpoint_io.save_checkpoint(checkpoint, tmp, storage_options=storage_options)
-            os.replace(tmp, path)
-
-    @property
-    def not_a_replica(self) -> bool:
-        """This process's stage belongs to the first pipeline (replicas hold the same tensors)."""
-        return not self.is_multiprocess or self.topology.dp_rank == 0
-
-    def _gather_to_zero(self, obj: Any) -> Optional[list[Any]]:
-        if not self.is_multiprocess:
-            return [obj]
-        out = [None] * self.world_size_total if self.is_global_zero else None
-        dist.gather_object(obj, out, dst=0)
-        return out
-
-    def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
-        path = ckpt.resolve(os.fspath(checkpoint_path))
-        if ckpt.is_sharded(path):
-            self._source = ckpt.ShardedSource(path)
-            return ckpt.read_meta(path)
-        checkpoint = super().load_checkpoint(path, weights_only=weights_only)
-        self._source = ckpt.file_source(checkpoint)
-        return checkpoint
-
-    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
-        engine, module, source = self.engine, self.lightning_module, self._source
-        assert engine is not None
-        if source is None:  # a checkpoint dict handed over without load_checkpoint
-            source = self._source = ckpt.file_source(checkpoint)
-        own = module.state_dict()
-        ckpt.check_model_fits(engine, own, source, not self.is_multiprocess, check_names_and_shapes)
-        owned = ckpt.owned_parameters(self.optimizers, engine.global_names)
-        tensors = source.read(ckpt.needed_keys(engine, own, source, owned))
-        # A plain Lightning checkpoint counts its updates in the loop's state: sync_from_step counts from the start.
-        num_updates = (checkpoint["async_pipeline"].get("num_updates", 0) if "async_pipeline" in checkpoint
-                       else _lightning.batches_trained(checkpoint))
-        ckpt.load_engine(engine, module, tensors, num_updates)
-        # Keep only what load_optimizer_state_dict will take (nothing outside fit), not a second copy of the model.
-        fitting = module.trainer.state.fn == TrainerFn.FITTING
-        self._tensors = {k: v for k, v in tensors.items() if k.startswith(ckpt.OPTIM)} if fitting else {}
-        if not fitting:
-            self._source = None
-
-    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
-        assert self.engine is not None
-        if self._source is not None and ckpt.has_optimizer_state(self._source):
-            ckpt.load_optimizers(self.optimizers, self.engine.global_names, self._tensors)
-        elif not self.is_multiprocess:
-            super().load_optimizer_state_dict(checkpoint)  # a plain Lightning checkpoint
-        elif checkpoint.get("optimizer_states"):
-            # A plain Lightning checkpoint knows parameters by index in the whole model's optimizers: name them as
-            # the whole model's configure_optimizers() orders them, then load by name like our own checkpoints.
-            module = self.lightning_module
-            with self.engine.whole_model():
-                names = {id(p): n for n, p in module.named_parameters()}
-                order = [[names[id(p)] for g in o.param_groups for p in g["params"]]
-                         for o in _lightning.configure_optimizers(module)]
-            tensors = ckpt.plain_optimizer_tensors(checkpoint["optimizer_states"], order)
-            ckpt.load_optimizers(self.optimizers, self.engine.global_names, tensors)
-        for optimizer in self.optimizers:
-            _optimizer_to_device(optimizer, self.root_device)
-        self._source, self._tensors = None, {}
-
-    # ---- after each trainer call ------------------------------------------------------------------------------
-    def on_train_end(self) -> None:
-        """Every stage is at ``W_N`` (each update was applied in its own step); gather them into rank 0."""
-        super().on_train_end()
-        if self.engine is not None:
-            self.engine.cancel_lookahead()
-            self.engine.release_gradients()
-        self._gather_after_call()
-
-    def on_validation_end(self) -> None:
-        super().on_validation_end()
-        if self.lightning_module.trainer.state.fn == TrainerFn.VALIDATING:
-            self._gather_after_call()
-
-    def on_test_end(self) -> None:
-        super().on_test_end()
-        self._gather_after_call()
-
-    def on_predict_end(self) -> None:
-        super().on_predict_end()
-        self._gather_after_call()
-
-    def _gather_after_call(self) -> None:
-        if self.is_multiprocess and self.gather_final_weights:
-            self.gather_model_to_rank_zero()
-
-    def _merged_module_state(self) -> dict[str, Tensor]:
-        """The whole model's state dict on rank 0 (each stage of replica 0 contributes its own layers)."""
-        module = self.lightning_module
-        if not self.is_multiprocess:
-            return module.state_dict()
-        parts = self._gather_to_zero(_cpu(module.state_dict()) if self.not_a_replica else {})
-        merged: dict[str, Tensor] = {}
-        for part in parts or []:
-            merged.update(part)
-        return merged
-
-    def gather_model_to_rank_zero(self) -> None:
-        """Put every stage's layers and weights into rank 0's module (the others keep their own stage)."""
-        assert self.engine is not None
-        merged = self._merged_module_state()
-        if self.is_global_zero:
-            self.engine.restore_all_layers(merged, self.root_device)
-            self.lightning_module.load_state_dict(merged)
-
     def teardown(self) -> None:
         module = self.lightning_module
         if isinstance(module, PipelineModule):
@@ -608,16 +462,6 @@ def _set_rng_states(states: tuple) -> None:
     torch.set_rng_state(cpu)
     if cuda is not None:
         torch.cuda.set_rng_state_all(cuda)
-
-
-def _cpu(obj: Any) -> Any:
-    if isinstance(obj, Tensor):
-        return obj.detach().cpu()
-    if isinstance(obj, Mapping):
-        return {k: _cpu(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_cpu(v) for v in obj)
-    return obj
 
 
 StrategyRegistry.register(

@@ -242,7 +242,7 @@ class PipelineEngine:
         if any(other != mine for other in everyone):
             raise RuntimeError(
                 "the processes see different pipelines (stages, first layer of each stage, tied parameters as "
-                f"(shape, stages)): " + "; ".join(f"rank {r}: {v}" for r, v in enumerate(everyone))
+                "(shape, stages)): " + "; ".join(f"rank {r}: {v}" for r, v in enumerate(everyone))
                 + ". Every process must build the same model with the same pipeline_layers()"
             )
         for d in range(topology.data_parallel_size):
