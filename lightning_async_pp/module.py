@@ -11,6 +11,12 @@ from torch import Tensor, nn
 from lightning_async_pp._lightning import PassesFetchedBatches
 
 
+def layer_seed(index: int, base: Optional[int] = None) -> int:
+    """The seed of pipeline layer ``index``'s initialization: from ``base`` (default ``torch.initial_seed()``, what
+    ``seed_everything`` set) and the index only, so a layer's weights do not depend on which process builds it."""
+    return ((torch.initial_seed() if base is None else base) * 1_000_003 + index) % 2**63
+
+
 class PipelineExecutor(Protocol):
     """What a pipeline strategy plugs into a ``PipelineModule`` to replace the sequential run."""
 
@@ -68,7 +74,7 @@ class PipelineModule(PassesFetchedBatches, L.LightningModule):
         process builds. Buffers computed in ``__init__`` keep their values (the strategy builds only parameters on
         the meta device). Override it for a custom initialization.
         """
-        seed = (torch.initial_seed() * 1_000_003 + index) % 2**63
+        seed = layer_seed(index)
         devices = [p.device for p in layer.parameters() if p.device.type == "cuda"][:1]
         with torch.random.fork_rng(devices=devices):
             torch.manual_seed(seed)

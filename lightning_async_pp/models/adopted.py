@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from lightning_async_pp.module import PipelineModule
+from lightning_async_pp.module import PipelineModule, layer_seed
 from lightning_async_pp.optim.groups import decay_matrices_only
 
 
@@ -49,17 +49,7 @@ class AdoptedCausalLM(PipelineModule):
     def configure_model(self) -> None:
         if self._layers is not None:  # Lightning calls this hook on every trainer entry point
             return
-        layers = self.build_upstream()
-        for index, layer in enumerate(layers):
-            # A buffer that the initialization does not set would stay uninitialized memory after the pipeline
-            # materializes a layer built on the meta device; the adapters keep rotary tables outside the layers.
-            buffers = [name for name, _ in layer.named_buffers()]
-            if buffers:
-                raise ValueError(
-                    f"{type(self).__name__}: pipeline layer {index} ({type(layer).__name__}) holds buffers {buffers}, "
-                    f"which its initialization does not set; this architecture is not supported by the adapter"
-                )
-        self._layers = layers
+        self._layers = self.build_upstream()
         self.init_weights()
 
     def init_weights(self) -> None:
@@ -81,10 +71,9 @@ class AdoptedCausalLM(PipelineModule):
     def init_layer(self, index: int, layer: nn.Module) -> None:
         """The upstream rule for every submodule of pipeline layer ``index``, drawing from the global RNG seeded by
         ``init_seed`` (default ``torch.initial_seed()``) and ``index`` (the global RNG is left as it was)."""
-        base = self.init_seed if self.init_seed is not None else torch.initial_seed()
         devices = [p.device for p in layer.parameters() if p.device.type == "cuda"][:1]
         with torch.random.fork_rng(devices=devices):
-            torch.manual_seed((base * 1_000_003 + index) % 2**63)
+            torch.manual_seed(layer_seed(index, self.init_seed))
             for module in layer.modules():
                 self.init_module(module)
 

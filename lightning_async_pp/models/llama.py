@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from lightning_async_pp.module import PipelineModule
+from lightning_async_pp.module import PipelineModule, layer_seed
 from lightning_async_pp.optim.groups import decay_matrices_only
 
 
@@ -217,8 +217,7 @@ class Llama(PipelineModule):
         """Initialize pipeline layer ``index``: normal(0, 0.02) matrices, norm gains 1, and (GPT-2 style)
         std 0.02 / sqrt(2 * num_layers) for the projections that write into the residual stream, so that its
         variance does not grow with depth. A tied head's matrix belongs to the embedding (layer 0)."""
-        base = self.hparams.init_seed if self.hparams.init_seed is not None else torch.initial_seed()
-        generator = torch.Generator().manual_seed((base * 1_000_003 + index) % 2**63)
+        generator = torch.Generator().manual_seed(layer_seed(index, self.hparams.init_seed))
         residual_std = 0.02 / math.sqrt(2 * self.config.num_layers)
         for name, p in layer.named_parameters():
             if p.is_meta or (layer is self.head and self.config.tie_embeddings and name == "proj.weight"):
