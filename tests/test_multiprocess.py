@@ -42,7 +42,7 @@ def test_sync_from_step_flushes_from_k_on_and_equals_the_one_device_run(tmp_path
     assert max_difference(multi, one_device_weights(cfg, sync_from_step=4)) > 1e-4  # the switch is at K, not later
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb_h1"])
 def test_synchronous_schedules_two_stages_equal_the_one_device_run(tmp_path, schedule):
     cfg = dict(BASE, schedule=schedule, stages=2, optimizer="adamw")
     assert max_difference(multiprocess_weights(cfg, tmp_path), one_device_weights(cfg)) < 1e-5

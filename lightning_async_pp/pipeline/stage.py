@@ -97,6 +97,12 @@ class Stage:
                 x = _run_layer(layer, local, x, *tensors)
         return x
 
+    def grad_leaves(self, batch_index: int) -> list[Tensor]:
+        """Every leaf the forward of batch ``batch_index`` read: this stage's and the borrowed ones (each once),
+        the weights a split backward's weight pass computes gradients for."""
+        return list({id(t): t for t in self.weights(self.versions.leaves_for_batch(batch_index), batch_index).values()}
+                    .values())
+
     def forward_newest(self, x: Any) -> Any:
         """Forward on the newest version (validation, test, predict)."""
         return self.layers(x)
