@@ -69,6 +69,17 @@ def test_reused_receive_buffers_keep_2bw_equal_to_the_one_device_run(tmp_path):
     assert max_difference(torch.load(tmp_path / "final.pt"), one) < 1e-5
 
 
+def test_reused_receive_buffers_wait_for_zb_h1s_deferred_weight_pass(tmp_path):
+    """Under zb_h1 the middle stage (two blocks ending in a Linear) defers a weight pass past later receives; that
+    pass reads the output gradient it received, so the buffer must not take another transfer before it."""
+    cfg = dict(BASE, schedule="zb_h1", stages=3, reuse_buffers=True, model={"depth": 5}, partition=[1, 2, 2])
+    proc = run_multiprocess(cfg, tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    reused = [int((tmp_path / f"buffers_reused_{rank}.txt").read_text()) for rank in range(3)]
+    assert reused[1] > 0, reused
+    assert max_difference(torch.load(tmp_path / "final.pt"), one_device_weights(cfg)) < 1e-5
+
+
 def test_tuple_across_a_boundary_and_uneven_partition(tmp_path):
     # 6 layers as [2, 4]: the boundary after layer 2 carries the tuple (tanh(h), sum(h)).
     cfg = dict(BASE, schedule="2bw", stages=2, model={"depth": 5, "tuple_boundary": True}, partition=[2, 4])
