@@ -1,8 +1,10 @@
 """``lightning-async-pp-plan``: what a pipeline would do, predicted from the engine's own action lists.
 
-For each number of stages ``p`` and microbatches ``m`` it simulates ``2bw``, ``1f1b`` and ``gpipe``
-(:func:`lightning_async_pp.pipeline.simulate.simulate`) and prints a Markdown table: steady-state step time,
-bubble, speedup over ``1f1b`` and the most forwards a stage holds in flight. The costs come from one of:
+For each number of stages ``p`` and microbatches ``m`` it simulates ``2bw`` beside every synchronous schedule
+(``1f1b``, ``gpipe``, ``zb_h1``, ``interleaved_1f1b``, ``zbv``;
+:func:`lightning_async_pp.pipeline.simulate.simulate`) and prints a Markdown table with one row per schedule:
+steady-state step time, bubble, speedup over ``1f1b`` (and, for 2bw, over the fastest synchronous schedule),
+peak activations and weight copies per device. The costs come from one of:
 
 - ``--layers L --forward-s X [--backward-s Y]``: ``L`` identical layers, ``X`` seconds of forward per layer and
   microbatch (measured, e.g. from a ``PipelineMonitor`` trace); the layers are split as evenly as they go;
@@ -29,7 +31,7 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from lightning_async_pp.pipeline.partition import _balanced_counts
-from lightning_async_pp.pipeline.schedule import SCHEDULES
+from lightning_async_pp.pipeline.schedule import PLANNER_SCHEDULES
 from lightning_async_pp.pipeline.simulate import SimulationResult, simulate
 
 
@@ -204,6 +206,10 @@ def fmt_seconds(s: float) -> str:
     return f"{s * 1e6:.3g} µs"
 
 
+def label(schedule: str, args: argparse.Namespace) -> str:
+    return f"interleaved_1f1b (v={args.virtual_stages})" if schedule == "interleaved_1f1b" else schedule
+
+
 def trace_path(base: str, schedule: str, p: int, m: int, several: bool) -> str:
     if not several:
         return base
@@ -258,14 +264,13 @@ def plan(args: argparse.Namespace) -> tuple[list[str], list[dict]]:
         lines.append(f"{args.layers} layers of forward {args.forward_s:g} s, backward "
                      f"{args.forward_s * model.backward_ratio:g} s per microbatch; transfer {model.comm_s:g} s, "
                      f"optimizer {args.optimizer_s:g} s.")
-    lines += ["", "*bubble*: share of the steady-state step a stage is idle (mean over stages); *x 1f1b*: 1f1b's step "
-              "time / this one's; *peak act.*: most microbatches whose forward ran and backward did not, on any stage.",
-              ""]
-    head = ["p", "m", "layers per stage"]
-    for s in schedules:
-        head += [f"{s} step", f"{s} bubble"] + ([f"{s} x 1f1b"] if s != "1f1b" else [])
-    head.append("peak act. " + " / ".join(schedules))
-    lines += ["| " + " | ".join(head) + " |", "|" + "---:|" * len(head)]
+    lines += ["", "*bubble*: share of the steady-state step a device is idle (mean over devices); *x 1f1b*: 1f1b's step "
+              "time / this one's; *x best sync*: the fastest synchronous schedule's step time / 2bw's; *peak act.*: "
+              "the most activations a device holds, in microbatches of its share of the model (a split backward frees "
+              "them with its weight gradient); *weights*: copies of its share of the weights a device holds (2bw "
+              "stashes a second version; interleaved and zbv hold the same share in several chunks).", ""]
+    head = ["p", "m", "layers per stage", "schedule", "step", "bubble", "x 1f1b", "x best sync", "peak act.", "weights"]
+    lines += ["| " + " | ".join(head) + " |", "|" + "---:|" * 3 + "---|" + "---:|" * (len(head) - 4)]
 
     records: list[dict] = []
     dp_lines: list[str] = []
@@ -275,36 +280,43 @@ def plan(args: argparse.Namespace) -> tuple[list[str], list[dict]]:
         costs = model.costs(p)
         for m in args.microbatches:
             if costs is None:
-                lines.append(f"| {p} | {m} | - | more stages than the {len(model.layer_forward)} pipeline layers"
+                lines.append(f"| {p} | {m} | - | - | more stages than the {len(model.layer_forward)} pipeline layers"
                              + (" (--split-blocks doubles them)" if model.shape and not args.split_blocks else "")
-                             + " |" + " |" * (len(head) - 4))
+                             + " |" + " |" * (len(head) - 5))
                 continue
             results: dict[str, Optional[SimulationResult]] = {}
+            refused: dict[str, str] = {}
             for s in dict.fromkeys([*schedules, "1f1b"]):
-                if s == "2bw" and m < p:
+                try:
+                    results[s] = simulate(s, p, m, costs.forward_s, costs.backward_s, comm_s=costs.comm_s,
+                                          optimizer_s=args.optimizer_s, steps=args.steps,
+                                          virtual_stages=args.virtual_stages,
+                                          weight_grad_fraction=args.weight_grad_fraction)
+                except ValueError as err:  # this (p, m) does not suit the schedule (2bw: m < p; interleaved: m % p)
+                    if "needs num_microbatches" not in str(err) and "multiple of" not in str(err):
+                        raise
                     results[s] = None
+                    refused[s] = "needs m >= p" if s == "2bw" else "needs m a multiple of p"
                     continue
-                results[s] = simulate(s, p, m, costs.forward_s, costs.backward_s, comm_s=costs.comm_s,
-                                      optimizer_s=args.optimizer_s, steps=args.steps)
                 if args.trace and s in schedules:
                     written.append(write_trace(results[s], trace_path(args.trace, s, p, m, several)))
             base = results["1f1b"]
             assert base is not None
+            sync = {s: r for s, r in results.items() if r is not None and s != "2bw"}
+            best = min(sync, key=lambda s: sync[s].step_time_s)  # type: ignore[union-attr]
             counts = costs.layers_per_stage
             split = "-" if counts is None else (str(counts[0]) if len(set(counts)) == 1 else f"{min(counts)}-{max(counts)}")
-            cells = [str(p), str(m), split]
             for s in schedules:
                 r = results[s]
                 if r is None:
-                    cells += ["needs m >= p", "-", "-"]
+                    lines.append(f"| {p} | {m} | {split} | {label(s, args)} | {refused[s]} | - | - | - | - | - |")
                     continue
-                cells += [fmt_seconds(r.step_time_s), f"{r.bubble_fraction:.1%}"]
-                if s != "1f1b":
-                    cells.append(f"{base.step_time_s / r.step_time_s:.2f}")
-            cells.append(" / ".join("-" if results[s] is None else str(max(results[s].peak_activations))  # type: ignore[union-attr]
-                                    for s in schedules))
-            lines.append("| " + " | ".join(cells) + " |")
-            records.append({"p": p, "m": m, "layers_per_stage": counts,
+                versus = f"{sync[best].step_time_s / r.step_time_s:.2f} ({label(best, args)})" if s == "2bw" else "-"
+                weights = "2 versions" if r.weight_versions == 2 else "1" if r.chunks == 1 else f"1 in {r.chunks} chunks"
+                lines.append(f"| {p} | {m} | {split} | {label(s, args)} | {fmt_seconds(r.step_time_s)} | "
+                             f"{r.bubble_fraction:.1%} | {base.step_time_s / r.step_time_s:.2f} | {versus} | "
+                             f"{r.peak_activation_memory:.3g} | {weights} |")
+            records.append({"p": p, "m": m, "layers_per_stage": counts, "best_sync": best,
                             "results": {s: r for s, r in results.items() if s in schedules}})
             if costs.dp_reduce_s:
                 dp = dp_row(args, p, m, costs, [s for s in schedules if results[s] is not None])
@@ -350,12 +362,16 @@ def dp_row(args: argparse.Namespace, p: int, m: int, costs: Costs, schedules: li
 def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog="lightning-async-pp-plan",
-        description="Predict step time, bubble and in-flight activations of 2bw/1f1b/gpipe pipelines by simulating "
-                    "the engine's action lists.",
+        description="Predict step time, bubble and in-flight activations of 2bw and the synchronous schedules "
+                    "(1f1b, gpipe, zb_h1, interleaved_1f1b, zbv) by simulating their action lists.",
         epilog="Examples: lightning-async-pp-plan --layers 8 --forward-s 0.0012 --stages 2 4 8 --microbatches 4 8; "
                "lightning-async-pp-plan --model smollm-360m --split-blocks --stages 2 4 8 16 32 64 --microbatches 64 128",
     )
-    ap.add_argument("--schedules", nargs="+", choices=SCHEDULES, default=list(SCHEDULES))
+    ap.add_argument("--schedules", nargs="+", choices=PLANNER_SCHEDULES, default=list(PLANNER_SCHEDULES))
+    ap.add_argument("--virtual-stages", type=_positive_int, default=2,
+                    help="model chunks per device under interleaved_1f1b (default 2)")
+    ap.add_argument("--weight-grad-fraction", type=_open_fraction, default=0.5,
+                    help="share of a backward that is the weight gradient, for zb_h1 and zbv (default 0.5)")
     ap.add_argument("--stages", "-p", nargs="+", type=_positive_int,
                     help="numbers of stages (default 2 4 8 16 32 64; with --stage-forward-s: their count)")
     ap.add_argument("--microbatches", "-m", nargs="+", type=_positive_int, default=[8, 16, 32, 64])
@@ -423,6 +439,13 @@ def _fraction(text: str) -> float:
     value = _seconds(text)
     if not 0 < value <= 1:
         raise argparse.ArgumentTypeError(f"expected a fraction in (0, 1], got {text!r}")
+    return value
+
+
+def _open_fraction(text: str) -> float:
+    value = _seconds(text)
+    if not 0 < value < 1:
+        raise argparse.ArgumentTypeError(f"expected a fraction in (0, 1), got {text!r}")
     return value
 
 

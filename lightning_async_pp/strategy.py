@@ -52,7 +52,9 @@ class AsyncPipelineStrategy(PipelineStateHooks, DDPStrategy):
 
     Args:
         schedule: ``"2bw"`` (asynchronous PipeDream-2BW: no flushes, two weight versions, every batch's gradient
-            taken at the previous version), ``"1f1b"`` or ``"gpipe"`` (synchronous, flush every batch).
+            taken at the previous version), ``"1f1b"``, ``"gpipe"`` or ``"zb_h1"`` (synchronous, flush every
+            batch; ``zb_h1`` is 1F1B with each backward split into its input and weight gradients, the latter
+            filling the drain: zero-bubble ZB-H1, same numbers as ``1f1b``).
         num_microbatches: microbatches each training batch is split into along dim 0. Default: the number of
             stages, at least 4 (``2bw`` needs at least one per stage).
         data_parallel_size: pipelines side by side; the stages are the processes divided by this.

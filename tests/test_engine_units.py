@@ -85,6 +85,16 @@ def test_2bw_steady_state_has_no_bubble_while_synchronous_schedules_flush(p, m):
         assert all(abs(t - expected) < 1e-9 for t in per_step), (schedule, per_step, expected)
 
 
+@pytest.mark.parametrize("schedule", ["zbv", "interleaved_1f1b"])
+def test_planner_only_schedules_are_refused_by_the_engine_with_a_pointer_to_the_planner(schedule):
+    from lightning_async_pp.pipeline.config import PipelineConfig
+
+    with pytest.raises(ValueError, match=rf"schedule='{schedule}' is priced by the planner .* valid schedules are "
+                                         r"'2bw', '1f1b', 'gpipe', 'zb_h1'"):
+        PipelineConfig(schedule=schedule)
+    assert PipelineConfig(schedule="zb_h1").stage_delays(2) == [0, 0]  # synchronous
+
+
 def test_2bw_needs_at_least_one_microbatch_per_stage():
     with pytest.raises(ValueError, match=r"num_microbatches=3 for 4 stages"):
         check_schedule("2bw", 4, 3)

@@ -42,7 +42,7 @@ def test_sync_from_step_flushes_from_k_on_and_equals_the_one_device_run(tmp_path
     assert max_difference(multi, one_device_weights(cfg, sync_from_step=4)) > 1e-4  # the switch is at K, not later
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb_h1"])
 def test_synchronous_schedules_two_stages_equal_the_one_device_run(tmp_path, schedule):
     cfg = dict(BASE, schedule=schedule, stages=2, optimizer="adamw")
     assert max_difference(multiprocess_weights(cfg, tmp_path), one_device_weights(cfg)) < 1e-5
@@ -69,6 +69,17 @@ def test_reused_receive_buffers_keep_2bw_equal_to_the_one_device_run(tmp_path):
     assert max_difference(torch.load(tmp_path / "final.pt"), one) < 1e-5
 
 
+def test_reused_receive_buffers_wait_for_zb_h1s_deferred_weight_pass(tmp_path):
+    """Under zb_h1 the middle stage (two blocks ending in a Linear) defers a weight pass past later receives; that
+    pass reads the output gradient it received, so the buffer must not take another transfer before it."""
+    cfg = dict(BASE, schedule="zb_h1", stages=3, reuse_buffers=True, model={"depth": 5}, partition=[1, 2, 2])
+    proc = run_multiprocess(cfg, tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    reused = [int((tmp_path / f"buffers_reused_{rank}.txt").read_text()) for rank in range(3)]
+    assert reused[1] > 0, reused
+    assert max_difference(torch.load(tmp_path / "final.pt"), one_device_weights(cfg)) < 1e-5
+
+
 def test_tuple_across_a_boundary_and_uneven_partition(tmp_path):
     # 6 layers as [2, 4]: the boundary after layer 2 carries the tuple (tanh(h), sum(h)).
     cfg = dict(BASE, schedule="2bw", stages=2, model={"depth": 5, "tuple_boundary": True}, partition=[2, 4])
@@ -76,9 +87,11 @@ def test_tuple_across_a_boundary_and_uneven_partition(tmp_path):
     assert max_difference(multi, one_device_weights(cfg)) < 1e-5
 
 
-def test_data_parallel_two_by_two_stages_equals_one_device_on_concatenated_batches(tmp_path):
+@pytest.mark.parametrize("schedule", ["2bw", "zb_h1"])
+def test_data_parallel_two_by_two_stages_equals_one_device_on_concatenated_batches(schedule, tmp_path):
     # The second replica's processes perturb their weights before the Trainer: replicas must start from the first's.
-    cfg = dict(schedule="2bw", stages=2, dp=2, microbatches=2, steps=5, batch=4, samples=64, optimizer="adamw",
+    # zb_h1: the gradient becomes final in a stage's last weight pass, where the bucketed reduction must start.
+    cfg = dict(schedule=schedule, stages=2, dp=2, microbatches=2, steps=5, batch=4, samples=64, optimizer="adamw",
                perturb_replicas=True)
     proc = run_multiprocess(cfg, tmp_path)
     assert proc.returncode == 0, proc.stderr[-5000:]
@@ -91,7 +104,7 @@ def test_data_parallel_two_by_two_stages_equals_one_device_on_concatenated_batch
     order = [i for k in range(len(shards[0]) // 4) for shard in shards for i in shard[4 * k : 4 * k + 4]]
     model = TinyLM(optimizer="adamw")
     L.Trainer(
-        strategy=AsyncPipelineStrategy("2bw", num_microbatches=4), accelerator="cpu", devices=1, max_steps=5,
+        strategy=AsyncPipelineStrategy(schedule, num_microbatches=4), accelerator="cpu", devices=1, max_steps=5,
         logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
     ).fit(model, DataLoader(Subset(dataset, order), batch_size=8, shuffle=False, drop_last=True))
     assert max_difference(multi, model.state_dict()) < 1e-5

@@ -90,7 +90,7 @@ def test_2bw_scheduler_and_clipping_act_on_the_stale_gradient():
     assert max_param_difference(model, reference) < 1e-6
 
 
-@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe", "zb_h1"])
 def test_synchronous_schedules_equal_ordinary_lightning_training(schedule):
     model = TinyLM(optimizer="adamw")
     plain = copy.deepcopy(model)

@@ -158,7 +158,11 @@ def test_peak_activations(p, m):
 
 # ---- bad inputs ----------------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("kwargs,match", [
-    (dict(schedule="zb"), r"Unknown schedule 'zb'; valid schedules are '2bw', '1f1b', 'gpipe'"),
+    (dict(schedule="zb"), r"Unknown schedule 'zb'; valid schedules are '2bw', '1f1b', 'gpipe', 'zb_h1', "
+                          r"'interleaved_1f1b', 'zbv'"),
+    (dict(schedule="interleaved_1f1b", num_microbatches=4), r"num_microbatches must be a multiple of the 3 stages, got 4"),
+    (dict(schedule="interleaved_1f1b", num_microbatches=6, virtual_stages=0), r"virtual_stages must be a positive"),
+    (dict(schedule="zb_h1", weight_grad_fraction=1.0), r"weight_grad_fraction must be .* between 0 and 1.*got 1.0"),
     (dict(num_stages=0), r"num_stages must be a positive integer, got 0"),
     (dict(num_stages=True), r"num_stages must be a positive integer, got True"),
     (dict(num_microbatches=2.0), r"num_microbatches must be a positive integer, got 2.0"),
@@ -196,15 +200,24 @@ def test_console_command_is_installed_as_lightning_async_pp_plan():
 def test_plan_prints_a_table_over_p_and_m(capsys):
     plan.main(["--layers", "8", "--forward-s", "1", "--stages", "2", "4", "16", "--microbatches", "2", "4"])
     out = capsys.readouterr().out
-    rows = {tuple(c.strip() for c in line.strip("|").split("|")[:2]): line for line in out.splitlines()
-            if line.startswith("| ") and not line.startswith("| p ")}
-    assert set(rows) == {(p, m) for p in ("2", "4", "16") for m in ("2", "4")}
-    # p=2, m=4: 4 layers per stage, forward 4 s, backward 8 s: 2bw 4 x 12 = 48 s, 1f1b (4 + 1) x 12 = 60 s.
-    cells = [c.strip() for c in rows[("2", "4")].strip("|").split("|")]
-    assert cells[2:10] == ["4", "48 s", "0.0%", "1.25", "60 s", "20.0%", "60 s", "20.0%"]
-    assert cells[-1] == "3 / 3 / 4"  # the peak stage holds p - s + 1 forwards under 2BW and 1F1B, m under GPipe
-    assert "needs m >= p" in rows[("4", "2")]
-    assert "more stages than the 8 pipeline layers" in rows[("16", "2")]
+    rows = {tuple(c.strip() for c in line.strip("|").split("|")[:4]): [c.strip() for c in line.strip("|").split("|")]
+            for line in out.splitlines() if line.startswith("| ") and not line.startswith("| p ")}
+    schedules = ["2bw", "1f1b", "gpipe", "zb_h1", "interleaved_1f1b (v=2)", "zbv"]
+    assert set(rows) == ({(p, m, "4" if p == "2" else "2", s) for p in ("2", "4") for m in ("2", "4") for s in schedules}
+                         | {("16", m, "-", "-") for m in ("2", "4")})
+    # p=2, m=4: 4 layers per stage, forward 4 s, backward 8 s: 2bw 4 x 12 = 48 s, 1f1b (4 + 1) x 12 = 60 s; ZB-H1
+    # 3m + p - 1 = 13 units of 4 s; ZBV wastes nothing at m = 2p with F = I = W; interleaved 3m + 3(p-1)/2 units.
+    by = {s: rows[("2", "4", "4", s)][4:] for s in schedules}
+    assert by["2bw"] == ["48 s", "0.0%", "1.25", "1.00 (zbv)", "3", "2 versions"]
+    assert by["1f1b"] == ["60 s", "20.0%", "1.00", "-", "3", "1"]  # p - s + 1 forwards in flight on stage 0
+    assert by["gpipe"] == ["60 s", "20.0%", "1.00", "-", "4", "1"]  # m
+    assert by["zb_h1"][:3] == ["52 s", "7.7%", "1.15"] and by["zb_h1"][4:] == ["3", "1"]
+    assert by["interleaved_1f1b (v=2)"][:3] == ["54 s", "11.1%", "1.11"]
+    assert by["interleaved_1f1b (v=2)"][4:] == ["2.5", "1 in 2 chunks"]
+    assert by["zbv"][:3] == ["48 s", "0.0%", "1.25"] and by["zbv"][4:] == ["2", "1 in 2 chunks"]
+    assert rows[("4", "2", "2", "2bw")][4] == "needs m >= p"
+    assert rows[("4", "2", "2", "interleaved_1f1b (v=2)")][4] == "needs m a multiple of p"
+    assert "more stages than the 8 pipeline layers" in rows[("16", "2", "-", "-")][4]
 
 
 def test_plan_from_a_model_shape_balances_flops_and_derives_the_transfer():
@@ -264,8 +277,8 @@ def test_the_console_command_runs(tmp_path):
                          capture_output=True, text=True, timeout=300, cwd=tmp_path,
                          env={**os.environ, "PYTHONWARNINGS": "ignore"})
     assert out.returncode == 0, out.stderr
-    assert "| 4 | 8 | 8 |" in out.stdout and "10.31 B parameters" in out.stdout
-    assert len(list(tmp_path.glob("t-*.json"))) == 3
+    assert "| 4 | 8 | 8 | 2bw |" in out.stdout and "10.31 B parameters" in out.stdout
+    assert len(list(tmp_path.glob("t-*.json"))) == 6  # one per schedule
 
 
 @pytest.mark.parametrize("argv,match", [
@@ -284,3 +297,93 @@ def test_plan_rejects_bad_arguments_with_a_message(argv, match, capsys):
     assert exit_info.value.code == 2
     assert re.search(match, capsys.readouterr().err)
 
+
+
+# ---- the synchronous competitors: zero-bubble and interleaved ------------------------------------------------------
+SYNC_GRID = [(1, 4), (2, 2), (2, 4), (2, 8), (3, 3), (3, 6), (4, 4), (4, 8), (4, 16), (8, 8), (8, 32)]
+
+
+@pytest.mark.parametrize("p,m", SYNC_GRID)
+@pytest.mark.parametrize("f", [0.5, 0.25])
+def test_zb_h1_step_is_the_published_3m_plus_p_minus_1(p, m, f):
+    # Qi et al. 2024: ZB-H1's bubble is (p - 1)(F + I - W) where 1F1B's is (p - 1)(F + I + W); F = 1, I + W = 2.
+    i, w = 2 * (1 - f), 2 * f
+    r = simulate("zb_h1", p, m, 1.0, 2.0, weight_grad_fraction=f)
+    assert r.step_time_s == pytest.approx(3 * m + (p - 1) * (1 + i - w))
+    # Memory: no device holds more microbatches than under 1F1B.
+    assert max(r.peak_activations) == max(simulate("1f1b", p, m, 1.0, 2.0).peak_activations)
+
+
+@pytest.mark.parametrize("p,m", [(p, m) for p, m in SYNC_GRID if m % p == 0])
+@pytest.mark.parametrize("v", [1, 2, 4])
+def test_interleaved_step_is_the_published_3m_plus_3_p_minus_1_over_v(p, m, v):
+    r = simulate("interleaved_1f1b", p, m, 1.0, 2.0, virtual_stages=v)  # each chunk: forward 1/v, backward 2/v
+    assert r.step_time_s == pytest.approx(3 * m + 3 * (p - 1) / v)
+    assert r.chunks == v and r.weight_versions == 1
+
+
+@pytest.mark.parametrize("p,m", SYNC_GRID)
+def test_zbv_is_no_worse_than_zb_h1_and_2bw_wastes_nothing(p, m):
+    zbv, zb = simulate("zbv", p, m, 1.0, 2.0), simulate("zb_h1", p, m, 1.0, 2.0)
+    assert zbv.step_time_s <= zb.step_time_s + 1e-9
+    assert zbv.chunks == 2 and zbv.peak_activation_memory <= max(zb.peak_activations)
+    if m >= p:
+        two = simulate("2bw", p, m, 1.0, 2.0)
+        assert two.step_time_s == pytest.approx(3 * m) and two.weight_versions == 2
+
+
+@pytest.mark.parametrize("p,m", [(1, 3), (2, 4), (3, 2), (4, 9)])
+def test_zbv_lists_are_torchs_schedule_zbv_zero_bubble(p, m):
+    from types import SimpleNamespace
+
+    from torch.distributed.pipelining.schedules import ScheduleZBVZeroBubble, _ComputationType as T
+
+    from lightning_async_pp.pipeline.schedule import zbv_actions
+
+    ops = {T.FORWARD: "F", T.BACKWARD_INPUT: "I", T.BACKWARD_WEIGHT: "W", T.FULL_BACKWARD: "B"}
+    for rank in range(p):
+        theirs = ScheduleZBVZeroBubble._calculate_single_rank_operations(
+            SimpleNamespace(pp_group_size=p, num_stages=2 * p, _n_microbatches=m), rank)
+        # torch names the stage (rank, or 2p-1-rank for the V's second leg) and pads with None for its timing.
+        expected = [(ops[a.computation_type], 0 if a.stage_index == rank else 1, a.microbatch_index)
+                    for a in theirs if a is not None]
+        assert [(a.op, a.chunk, a.microbatch) for a in zbv_actions(rank, p, m)] == expected
+
+
+def test_a_split_backward_prices_input_and_weight_gradients_apart():
+    r = simulate("zb_h1", 2, 2, 1.0, 2.0, weight_grad_fraction=0.25, steps=3)
+    durations = {(s.stage, s.action): s.duration for tl in r.timelines for s in tl if s.action}
+    assert durations[(0, "I")] == pytest.approx(1.5) and durations[(0, "W")] == pytest.approx(0.5)
+    z = simulate("zbv", 2, 4, 1.0, 2.0, steps=3)  # two chunks per device: each half the device's costs
+    assert {round(s.duration, 9) for tl in z.timelines for s in tl if s.action == "F"} == {0.5}
+    assert {round(s.duration, 9) for tl in z.timelines for s in tl if s.action in "IW" and s.action} == {0.5}
+
+
+def test_the_v_turn_costs_no_transfer_and_a_boundary_does():
+    # ZBV on p=1: both chunks on one device, so a transfer time never shows; on p=2 it does.
+    assert simulate("zbv", 1, 4, 1.0, 2.0, comm_s=[]).step_time_s == pytest.approx(12.0)
+    assert simulate("zbv", 2, 4, 1.0, 2.0, comm_s=0.5).step_time_s > simulate("zbv", 2, 4, 1.0, 2.0).step_time_s
+
+
+@pytest.mark.parametrize("actions,match", [
+    ([Action("F", 0, 0), Action("F", 0, 0), Action("B", 0, 0)], r"F0.0\) runs twice"),
+    ([Action("B", 0, 0), Action("F", 0, 0)], r"a backward before its forward"),
+    ([Action("F", 0, 0), Action("W", 0, 0), Action("I", 0, 0)], r"a weight gradient before its input gradient"),
+    ([Action("F", 0, 0), Action("I", 0, 0), Action("B", 0, 0)], r"both a whole backward and a split one"),
+    ([Action("F", 0, 0), Action("I", 0, 0)], r"microbatch 0 lacks its forward or its backward"),
+    ([Action("F", 0, 0), Action("B", 0, 0, 1)], r"chunk in 0..0"),
+])
+def test_validation_names_the_first_bad_action(actions, match):
+    from lightning_async_pp.pipeline.schedule import validate_actions
+
+    with pytest.raises(ValueError, match=match):
+        validate_actions("zb_h1", [actions], 1)
+
+
+@pytest.mark.parametrize("schedule", ["zb_h1", "interleaved_1f1b", "zbv"])
+def test_a_broken_competitor_list_is_refused_before_simulating(schedule, monkeypatch):
+    name = {"zb_h1": "step_actions", "interleaved_1f1b": "interleaved_actions", "zbv": "zbv_actions"}[schedule]
+    real = getattr(simulate_module, name)
+    monkeypatch.setattr(simulate_module, name, lambda *a, **k: real(*a, **k)[:-1])  # the last backward goes missing
+    with pytest.raises(ValueError, match=rf"schedule '{schedule}', device 0: .* lacks its forward or its backward"):
+        simulate(schedule, 2, 4, 1.0, 2.0)

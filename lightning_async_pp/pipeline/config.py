@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Optional, Union
 
 from lightning_async_pp.pipeline.partition import PARTITION_METHODS, PartitionSpec
-from lightning_async_pp.pipeline.schedule import SCHEDULES, check_schedule
+from lightning_async_pp.pipeline.schedule import MULTI_CHUNK_SCHEDULES, SCHEDULES, check_schedule
 
 DelaySpec = Union[int, Sequence[int], None]
 CheckpointingSpec = Union[bool, Sequence[int]]
@@ -38,6 +38,11 @@ class PipelineConfig:
     shard_optimizer: bool = False  # ZeRO-1: each stage's optimizer state split across its data-parallel replicas
 
     def __post_init__(self) -> None:
+        if self.schedule in MULTI_CHUNK_SCHEDULES:
+            raise ValueError(
+                f"schedule={self.schedule!r} is priced by the planner (lightning-async-pp-plan) against 2bw but not run "
+                f"by this engine (one stage per process); valid schedules are {', '.join(map(repr, SCHEDULES))}"
+            )
         if self.schedule not in SCHEDULES:
             raise ValueError(f"Unknown schedule {self.schedule!r}; valid schedules are {', '.join(map(repr, SCHEDULES))}")
         if not _is_int(self.data_parallel_size) or self.data_parallel_size < 1:

@@ -108,6 +108,16 @@ class GradientReducer:
                     self._launch(bucket)
         return accumulated
 
+    def accumulated_outside_autograd(self, leaves: Sequence[Tensor]) -> None:
+        """``leaves``' ``.grad`` was added to in place by code, not by autograd's accumulation (a split backward's
+        weight pass: torch's ``stage_backward_weight`` does ``weight.grad += dw``), so no post-accumulate hook
+        ran: do what it would have done."""
+        index = {id(leaf): i for i, leaf in enumerate(self._leaves)}
+        for leaf in leaves:
+            i = index.get(id(leaf))
+            if i is not None and i in self._bucket_of:
+                self._hook(i)(leaf)
+
     def arm(self) -> None:
         """The batch's last backward on this stage starts: each leaf's next accumulation is its last."""
         self._armed = True

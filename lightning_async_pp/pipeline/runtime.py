@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from lightning_async_pp.pipeline.backward import PendingWeightGradient, backward_input, backward_weight
 from lightning_async_pp.pipeline.comm import TAG_EVAL, TAG_LOSS, TAG_PREDICT, StageLink
 from lightning_async_pp.pipeline.data_parallel import GradientReducer
 from lightning_async_pp.pipeline.microbatch import batch_size_of, fingerprint, split_microbatches, split_ragged
@@ -135,6 +136,9 @@ class PipelineRuntime:
         self._carried_in = False  # this step's first forwards ran as the previous step's lookahead
         self._next_check: Optional[Tensor] = None  # fingerprint of the lookahead batch
         self._inflight: dict[tuple[int, int, int], tuple[list[Tensor], Any]] = {}  # (stage, batch, mb)
+        # A split backward's input pass ran, its weight pass is due: (stage, batch, mb) -> what W needs, and the
+        # buffers it still reads (released to the link after W).
+        self._weight_due: dict[tuple[int, int, int], tuple[PendingWeightGradient, list[Tensor], Any, Any]] = {}
         self._losses: dict[int, Tensor] = {}  # running loss sum of batches in flight (last stage)
         self._checks_due: list[tuple] = []  # (received fingerprint, own, stage, batch) to compare after the step
         # Per stage, its persistent buffers and their values before the lookahead's first forward of the next
@@ -221,10 +225,11 @@ class PipelineRuntime:
         # forwards received, a batch's first microbatch carries the batch fingerprint.
         self._receives = _Receives(
             checked=[] if first.is_first else [a.microbatch == 0 for a in queues[first.index] if a.op == "F"],
-            gradients=0 if last.is_last else sum(a.op == "B" for a in queues[last.index]),
+            gradients=0 if last.is_last else sum(a.op in ("B", "I") for a in queues[last.index]),
         )
         if self.reducer is not None:
-            self._backwards_left = sum(a.op == "B" and a.batch == 0 for a in queues[first.index])
+            # The actions that add to this batch's weight gradients: whole backwards, and a split one's weight pass.
+            self._backwards_left = sum(a.op in ("B", "W") and a.batch == 0 for a in queues[first.index])
             self.reducer.attach(first.versions.leaves_for_batch(k))
         acts: dict[tuple[int, int, int], tuple[list[Tensor], Any]] = {}  # in-process hand-overs, by receiver
         grads: dict[tuple[int, int, int], list[Optional[Tensor]]] = {}
@@ -289,6 +294,8 @@ class PipelineRuntime:
         key = (stage.index, k + action.batch, action.microbatch)
         if action.op == "F":
             return stage.is_first or stage is self.stages[0] and self.link is not None or key in acts
+        if action.op == "W":  # after its I on this stage (schedule.validate_actions)
+            return True
         return stage.is_last or stage is self.stages[-1] and self.link is not None or key in grads
 
     def _post_receives(self) -> None:
@@ -341,35 +348,66 @@ class PipelineRuntime:
                     acts[(stage.index + 1, b, j)] = (as_received(out_leaves), spec)
             self._inflight[(stage.index, b, j)] = (inputs, out_leaves)
             return elapsed
+        if action.op == "W":
+            pending, inputs, out_leaves, received = self._weight_due.pop((stage.index, b, j))
+            self._count_gradient_action(action)
+            start = time.perf_counter()
+            backward_weight(pending)
+            if self.reducer is not None and action.batch == 0:
+                self.reducer.accumulated_outside_autograd(pending.weights)
+            elapsed = self._span(stage.index, "backward", start, batch=b, microbatch=j, part="weight")
+            self._release(stage, inputs, out_leaves, received, remote_in, remote_out)
+            return elapsed
         inputs, out_leaves = self._inflight.pop((stage.index, b, j))
         received: Optional[list[Optional[Tensor]]] = None
-        if self.reducer is not None and action.batch == 0:
-            self._backwards_left -= 1
-            if self._backwards_left == 0:
-                self.reducer.arm()  # the gradients become final in this backward: buckets start as they do
+        if action.op == "B":
+            self._count_gradient_action(action)
         if stage.is_last:
-            start = time.perf_counter()
-            out_leaves.backward()
+            outputs, seeds = [out_leaves], [None]
         else:
             if remote_out:
                 received = self.link.recv_gradients()
                 self._receives.used_b += 1
             else:
                 received = grads.pop((stage.index, b, j))
-            start = time.perf_counter()
             pairs = [(o, g) for o, g in zip(out_leaves, received) if g is not None and o.requires_grad]
-            if pairs:
-                torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
-        elapsed = self._span(stage.index, "backward", start, batch=b, microbatch=j)
+            outputs, seeds = [o for o, _ in pairs], [g for _, g in pairs]
+        start = time.perf_counter()
+        if action.op == "B":
+            if stage.is_last:
+                out_leaves.backward()
+            elif outputs:
+                torch.autograd.backward(outputs, seeds)
+            elapsed = self._span(stage.index, "backward", start, batch=b, microbatch=j)
+        else:  # I: the input gradient now, the weight gradient at this microbatch's W
+            pending = backward_input(outputs, seeds, inputs, stage.grad_leaves(b))
+            elapsed = self._span(stage.index, "backward", start, batch=b, microbatch=j, part="input")
         if not stage.is_first:
             if remote_in:
                 self.link.send_gradients(inputs)
             else:
                 grads[(stage.index - 1, b, j)] = [input_gradient(t) if t.requires_grad else None for t in inputs]
+        if action.op == "B":
+            self._release(stage, inputs, out_leaves, received, remote_in, remote_out)
+        else:
+            self._weight_due[(stage.index, b, j)] = (pending, inputs, out_leaves, received)
+        return elapsed
+
+    def _count_gradient_action(self, action: Action) -> None:
+        """Before a B or W of this step's batch: arm the reducer for the last one, in which the gradients become
+        final (its buckets then start as their gradients are accumulated)."""
+        if self.reducer is not None and action.batch == 0:
+            self._backwards_left -= 1
+            if self._backwards_left == 0:
+                self.reducer.arm()
+
+    def _release(self, stage: Stage, inputs: list[Tensor], out_leaves: Any, received: Any, remote_in: bool,
+                 remote_out: bool) -> None:
+        """The microbatch's backward is complete: its receive buffers may take the next transfers (not before
+        its weight gradient, which reads the received activation and gradient)."""
         if remote_in or remote_out:
             self.link.release_microbatch(inputs if remote_in else [], [] if stage.is_last else out_leaves,
                                          received if remote_out else None)
-        return elapsed
 
     def _compare(self, received: Tensor, own: Optional[Tensor], stage: Stage, b: int) -> None:
         if own is None:

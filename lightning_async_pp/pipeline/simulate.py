@@ -12,6 +12,12 @@ lookahead forwards from one step into the next), then its optimizer update:
 - with data-parallel replicas (``dp_reduce_s``), the update also waits for the stage's gradient reduction (see
   :func:`simulate` for the three placements ``dp_overlap`` models).
 
+A split backward (``zb_h1``, ``zbv``) runs as its input gradient ``I`` (what the neighbour waits for, priced
+``(1 - weight_grad_fraction) x backward_s``) and its weight gradient ``W`` (the rest, waited for by nobody).
+``interleaved_1f1b`` and ``zbv`` hold several model chunks per device; each chunk costs its share of the
+device's ``forward_s``/``backward_s``, so every schedule is priced on the same per-device costs, and a hand-over
+between two chunks on one device costs no transfer.
+
 Nothing here knows what a schedule looks like: a new schedule in ``schedule.py`` is simulated as it is run.
 Transfers overlap compute (a stage is not busy while its activation travels) and a link carries any number of
 transfers at once; what a stage does between actions in a real run (Python, posting receives) is not modelled
@@ -25,7 +31,10 @@ from dataclasses import dataclass, field
 from numbers import Real
 from typing import Optional, Union
 
-from lightning_async_pp.pipeline.schedule import SCHEDULES, check_schedule, step_actions
+from lightning_async_pp.pipeline.schedule import (
+    PLANNER_SCHEDULES, Action, check_schedule, chunks_per_device, device_of, interleaved_actions, step_actions,
+    validate_actions, virtual_stage, zbv_actions,
+)
 
 Seconds = Union[float, Sequence[float]]
 
@@ -44,6 +53,8 @@ class SimSpan:
     start: float
     end: float
     step: int  # the step whose action list ran it
+    action: str = ""  # F, B, I (input gradient), W (weight gradient); "" for the update
+    chunk: int = 0  # the device's model chunk (interleaved_1f1b, zbv)
 
     @property
     def duration(self) -> float:
@@ -61,7 +72,7 @@ class SimulationResult:
     step_time_s: float  # steady-state time per training step (between the ends of consecutive updates)
     bubble_fraction: float  # steady state, mean over stages: share of the step a stage is idle
     stage_bubble_fractions: list[float]
-    peak_activations: list[int]  # per stage: most forwards whose backward has not run yet, at any time
+    peak_activations: list[int]  # per stage: most (chunk) forwards whose backward (its W, if split) has not run
     timelines: list[list[SimSpan]]  # per stage, in time order
     step_ends: list[list[float]]  # [stage][step]: when that stage's optimizer update of the step ended
     forward_s: list[float] = field(default_factory=list)
@@ -72,6 +83,14 @@ class SimulationResult:
     dp_overlap: str = "none"
     dp_exposed_s: list[float] = field(default_factory=list)  # per stage, steady state: reduction not hidden, per step
     dp_spans: list[list[SimSpan]] = field(default_factory=list)  # per stage: the reductions (on their own link)
+    chunks: int = 1  # model chunks per device
+    weight_versions: int = 1  # copies of its weights a device holds: 2 under 2bw (the stashed version)
+
+    @property
+    def peak_activation_memory(self) -> float:
+        """The most activations any device holds, in microbatches of the device's whole share of the model (a
+        chunk's forward holds ``1/chunks`` of one): the number to compare across schedules."""
+        return max(self.peak_activations) / self.chunks
 
     @property
     def makespan_s(self) -> float:
@@ -100,6 +119,8 @@ def simulate(
     dp_reduce_s: Seconds = 0.0,
     dp_overlap: str = "backward",
     dp_buckets: int = 4,
+    virtual_stages: int = 2,
+    weight_grad_fraction: float = 0.5,
 ) -> SimulationResult:
     """Simulate ``steps`` training steps of ``schedule`` on ``num_stages`` stages with ``num_microbatches``.
 
@@ -122,10 +143,21 @@ def simulate(
             step's early work hides the reduction. Within Lightning's loop the update of batch ``k`` runs in
             step ``k`` (before its schedulers and checkpoints), so the runtime does not do this; the planner
             shows what it would buy. Synchronous schedules have no such slack: there it is ``"backward"``.
+        virtual_stages: model chunks per device under ``interleaved_1f1b`` (``zbv`` always has 2).
+        weight_grad_fraction: the share of a backward that is the weight gradient, for the split backward of
+            ``zb_h1`` and ``zbv`` (between 0 and 1, exclusive).
     """
     p, m, fwd, bwd, comm, opt = check_inputs(
         schedule, num_stages, num_microbatches, forward_s, backward_s, comm_s, optimizer_s, steps
     )
+    check_schedule(schedule, p, m, valid=PLANNER_SCHEDULES, virtual_stages=virtual_stages)
+    if not (isinstance(weight_grad_fraction, Real) and not isinstance(weight_grad_fraction, bool)
+            and 0 < float(weight_grad_fraction) < 1):
+        raise ValueError(f"weight_grad_fraction must be a number between 0 and 1 (exclusive): the share of a "
+                         f"backward that is the weight gradient; got {weight_grad_fraction!r}")
+    chunks = chunks_per_device(schedule, virtual_stages)
+    last_vs = p * chunks - 1
+    wf = float(weight_grad_fraction)
     reduce_s = _seconds("dp_reduce_s", dp_reduce_s, p, "stage", positive=False)
     if dp_overlap not in DP_OVERLAPS:
         raise ValueError(f"dp_overlap must be one of {', '.join(map(repr, DP_OVERLAPS))}, got {dp_overlap!r}")
@@ -136,16 +168,25 @@ def simulate(
     if deferred and steps < 4:
         raise ValueError(f"dp_overlap='deferred' needs steps >= 4 (the last two steps' updates are not deferred), got {steps}")
     # Each stage's work over all steps: its step lists as the runtime runs them, each followed by the update.
-    work: list[list[tuple[int, Optional[str], int, int]]] = []  # (step, op or None for the update, batch, mb)
+    work: list[list[tuple[int, Optional[str], int, int, int]]] = []  # (step, op or None, batch, mb, chunk)
     for s in range(p):
-        items: list[tuple[int, Optional[str], int, int]] = []
+        items: list[tuple[int, Optional[str], int, int, int]] = []
+        run: list[Action] = []  # the device's whole run, batches numbered absolutely, for validation
         carried_in = False
         for k in range(steps):
             lookahead = uses_lookahead(schedule, next_batch_exists=k + 1 < steps)
-            for a in step_actions(schedule, s, p, m, carried_in=carried_in, lookahead=lookahead):
-                items.append((k, a.op, k + a.batch, a.microbatch))
-            items.append((k, None, k, -1))
+            if schedule == "interleaved_1f1b":
+                actions = interleaved_actions(s, p, m, virtual_stages)
+            elif schedule == "zbv":
+                actions = zbv_actions(s, p, m)
+            else:
+                actions = step_actions(schedule, s, p, m, carried_in=carried_in, lookahead=lookahead)
+            for a in actions:
+                items.append((k, a.op, k + a.batch, a.microbatch, a.chunk))
+                run.append(Action(a.op, k + a.batch, a.microbatch, a.chunk))
+            items.append((k, None, k, -1, 0))
             carried_in = lookahead
+        validate_actions(schedule, [run], m, virtual_stages=virtual_stages, batches=range(steps))
         if deferred:
             items = _defer_updates(items)
         work.append(items)
@@ -153,16 +194,24 @@ def simulate(
     last_b: list[dict[int, int]] = [{} for _ in range(p)]
     last_action: list[dict[int, int]] = [{} for _ in range(p)]
     for s in range(p):
-        for i, (k, op, b, _) in enumerate(work[s]):
+        for i, (k, op, b, _, _) in enumerate(work[s]):
             if op is not None:
                 last_action[s][k] = i
-                if op == "B" and b == k:
+                if op in ("B", "W") and b == k:  # a split backward's gradient is final after its weight pass
                     last_b[s][k] = i
     marks: dict[tuple[int, int], float] = {}  # (stage, work index) -> (start, end) of the last backward / action
     dp_spans: list[list[SimSpan]] = [[] for _ in range(p)]
     exposed: list[dict[int, float]] = [{} for _ in range(p)]
 
-    ends: dict[tuple[str, int, int, int], float] = {}  # (op, stage, batch, microbatch) -> end time
+    def transfer(a: int, b: int) -> float:
+        """Seconds from one device to another: none within a device; a wrap-around (interleaved, last device to
+        first) costs the slowest boundary's."""
+        if a == b:
+            return 0.0
+        return comm[min(a, b)] if abs(a - b) == 1 else max(comm)
+
+    # (F or G, virtual stage, batch, microbatch) -> end time; G: the input gradient is there (after B or I)
+    ends: dict[tuple[str, int, int, int], float] = {}
     free = [0.0] * p
     pos = [0] * p
     timelines: list[list[SimSpan]] = [[] for _ in range(p)]
@@ -173,7 +222,7 @@ def simulate(
         for s in range(p):
             items, tl = work[s], timelines[s]
             while pos[s] < len(items):
-                k, op, b, j = items[pos[s]]
+                k, op, b, j, c = items[pos[s]]
                 if op is None:
                     start = free[s]
                     if reduce_s[s] > 0:
@@ -185,28 +234,29 @@ def simulate(
                     tl.append(SimSpan(s, OPTIMIZER, b, None, start, end, k))
                     step_ends[s].append(end)
                 else:
+                    vs = virtual_stage(schedule, s, c, p)
                     ready = 0.0
                     if op == "F":
-                        if s > 0:
-                            dep = ends.get(("F", s - 1, b, j))
+                        if vs > 0:
+                            dep = ends.get(("F", vs - 1, b, j))
                             if dep is None:
                                 break
-                            ready = dep + comm[s - 1]
-                        duration, name = fwd[s], FORWARD
+                            ready = dep + transfer(device_of(schedule, vs - 1, p), s)
+                        duration, name = fwd[s] / chunks, FORWARD
+                    elif op == "W":  # its I ran earlier on this device (validated)
+                        duration, name = wf * bwd[s] / chunks, BACKWARD
                     else:
-                        own = ends.get(("F", s, b, j))
-                        if own is None:
-                            raise RuntimeError(f"stage {s}'s list runs B{b - k}.{j} of step {k} before its forward")
-                        if s < p - 1:
-                            dep = ends.get(("B", s + 1, b, j))
+                        if vs < last_vs:
+                            dep = ends.get(("G", vs + 1, b, j))
                             if dep is None:
                                 break
-                            ready = dep + comm[s]
-                        duration, name = bwd[s], BACKWARD
+                            ready = dep + transfer(device_of(schedule, vs + 1, p), s)
+                        duration = (bwd[s] if op == "B" else (1 - wf) * bwd[s]) / chunks
+                        name = BACKWARD
                     start = max(free[s], ready)
                     end = start + duration
-                    ends[(op, s, b, j)] = end
-                    tl.append(SimSpan(s, name, b, j, start, end, k))
+                    ends[("F" if op == "F" else "G" if op in "BI" else "W", vs, b, j)] = end
+                    tl.append(SimSpan(s, name, b, j, start, end, k, op, c))
                 free[s] = end
                 if op is not None:
                     marks[(s, pos[s])] = (start, end)
@@ -230,11 +280,11 @@ def simulate(
     peaks = []
     for s in range(p):
         inflight = peak = 0
-        for _, op, _, _ in work[s]:
+        for _, op, _, _, _ in work[s]:
             if op == "F":
                 inflight += 1
                 peak = max(peak, inflight)
-            elif op == "B":
+            elif op in ("B", "W"):  # a split backward frees the activations with its weight gradient
                 inflight -= 1
         peaks.append(peak)
 
@@ -244,6 +294,7 @@ def simulate(
         timelines=timelines, step_ends=step_ends, forward_s=fwd, backward_s=bwd, comm_s=comm, optimizer_s=opt,
         dp_reduce_s=reduce_s, dp_overlap=dp_overlap, dp_spans=dp_spans,
         dp_exposed_s=[sum(e for k, e in exposed[s].items() if first < k <= last) / (last - first) for s in range(p)],
+        chunks=chunks, weight_versions=2 if schedule == "2bw" else 1,
     )
 
 
@@ -252,11 +303,11 @@ DP_OVERLAPS = ("none", "backward", "deferred")
 DP_REDUCE = "dp_reduce"  # the span name of a reduction
 
 
-def _defer_updates(items: list[tuple[int, Optional[str], int, int]]) -> list[tuple[int, Optional[str], int, int]]:
+def _defer_updates(items: list[tuple[int, Optional[str], int, int, int]]) -> list[tuple[int, Optional[str], int, int, int]]:
     """Move each step's update to just before the first action on batch ``k+2`` (or the next update)."""
     updates = [it for it in items if it[1] is None]
     rest = [it for it in items if it[1] is not None]
-    out: list[tuple[int, Optional[str], int, int]] = []
+    out: list[tuple[int, Optional[str], int, int, int]] = []
     due = 0  # the next update to place
     for it in rest:
         while due < len(updates) and (it[2] >= updates[due][0] + 2 or it[0] > updates[due][0] + 1):
@@ -289,9 +340,9 @@ def uses_lookahead(schedule: str, next_batch_exists: bool) -> bool:
     return schedule == "2bw" and next_batch_exists
 
 
-def _describe(item: tuple[int, Optional[str], int, int]) -> str:
-    k, op, b, j = item
-    return f"step {k} optimizer" if op is None else f"step {k} {op}{b - k}.{j}"
+def _describe(item: tuple[int, Optional[str], int, int, int]) -> str:
+    k, op, b, j, c = item
+    return f"step {k} optimizer" if op is None else f"step {k} {op}{b - k}.{j}" + (f"@{c}" if c else "")
 
 
 # ---- inputs ---------------------------------------------------------------------------------------------------
@@ -306,9 +357,9 @@ def check_inputs(
         raise ValueError(f"num_stages must be a positive integer, got {num_stages!r}")
     if not _is_int(num_microbatches) or num_microbatches < 1:
         raise ValueError(f"num_microbatches must be a positive integer, got {num_microbatches!r}")
-    if schedule not in SCHEDULES:
-        raise ValueError(f"Unknown schedule {schedule!r}; valid schedules are {', '.join(map(repr, SCHEDULES))}")
-    check_schedule(schedule, num_stages, num_microbatches)
+    if schedule not in PLANNER_SCHEDULES:
+        raise ValueError(f"Unknown schedule {schedule!r}; valid schedules are {', '.join(map(repr, PLANNER_SCHEDULES))}")
+    check_schedule(schedule, num_stages, num_microbatches, valid=PLANNER_SCHEDULES)
     if not _is_int(steps) or steps < 3:
         raise ValueError(
             f"steps must be an integer >= 3 (a first step filling the pipeline, at least one steady-state step and a "

@@ -102,6 +102,12 @@ class Stage:
         return [(m, n) for m in self.layers.modules() for n, b in m._buffers.items()
                 if b is not None and n not in m._non_persistent_buffers_set]
 
+    def grad_leaves(self, batch_index: int) -> list[Tensor]:
+        """Every leaf the forward of batch ``batch_index`` read: this stage's and the borrowed ones (each once),
+        the weights a split backward's weight pass computes gradients for."""
+        return list({id(t): t for t in self.weights(self.versions.leaves_for_batch(batch_index), batch_index).values()}
+                    .values())
+
     def forward_newest(self, x: Any) -> Any:
         """Forward on the newest version (validation, test, predict)."""
         return self.layers(x)
