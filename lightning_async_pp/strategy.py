@@ -28,7 +28,6 @@ from torch import Tensor
 from lightning_async_pp import _lightning
 from lightning_async_pp.lookahead import FetchedBatch, LookaheadLoader, transfer_early
 from lightning_async_pp.module import PipelineModule
-from lightning_async_pp.strategy_state import PipelineStateHooks
 from lightning_async_pp.pipeline import checkpoint as ckpt
 from lightning_async_pp.pipeline.comm import PipelineFailure
 from lightning_async_pp.pipeline.config import CheckpointingSpec, DelaySpec, PipelineConfig
@@ -37,6 +36,7 @@ from lightning_async_pp.pipeline.partition import PartitionSpec
 from lightning_async_pp.pipeline.placement import layer_paths, parameters_on_meta, replace_meta_tensors
 from lightning_async_pp.pipeline.sharding import shard_optimizers
 from lightning_async_pp.pipeline.topology import PipelineTopology
+from lightning_async_pp.strategy_state import PipelineStateHooks
 
 #: Keyword arguments of Lightning's DDPStrategy that are meaningful here (the accelerator connector and users
 #: may pass them); anything else is refused instead of reaching DistributedDataParallel, which is not used.

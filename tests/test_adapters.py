@@ -266,6 +266,20 @@ def test_hf_two_processes_equal_one_device_and_the_consolidated_checkpoint_loads
     torch.testing.assert_close(reloaded(batch[:, :-1]).logits, ours(batch), rtol=0, atol=0)
 
 
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("adapter", ["hf", "litgpt"])
+def test_trainer_calls_after_fit_with_the_tie_across_processes_equal_one_device(adapter, tmp_path):
+    # fit, then validate, predict and fit again in the same interpreter, each building a new engine on the model
+    # the previous call split across the processes (HF ties its embedding and head; litgpt's config here not).
+    cfg = {"adapter": adapter, "steps": 2, "partition": [2, 3], "after": ["validate", "predict", "fit"], "lr": 3e-4}
+    ranks = run_two_processes(cfg, tmp_path)
+    reference = one_device(cfg)
+    got, want = ranks[0]["after"], reference["after"]
+    assert abs(got[0]["val_loss"] - want[0]["val_loss"]) < TOL
+    torch.testing.assert_close(got[1], want[1], rtol=0, atol=TOL)
+    assert max_difference(got[2], want[2]) < TOL
+
+
 # ---- the YAML configs --------------------------------------------------------------------------------------------
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 

@@ -6,7 +6,7 @@ the tests also import ``build_model``/``run`` for the same run on one device in 
 
 Config keys: adapter ("hf" or "litgpt"), model (adapter config overrides), devices, stages (on one device),
 schedule, microbatches, partition, steps, seed, samples, batch, seq, lr, checkpoint_dir (a sharded checkpoint at
-the last step).
+the last step), after (trainer calls after fit in the same interpreter: "validate", "test", "predict", "fit").
 """
 from __future__ import annotations
 
@@ -48,6 +48,26 @@ def loader(cfg: dict) -> DataLoader:
 def run(cfg: dict, devices: int) -> tuple[dict, L.LightningModule, L.Trainer]:
     L.seed_everything(cfg.get("seed", 0), verbose=False)
     model = build_model(cfg)
+    trainer = make_trainer(cfg, devices)
+    trainer.fit(model, loader(cfg))
+    result: dict[str, Any] = {"rank": trainer.global_rank, "global_step": trainer.global_step}
+    if trainer.is_global_zero:
+        result["state_dict"] = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
+    for call in cfg.get("after", []):  # later calls in the same interpreter, each with a new Trainer
+        trainer = make_trainer({**cfg, "evaluate": True}, devices)
+        if call == "predict":
+            outputs = trainer.predict(model, loader(cfg))
+            result.setdefault("after", []).append(torch.cat(outputs) if outputs[0] is not None else None)
+        elif call == "fit":
+            trainer.fit(model, loader(cfg))
+            if trainer.is_global_zero:
+                result.setdefault("after", []).append({k: v.detach().cpu().clone() for k, v in model.state_dict().items()})
+        else:
+            result.setdefault("after", []).append(getattr(trainer, call)(model, loader(cfg), verbose=False)[0])
+    return result, model, trainer
+
+
+def make_trainer(cfg: dict, devices: int) -> L.Trainer:
     kwargs: dict[str, Any] = {}
     if cfg.get("partition"):
         kwargs["partition"] = cfg["partition"]
@@ -63,13 +83,9 @@ def run(cfg: dict, devices: int) -> tuple[dict, L.LightningModule, L.Trainer]:
     trainer = L.Trainer(
         strategy=strategy, accelerator="cpu", devices=devices, max_steps=cfg.get("steps", 4), logger=False,
         callbacks=callbacks, enable_checkpointing=bool(callbacks), enable_progress_bar=False,
-        enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,
+        enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=1 if cfg.get("evaluate") else 0,
     )
-    trainer.fit(model, loader(cfg))
-    result: dict[str, Any] = {"rank": trainer.global_rank, "global_step": trainer.global_step}
-    if trainer.is_global_zero:
-        result["state_dict"] = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
-    return result, model, trainer
+    return trainer
 
 
 def main() -> None:
