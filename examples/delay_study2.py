@@ -13,6 +13,8 @@ is exact. One command per experiment:
     .venv/bin/python examples/delay_study2.py lowlr     # AdamW at lr 1e-3: sync, 2BW, 2BW + correction, 300 updates
     .venv/bin/python examples/delay_study2.py longlowlr # the same at the longer horizon
     .venv/bin/python examples/delay_study2.py report    # read every finished run, write tables and the figure
+    .venv/bin/python examples/delay_study2.py horizon --seeds 0 1 2 --jobs 2         # long + longlowlr, 3 seeds
+    .venv/bin/python examples/delay_study2.py report-horizon --seeds 0 1 2           # their mean +- std block
 
 Runs go to ``runs/study2/<experiment>/<name>/`` (TensorBoard), finished runs are skipped (an interrupted
 experiment resumes), and ``report`` rewrites the marked block of docs/delay-study.md, ``runs/study2/results.md``
@@ -26,6 +28,7 @@ import os
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping, Optional, Sequence
@@ -46,6 +49,9 @@ TAIL_FRACTIONS = (0.2, 0.1)
 BASE_STEPS, LONG_STEPS = 300, 2000
 #: BENCHMARKS.md, "Run A (full table)": 2bw (Lightning) / 1f1b (Lightning) samples/s, p=2 stages on 2 CPU cores.
 THROUGHPUT_RATIOS = {"m=4": 9579 / 7513, "m=8": 9090 / 7721}
+#: BENCHMARKS.md, "Against torch's zero-bubble and interleaved schedules", quiet medians of 3 ``make bench`` runs:
+#: 2bw (Lightning) / torch's fastest synchronous schedule of each run, p=2 stages on 2 CPU cores.
+FASTEST_SYNC_RATIOS = {"m=4": 1.15, "m=8": 1.19}
 
 
 @dataclass(frozen=True)
@@ -128,16 +134,20 @@ def plan(experiment: str, seeds: Sequence[int] = (0,)) -> list[Spec]:
                     specs.append(Spec("long" if experiment == "longlowlr" else "sweep",
                                       f"{opt}_{variant}_lr{LOW_LR[opt]:g}_s{seed}", f"{opt}_{variant}", LOW_LR[opt], seed,
                                       long=experiment == "longlowlr"))
+            elif experiment == "horizon":
+                continue  # = long + longlowlr, below
             elif experiment == "longtail":
                 k = round(LONG_STEPS * 0.85)
                 specs.append(Spec("long", f"{opt}_2bw_K{k}_s{seed}", f"{opt}_2bw", lr, seed,
                                   (f"--trainer.strategy.init_args.sync_from_step={k}",), long=True))
             else:
                 raise ValueError(f"unknown experiment {experiment!r}; use one of {', '.join(EXPERIMENTS)}")
+    if experiment == "horizon":  # the 2000-update cells the seeds question is about; the 88% cell first
+        specs = plan("longlowlr", seeds) + plan("long", seeds)
     return specs
 
 
-EXPERIMENTS = ("sweep", "stages", "iso", "tail", "long", "longtail", "lowlr", "longlowlr")
+EXPERIMENTS = ("sweep", "stages", "iso", "tail", "long", "longtail", "lowlr", "longlowlr", "horizon")
 
 
 def execute(spec: Spec, out: Path) -> tuple[bool, float]:
@@ -153,16 +163,18 @@ def execute(spec: Spec, out: Path) -> tuple[bool, float]:
     return rc == 0, time.perf_counter() - start
 
 
-def run_all(specs: Sequence[Spec], out: Path) -> None:
+def run_all(specs: Sequence[Spec], out: Path, jobs: int = 1) -> None:
     todo = [s for s in specs if not (s.log_dir(out) / study.DONE).exists()]
-    print(f"{len(specs) - len(todo)} of {len(specs)} runs already done; running {len(todo)} one at a time", flush=True)
-    if todo:
-        study.build_data_cache()
+    print(f"{len(specs) - len(todo)} of {len(specs)} runs already done; running {len(todo)}, {jobs} at a time",
+          flush=True)
+    if not todo:
+        return
+    study.build_data_cache()
     start = time.perf_counter()
-    for spec in todo:
-        ok, seconds = execute(spec, out)
-        print(f"[{time.perf_counter() - start:7.0f}s] {spec.experiment:7s} {spec.name:24s} {seconds:5.0f}s "
-              f"{'ok' if ok else 'FAILED'}", flush=True)
+    with ThreadPoolExecutor(max_workers=jobs) as pool:  # each run is its own one-thread process
+        for spec, (ok, seconds) in zip(todo, pool.map(lambda s: execute(s, out), todo)):
+            print(f"[{time.perf_counter() - start:7.0f}s] {spec.experiment:7s} {spec.name:24s} {seconds:5.0f}s "
+                  f"{'ok' if ok else 'FAILED'}", flush=True)
 
 
 # ---- aggregation (pure functions on numbers; tests call these) ------------------------------------------------------
@@ -268,6 +280,38 @@ def long_table(c: Mapping[str, Sequence[tuple[int, float]]], seed: int = 0) -> s
         lines.append(f"| {study.OPTIMIZER_LABELS[opt]} ({lr:g}) | {_f(s0)} | {_f(a)} | {_f(e)} | {_f(t)} | {_f(a - s0)} "
                      f"| {_f(e - s0)} | {study._pct(study.recovered_share(s0, a, e))} | {study._pct(tail_closed(a - s0, t - s0))} |")
     return "\n".join(lines)
+
+
+def horizon_tables(c: Mapping[str, Sequence[tuple[int, float]]], seeds: Sequence[int],
+                   ratios: Mapping[str, float] = FASTEST_SYNC_RATIOS) -> str:
+    """The 2000-update cells over ``seeds``: final losses (mean +- sample std over the seeds that finished all three
+    runs of a row), gaps and the recovered share from the means, each seed's share; then the token overhead read off
+    each seed's own synchronous curve and the net speedup against the fastest synchronous schedule (``ratios``)."""
+    rows = [(opt, lr, "") for opt, lr in BEST_LR.items()] + [(opt, lr, f"_lr{lr:g}") for opt, lr in LOW_LR.items()]
+    loss = ["| optimizer (lr) | seeds | sync | async (2BW) | async + correction | gap async - sync | gap corrected - sync "
+            "| recovered (means) | recovered, per seed |", "|---|---|---|---|---|---|---|---|---|"]
+    cost = ["| optimizer (lr) | variant | seeds | token overhead (read off sync), per seed | mean "
+            + "".join(f"| net speedup ({m}, x{r:.2f}) " for m, r in ratios.items()) + "|",
+            "|---|---|---|---|---" + "|---" * len(ratios) + "|"]
+    for opt, lr, tag in rows:
+        runs = {seed: [c.get(f"{opt}_{v}{tag}_s{seed}") for v in ("sync", "2bw", "2bw_ef")] for seed in seeds}
+        done = [seed for seed, r in runs.items() if all(r)]
+        if not done:
+            continue
+        finals = {seed: [r[-1][1] for r in runs[seed]] for seed in done}
+        (s0, ss), (a, sa), (e, se) = (study.mean_std([finals[k][i] for k in done]) for i in range(3))
+        per_seed = ", ".join(study._pct(study.recovered_share(*finals[k])) for k in done)
+        label = f"{study.OPTIMIZER_LABELS[opt]} ({lr:g})"
+        loss.append(f"| {label} | {', '.join(map(str, done))} | {_f(s0)} ± {_f(ss)} | {_f(a)} ± {_f(sa)} "
+                    f"| {_f(e)} ± {_f(se)} | {_f(a - s0)} | {_f(e - s0)} | {study._pct(study.recovered_share(s0, a, e))} "
+                    f"| {per_seed} |")
+        for i, variant in ((1, "async"), (2, "async + correction")):
+            overheads = [overhead_from_sync_curve(runs[k][0], finals[k][i], LONG_STEPS) for k in done]
+            mean = study.mean_std(overheads)[0]
+            speed = "".join(f"| {_f(net_speedup(r, mean), 2)} " for r in ratios.values())
+            cost.append(f"| {label} | {variant} | {', '.join(map(str, done))} "
+                        f"| {', '.join(study._pct(o) for o in overheads)} | {study._pct(mean)} {speed}|")
+    return "\n".join(loss) + "\n\n" + "\n".join(cost)
 
 
 def _as_cells(sweep: Mapping[str, Sequence[tuple[int, float]]]) -> dict[str, Sequence[tuple[int, float]]]:
@@ -414,6 +458,26 @@ def plot_all(c: Mapping[str, Mapping[str, Sequence[tuple[int, float]]]], path: P
 
 
 BEGIN, END = "<!-- delay_study2.py results: begin -->", "<!-- delay_study2.py results: end -->"
+HORIZON_BEGIN, HORIZON_END = "<!-- delay_study2.py horizon seeds: begin -->", "<!-- delay_study2.py horizon seeds: end -->"
+
+
+def replace_block(doc: Path, begin: str, end: str, text: str) -> None:
+    """Rewrite what lies between the two markers of ``doc``, if it has both."""
+    if doc.exists():
+        body = doc.read_text()
+        start, stop = body.find(begin), body.find(end)
+        if 0 <= start < stop:
+            doc.write_text(f"{body[:start + len(begin)]}\n{text}{body[stop:]}")
+
+
+def report_horizon(out: Path, seeds: Sequence[int], doc: Path = ROOT / "docs" / "delay-study.md") -> str:
+    """The seeds block: every finished run of ``horizon`` over ``seeds``; the first round's block is untouched."""
+    text = (f"Longer horizon over seeds (1.05 M parameters, {LONG_STEPS} updates; losses mean ± sample std):\n\n"
+            f"{horizon_tables(curves(plan('horizon', seeds), out), seeds)}\n")
+    (out / "horizon.md").write_text(text)
+    replace_block(doc, HORIZON_BEGIN, HORIZON_END, text)
+    print(text)
+    return text
 
 
 def report_all(out: Path, seeds: Sequence[int] = (0,), doc: Path = ROOT / "docs" / "delay-study.md",
@@ -430,27 +494,27 @@ def report_all(out: Path, seeds: Sequence[int] = (0,), doc: Path = ROOT / "docs"
             f"Synchronous tail (`sync_from_step`, seed {seed}):\n\n{tail_table(c['sweep'], c['tail'], seed)}\n")
     (out / "results.md").write_text(text)
     plot_all(c, figure, seed)
-    if doc.exists():
-        body = doc.read_text()
-        start, stop = body.find(BEGIN), body.find(END)
-        if 0 <= start < stop:
-            doc.write_text(f"{body[:start + len(BEGIN)]}\n{text}{body[stop:]}")
+    replace_block(doc, BEGIN, END, text)
     print(text)
     return text
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("experiment", choices=(*EXPERIMENTS, "report"))
+    parser.add_argument("experiment", choices=(*EXPERIMENTS, "report", "report-horizon"))
     parser.add_argument("--out", type=Path, default=ROOT / "runs" / "study2", help="where the runs' logs go")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0])
     parser.add_argument("--optimizers", nargs="+", choices=sorted(BEST_LR), default=sorted(BEST_LR))
     parser.add_argument("--names", nargs="+", help="run only these runs of the experiment (by folder name)")
+    parser.add_argument("--jobs", type=int, default=1, help="runs at a time (one thread each)")
     parser.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")
     args = parser.parse_args(argv)
     out = args.out.resolve()
     if args.experiment == "report":
         report_all(out, args.seeds)
+        return
+    if args.experiment == "report-horizon":
+        report_horizon(out, args.seeds)
         return
     specs = [s for s in plan(args.experiment, args.seeds)
              if s.optimizer in args.optimizers and (not args.names or s.name in args.names)]
@@ -458,7 +522,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         for spec in specs:
             print("lightning-async-pp", " ".join(spec.cli_args(out)))
         return
-    run_all(specs, out)
+    run_all(specs, out, args.jobs)
 
 
 if __name__ == "__main__":

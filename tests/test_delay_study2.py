@@ -94,3 +94,26 @@ def test_the_gpu_study_config_parses_with_every_kind_of_cell(cell, monkeypatch):
     assert config["model"]["init_args"]["max_seq_len"] == config["data"]["block_size"]
     assert config["trainer"]["strategy"]["init_args"]["sync_from_step"] == 8000
     assert config["lr_scheduler"]["init_args"]["total_steps"] == config["trainer"]["max_steps"]
+
+
+def test_horizon_tables_average_over_the_seeds_that_finished_a_whole_row():
+    # made-up 2000-update curves: sync ends at 2.0, async at 2.4 (seed 0) / 2.6 (seed 1), corrected at 2.1 / 2.1;
+    # seed 2 lacks its corrected run, so the row is over seeds 0 and 1 only
+    sync = [(1000, 2.4), (2000, 2.0)]
+    c = {"adamw_sync_lr0.001_s0": sync, "adamw_2bw_lr0.001_s0": [(2000, 2.4)], "adamw_2bw_ef_lr0.001_s0": [(2000, 2.1)],
+         "adamw_sync_lr0.001_s1": sync, "adamw_2bw_lr0.001_s1": [(2000, 2.6)], "adamw_2bw_ef_lr0.001_s1": [(2000, 2.1)],
+         "adamw_sync_lr0.001_s2": sync, "adamw_2bw_lr0.001_s2": [(2000, 2.5)]}
+    loss, cost = study2.horizon_tables(c, (0, 1, 2), ratios={"m=4": 1.2}).split("\n\n")
+    (row,) = [r for r in loss.splitlines() if r.startswith("| AdamW (0.001)")]
+    cells = [x.strip() for x in row.strip("|").split("|")]
+    assert cells[1] == "0, 1"
+    assert cells[2] == "2.000 ± 0.000" and cells[3] == "2.500 ± 0.141" and cells[4] == "2.100 ± 0.000"
+    # from the means: (2.5 - 2.1) / (2.5 - 2.0) = 80%; per seed 75% and 83%
+    assert cells[7] == "80%" and cells[8] == "75%, 83%"
+    # sync reaches 2.4 at update 1000: async seed 0 needs 2000/1000 - 1 = 100% more tokens; seed 1's 2.6 is never
+    # above the curve's first point, so it crosses at 1000 too; corrected 2.1 at 1750 -> 14%
+    (asyn,) = [r for r in cost.splitlines() if "| async |" in r]
+    assert [x.strip() for x in asyn.strip("|").split("|")][3:] == ["100%, 100%", "100%", "0.60"]
+    (corr,) = [r for r in cost.splitlines() if "| async + correction |" in r]
+    assert [x.strip() for x in corr.strip("|").split("|")][3:] == ["14%, 14%", "14%", f"{1.2 / (1 + 2000 / 1750 - 1):.2f}"]
+    assert not [r for r in loss.splitlines() if r.startswith("| Muon")]  # no Muon runs: no row
