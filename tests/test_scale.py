@@ -202,6 +202,19 @@ def test_a_plain_lightning_checkpoint_resumes_on_one_device_and_two_stages_with_
     assert max_difference(ranks[0]["state_dict"], full["state_dict"]) < TOL
 
 
+def test_a_plain_lightning_checkpoint_resumes_on_two_replicas_with_a_sharded_optimizer(tmp_path):
+    # Each replica owns part of the optimizer state under shard_optimizer: the plain checkpoint's index-keyed
+    # moments must reach the replica that owns each parameter, or the run silently restarts some of them at 0.
+    run(dict(steps=3, batch=16, checkpoint_dir=str(tmp_path / "ckpt"), save_every=3), strategy=False)
+    plain = tmp_path / "ckpt" / "epoch=0-step=3.ckpt"
+    full, _, _ = run(dict(steps=6, batch=16), strategy=False)
+    cfg = dict(devices=2, dp=2, steps=6, schedule="1f1b", resume_from=str(plain),
+               strategy_kwargs={"data_parallel_size": 2, "shard_optimizer": True})
+    ranks = multiprocess(cfg, tmp_path)
+    assert [r["batch_index"] for r in ranks] == [6, 6]
+    assert max_difference(ranks[0]["state_dict"], full["state_dict"]) < TOL
+
+
 def written_out(steps: int, version_of) -> dict:
     """The one-device model's updates with the gradient of batch k taken at W_{version_of(k)}, written out."""
     import lightning as L
