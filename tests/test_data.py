@@ -100,10 +100,24 @@ def test_tokenized_cache_holds_exactly_the_corpus_bytes(tmp_path, monkeypatch):
         source = b"".join(open(p, "rb").read()[a:b] for p, a, b in segments)
         index = json.loads((Path(d) / "index.json").read_text())
         assert sum(c["dim"] for c in index["chunks"]) == len(source)
-    # Read the held-out split back one token at a time: the same bytes (as a multiset; chunk order may differ).
+    # Read the held-out split back one token at a time: the same bytes.
     tokens = torch.stack(list(StreamingDataset(val_dir, item_loader=TokensLoader(block_size=1)))).flatten()
     source = b"".join(open(p, "rb").read()[a:b] for p, a, b in val)
     assert torch.equal(torch.bincount(tokens.long(), minlength=256), torch.bincount(encode(source), minlength=256))
+
+
+def test_the_cache_holds_the_split_in_its_order_so_two_builds_give_the_same_batches(tmp_path):
+    # Many segments, two workers: when litdata's workers took segments from a shared queue, worker 0's chunks
+    # (segments 0, 2, 4, ... or whichever it got first) came before worker 1's, and which it got depended on timing.
+    for f in range(64):
+        (tmp_path / f"part{f:02d}.txt").write_text("".join(f"file {f:02d} line {i:05d}\n" for i in range(60)))
+    train, val = split_corpus(sorted(tmp_path.glob("*.txt")), 0.1, None, 0)
+    source = b"".join(open(p, "rb").read()[a:b] for p, a, b in train)
+    assert len(train) >= 50
+    corpus.build_token_cache(train, val, tmp_path / "c", num_workers=2, chunk_bytes=4096)
+    blocks = [decode(x) for x in StreamingDataset(str(tmp_path / "c" / "train"), item_loader=TokensLoader(block_size=33))]
+    offsets = [source.find(b) for b in blocks]  # every 33-byte window of these files is unique
+    assert -1 not in offsets and offsets == sorted(offsets) and len(blocks) >= len(source) // 33 - len(train) * 2
 
 
 def test_second_setup_reuses_the_cache(tmp_path, count_optimize):

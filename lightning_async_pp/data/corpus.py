@@ -31,7 +31,7 @@ Segment = tuple[str, int, int]
 
 VOCAB_SIZE = 256
 #: Bump when the on-disk layout or the tokenization changes, so old caches are not reused.
-_CACHE_FORMAT = 1
+_CACHE_FORMAT = 2  # 2: the token order is the split's at any number of workers (see _optimize)
 _COMPLETE_MARKER = "COMPLETE.json"
 _SKIP_DIRS = {"site-packages", "dist-packages", "__pycache__", "test", "tests", "idle_test"}
 
@@ -210,6 +210,10 @@ def _optimize(segments: Sequence[Segment], output_dir: Path, num_workers: Option
             item_loader=TokensLoader(),
             num_workers=max(1, min(workers, len(segments))),
             reorder_files=False,
+            # litdata's default lets workers take segments from a shared queue as they finish, so which chunks hold
+            # which segments, and with it every batch, depended on timing: two builds of the demo's corpus gave
+            # different chunks and different losses. Static slices keep the split's order.
+            keep_data_ordered=True,
             start_method=start_method,
             verbose=False,
         )
