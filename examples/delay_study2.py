@@ -471,7 +471,8 @@ def replace_block(doc: Path, begin: str, end: str, text: str) -> None:
 
 
 def report_horizon(out: Path, seeds: Sequence[int], doc: Path = ROOT / "docs" / "delay-study.md") -> str:
-    """The seeds block of docs/delay-study.md from every finished run of ``horizon`` over ``seeds``; ``report``'s block is left alone."""
+    """The seeds block of docs/delay-study.md from every finished run of ``horizon`` over ``seeds``; ``report``'s
+    block is left alone."""
     text = (f"Longer horizon over seeds (1.05 M parameters, {LONG_STEPS} updates; losses mean ± sample std):\n\n"
             f"{horizon_tables(curves(plan('horizon', seeds), out), seeds)}\n")
     (out / "horizon.md").write_text(text)
