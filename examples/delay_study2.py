@@ -94,6 +94,8 @@ def _cell(opt: str, ef: bool, sync: bool = False) -> str:
 
 
 def plan(experiment: str, seeds: Sequence[int] = (0,)) -> list[Spec]:
+    if experiment == "horizon":  # the 2000-update cells the seeds question is about; the 88% cell first
+        return plan("longlowlr", seeds) + plan("long", seeds)
     specs: list[Spec] = []
     for seed in seeds:
         for opt, lr in BEST_LR.items():
@@ -134,16 +136,12 @@ def plan(experiment: str, seeds: Sequence[int] = (0,)) -> list[Spec]:
                     specs.append(Spec("long" if experiment == "longlowlr" else "sweep",
                                       f"{opt}_{variant}_lr{LOW_LR[opt]:g}_s{seed}", f"{opt}_{variant}", LOW_LR[opt], seed,
                                       long=experiment == "longlowlr"))
-            elif experiment == "horizon":
-                continue  # = long + longlowlr, below
             elif experiment == "longtail":
                 k = round(LONG_STEPS * 0.85)
                 specs.append(Spec("long", f"{opt}_2bw_K{k}_s{seed}", f"{opt}_2bw", lr, seed,
                                   (f"--trainer.strategy.init_args.sync_from_step={k}",), long=True))
             else:
                 raise ValueError(f"unknown experiment {experiment!r}; use one of {', '.join(EXPERIMENTS)}")
-    if experiment == "horizon":  # the 2000-update cells the seeds question is about; the 88% cell first
-        specs = plan("longlowlr", seeds) + plan("long", seeds)
     return specs
 
 
@@ -265,11 +263,16 @@ def stages_table(sweep: Mapping[str, Sequence[tuple[int, float]]], stages: Mappi
     return "\n".join(lines)
 
 
+def _long_rows() -> list[tuple[str, float, str]]:
+    """``(optimizer, lr, name tag)`` of the longer horizon's rows: each optimizer's best lr, then ``LOW_LR``."""
+    return [(opt, lr, "") for opt, lr in BEST_LR.items()] + [(opt, lr, f"_lr{lr:g}") for opt, lr in LOW_LR.items()]
+
+
 def long_table(c: Mapping[str, Sequence[tuple[int, float]]], seed: int = 0) -> str:
     k = round(LONG_STEPS * 0.85)
     lines = ["| optimizer (lr) | sync | async (2BW) | async + correction | async, sync from 1700 | gap async - sync "
              "| gap corrected - sync | recovered | tail closes |", "|---|---|---|---|---|---|---|---|---|"]
-    rows = [(opt, lr, "") for opt, lr in BEST_LR.items()] + [(opt, lr, f"_lr{lr:g}") for opt, lr in LOW_LR.items()]
+    rows = _long_rows()
     for opt, lr, tag in rows:
         sync, asyn, corr = (c.get(f"{opt}_{v}{tag}_s{seed}") for v in ("sync", "2bw", "2bw_ef"))
         if not (sync and asyn and corr):
@@ -287,7 +290,7 @@ def horizon_tables(c: Mapping[str, Sequence[tuple[int, float]]], seeds: Sequence
     """The 2000-update cells over ``seeds``: final losses (mean +- sample std over the seeds that finished all three
     runs of a row), gaps and the recovered share from the means, each seed's share; then the token overhead read off
     each seed's own synchronous curve and the net speedup against the fastest synchronous schedule (``ratios``)."""
-    rows = [(opt, lr, "") for opt, lr in BEST_LR.items()] + [(opt, lr, f"_lr{lr:g}") for opt, lr in LOW_LR.items()]
+    rows = _long_rows()
     loss = ["| optimizer (lr) | seeds | sync | async (2BW) | async + correction | gap async - sync | gap corrected - sync "
             "| recovered (means) | recovered, per seed |", "|---|---|---|---|---|---|---|---|---|"]
     cost = ["| optimizer (lr) | variant | seeds | token overhead (read off sync), per seed | mean "
