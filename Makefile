@@ -3,22 +3,40 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+# The transformers adapter is also tested on the newest transformers 5.x, which is what `pip install
+# lightning-async-pp[hf]` resolves for users; `.venv` pins 4.x because litgpt caps huggingface-hub below 5's needs.
+VENV_HF5 ?= .venv-hf5
+PY_HF5 := $(VENV_HF5)/bin/python
+STAMP_HF5 := $(VENV_HF5)/.installed
 
-.PHONY: demo test bench clean
+.PHONY: demo test test-quick test-hf5 bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q -e '.[dev]'
 	touch $(STAMP)
 
+$(STAMP_HF5): pyproject.toml
+	test -x $(PY_HF5) || $(PYTHON) -m venv $(VENV_HF5)
+	$(PY_HF5) -m pip install -q -e '.[test-hf5]'
+	touch $(STAMP_HF5)
+
 demo: $(STAMP)
 	$(VENV)/bin/lightning-async-pp fit --config configs/demo.yaml
 
-test: $(STAMP)
+# The whole suite (transformers 4.x and litgpt), then the transformers adapter's tests (marked `hf`) on 5.x.
+test: $(STAMP) test-hf5
 	$(PY) -m pytest -q tests
+
+test-hf5: $(STAMP_HF5)
+	$(PY_HF5) -m pytest -q -m hf tests
+
+# While working: the tests that start no processes and take seconds (unmarked by `multiprocess` and `slow`).
+test-quick: $(STAMP)
+	$(PY) -m pytest -q -m "not multiprocess and not slow" tests
 
 bench: $(STAMP)
 	$(PY) benchmarks/pipeline_throughput.py
 
 clean:
-	rm -rf $(VENV) lightning_logs .cache
+	rm -rf $(VENV) $(VENV_HF5) lightning_logs .cache
