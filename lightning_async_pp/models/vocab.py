@@ -6,12 +6,13 @@ from typing import Any, Optional
 
 
 def model_vocab_size(module: Any) -> Optional[int]:
-    """The number of token ids ``module`` embeds, read without building its layers: an adapter's ``config``
-    (litgpt's ``padded_vocab_size``, the embedding's rows, else ``vocab_size``: transformers), else the
-    ``vocab_size`` hyperparameter (``models.GPT``, ``models.Llama``, and any module that saves one); ``None`` if
-    the module names none."""
+    """The vocabulary of ``module`` (token ids ``0 .. V - 1``), read without building its layers: an adapter's
+    ``config.vocab_size`` (transformers and litgpt alike; litgpt's embedding has ``padded_vocab_size >= V`` rows,
+    padding that no tokenizer's id reaches, so a byte-level litgpt model padded to 512 still counts as 256), else
+    the ``vocab_size`` hyperparameter (``models.GPT``, ``models.Llama``, and any module that saves one); ``None``
+    if the module names none."""
     config = getattr(module, "config", None)
-    for name in ("padded_vocab_size", "vocab_size"):
+    for name in ("vocab_size", "padded_vocab_size"):
         value = getattr(config, name, None)
         if isinstance(value, int) and not isinstance(value, bool):
             return value
