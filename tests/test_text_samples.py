@@ -236,3 +236,25 @@ def test_an_adapters_vocabulary_is_checked_and_encoders_may_return_encodings(bpe
     assert texts == [tok.decode(greedy(model, tok.encode("every stage").ids, 4))]
     with pytest.raises(ValueError, match="outside the model's vocabulary of 100"):
         TextSamples(["microbatches"], encode=tok.encode, decode=tok.decode).generate(hf(100))  # ids 85, 52, 116
+
+
+def test_fit_on_tokenized_data_logs_text_in_the_tokenizers_words(bpe, tmp_path):
+    import lightning as L
+    from tokenizers import Tokenizer
+
+    from lightning_async_pp.data import TextDataModule
+    from test_tokenized_data import SENTENCES
+
+    (tmp_path / "corpus.txt").write_text("\n".join(SENTENCES * 20))
+    dm = TextDataModule(data_path=str(tmp_path / "corpus.txt"), tokenizer=str(bpe), cache_dir=str(tmp_path / "c"),
+                        block_size=16, batch_size=4, val_fraction=0.2)
+    torch.manual_seed(0)
+    model = Llama("tiny", vocab_size=120, max_seq_len=32)
+    callback = TextSamples(["the pipeline"], every_n_steps=2, max_new_tokens=4)
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=2, val_check_interval=2, limit_val_batches=1,
+                        num_sanity_val_steps=0, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, callbacks=[callback])
+    trainer.fit(model, datamodule=dm)
+    tok = Tokenizer.from_file(str(bpe / "tokenizer.json"))
+    expected = tok.decode(greedy(model.eval(), tok.encode("the pipeline").ids, 4))
+    assert callback.history == [(2, [expected])]
