@@ -44,13 +44,15 @@ def prepare(
     others = sorted(p.name for p in output.iterdir() if p.name not in ("train", "val", "tokenizer")) if (
         info is None and output.is_dir()) else []
     if others:  # an unfinished build is redone from scratch: never delete what prepare did not write
-        raise FileExistsError(f"prepare: {output} is not empty ({', '.join(others[:5])}); give a new folder as --output")
+        raise FileExistsError(f"prepare: {output} is not empty ({', '.join(others[:5])}); give a new folder as "
+                              f"--output")
     build_tokenized_cache(train, val, tokenizer, output, text_field, num_workers, key=key)
     return output
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m lightning_async_pp.data.prepare", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m lightning_async_pp.data.prepare",
+                                     description=__doc__.split("\n")[0])
     parser.add_argument("inputs", nargs="+", metavar="INPUT", help="text, .jsonl or .parquet files, or folders")
     parser.add_argument("--tokenizer", required=True, help="a local tokenizer.json or a folder holding one")
     parser.add_argument("--output", required=True, help="the folder to write (give it to TextDataModule's data_path)")

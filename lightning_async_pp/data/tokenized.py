@@ -79,7 +79,8 @@ def eos_id(path: Union[str, Path], tokenizer: Any) -> int:
         if found is not None:
             return found
     raise ValueError(f"tokenizer {str(path)!r} has no end-of-text token to separate documents: its folder has no "
-                     f"tokenizer_config.json naming an eos_token, and its vocabulary has none of {list(EOS_CANDIDATES)}")
+                     f"tokenizer_config.json naming an eos_token, and its vocabulary has none of "
+                     f"{list(EOS_CANDIDATES)}")
 
 
 def token_dtype(vocab_size: int) -> torch.dtype:
@@ -209,6 +210,7 @@ def build_tokenized_cache(
                              before_marker=lambda c: copy_tokenizer(tokenizer, Path(c) / TOKENIZER_DIR))
 
 
-def tokenized_key(train: Sequence[Segment], val: Sequence[Segment], tokenizer: Union[str, Path], text_field: str) -> str:
+def tokenized_key(train: Sequence[Segment], val: Sequence[Segment], tokenizer: Union[str, Path],
+                  text_field: str) -> str:
     """The cache key of this split tokenized with this tokenizer (its files' hash) and text field."""
     return corpus_key(train, val, tokens={"tokenizer_sha256": tokenizer_hash(tokenizer), "text_field": text_field})
