@@ -124,3 +124,25 @@ def test_missing_data_path_is_a_clear_error(tmp_path, monkeypatch):
     missing = tmp_path / "nowhere"
     with pytest.raises(FileNotFoundError, match=str(missing)):
         AsyncPipelineCLI(args=["--config", str(demo_config(tmp_path)), f"--data.data_path={missing}"], run=False)
+
+
+
+@pytest.mark.parametrize("config, key, value, blocks, width", [
+    ("hf_llama_tiny.yaml", "hidden_size", 48, 4, 48),  # the embedding's width changes
+    ("litgpt_tiny.yaml", "n_layer", 2, 2, 128),  # the number of blocks changes
+])
+def test_one_key_of_an_adapter_config_mapping_is_overridden_from_the_command_line(tmp_path, monkeypatch, config, key,
+                                                                                  value, blocks, width):
+    pytest.importorskip("transformers" if config.startswith("hf") else "litgpt")
+    monkeypatch.chdir(tmp_path)
+    path = DEMO.parent / config
+    cli = AsyncPipelineCLI(args=["--config", str(path), "--trainer.devices=1", "--trainer.strategy=auto",
+                                 f"--model.init_args.config.{key}", str(value)], run=False)
+    assert getattr(cli.model.config, key) == value
+    # The mapping's other keys are the YAML's.
+    from_yaml = yaml.safe_load(path.read_text())["model"]["init_args"]["config"]
+    kept = {k: v for k, v in from_yaml.items() if k not in (key, "name")}
+    assert {k: getattr(cli.model.config, k) for k in kept} == kept
+    cli.model.configure_model()
+    layers = cli.model.pipeline_layers()
+    assert len(layers) == blocks + 3 and layers[0].weight.shape[1] == width

@@ -182,3 +182,79 @@ def test_prompt_ids_outside_the_vocabulary_are_refused():
     small.configure_model()
     with pytest.raises(ValueError, match=r"prompts\[0\] \('z'\) encodes to ids outside the model's vocabulary of 100"):
         TextSamples(["z"]).generate(small)
+
+
+# ---- tokenizers -----------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def bpe(tmp_path_factory):
+    pytest.importorskip("tokenizers")
+    from test_tokenized_data import train_bpe
+
+    return train_bpe(tmp_path_factory.mktemp("bpe"))  # 120 tokens
+
+
+def test_the_data_modules_tokenizer_encodes_prompts_and_decodes_continuations(bpe, tmp_path):
+    from types import SimpleNamespace
+
+    from tokenizers import Tokenizer
+
+    from lightning_async_pp.data import TextDataModule
+
+    torch.manual_seed(0)
+    model = Llama("tiny", vocab_size=120, max_seq_len=64)
+    model.configure_model()
+    model.eval()
+    dm = TextDataModule(tokenizer=str(bpe), cache_dir=str(tmp_path))
+    callback = TextSamples(["the pipeline sends", "every stage"], max_new_tokens=5)
+    callback.setup(SimpleNamespace(datamodule=dm), model, "fit")
+    tok = Tokenizer.from_file(str(bpe / "tokenizer.json"))
+    expected = [tok.decode(greedy(model, tok.encode(p, add_special_tokens=False).ids, 5))
+                for p in ["the pipeline sends", "every stage"]]
+    assert callback.generate(model) == expected
+    assert callback._prompt_ids[0] == tok.encode("the pipeline sends").ids and len(callback._prompt_ids[0]) > 1
+
+
+def test_an_adapters_vocabulary_is_checked_and_encoders_may_return_encodings(bpe):
+    pytest.importorskip("transformers")
+    from tokenizers import Tokenizer
+
+    from lightning_async_pp.models import HuggingFaceCausalLM
+
+    def hf(vocab: int) -> HuggingFaceCausalLM:
+        torch.manual_seed(0)
+        model = HuggingFaceCausalLM({"model_type": "llama", "vocab_size": vocab, "hidden_size": 32,
+                                     "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+                                     "max_position_embeddings": 64})
+        model.configure_model()
+        return model.eval()
+
+    with pytest.raises(ValueError, match="vocabulary has 300 tokens.*give the data module a tokenizer"):
+        TextSamples(["a"]).generate(hf(300))  # bytes under a 300-token model: refused (its hparams had no vocab)
+    tok = Tokenizer.from_file(str(bpe / "tokenizer.json"))
+    model = hf(120)
+    texts = TextSamples(["every stage"], max_new_tokens=4, encode=tok.encode, decode=tok.decode).generate(model)
+    assert texts == [tok.decode(greedy(model, tok.encode("every stage").ids, 4))]
+    with pytest.raises(ValueError, match="outside the model's vocabulary of 100"):
+        TextSamples(["microbatches"], encode=tok.encode, decode=tok.decode).generate(hf(100))  # ids 85, 52, 116
+
+
+def test_fit_on_tokenized_data_logs_text_in_the_tokenizers_words(bpe, tmp_path):
+    import lightning as L
+    from tokenizers import Tokenizer
+
+    from lightning_async_pp.data import TextDataModule
+    from test_tokenized_data import SENTENCES
+
+    (tmp_path / "corpus.txt").write_text("\n".join(SENTENCES * 20))
+    dm = TextDataModule(data_path=str(tmp_path / "corpus.txt"), tokenizer=str(bpe), cache_dir=str(tmp_path / "c"),
+                        block_size=16, batch_size=4, val_fraction=0.2)
+    torch.manual_seed(0)
+    model = Llama("tiny", vocab_size=120, max_seq_len=32)
+    callback = TextSamples(["the pipeline"], every_n_steps=2, max_new_tokens=4)
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=2, val_check_interval=2, limit_val_batches=1,
+                        num_sanity_val_steps=0, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, callbacks=[callback])
+    trainer.fit(model, datamodule=dm)
+    tok = Tokenizer.from_file(str(bpe / "tokenizer.json"))
+    expected = tok.decode(greedy(model.eval(), tok.encode("the pipeline").ids, 4))
+    assert callback.history == [(2, [expected])]

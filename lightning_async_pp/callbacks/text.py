@@ -8,6 +8,7 @@ rows, which is all they use of it.
 """
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any, Optional
 
@@ -17,6 +18,7 @@ from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 
+from lightning_async_pp.models.vocab import model_vocab_size
 from lightning_async_pp.module import PipelineModule
 
 #: The byte-level vocabulary of this package's data (``data.TextDataModule``).
@@ -59,9 +61,12 @@ class TextSamples(Callback):
             ``logits / temperature``.
         top_k: when sampling, only among the ``top_k`` most likely tokens (``None``: all).
         seed: seed of the sampling generator, reset at every decoding, so a run's samples are reproducible.
-        decode: token ids -> text (any callable, e.g. a tokenizer's ``decode``). Default: UTF-8 bytes, which needs
-            a vocabulary of at most 256.
-        encode: text -> token ids, for the prompts. Default: UTF-8 bytes. Give it whenever ``decode`` is given.
+        decode: token ids -> text (any callable, e.g. a tokenizer's ``decode``). Default: the data module's
+            tokenizer (``TextDataModule(tokenizer=...)``, or the one a prepared ``data_path`` was tokenized with);
+            without one, UTF-8 bytes, which needs a vocabulary of at most 256.
+        encode: text -> token ids, for the prompts (a list of ids, or anything with ``.ids``, such as the
+            ``tokenizers.Encoding`` of ``Tokenizer.encode``). Default: as ``decode``. Give it whenever ``decode`` is
+            given.
         max_context: longest context fed to the model; default the model's ``max_seq_len`` or ``block_size``
             hyperparameter, unbounded when it has neither.
         tag: TensorBoard tag prefix (and the callback's key in checkpoints: give each TextSamples its own).
@@ -113,6 +118,7 @@ class TextSamples(Callback):
         self.decode = decode if decode is not None else decode_bytes
         self.encode = encode if encode is not None else encode_bytes
         self.custom_tokenizer = decode is not None
+        self._custom_encode = encode is not None
         self.max_context = max_context
         self.tag = tag
         self.history: list[tuple[int, list[str]]] = []
@@ -125,16 +131,25 @@ class TextSamples(Callback):
         if not isinstance(pl_module, PipelineModule):
             raise TypeError(f"TextSamples needs a PipelineModule (models.GPT, models.Llama, ...), got "
                             f"{type(pl_module).__name__}")
+        tokenizer = getattr(getattr(trainer, "datamodule", None), "tokenizer", None)
+        if tokenizer is not None and not self.custom_tokenizer:
+            # The data's own tokenizer; no special tokens (a BOS) around the prompts, as around the documents.
+            self.decode = tokenizer.decode
+            if not self._custom_encode:
+                self.encode = functools.partial(tokenizer.encode, add_special_tokens=False)
+            self.custom_tokenizer = True
         self._encode_prompts(pl_module)
 
     def _encode_prompts(self, pl_module: PipelineModule) -> None:
-        vocab = pl_module.hparams.get("vocab_size")
+        vocab = model_vocab_size(pl_module)  # hparams or, for the adapters, their configs
         if not self.custom_tokenizer and vocab is not None and vocab > BYTE_VOCAB:
             raise ValueError(f"TextSamples: the model's vocabulary has {vocab} tokens, but the default decoding is "
-                             f"bytes (at most {BYTE_VOCAB}); pass the tokenizer's decode and encode")
+                             f"bytes (at most {BYTE_VOCAB}); give the data module a tokenizer "
+                             f"(TextDataModule(tokenizer=...)) or pass the tokenizer's decode and encode")
         self._prompt_ids = []
         for i, prompt in enumerate(self.prompts):
-            ids = [int(t) for t in self.encode(prompt)]
+            encoded = self.encode(prompt)
+            ids = [int(t) for t in getattr(encoded, "ids", encoded)]  # a tokenizers.Encoding carries .ids
             if not ids:
                 raise ValueError(f"TextSamples: prompts[{i}] ({prompt!r}) encodes to no tokens")
             if vocab is not None and not all(0 <= t < vocab for t in ids):

@@ -21,7 +21,7 @@ import sysconfig
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Optional, Union
+from typing import Any, Callable, Optional, Union
 
 import numpy as np
 import torch
@@ -142,13 +142,15 @@ def split_corpus(
     return segments, val
 
 
-def corpus_key(train: Sequence[Segment], val: Sequence[Segment]) -> str:
-    """A short hash naming the cache of this exact split (paths, byte ranges, file sizes and mtimes)."""
+def corpus_key(train: Sequence[Segment], val: Sequence[Segment], tokens: Optional[dict[str, Any]] = None) -> str:
+    """A short hash naming the cache of this exact split (paths, byte ranges, file sizes and mtimes) and, for a
+    tokenized corpus, of its tokenization (``tokens``: the tokenizer's hash, the text field, ...)."""
     stats = {p: (s.st_size, s.st_mtime_ns) for p in {seg[0] for seg in (*train, *val)} for s in [os.stat(p)]}
-    blob = json.dumps(
-        {"format": _CACHE_FORMAT, "train": list(train), "val": list(val), "stats": sorted(stats.items())},
-        sort_keys=True,
-    )
+    content: dict[str, Any] = {"format": _CACHE_FORMAT, "train": list(train), "val": list(val),
+                               "stats": sorted(stats.items())}
+    if tokens is not None:  # absent for bytes, so byte caches keep their keys
+        content["tokens"] = tokens
+    blob = json.dumps(content, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
@@ -157,15 +159,26 @@ def is_complete(cache: Union[str, Path]) -> bool:
     return (Path(cache) / _COMPLETE_MARKER).is_file()
 
 
+def cache_info(cache: Union[str, Path]) -> Optional[dict[str, Any]]:
+    """The completion marker of a cache (``vocab_size``, ``dtype``, sizes, ...), or ``None`` if it has none."""
+    marker = Path(cache) / _COMPLETE_MARKER
+    return json.loads(marker.read_text()) if marker.is_file() else None
+
+
 def build_token_cache(
     train: Sequence[Segment],
     val: Sequence[Segment],
     cache: Union[str, Path],
     num_workers: Optional[int] = None,
     chunk_bytes: int = 1 << 20,
+    fn: Callable[[Segment], Iterator[torch.Tensor]] = tokenize_segment,
+    info: Optional[dict[str, Any]] = None,
+    before_marker: Optional[Callable[[Path], None]] = None,
 ) -> Path:
     """Tokenize ``train`` into ``cache/train`` and ``val`` into ``cache/val`` with ``litdata.optimize``, once.
 
+    ``fn`` turns a segment into token tensors (default: its bytes); ``info`` is written into the completion marker
+    (default: vocabulary 256, uint8); ``before_marker(cache)`` adds files before the cache is marked complete.
     Safe to call from every process at once: an exclusive file lock serializes them, the first one builds, and
     the others find the completion marker and return. A half-written cache (no marker) is rebuilt.
     """
@@ -183,27 +196,32 @@ def build_token_cache(
         t0 = time.perf_counter()
         for split, segments in (("train", train), ("val", val)):
             if segments:
-                _optimize(segments, cache / split, num_workers, chunk_bytes)
-        marker = {"train_bytes": sum(s[2] - s[1] for s in train), "val_bytes": sum(s[2] - s[1] for s in val),
+                _optimize(segments, cache / split, num_workers, chunk_bytes, fn)
+        if before_marker is not None:
+            before_marker(cache)
+        marker = {**(info or {"vocab_size": VOCAB_SIZE, "dtype": "uint8"}),
+                  "train_tokens": _tokens(cache / "train"), "val_tokens": _tokens(cache / "val"),
+                  "train_bytes": sum(s[2] - s[1] for s in train), "val_bytes": sum(s[2] - s[1] for s in val),
                   "seconds": round(time.perf_counter() - t0, 2)}
         (cache / _COMPLETE_MARKER).write_text(json.dumps(marker))
     return cache
 
 
-def _optimize(segments: Sequence[Segment], output_dir: Path, num_workers: Optional[int], chunk_bytes: int) -> None:
+def _optimize(segments: Sequence[Segment], output_dir: Path, num_workers: Optional[int], chunk_bytes: int,
+              fn: Callable[[Segment], Iterator[torch.Tensor]] = tokenize_segment) -> None:
     import litdata
     from litdata.streaming.item_loader import TokensLoader
 
     workers = num_workers or min(len(segments), os.cpu_count() or 1, 4)
     # fork, not litdata's default spawn: a spawned worker re-imports torch and Lightning (~5 s each, longer than
     # tokenizing the whole default corpus) and re-runs an unguarded ``__main__`` script. The workers only read
-    # files and copy bytes, which is safe in a forked child.
+    # files and copy bytes or run a tokenizer they load themselves, which is safe in a forked child.
     start_method = "fork" if "fork" in multiprocessing.get_all_start_methods() else None
     # litdata.optimize reseeds the global RNGs and leaves an environment variable behind; neither should leak
     # into the training process.
     with _preserve_global_state():
         litdata.optimize(
-            fn=tokenize_segment,
+            fn=fn,
             inputs=list(segments),
             output_dir=str(output_dir),
             chunk_bytes=chunk_bytes,
@@ -217,6 +235,11 @@ def _optimize(segments: Sequence[Segment], output_dir: Path, num_workers: Option
             start_method=start_method,
             verbose=False,
         )
+
+
+def _tokens(optimized: Path) -> int:
+    index = optimized / "index.json"
+    return sum(c["dim"] for c in json.loads(index.read_text())["chunks"]) if index.is_file() else 0
 
 
 @contextlib.contextmanager

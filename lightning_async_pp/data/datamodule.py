@@ -1,4 +1,5 @@
-"""``TextDataModule``: byte-level token streams from litdata, sharded by *data-parallel* rank only.
+"""``TextDataModule``: token streams from litdata (bytes, or a local Hugging Face tokenizer's ids), sharded by
+*data-parallel* rank only.
 
 Under pipeline parallelism every stage of one pipeline must see the same batch, so sharding by the process rank
 (what litdata and Lightning would do on their own) is wrong: the data-parallel size and rank come from the
@@ -20,11 +21,22 @@ from litdata.utilities.env import _DistributedEnv
 from litdata.utilities.train_test_split import train_test_split
 
 from lightning_async_pp.data.corpus import (
+    VOCAB_SIZE,
     build_token_cache,
+    cache_info,
     corpus_key,
     split_corpus,
     stdlib_files,
     text_files,
+)
+from lightning_async_pp.data.tokenized import (
+    TOKENIZER_DIR,
+    build_tokenized_cache,
+    is_record_file,
+    load_tokenizer,
+    tokenized_key,
+    tokenizer_file,
+    tokenizer_hash,
 )
 
 _INDEX = "index.json"
@@ -32,7 +44,7 @@ DEFAULT_CACHE_DIR = os.path.join(".cache", "lightning_async_pp")
 
 
 def collate_tokens(items: list[torch.Tensor]) -> torch.Tensor:
-    """Stack windows of uint8 bytes into a (B, block_size + 1) LongTensor."""
+    """Stack windows of token ids (uint8 bytes, uint16 or int32 ids) into a (B, block_size + 1) LongTensor."""
     return torch.stack(items).long()
 
 
@@ -63,12 +75,21 @@ class DataParallelStreamingDataLoader(StreamingDataLoader):
 
 
 class TextDataModule(L.LightningDataModule):
-    """Byte-level language-modelling data: windows of ``block_size + 1`` tokens, streamed with litdata.
+    """Language-modelling data: windows of ``block_size + 1`` tokens, streamed with litdata.
+
+    Without a tokenizer the tokens are bytes (vocabulary 256); with one, its ids, each document followed by its
+    end-of-text id. Before training (``prepare_data``/``setup`` under a Trainer) a model whose vocabulary cannot
+    take the data's ids is refused, as is raw text read as bytes under a model whose vocabulary is not 256.
 
     Args:
         data_path: ``None`` for the embedded corpus (the Python standard library's sources); a text file or a
-            folder of text files (tokenized once into ``cache_dir``); or a litdata-optimized folder, either with
-            ``train/`` and ``val/`` subfolders or a single one (then ``val_fraction`` of it is held out).
+            folder of text files (tokenized once into ``cache_dir``; with a tokenizer also ``.jsonl`` and
+            ``.parquet`` files, one document per record); or a litdata-optimized folder, either with ``train/`` and
+            ``val/`` subfolders (what ``python -m lightning_async_pp.data.prepare`` writes) or a single one (then
+            ``val_fraction`` of it is held out).
+        tokenizer: a local Hugging Face tokenizer: a ``tokenizer.json`` file or a folder holding one (nothing is
+            downloaded). ``None``: bytes, or the tokenizer a prepared ``data_path`` was tokenized with.
+        text_field: the field of ``.jsonl`` records and the column of ``.parquet`` files that holds the text.
         block_size: tokens the model sees per row; each row holds ``block_size + 1`` (inputs and shifted targets).
         batch_size: rows per batch (per data-parallel replica); every batch has exactly this many.
         num_workers: DataLoader worker processes.
@@ -88,11 +109,18 @@ class TextDataModule(L.LightningDataModule):
         max_bytes: Optional[int] = None,
         cache_dir: Optional[str] = None,
         seed: int = 42,
+        tokenizer: Optional[str] = None,
+        text_field: str = "text",
     ) -> None:
         super().__init__()
         if data_path is not None and not os.path.exists(data_path):
             raise FileNotFoundError(f"data_path {data_path!r} does not exist")
+        if tokenizer is not None:
+            tokenizer_file(tokenizer)  # exists, or a clear error now
         self.data_path = data_path
+        self.tokenizer_path = tokenizer
+        self.text_field = text_field
+        self._tokenizer: Any = None
         self.block_size = block_size
         self.batch_size = batch_size
         self.num_workers = num_workers
@@ -104,24 +132,118 @@ class TextDataModule(L.LightningDataModule):
         self.val_dataset: Optional[StreamingDataset] = None
 
     # ---- where the optimized data lives ------------------------------------------------------------------------
-    def optimized_dirs(self) -> tuple[str, Optional[str]]:
-        """``(train_dir, val_dir)`` of litdata-optimized data, tokenizing the corpus first if it is not cached.
-        ``val_dir`` is ``None`` for a single optimized folder (validation is then split off it)."""
+    def prepared_dirs(self) -> Optional[tuple[str, Optional[str]]]:
+        """``(train_dir, val_dir)`` if ``data_path`` is litdata-optimized already (``val_dir`` ``None`` for a single
+        folder), else ``None``."""
         path = self.data_path
         if path is not None:
             if os.path.isfile(os.path.join(path, "train", _INDEX)) and os.path.isfile(os.path.join(path, "val", _INDEX)):
                 return os.path.join(path, "train"), os.path.join(path, "val")
             if os.path.isfile(os.path.join(path, _INDEX)):
                 return path, None
-        files = stdlib_files() if path is None else text_files(path)
+        return None
+
+    def optimized_dirs(self) -> tuple[str, Optional[str]]:
+        """``(train_dir, val_dir)`` of litdata-optimized data, tokenizing the corpus first if it is not cached.
+        ``val_dir`` is ``None`` for a single optimized folder (validation is then split off it)."""
+        prepared = self.prepared_dirs()
+        if prepared is not None:
+            self._check_prepared_tokenizer()
+            return prepared
+        files = stdlib_files() if self.data_path is None else text_files(self.data_path)
+        if self.tokenizer_path is None:
+            records = [str(f) for f in files if is_record_file(f)]
+            if records:
+                raise ValueError(f"data_path {self.data_path!r} holds {records[0]}: .jsonl and .parquet files hold "
+                                 f"records, which are read with a tokenizer; give TextDataModule(tokenizer=...) (a "
+                                 f"tokenizer.json or its folder)")
         train, val = split_corpus(files, self.val_fraction, self.max_bytes, self.seed)
-        cache = build_token_cache(train, val, Path(self.cache_dir) / corpus_key(train, val))
+        if self.tokenizer_path is None:
+            cache = build_token_cache(train, val, Path(self.cache_dir) / corpus_key(train, val))
+        else:
+            key = tokenized_key(train, val, self.tokenizer_path, self.text_field)
+            cache = build_tokenized_cache(train, val, self.tokenizer_path, Path(self.cache_dir) / key, self.text_field,
+                                          key=key)
         return str(cache / "train"), (str(cache / "val") if val else None)
 
     def prepare_data(self) -> None:
         # Lightning calls this on one process per node before setup(); build_token_cache is also safe to call
         # from every process, so setup() repeats it for a DataModule used outside a Trainer.
+        self.check_model_vocab()
         self.optimized_dirs()
+
+    # ---- vocabulary ----------------------------------------------------------------------------------------------
+    def _prepared_root(self) -> Optional[Path]:
+        """The folder holding a prepared ``data_path``'s marker and tokenizer (itself, or the parent of a split)."""
+        prepared = self.prepared_dirs()
+        if prepared is None:
+            return None
+        path = Path(self.data_path)  # type: ignore[arg-type]
+        if prepared[1] is None and cache_info(path) is None and cache_info(path.parent) is not None:
+            return path.parent  # data_path is the train/ (or val/) folder of a prepared directory
+        return path
+
+    def _check_prepared_tokenizer(self) -> None:
+        root = self._prepared_root()
+        info = cache_info(root) if root is not None else None
+        if self.tokenizer_path is None or info is None or "tokenizer_sha256" not in info:
+            return
+        if info["tokenizer_sha256"] != tokenizer_hash(self.tokenizer_path):
+            raise ValueError(f"data_path {self.data_path!r} was tokenized with another tokenizer than "
+                             f"{self.tokenizer_path!r} (its files differ from {root / TOKENIZER_DIR}); leave tokenizer "
+                             f"unset to use the prepared one, or prepare the corpus again with this tokenizer")
+
+    @property
+    def tokenizer(self) -> Any:
+        """The ``tokenizers.Tokenizer`` of the data (``tokenizer=``, else a prepared ``data_path``'s), or ``None``
+        for bytes."""
+        if self._tokenizer is None:
+            path: Optional[Path] = Path(self.tokenizer_path) if self.tokenizer_path is not None else None
+            root = self._prepared_root() if path is None else None
+            if root is not None and (root / TOKENIZER_DIR).is_dir():
+                path = root / TOKENIZER_DIR
+            self._tokenizer = load_tokenizer(path) if path is not None else None
+        return self._tokenizer
+
+    @property
+    def reads_bytes(self) -> bool:
+        """Whether the module itself reads raw text as bytes (no tokenizer, ``data_path`` not optimized)."""
+        return self.tokenizer_path is None and self.prepared_dirs() is None
+
+    @property
+    def vocab_size(self) -> Optional[int]:
+        """How many distinct ids the data may hold: 256 for bytes, the tokenizer's vocabulary, a prepared folder's
+        recorded one; ``None`` for an optimized folder that records none (written by other code)."""
+        if self.reads_bytes:
+            return VOCAB_SIZE
+        if self.tokenizer_path is not None:
+            return self.tokenizer.get_vocab_size(with_added_tokens=True)
+        root = self._prepared_root()
+        info = cache_info(root) if root is not None else None
+        return info.get("vocab_size") if info is not None else None
+
+    def check_model_vocab(self, vocab: Optional[int] = None) -> None:
+        """Refuse a model that cannot read the data: raw text as bytes under a vocabulary other than 256, or a
+        vocabulary smaller than the data's. ``vocab``: default the trainer's module's (``models.model_vocab_size``);
+        nothing is checked when neither is known."""
+        if vocab is None:
+            from lightning_async_pp.models.vocab import model_vocab_size
+
+            module = getattr(self.trainer, "lightning_module", None) if self.trainer is not None else None
+            vocab = model_vocab_size(module) if module is not None else None
+        if vocab is None:
+            return
+        where = "the embedded corpus" if self.data_path is None else f"data_path {self.data_path!r}"
+        if self.reads_bytes and vocab != VOCAB_SIZE:
+            raise ValueError(f"TextDataModule reads {where} as bytes (vocabulary {VOCAB_SIZE}), but the model's "
+                             f"vocabulary is {vocab}: give TextDataModule(tokenizer=...) (a tokenizer.json or its "
+                             f"folder) for the model's tokens, or set the model's vocab_size to {VOCAB_SIZE}")
+        data_vocab = self.vocab_size
+        if data_vocab is not None and vocab < data_vocab:
+            raise ValueError(f"the model's vocabulary ({vocab}) is smaller than the data's ({data_vocab}, {where}"
+                             f"{'' if self.tokenizer_path is None else f' tokenized with {self.tokenizer_path!r}'}): "
+                             f"ids up to {data_vocab - 1} would index past its embedding; set the model's vocab_size "
+                             f"to at least {data_vocab}")
 
     # ---- datasets ------------------------------------------------------------------------------------------------
     def data_parallel_size_and_rank(self) -> tuple[int, int]:
@@ -136,6 +258,7 @@ class TextDataModule(L.LightningDataModule):
         return env.world_size, env.global_rank
 
     def setup(self, stage: Optional[str] = None) -> None:
+        self.check_model_vocab()  # before any tokenizing or training step
         train_dir, val_dir = self.optimized_dirs()
         env = data_parallel_env(*self.data_parallel_size_and_rank())
         train = self._dataset(train_dir, shuffle=True)

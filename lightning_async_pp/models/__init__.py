@@ -4,5 +4,6 @@ from lightning_async_pp.models.gpt import GPT
 from lightning_async_pp.models.huggingface import HuggingFaceCausalLM
 from lightning_async_pp.models.litgpt_model import LitGPT
 from lightning_async_pp.models.llama import Llama
+from lightning_async_pp.models.vocab import model_vocab_size
 
-__all__ = ["GPT", "HuggingFaceCausalLM", "LitGPT", "Llama"]
+__all__ = ["GPT", "HuggingFaceCausalLM", "LitGPT", "Llama", "model_vocab_size"]

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Mapping
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Union
 
 import torch
 from torch import nn
@@ -90,7 +90,10 @@ class HuggingFaceCausalLM(AdoptedCausalLM):
             was), so one device and p processes build the same weights.
     """
 
-    def __init__(self, config: Any, lr: float = 3e-4, weight_decay: float = 0.1, init_seed: Optional[int] = None) -> None:
+    # ``dict[str, Any]`` first: jsonargparse then merges ``--model.init_args.config.hidden_size 128`` into the
+    # mapping from the YAML (under ``Any`` alone it passes a ``NestedArg`` through); ``Any``: a ``PretrainedConfig``.
+    def __init__(self, config: Union[dict[str, Any], Any], lr: float = 3e-4, weight_decay: float = 0.1,
+                 init_seed: Optional[int] = None) -> None:
         super().__init__(lr=lr, weight_decay=weight_decay, init_seed=init_seed)
         self.config = as_pretrained_config(config)
         # A plain mapping, so that load_from_checkpoint rebuilds the config without unpickling transformers objects.

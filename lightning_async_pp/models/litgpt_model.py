@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import torch
 from torch import Tensor, nn
@@ -83,7 +83,10 @@ class LitGPT(AdoptedCausalLM):
             global RNG seeded by this seed and the layer's index.
     """
 
-    def __init__(self, config: Any, lr: float = 3e-4, weight_decay: float = 0.1, init_seed: Optional[int] = None) -> None:
+    # ``dict[str, Any]`` first: jsonargparse then merges ``--model.init_args.config.n_layer 2`` into the mapping from
+    # the YAML (under ``Any`` alone it passes a ``NestedArg`` through); ``str``: a config name; ``Any``: a ``Config``.
+    def __init__(self, config: Union[dict[str, Any], str, Any], lr: float = 3e-4, weight_decay: float = 0.1,
+                 init_seed: Optional[int] = None) -> None:
         super().__init__(lr=lr, weight_decay=weight_decay, init_seed=init_seed)
         self.config = as_litgpt_config(config)
         unsupported = {k: getattr(self.config, k) for k, off in UNSUPPORTED.items() if getattr(self.config, k) != off}

@@ -1,0 +1,292 @@
+"""TextDataModule(tokenizer=...) and ``python -m lightning_async_pp.data.prepare``: a local Hugging Face tokenizer's
+ids, documents separated by its end-of-text id, in the smallest dtype, cached under the tokenizer's hash.
+
+The reference is the tokenizer itself, called here on each document as the test reads it from the files
+(``json.loads`` of each line), in the split's order.
+"""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from litdata import StreamingDataset
+from litdata.streaming.item_loader import TokensLoader
+
+from lightning_async_pp.data import TextDataModule, corpus, split_corpus
+from lightning_async_pp.data.tokenized import token_dtype
+
+tokenizers = pytest.importorskip("tokenizers")
+
+SENTENCES = [
+    "the pipeline sends activations forward and gradients back",
+    "every stage keeps two versions of its weights",
+    "a batch is split into microbatches that flow through the stages",
+    "the optimizer steps once per batch with a gradient one step old",
+    "data parallel replicas reduce their gradients in buckets",
+]
+EOS = "<|endoftext|>"
+
+
+def train_bpe(folder: Path, vocab_size: int = 120, extra: list[str] = ()) -> Path:
+    """A byte-pair tokenizer trained on SENTENCES (nothing downloaded), saved as folder/tokenizer.json."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<unk>", EOS, *extra])
+    tok.train_from_iterator(SENTENCES * 3, trainer=trainer)
+    folder.mkdir(parents=True, exist_ok=True)
+    tok.save(str(folder / "tokenizer.json"))
+    return folder
+
+
+def word_tokenizer(path: Path, words: int) -> Path:
+    """A word-level tokenizer of ``words`` words w0, w1, ... and EOS (so its vocabulary has words + 2 entries)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {"<unk>": 0, EOS: 1, **{f"w{i}": i + 2 for i in range(words)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.save(str(path))
+    return path
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory) -> Path:
+    return train_bpe(tmp_path_factory.mktemp("tok"))
+
+
+@pytest.fixture(scope="module")
+def mixed_corpus(tmp_path_factory) -> Path:
+    """Text files (one document each) and a .jsonl file (one document per record, with other fields)."""
+    root = tmp_path_factory.mktemp("mixed")
+    for f in range(3):
+        (root / f"notes{f}.txt").write_text("\n".join(SENTENCES[f:] * 4) + "\n")
+    records = [{"id": i, "text": SENTENCES[i % 5] + f" stage {i}", "meta": {"k": i}} for i in range(40)]
+    (root / "records.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    return root
+
+
+def documents_of(segments) -> list[str]:
+    """The documents of a split, read here: a whole text file, or each record of a .jsonl file."""
+    docs = []
+    for path, start, stop in segments:
+        data = Path(path).read_bytes()
+        assert (start, stop) == (0, len(data))  # whole files in these tests
+        if path.endswith(".jsonl"):
+            docs += [json.loads(line)["text"] for line in data.decode().splitlines()]
+        else:
+            docs.append(data.decode())
+    return docs
+
+
+def expected_ids(tokenizer_dir: Path, docs: list[str]) -> list[int]:
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(tokenizer_dir / "tokenizer.json"))
+    eos = tok.token_to_id(EOS)
+    return [i for doc in docs for i in tok.encode(doc, add_special_tokens=False).ids + [eos]]
+
+
+def stored_ids(optimized_dir: str) -> list[int]:
+    return torch.cat(list(StreamingDataset(optimized_dir, item_loader=TokensLoader(block_size=1)))).tolist()
+
+
+def data_format(optimized_dir: str) -> str:
+    return json.loads((Path(optimized_dir) / "index.json").read_text())["config"]["data_format"][0]
+
+
+# ---- what the cache holds ---------------------------------------------------------------------------------------
+def test_each_document_is_the_tokenizers_ids_then_eos_in_the_splits_order(tmp_path, tokenizer, mixed_corpus):
+    dm = TextDataModule(data_path=str(mixed_corpus), tokenizer=str(tokenizer), cache_dir=str(tmp_path),
+                        val_fraction=0.2, block_size=8, batch_size=2)
+    train_dir, val_dir = dm.optimized_dirs()
+    train, val = split_corpus(sorted(mixed_corpus.glob("*")), 0.2, None, dm.seed)
+    assert train and val and any(p.endswith(".jsonl") for p, _, _ in train + val)
+    for segments, d in ((train, train_dir), (val, val_dir)):
+        assert stored_ids(d) == expected_ids(tokenizer, documents_of(segments))
+    assert data_format(train_dir).endswith(f"tensor:{corpus_dtype_index(torch.uint8)}")  # 120 tokens fit a byte
+    # Batches are (B, block + 1) LongTensors of those ids; the tokenizer and its vocabulary are the module's.
+    dm.setup("fit")
+    batch = next(iter(dm.train_dataloader()))
+    assert batch.shape == (2, 9) and batch.dtype == torch.long and int(batch.max()) < 120
+    assert dm.vocab_size == dm.tokenizer.get_vocab_size() == 120
+    assert (Path(train_dir).parent / "tokenizer" / "tokenizer.json").read_bytes() == (tokenizer / "tokenizer.json").read_bytes()
+
+
+def corpus_dtype_index(dtype: torch.dtype) -> int:
+    from litdata.constants import _TORCH_DTYPES_MAPPING
+
+    return {v: k for k, v in _TORCH_DTYPES_MAPPING.items()}[dtype]
+
+
+def test_ids_are_stored_in_the_smallest_dtype_that_holds_the_vocabulary(tmp_path):
+    assert [token_dtype(v) for v in (256, 257, 1 << 16, (1 << 16) + 1)] == [torch.uint8, torch.uint16, torch.uint16,
+                                                                             torch.int32]
+    tok = word_tokenizer(tmp_path / "words.json", words=400)  # 402 ids: uint16
+    text = tmp_path / "corpus.txt"
+    text.write_text(" ".join(f"w{(7 * i) % 400}" for i in range(3000)))
+    dm = TextDataModule(data_path=str(text), tokenizer=str(tok), cache_dir=str(tmp_path / "c"), val_fraction=0.0)
+    train_dir, _ = dm.optimized_dirs()
+    assert data_format(train_dir).endswith(f"tensor:{corpus_dtype_index(torch.uint16)}")
+    assert stored_ids(train_dir) == [(7 * i) % 400 + 2 for i in range(3000)] + [1]
+
+
+def test_two_builds_with_parallel_workers_give_identical_chunks(tmp_path, tokenizer):
+    for f in range(24):
+        (tmp_path / "docs" / f"d{f:02d}.txt").parent.mkdir(exist_ok=True)
+        (tmp_path / "docs" / f"d{f:02d}.txt").write_text(" ".join(SENTENCES[f % 5:] * (f + 1)))
+    files = sorted((tmp_path / "docs").glob("*.txt"))
+    train, val = split_corpus(files, 0.1, None, 0)
+    from lightning_async_pp.data.tokenized import build_tokenized_cache
+
+    builds = [build_tokenized_cache(train, val, tokenizer, tmp_path / f"build{i}", num_workers=2) for i in range(2)]
+    for split in ("train", "val"):
+        chunks = [sorted((b / split).glob("*.bin")) for b in builds]
+        assert len(chunks[0]) > 1 and [c.name for c in chunks[0]] == [c.name for c in chunks[1]]
+        assert [c.read_bytes() for c in chunks[0]] == [c.read_bytes() for c in chunks[1]]
+        assert stored_ids(str(builds[0] / split)) == expected_ids(tokenizer, documents_of(train if split == "train"
+                                                                                          else val))
+
+
+def test_the_cache_key_includes_the_tokenizer(tmp_path, tokenizer, mixed_corpus, monkeypatch):
+    calls = []
+    real = corpus._optimize
+    monkeypatch.setattr(corpus, "_optimize", lambda segs, out, *a, **k: (calls.append(out), real(segs, out, *a, **k)))
+    kwargs = dict(data_path=str(mixed_corpus), cache_dir=str(tmp_path), val_fraction=0.2)
+    first = TextDataModule(tokenizer=str(tokenizer), **kwargs).optimized_dirs()
+    assert TextDataModule(tokenizer=str(tokenizer), **kwargs).optimized_dirs() == first and len(calls) == 2
+    other = train_bpe(tmp_path / "other", vocab_size=90)  # another vocabulary: another cache
+    second = TextDataModule(tokenizer=str(other / "tokenizer.json"), **kwargs).optimized_dirs()
+    assert len(calls) == 4 and Path(second[0]).parent != Path(first[0]).parent
+    assert stored_ids(second[0]) != stored_ids(first[0])
+    # Bytes of the same corpus are yet another cache (and .jsonl records are refused without a tokenizer).
+    with pytest.raises(ValueError, match=r"records\.jsonl.*give TextDataModule\(tokenizer=\.\.\.\)"):
+        TextDataModule(**kwargs).optimized_dirs()
+
+
+def test_a_parquet_column_is_read_row_by_row(tmp_path, tokenizer):
+    pq = pytest.importorskip("pyarrow.parquet")
+    import pyarrow as pa
+
+    rows = [SENTENCES[i % 5] + f" row {i}" for i in range(50)]
+    pq.write_table(pa.table({"body": rows, "n": list(range(50))}), tmp_path / "rows.parquet")
+    dm = TextDataModule(data_path=str(tmp_path / "rows.parquet"), tokenizer=str(tokenizer), text_field="body",
+                        cache_dir=str(tmp_path / "c"), val_fraction=0.2)
+    train_dir, val_dir = dm.optimized_dirs()
+    # One file: its tail is held out; together the splits are every row once, in order.
+    assert stored_ids(train_dir) + stored_ids(val_dir) == expected_ids(tokenizer, rows)
+    assert stored_ids(val_dir)
+
+
+# ---- prepare ----------------------------------------------------------------------------------------------------
+def test_prepare_writes_what_data_path_takes_as_it_is(tmp_path, tokenizer, mixed_corpus):
+    out = tmp_path / "tokens"
+    proc = subprocess.run(
+        [sys.executable, "-m", "lightning_async_pp.data.prepare", "--tokenizer", str(tokenizer), "--output", str(out),
+         "--val-fraction", "0.2", "--num-workers", "2", str(mixed_corpus)],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"data_path: {out}" in proc.stdout
+    prepared = TextDataModule(data_path=str(out), block_size=8, batch_size=2, val_fraction=0.2)
+    assert prepared.optimized_dirs() == (str(out / "train"), str(out / "val"))
+    assert prepared.vocab_size == 120 and prepared.tokenizer.token_to_id(EOS) == 1
+    # The same ids, so the same batches, as tokenizing inside the data module.
+    inside = TextDataModule(data_path=str(mixed_corpus), tokenizer=str(tokenizer), cache_dir=str(tmp_path / "c"),
+                            block_size=8, batch_size=2, val_fraction=0.2)
+    for dm in (prepared, inside):
+        dm.setup("fit")
+    for a, b in ((prepared.train_dataloader(), inside.train_dataloader()),
+                 (prepared.val_dataloader(), inside.val_dataloader())):
+        assert [x.tolist() for x in a] == [x.tolist() for x in b]
+    # Again: nothing to do; other inputs into the same folder: refused.
+    from lightning_async_pp.data.prepare import prepare
+
+    marker = (out / "COMPLETE.json").stat().st_mtime_ns
+    prepare([mixed_corpus], tokenizer, out, val_fraction=0.2)
+    assert (out / "COMPLETE.json").stat().st_mtime_ns == marker
+    with pytest.raises(FileExistsError, match="prepared from other inputs"):
+        prepare([mixed_corpus / "notes0.txt"], tokenizer, out)
+    # A prepared folder read with another tokenizer is refused.
+    with pytest.raises(ValueError, match="tokenized with another tokenizer"):
+        TextDataModule(data_path=str(out), tokenizer=str(train_bpe(tmp_path / "t2", vocab_size=90))).optimized_dirs()
+
+
+# ---- refusals ---------------------------------------------------------------------------------------------------
+def with_model(dm: TextDataModule, model) -> TextDataModule:
+    dm.trainer = SimpleNamespace(lightning_module=model, strategy=SimpleNamespace(distributed_sampler_kwargs=None))
+    return dm
+
+
+def test_a_model_vocabulary_the_data_does_not_fit_is_refused_naming_both_sizes(tmp_path, tokenizer, mixed_corpus):
+    from lightning_async_pp.models import GPT
+
+    small = GPT(vocab_size=100, n_layer=1, n_head=2, n_embd=16)
+    dm = with_model(TextDataModule(data_path=str(mixed_corpus), tokenizer=str(tokenizer), cache_dir=str(tmp_path)),
+                    small)
+    with pytest.raises(ValueError, match=r"model's vocabulary \(100\) is smaller than the data's \(120"):
+        dm.setup("fit")
+    assert not list(tmp_path.iterdir())  # refused before tokenizing
+    with_model(dm, GPT(vocab_size=128, n_layer=1, n_head=2, n_embd=16)).check_model_vocab()  # larger is fine
+
+
+def test_raw_text_read_as_bytes_under_a_vocabulary_other_than_256_is_refused(tmp_path, mixed_corpus):
+    import lightning as L
+
+    from lightning_async_pp.models import GPT
+
+    model = GPT(vocab_size=1024, n_layer=1, n_head=2, n_embd=16, block_size=8)
+    dm = TextDataModule(data_path=str(mixed_corpus / "notes0.txt"), cache_dir=str(tmp_path), block_size=8)
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=1, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False)
+    with pytest.raises(ValueError, match=r"notes0\.txt' as bytes \(vocabulary 256\), but the model's vocabulary is "
+                                         r"1024: give TextDataModule\(tokenizer=\.\.\.\)"):
+        trainer.fit(model, datamodule=dm)
+    assert trainer.global_step == 0
+    with_model(TextDataModule(cache_dir=str(tmp_path)), GPT(vocab_size=256, n_layer=1)).check_model_vocab()
+
+
+def test_adapters_vocabularies_are_read_from_their_configs():
+    from lightning_async_pp.models import GPT, Llama, model_vocab_size
+
+    assert model_vocab_size(GPT(vocab_size=300, n_layer=1)) == 300
+    assert model_vocab_size(Llama("tiny", vocab_size=1000)) == 1000
+    if _has("transformers"):
+        from lightning_async_pp.models import HuggingFaceCausalLM
+
+        hf = HuggingFaceCausalLM({"model_type": "llama", "vocab_size": 77, "hidden_size": 16, "intermediate_size": 32,
+                                  "num_hidden_layers": 1, "num_attention_heads": 2})
+        assert model_vocab_size(hf) == 77
+    if _has("litgpt"):
+        from lightning_async_pp.models import LitGPT
+
+        lit = LitGPT({"name": "pythia-14m", "n_layer": 1, "vocab_size": 100})  # padded to a multiple of 128
+        assert lit.config.padded_vocab_size == 128 and model_vocab_size(lit) == 100  # the vocabulary, not padding
+
+
+def _has(package: str) -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec(package) is not None
+
+
+def test_bad_tokenizers_are_named(tmp_path):
+    with pytest.raises(FileNotFoundError, match=f"tokenizer '{tmp_path}' is neither a tokenizer.json file nor a folder"):
+        TextDataModule(tokenizer=str(tmp_path))
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    tok = Tokenizer(models.WordLevel({"a": 0, "<unk>": 1}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "doc.txt").write_text("a a a")
+    dm = TextDataModule(data_path=str(tmp_path / "doc.txt"), tokenizer=str(tmp_path), cache_dir=str(tmp_path / "c"))
+    with pytest.raises(ValueError, match="no end-of-text token to separate documents"):
+        dm.optimized_dirs()
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "a"}))  # the config names it
+    assert stored_ids(dm.optimized_dirs()[0]) == [0, 0, 0, 0]
