@@ -25,9 +25,10 @@ SAFETENSORS_INDEX = "model.safetensors.index.json"
 
 
 class PretrainedTensors:
-    """A weights file read one tensor at a time."""
+    """A weights file read one tensor at a time; ``keys_read`` lists what was read (each process: its stage's)."""
 
     path: str
+    keys_read: set[str]
 
     def keys(self) -> set[str]:
         raise NotImplementedError
@@ -59,6 +60,7 @@ class SafetensorsFolder(PretrainedTensors):
                 f"{found}). Give a folder written by save_pretrained(..., safe_serialization=True)"
             )
         self._open: dict[str, Any] = {}
+        self.keys_read = set()
 
     def keys(self) -> set[str]:
         return set(self.file_of)
@@ -67,6 +69,7 @@ class SafetensorsFolder(PretrainedTensors):
         from safetensors import safe_open
 
         file = self.file_of[key]
+        self.keys_read.add(key)
         if file not in self._open:  # each shard opened once, and only if one of its tensors is needed
             self._open[file] = safe_open(file, framework="pt", device="cpu")
         return self._open[file].get_tensor(key)
@@ -84,11 +87,13 @@ class TorchFile(PretrainedTensors):
         if isinstance(state, Mapping) and isinstance(state.get("model"), Mapping):
             state = state["model"]
         self.state: Mapping[str, Tensor] = state
+        self.keys_read = set()
 
     def keys(self) -> set[str]:
         return set(self.state)
 
     def read(self, key: str) -> Tensor:
+        self.keys_read.add(key)
         return self.state[key]
 
 

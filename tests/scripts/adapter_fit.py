@@ -58,6 +58,8 @@ def run(cfg: dict, devices: int) -> tuple[dict, L.LightningModule, L.Trainer]:
     trainer = make_trainer(cfg, devices)
     trainer.fit(model, loader(cfg))
     result: dict[str, Any] = {"rank": trainer.global_rank, "global_step": trainer.global_step}
+    if getattr(model, "_pretrained_tensors", None) is not None:
+        result["keys_read"] = sorted(model._pretrained_tensors.keys_read)
     for callback in trainer.callbacks:
         if isinstance(callback, ZeroLrFirst):
             result.update(first_step=callback.first_step, first_loss=callback.first_loss)
