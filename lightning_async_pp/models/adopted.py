@@ -66,7 +66,13 @@ class AdoptedCausalLM(PipelineModule):
     def _open_pretrained_tensors(self, path: str) -> None:
         """Open the weights file (no tensor is read yet) and remember each layer's path and each tensor's names, taken
         while the model is whole (under the strategy other stages' layers leave the tree later)."""
-        source = self.open_pretrained(path)
+        try:
+            source = self.open_pretrained(path)
+        except FileNotFoundError as err:
+            raise FileNotFoundError(
+                f"{err}. (A module rebuilt from the checkpoint of a run that started from pretrained={path!r} reads "
+                f"it again before the checkpoint's weights replace it; without it, pass pretrained=None, e.g. "
+                f"{type(self).__name__}.load_from_checkpoint(path, pretrained=None))") from err
         aliases = tensor_aliases(self)
         unused = unused_keys(source, aliases)
         if unused:
