@@ -65,6 +65,9 @@ class SafetensorsFolder(PretrainedTensors):
     def keys(self) -> set[str]:
         return set(self.file_of)
 
+    def __getstate__(self) -> dict[str, Any]:  # a copied or pickled module reopens the files when it reads
+        return {**self.__dict__, "_open": {}}
+
     def read(self, key: str) -> Tensor:
         from safetensors import safe_open
 
@@ -83,11 +86,17 @@ class TorchFile(PretrainedTensors):
         self.path = os.fspath(path)
         if not os.path.isfile(self.path):
             raise FileNotFoundError(f"no weights file {self.path!r}")
-        state = torch.load(self.path, mmap=True, weights_only=True, map_location="cpu")
-        if isinstance(state, Mapping) and isinstance(state.get("model"), Mapping):
-            state = state["model"]
-        self.state: Mapping[str, Tensor] = state
+        self._state: Optional[Mapping[str, Tensor]] = None
         self.keys_read = set()
+
+    @property
+    def state(self) -> Mapping[str, Tensor]:
+        if self._state is None:
+            state = torch.load(self.path, mmap=True, weights_only=True, map_location="cpu")
+            if isinstance(state, Mapping) and isinstance(state.get("model"), Mapping):
+                state = state["model"]
+            self._state = state
+        return self._state
 
     def keys(self) -> set[str]:
         return set(self.state)
@@ -95,6 +104,9 @@ class TorchFile(PretrainedTensors):
     def read(self, key: str) -> Tensor:
         self.keys_read.add(key)
         return self.state[key]
+
+    def __getstate__(self) -> dict[str, Any]:  # a copied or pickled module maps the file again when it reads
+        return {**self.__dict__, "_state": None}
 
 
 def tensor_aliases(root: nn.Module) -> dict[str, list[str]]:
