@@ -66,13 +66,10 @@ def export_hf(src: str | os.PathLike, out: str | os.PathLike, tokenizer: Optiona
         model = AutoModelForCausalLM.from_config(config)
     model.load_state_dict(state, strict=True, assign=True)
     model.tie_weights()  # assign=True gave the tied names separate tensors (equal values): one again
+    extras = run_files(checkpoint, tokenizer)
     _check_out(out)
     model.save_pretrained(out)
-    pretrained = (checkpoint.get("hyper_parameters") or {}).get("pretrained")
-    if pretrained and os.path.isfile(os.path.join(pretrained, GENERATION_CONFIG)):
-        shutil.copyfile(os.path.join(pretrained, GENERATION_CONFIG), os.path.join(out, GENERATION_CONFIG))
-    _copy_tokenizer(checkpoint, tokenizer, out)
-    return sorted(os.listdir(out))
+    return _copy(extras, out)
 
 
 def export_litgpt(src: str | os.PathLike, out: str | os.PathLike, tokenizer: Optional[str | os.PathLike] = None) -> list[str]:
@@ -85,14 +82,11 @@ def export_litgpt(src: str | os.PathLike, out: str | os.PathLike, tokenizer: Opt
     src, out = os.fspath(src), os.fspath(out)
     checkpoint, state = read_checkpoint(src)
     config = Config(**adapter_config(checkpoint, src, "--litgpt", "n_embd", "LitGPT"))
+    extras = run_files(checkpoint, tokenizer)
     _check_out(out)
     torch.save(dict(state), os.path.join(out, LIT_MODEL))
     save_config(config, Path(out))
-    pretrained = (checkpoint.get("hyper_parameters") or {}).get("pretrained")
-    if pretrained and os.path.isfile(os.path.join(pretrained, GENERATION_CONFIG)):
-        shutil.copyfile(os.path.join(pretrained, GENERATION_CONFIG), os.path.join(out, GENERATION_CONFIG))
-    _copy_tokenizer(checkpoint, tokenizer, out)
-    return sorted(os.listdir(out))
+    return _copy(extras, out)
 
 
 def _check_out(out: str) -> None:
@@ -110,18 +104,25 @@ def tokenizer_files(path: str) -> dict[str, str]:
     return {}
 
 
-def _copy_tokenizer(checkpoint: Mapping[str, Any], tokenizer: Optional[str | os.PathLike], out: str) -> dict[str, str]:
-    """Copy the run's tokenizer files into ``out``: from ``tokenizer`` (which must hold some), else the data
-    module's ``tokenizer`` hyperparameter, else the ``pretrained`` folder the model started from."""
+def run_files(checkpoint: Mapping[str, Any], tokenizer: Optional[str | os.PathLike]) -> dict[str, str]:
+    """What goes into the folder beside the weights, by name: the tokenizer's files, from ``tokenizer`` (which must
+    hold some), else the data module's ``tokenizer`` hyperparameter, else the ``pretrained`` folder the model started
+    from; and that folder's generation config. Checked before anything is written."""
+    pretrained = (checkpoint.get("hyper_parameters") or {}).get("pretrained")
     if tokenizer is not None:
         files = tokenizer_files(os.fspath(tokenizer))
         if not files:
             raise ValueError(f"--tokenizer {os.fspath(tokenizer)!r} holds no tokenizer files (one of {', '.join(TOKENIZER_FILES)})")
     else:
-        candidates = [(checkpoint.get("datamodule_hyper_parameters") or {}).get("tokenizer"),
-                      (checkpoint.get("hyper_parameters") or {}).get("pretrained")]
+        candidates = [(checkpoint.get("datamodule_hyper_parameters") or {}).get("tokenizer"), pretrained]
         found = (tokenizer_files(os.fspath(c)) for c in candidates if isinstance(c, (str, os.PathLike)))
         files = next((f for f in found if f), {})
+    if isinstance(pretrained, str) and os.path.isfile(os.path.join(pretrained, GENERATION_CONFIG)):
+        files[GENERATION_CONFIG] = os.path.join(pretrained, GENERATION_CONFIG)  # the upstream one, not a default
+    return files
+
+
+def _copy(files: Mapping[str, str], out: str) -> list[str]:
     for name, file in files.items():
         shutil.copyfile(file, os.path.join(out, name))
-    return files
+    return sorted(os.listdir(out))

@@ -143,6 +143,7 @@ def test_consolidate_hf_takes_the_tokenizer_argument_and_refuses_another_models_
     with pytest.raises(SystemExit):
         consolidate_main([str(ckpt), str(tmp_path / "o2"), "--hf", "--tokenizer", str(tmp_path)])
     assert "holds no tokenizer files" in capsys.readouterr().err
+    assert not (tmp_path / "o2").exists()  # refused before anything was written
 
 
 def test_hf_pretrained_mismatches_are_refused_with_the_key_and_shapes(tmp_path):
