@@ -291,7 +291,19 @@ def test_trainer_calls_after_fit_with_the_tie_across_processes_equal_one_device(
     # fit, then validate, predict and fit again in the same interpreter, each building a new engine on the model
     # the previous call split across the processes (HF ties its embedding and head; litgpt's config here not).
     cfg = {"adapter": adapter, "steps": 2, "partition": [2, 3], "after": ["validate", "predict", "fit"], "lr": 3e-4}
+    if adapter == "litgpt":  # also: litgpt.from_checkpoint on 2 processes, the file's values after an lr-0 update
+        from test_pretrained import equals_file, litgpt_folder
+
+        folder = litgpt_folder(tmp_path / "pretrained")
+        cfg.update(pretrained=str(folder), zero_lr_first=True)
     ranks = run_two_processes(cfg, tmp_path)
+    if adapter == "litgpt":
+        file = torch.load(folder / "lit_model.pth")
+        assert [r["keys_read"] for r in ranks] == [
+            sorted(k for k in file if k.startswith(("transformer.wte.", "transformer.h.0."))),
+            sorted(k for k in file if k.startswith(("transformer.h.1.", "transformer.ln_f.", "lm_head.")))]
+        for rank in ranks:
+            assert rank["first_step"] and not equals_file(rank["first_step"], file, {})
     reference = one_device(cfg)
     got, want = ranks[0]["after"], reference["after"]
     assert abs(got[0]["val_loss"] - want[0]["val_loss"]) < TOL

@@ -3,8 +3,9 @@ out (``consolidate --hf`` / ``--litgpt``).
 
 The references are the upstream loaders themselves: ``AutoModelForCausalLM.from_pretrained`` and litgpt's
 ``GPT(Config.from_file(...)).load_state_dict(torch.load(...))`` of the same folder give the same weights, loss and
-logits. Folders are written here from tiny configs; nothing is downloaded. The two-process run is in
-tests/test_adapters.py (one run checks the lr-0 step, training and ``consolidate --hf`` together).
+logits. Folders are written here from tiny configs; nothing is downloaded. The two-process runs are in
+tests/test_adapters.py (HF: one run checks what each rank reads, the lr-0 step, training and ``consolidate --hf``
+together; litgpt: what each rank reads and the lr-0 step, within the trainer-calls run).
 """
 from __future__ import annotations
 
