@@ -157,6 +157,9 @@ def test_hf_pretrained_mismatches_are_refused_with_the_key_and_shapes(tmp_path):
     untied = HuggingFaceCausalLM({**adapter_fit.HF_LLAMA, "tie_word_embeddings": False}, pretrained=str(folder))
     with pytest.raises(KeyError, match="hold no 'lm_head.weight'"):
         untied.configure_model()  # the file has no head of its own: the model would keep a random one
+    shallower = HuggingFaceCausalLM({**adapter_fit.HF_LLAMA, "num_hidden_layers": 1}, pretrained=str(folder))
+    with pytest.warns(UserWarning, match=r"hold 9 tensor\(s\) the model has no place for.*model.layers.1"):
+        shallower.configure_model()
 
 
 def test_hf_pretrained_is_an_init_arg_of_the_cli(tmp_path, monkeypatch):
