@@ -147,7 +147,7 @@ def test_consolidate_hf_takes_the_tokenizer_argument_and_refuses_another_models_
     assert not (tmp_path / "o2").exists()  # refused before anything was written
 
 
-def test_hf_pretrained_mismatches_are_refused_with_the_key_and_shapes(tmp_path):
+def test_hf_pretrained_mismatches_are_refused_and_unused_tensors_warned_naming_the_keys(tmp_path):
     folder = hf_folder(tmp_path / "hf", shard=False)
     with pytest.raises(FileNotFoundError, match="no config.json"):
         HuggingFaceCausalLM.from_pretrained(tmp_path / "nowhere")
