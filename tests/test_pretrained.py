@@ -168,9 +168,10 @@ def test_hf_pretrained_is_an_init_arg_of_the_cli(tmp_path, monkeypatch):
     folder = hf_folder(tmp_path / "hf", shard=False)
     monkeypatch.setattr(sys, "argv", ["lightning-async-pp"])
     config = {"model": {"class_path": "lightning_async_pp.models.HuggingFaceCausalLM",
-                        "init_args": {"pretrained": str(folder), "lr": 0.0}}}
+                        "init_args": {"pretrained": str(folder), "lr": 0.0, "config": {"rms_norm_eps": 1e-3}}}}
     (tmp_path / "c.yaml").write_text(json.dumps(config))
     cli = AsyncPipelineCLI(args=["--config", str(tmp_path / "c.yaml")], run=False)
+    assert cli.model.config.rms_norm_eps == 1e-3 and cli.model.config.hidden_size == 32  # the folder's, one override
     cli.model.configure_model()
     assert not equals_file(cli.model.state_dict(), hf_file_tensors(folder), HF_TIED)
 

@@ -91,7 +91,8 @@ class HuggingFaceCausalLM(AdoptedCausalLM):
             padding row 0) drawing from the global RNG seeded by this seed and the layer's index (and left as it
             was), so one device and p processes build the same weights.
         pretrained: a local ``save_pretrained`` folder whose weights replace the initialization (see
-            :meth:`from_pretrained`); ``config`` then defaults to the folder's ``config.json``.
+            :meth:`from_pretrained`); ``config`` then defaults to the folder's ``config.json``, and a mapping without
+            ``model_type`` overrides some of its fields (``{attn_implementation: eager}``).
     """
 
     def __init__(self, config: Any = None, lr: float = 3e-4, weight_decay: float = 0.1, init_seed: Optional[int] = None,
@@ -99,8 +100,8 @@ class HuggingFaceCausalLM(AdoptedCausalLM):
         super().__init__(lr=lr, weight_decay=weight_decay, init_seed=init_seed)
         if pretrained is not None:
             pretrained = os.fspath(pretrained)
-            if config is None:
-                config = pretrained_config(pretrained)
+            if config is None or (isinstance(config, Mapping) and "model_type" not in config):
+                config = pretrained_config(pretrained, **(config or {}))  # a mapping without model_type: overrides
         elif config is None:
             raise ValueError("HuggingFaceCausalLM needs a config, or pretrained=<a save_pretrained folder> to take it from")
         self.config = as_pretrained_config(config)
@@ -170,8 +171,8 @@ class HuggingFaceCausalLM(AdoptedCausalLM):
         return SafetensorsFolder(path)
 
 
-def pretrained_config(folder: str) -> Any:
-    """The config of a local ``save_pretrained`` folder (its ``config.json``)."""
+def pretrained_config(folder: str, **overrides: Any) -> Any:
+    """The config of a local ``save_pretrained`` folder (its ``config.json``), with ``overrides``."""
     if not os.path.isfile(os.path.join(folder, "config.json")):
         raise FileNotFoundError(f"pretrained={folder!r} is not a save_pretrained folder: it has no config.json "
                                 f"(a local folder is needed; nothing is downloaded)")
@@ -179,7 +180,7 @@ def pretrained_config(folder: str) -> Any:
         from transformers import AutoConfig
     except ImportError as err:
         raise missing_package("transformers", "hf") from err
-    return AutoConfig.from_pretrained(folder, local_files_only=True)
+    return AutoConfig.from_pretrained(folder, local_files_only=True, **overrides)
 
 
 def _has_path(root: Any, path: str) -> bool:
