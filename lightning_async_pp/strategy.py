@@ -33,7 +33,12 @@ from lightning_async_pp.pipeline.comm import PipelineFailure
 from lightning_async_pp.pipeline.config import CheckpointingSpec, DelaySpec, PipelineConfig
 from lightning_async_pp.pipeline.engine import PipelineEngine
 from lightning_async_pp.pipeline.partition import PartitionSpec
-from lightning_async_pp.pipeline.placement import layer_paths, parameters_on_meta, replace_meta_tensors
+from lightning_async_pp.pipeline.placement import (
+    layer_paths,
+    parameters_on_meta,
+    refusing_loads_onto_meta,
+    replace_meta_tensors,
+)
 from lightning_async_pp.pipeline.sharding import shard_optimizers
 from lightning_async_pp.pipeline.topology import PipelineTopology
 from lightning_async_pp.strategy_state import PipelineStateHooks
@@ -286,8 +291,10 @@ class AsyncPipelineStrategy(PipelineStateHooks, DDPStrategy):
         """Layers created in ``configure_model`` (or ``trainer.init_module()``) get their parameters on the meta
         device, without memory, as under Lightning's ``ModelParallelStrategy``; buffers stay real, so a table
         computed in ``__init__`` keeps its values. ``setup`` materializes only this process's stage
-        (:meth:`PipelineEngine.materialize`). ``empty_init=False`` creates them normally."""
-        with parameters_on_meta() if empty_init is not False else nullcontext(), self.precision_plugin.tensor_init_context():
+        (:meth:`PipelineEngine.materialize`). ``empty_init=False`` creates them normally. ``load_state_dict`` onto
+        meta parameters raises there (it would copy nothing; see docs/design.md, 'Starting from pretrained weights')."""
+        with parameters_on_meta() if empty_init is not False else nullcontext(), refusing_loads_onto_meta(), \
+                self.precision_plugin.tensor_init_context():
             yield
 
     def model_to_device(self) -> None:

@@ -240,30 +240,49 @@ def run_two_processes(cfg: dict, tmp_path: Path) -> list[dict]:
 
 
 @pytest.mark.multiprocess
-def test_hf_two_processes_equal_one_device_and_the_consolidated_checkpoint_loads_into_the_upstream_class(tmp_path):
-    # Tied embedding and head on different processes (embedding + block 0 | block 1 + norm + head).
-    cfg = {"adapter": "hf", "steps": 4, "partition": [2, 3], "checkpoint_dir": str(tmp_path / "ckpt")}
-    ranks = run_two_processes(cfg, tmp_path)
+def test_hf_two_processes_from_pretrained_equal_one_device_and_consolidate_hf_loads_in_transformers(tmp_path):
+    # Tied embedding and head on different processes (embedding + block 0 | block 1 + norm + head), starting from a
+    # sharded save_pretrained folder; the first update has lr 0, the next three train.
+    from test_pretrained import HF_TIED, equals_file, hf_file_tensors, hf_folder
+
+    folder = hf_folder(tmp_path / "pretrained")
+    cfg = {"adapter": "hf", "steps": 4, "partition": [2, 3], "pretrained": str(folder), "zero_lr_first": True}
+    ranks = run_two_processes({**cfg, "checkpoint_dir": str(tmp_path / "ckpt")}, tmp_path)
     assert [r["global_step"] for r in ranks] == [4, 4]
+    # Each process read only its own stage's tensors (the head's stage, the tied matrix under the file's name) ...
+    file = hf_file_tensors(folder)
+    layer0 = sorted(k for k in file if k.startswith("model.layers.0."))
+    assert ranks[0]["keys_read"] == sorted(["model.embed_tokens.weight", *layer0])
+    assert ranks[1]["keys_read"] == sorted(["model.embed_tokens.weight", "model.norm.weight",
+                                            *(k for k in file if k.startswith("model.layers.1."))])
+    # ... and after the lr-0 update holds exactly the file's values; the first loss is upstream from_pretrained's.
+    for rank in ranks:
+        assert rank["first_step"] and not equals_file(rank["first_step"], file, HF_TIED)
+    upstream = AutoModelForCausalLM.from_pretrained(folder).eval()
+    first = next(iter(adapter_fit.loader(cfg)))
+    torch.testing.assert_close(ranks[1]["first_loss"], upstream(first, labels=first).loss, rtol=0, atol=1e-6)
+    # The trained weights equal the one-device run's; the tied copies stayed identical.
     weights = ranks[0]["state_dict"]
-    reference = one_device({k: v for k, v in cfg.items() if k != "checkpoint_dir"})["state_dict"]
-    assert max_difference(weights, reference) < TOL
-    assert torch.equal(weights["model.embed_tokens.weight"], weights["lm_head.weight"])  # identical copies
-    # The sharded checkpoint, consolidated, loads strictly into the plain transformers class.
+    reference = one_device(cfg)
+    assert max_difference(weights, reference["state_dict"]) < TOL
+    assert max_difference(weights, upstream.state_dict()) > 1e-3  # the three updates did move the weights
+    assert torch.equal(weights["model.embed_tokens.weight"], weights["lm_head.weight"])
+    # The sharded checkpoint -> consolidate --hf -> transformers' from_pretrained: the trained weights exactly.
+    from lightning_async_pp.consolidate import main as consolidate_main
+
+    assert consolidate_main([str(tmp_path / "ckpt" / "epoch=0-step=4.ckpt"), str(tmp_path / "hf"), "--hf"]) == 0
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    assert max_difference(reloaded.state_dict(), weights) == 0.0
+    ours = built(adapter_fit.build_model({k: v for k, v in cfg.items() if k != "pretrained"})).eval()
+    ours.load_state_dict(weights, strict=True)
+    batch = tokens()
+    torch.testing.assert_close(reloaded(batch[:, :-1]).logits, ours(batch), rtol=0, atol=0)
+    # The plain Lightning file of the same checkpoint still loads strictly into the upstream class.
     consolidate_checkpoint(tmp_path / "ckpt" / "epoch=0-step=4.ckpt", tmp_path / "one.ckpt")
     state = torch.load(tmp_path / "one.ckpt", weights_only=False)["state_dict"]
-    config = AutoConfig.for_model(**adapter_fit.HF_LLAMA)
-    upstream = AutoModelForCausalLM.from_config(config).eval()
-    upstream.load_state_dict(state, strict=True)
-    assert max_difference(upstream.state_dict(), weights) == 0.0
-    ours = built(adapter_fit.build_model(cfg)).eval()
-    ours.load_state_dict(state, strict=True)
-    batch = tokens()
-    torch.testing.assert_close(upstream(batch[:, :-1]).logits, ours(batch), rtol=0, atol=0)
-    # ... and from there save_pretrained / from_pretrained (a local folder) work as for any transformers model.
-    upstream.save_pretrained(tmp_path / "hf")
-    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
-    torch.testing.assert_close(reloaded(batch[:, :-1]).logits, ours(batch), rtol=0, atol=0)
+    plain = AutoModelForCausalLM.from_config(AutoConfig.for_model(**adapter_fit.HF_LLAMA))
+    plain.load_state_dict(state, strict=True)
+    assert max_difference(plain.state_dict(), weights) == 0.0
 
 
 @pytest.mark.multiprocess
@@ -272,7 +291,19 @@ def test_trainer_calls_after_fit_with_the_tie_across_processes_equal_one_device(
     # fit, then validate, predict and fit again in the same interpreter, each building a new engine on the model
     # the previous call split across the processes (HF ties its embedding and head; litgpt's config here not).
     cfg = {"adapter": adapter, "steps": 2, "partition": [2, 3], "after": ["validate", "predict", "fit"], "lr": 3e-4}
+    if adapter == "litgpt":  # also: litgpt.from_checkpoint on 2 processes, the file's values after an lr-0 update
+        from test_pretrained import equals_file, litgpt_folder
+
+        folder = litgpt_folder(tmp_path / "pretrained")
+        cfg.update(pretrained=str(folder), zero_lr_first=True)
     ranks = run_two_processes(cfg, tmp_path)
+    if adapter == "litgpt":
+        file = torch.load(folder / "lit_model.pth")
+        assert [r["keys_read"] for r in ranks] == [
+            sorted(k for k in file if k.startswith(("transformer.wte.", "transformer.h.0."))),
+            sorted(k for k in file if k.startswith(("transformer.h.1.", "transformer.ln_f.", "lm_head.")))]
+        for rank in ranks:
+            assert rank["first_step"] and not equals_file(rank["first_step"], file, {})
     reference = one_device(cfg)
     got, want = ranks[0]["after"], reference["after"]
     assert abs(got[0]["val_loss"] - want[0]["val_loss"]) < TOL

@@ -10,6 +10,7 @@ global RNG seeded by the layer's index, so a layer's weights do not depend on wh
 """
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 from typing import Optional
 
@@ -17,8 +18,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from lightning_async_pp.models.pretrained import PretrainedTensors, load_layer, tensor_aliases, unused_keys
 from lightning_async_pp.module import PipelineModule, layer_seed
 from lightning_async_pp.optim.groups import decay_matrices_only
+from lightning_async_pp.pipeline.placement import layer_paths
 
 
 def missing_package(package: str, extra: str) -> ImportError:
@@ -30,13 +33,16 @@ class AdoptedCausalLM(PipelineModule):
     last token, targets all but the first (as :class:`~lightning_async_pp.models.Llama`).
 
     Subclasses implement :meth:`build_upstream` (assign the upstream children, return the pipeline layers) and
-    :meth:`init_module` (the upstream initialization of one submodule).
+    :meth:`init_module` (the upstream initialization of one submodule), and :meth:`open_pretrained` where they take
+    pretrained weights (``self.pretrained``, a path).
     """
 
     def __init__(self, lr: float = 3e-4, weight_decay: float = 0.1, init_seed: Optional[int] = None) -> None:
         super().__init__()
         self.lr, self.weight_decay, self.init_seed = lr, weight_decay, init_seed
         self._layers: Optional[list[nn.Module]] = None
+        self.pretrained: Optional[str] = None  # set by subclasses that start from a weights file
+        self._pretrained_tensors: Optional[PretrainedTensors] = None
 
     # ---- for subclasses ----------------------------------------------------------------------------------------
     def build_upstream(self) -> list[nn.Module]:
@@ -45,12 +51,37 @@ class AdoptedCausalLM(PipelineModule):
     def init_module(self, module: nn.Module) -> None:
         raise NotImplementedError
 
+    def open_pretrained(self, path: str) -> PretrainedTensors:
+        raise NotImplementedError(f"{type(self).__name__} takes no pretrained weights")
+
     # ---- building ----------------------------------------------------------------------------------------------
     def configure_model(self) -> None:
         if self._layers is not None:  # Lightning calls this hook on every trainer entry point
             return
         self._layers = self.build_upstream()
+        if self.pretrained is not None:
+            self._open_pretrained_tensors(self.pretrained)
         self.init_weights()
+
+    def _open_pretrained_tensors(self, path: str) -> None:
+        """Open the weights file (no tensor is read yet) and remember each layer's path and each tensor's names, taken
+        while the model is whole (under the strategy other stages' layers leave the tree later)."""
+        try:
+            source = self.open_pretrained(path)
+        except FileNotFoundError as err:
+            raise FileNotFoundError(
+                f"{err}. (A module rebuilt from the checkpoint of a run that started from pretrained={path!r} reads "
+                f"it again before the checkpoint's weights replace it; without it, pass pretrained=None, e.g. "
+                f"{type(self).__name__}.load_from_checkpoint(path, pretrained=None))") from err
+        aliases = tensor_aliases(self)
+        unused = unused_keys(source, aliases)
+        if unused:
+            warnings.warn(f"{type(self).__name__}: the pretrained weights {source.path!r} hold {len(unused)} tensor(s) the model "
+                          f"has no place for, left unused: {unused[:5]}{' ...' if len(unused) > 5 else ''}", stacklevel=3)
+        self._pretrained_tensors = source
+        self._pretrained_keys = source.keys()
+        self._pretrained_aliases = aliases
+        self._pretrained_paths = layer_paths(self, self.pipeline_layers())
 
     def init_weights(self) -> None:
         """(Re-)initialize every materialized layer (layers on the ``meta`` device are skipped). As the pipeline's
@@ -70,12 +101,16 @@ class AdoptedCausalLM(PipelineModule):
     @torch.no_grad()
     def init_layer(self, index: int, layer: nn.Module) -> None:
         """The upstream rule for every submodule of pipeline layer ``index``, drawing from the global RNG seeded by
-        ``init_seed`` (default ``torch.initial_seed()``) and ``index`` (the global RNG is left as it was)."""
+        ``init_seed`` (default ``torch.initial_seed()``) and ``index`` (the global RNG is left as it was). With pretrained
+        weights the file's values then replace every tensor of the layer."""
         devices = [p.device for p in layer.parameters() if p.device.type == "cuda"][:1]
         with torch.random.fork_rng(devices=devices):
             torch.manual_seed(layer_seed(index, self.init_seed))
             for module in layer.modules():
                 self.init_module(module)
+        if self._pretrained_tensors is not None:  # init as usual, then the file's values (see docs/design.md)
+            load_layer(layer, self._pretrained_paths[index], self._pretrained_tensors, self._pretrained_aliases,
+                       self._pretrained_keys)
 
     # ---- the PipelineModule contract -------------------------------------------------------------------------
     def pipeline_layers(self) -> Sequence[nn.Module]:

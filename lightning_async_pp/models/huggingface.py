@@ -14,6 +14,7 @@ the upstream value whatever device the layers were built on. ``tie_word_embeddin
 from __future__ import annotations
 
 import inspect
+import os
 from collections.abc import Mapping
 from typing import Any, Callable, Optional, Union
 
@@ -21,6 +22,7 @@ import torch
 from torch import nn
 
 from lightning_async_pp.models.adopted import AdoptedCausalLM, missing_package
+from lightning_async_pp.models.pretrained import SafetensorsFolder
 
 #: What the adapter takes from the upstream model, as dotted paths of ``AutoModelForCausalLM.from_config(config)``.
 LAYOUT = ("model.embed_tokens", "model.layers", "model.norm", "model.rotary_emb", "lm_head")
@@ -88,16 +90,27 @@ class HuggingFaceCausalLM(AdoptedCausalLM):
             initialized by the upstream ``_init_weights`` (``normal(0, initializer_range)`` matrices, norms 1,
             padding row 0) drawing from the global RNG seeded by this seed and the layer's index (and left as it
             was), so one device and p processes build the same weights.
+        pretrained: a local ``save_pretrained`` folder whose weights replace the initialization (see
+            :meth:`from_pretrained`); ``config`` then defaults to the folder's ``config.json``, and a mapping without
+            ``model_type`` overrides some of its fields (``{attn_implementation: eager}``).
     """
 
     # ``dict[str, Any]`` first: jsonargparse then merges ``--model.init_args.config.hidden_size 128`` into the
     # mapping from the YAML (under ``Any`` alone it passes a ``NestedArg`` through); ``Any``: a ``PretrainedConfig``.
-    def __init__(self, config: Union[dict[str, Any], Any], lr: float = 3e-4, weight_decay: float = 0.1,
-                 init_seed: Optional[int] = None) -> None:
+    def __init__(self, config: Union[dict[str, Any], Any] = None, lr: float = 3e-4, weight_decay: float = 0.1,
+                 init_seed: Optional[int] = None, pretrained: Optional[str] = None) -> None:
         super().__init__(lr=lr, weight_decay=weight_decay, init_seed=init_seed)
+        if pretrained is not None:
+            pretrained = os.fspath(pretrained)
+            if config is None or (isinstance(config, Mapping) and "model_type" not in config):
+                config = pretrained_config(pretrained, **(config or {}))  # a mapping without model_type: overrides
+        elif config is None:
+            raise ValueError("HuggingFaceCausalLM needs a config, or pretrained=<a save_pretrained folder> to take it from")
         self.config = as_pretrained_config(config)
+        self.pretrained = pretrained
         # A plain mapping, so that load_from_checkpoint rebuilds the config without unpickling transformers objects.
-        self.save_hyperparameters({"config": self.config.to_dict(), "lr": lr, "weight_decay": weight_decay, "init_seed": init_seed})
+        self.save_hyperparameters({"config": self.config.to_dict(), "lr": lr, "weight_decay": weight_decay, "init_seed": init_seed,
+                                   "pretrained": pretrained})
         self.model: Optional[nn.Module] = None  # built in configure_model()
         self.lm_head: Optional[nn.Module] = None
         self._init_weights: Optional[Callable[[nn.Module], None]] = None
@@ -145,6 +158,31 @@ class HuggingFaceCausalLM(AdoptedCausalLM):
     def init_module(self, module: nn.Module) -> None:
         assert self._init_weights is not None
         self._init_weights(module)
+
+    @classmethod
+    def from_pretrained(cls, path: str | os.PathLike, **kwargs: Any) -> "HuggingFaceCausalLM":
+        """Start from the weights of a local ``save_pretrained`` folder (``config.json`` and ``model.safetensors``, or
+        the shards its ``model.safetensors.index.json`` lists); ``kwargs`` as the constructor's. Nothing is downloaded.
+
+        The model is built as usual (under the strategy, layers on the meta device, each process materializing only
+        its own stage's); each layer, once initialized, takes the file's values, read lazily, so each process reads
+        only its own stage's tensors. In LightningCLI YAML: ``init_args: {pretrained: path}``."""
+        return cls(pretrained=path, **kwargs)
+
+    def open_pretrained(self, path: str) -> SafetensorsFolder:
+        return SafetensorsFolder(path)
+
+
+def pretrained_config(folder: str, **overrides: Any) -> Any:
+    """The config of a local ``save_pretrained`` folder (its ``config.json``), with ``overrides``."""
+    if not os.path.isfile(os.path.join(folder, "config.json")):
+        raise FileNotFoundError(f"pretrained={folder!r} is not a save_pretrained folder: it has no config.json "
+                                f"(a local folder is needed; nothing is downloaded)")
+    try:
+        from transformers import AutoConfig
+    except ImportError as err:
+        raise missing_package("transformers", "hf") from err
+    return AutoConfig.from_pretrained(folder, local_files_only=True, **overrides)
 
 
 def _has_path(root: Any, path: str) -> bool:

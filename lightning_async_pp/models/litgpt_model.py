@@ -11,6 +11,7 @@ outside the module tree.
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Mapping
 from typing import Any, Optional, Union
 
@@ -18,6 +19,10 @@ import torch
 from torch import Tensor, nn
 
 from lightning_async_pp.models.adopted import AdoptedCausalLM, missing_package
+from lightning_async_pp.models.pretrained import TorchFile
+
+#: The files of a litgpt checkpoint folder: the weights and the config.
+LIT_MODEL, LIT_CONFIG = "lit_model.pth", "model_config.yaml"
 
 #: Config fields whose ``GPT.forward`` code sits outside the blocks; the adapter refuses them (value: what is "off").
 UNSUPPORTED = {"scale_embeddings": False, "final_logit_softcapping": None, "rope_indices": None}
@@ -81,14 +86,23 @@ class LitGPT(AdoptedCausalLM):
             initialized by litgpt's ``GPT._init_weights`` (``normal(0, 0.02)`` linear and embedding weights, zero
             biases) and norms by their ``reset_parameters`` (as ``GPT(config)`` builds them), drawing from the
             global RNG seeded by this seed and the layer's index.
+        pretrained: a litgpt checkpoint folder whose weights replace the initialization (see :meth:`from_checkpoint`);
+            ``config`` then defaults to the folder's ``model_config.yaml``.
     """
 
     # ``dict[str, Any]`` first: jsonargparse then merges ``--model.init_args.config.n_layer 2`` into the mapping from
     # the YAML (under ``Any`` alone it passes a ``NestedArg`` through); ``str``: a config name; ``Any``: a ``Config``.
-    def __init__(self, config: Union[dict[str, Any], str, Any], lr: float = 3e-4, weight_decay: float = 0.1,
-                 init_seed: Optional[int] = None) -> None:
+    def __init__(self, config: Union[dict[str, Any], str, Any] = None, lr: float = 3e-4, weight_decay: float = 0.1,
+                 init_seed: Optional[int] = None, pretrained: Optional[str] = None) -> None:
         super().__init__(lr=lr, weight_decay=weight_decay, init_seed=init_seed)
+        if pretrained is not None:
+            pretrained = os.fspath(pretrained)
+            if config is None:
+                config = checkpoint_config(pretrained)
+        elif config is None:
+            raise ValueError("LitGPT needs a config, or pretrained=<a litgpt checkpoint folder> to take it from")
         self.config = as_litgpt_config(config)
+        self.pretrained = pretrained
         unsupported = {k: getattr(self.config, k) for k, off in UNSUPPORTED.items() if getattr(self.config, k) != off}
         if unsupported:
             raise ValueError(
@@ -96,7 +110,7 @@ class LitGPT(AdoptedCausalLM):
                 f"{unsupported} outside its blocks; supported: {UNSUPPORTED}"
             )
         self.save_hyperparameters({"config": dataclasses.asdict(self.config), "lr": lr, "weight_decay": weight_decay,
-                                   "init_seed": init_seed})
+                                   "init_seed": init_seed, "pretrained": pretrained})
         self.transformer: Optional[nn.Module] = None  # built in configure_model()
         self.lm_head: Optional[nn.Module] = None
         self._init_weights: Any = None
@@ -126,3 +140,28 @@ class LitGPT(AdoptedCausalLM):
             if not callable(reset):
                 raise TypeError(f"LitGPT: {type(module).__name__} has parameters but no reset_parameters() to initialize them")
             reset()
+
+    @classmethod
+    def from_checkpoint(cls, checkpoint_dir: str | os.PathLike, **kwargs: Any) -> "LitGPT":
+        """Start from a litgpt checkpoint folder (``lit_model.pth`` and ``model_config.yaml``, as litgpt's
+        ``download``/``convert`` and ``consolidate --litgpt`` write it); ``kwargs`` as the constructor's.
+
+        The model is built as usual (under the strategy, layers on the meta device); each layer, once initialized,
+        takes the file's values from the memory-mapped ``lit_model.pth``, so each process reads only its own stage's
+        tensors. In LightningCLI YAML: ``init_args: {pretrained: dir}``."""
+        return cls(pretrained=checkpoint_dir, **kwargs)
+
+    def open_pretrained(self, path: str) -> TorchFile:
+        return TorchFile(os.path.join(path, LIT_MODEL))
+
+
+def checkpoint_config(checkpoint_dir: str) -> Any:
+    """The ``litgpt.Config`` of a litgpt checkpoint folder (its ``model_config.yaml``)."""
+    path = os.path.join(checkpoint_dir, LIT_CONFIG)
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"pretrained={checkpoint_dir!r} is not a litgpt checkpoint folder: it has no {LIT_CONFIG}")
+    try:
+        from litgpt import Config
+    except ImportError as err:
+        raise missing_package("litgpt", "litgpt") from err
+    return Config.from_file(path)

@@ -289,6 +289,16 @@ def consolidate(src: str, dst: str) -> dict[str, Any]:
     return checkpoint
 
 
+def read_model_state(src: str) -> tuple[dict[str, Any], dict[str, Tensor]]:
+    """The sharded checkpoint ``src``'s non-tensor part (hyperparameters and the rest) and its module ``state_dict``
+    (newest weights, aliases included), without reading the optimizer states."""
+    src = resolve(src)
+    checkpoint = read_meta(src)
+    source = ShardedSource(src)
+    flat = source.read([k for k in source.shapes if k.startswith(MODEL)])
+    return checkpoint, single_file_parts(flat, checkpoint["async_pipeline"])["state_dict"]
+
+
 def single_file_parts(flat: Mapping[str, Any], meta: Mapping[str, Any]) -> dict[str, Any]:
     """What a single-file checkpoint holds: ``state_dict`` (newest weights, aliases included) and the rest."""
     state = {k[len(MODEL):]: v for k, v in flat.items() if k.startswith(MODEL)}

@@ -173,6 +173,37 @@ def parameters_on_meta() -> Iterator[None]:
         nn.Module.register_parameter = register  # type: ignore[method-assign]
 
 
+@contextmanager
+def refusing_loads_onto_meta() -> Iterator[None]:
+    """``load_state_dict`` into a module whose tensors are on the ``meta`` device raises instead of copying nothing.
+
+    Inside ``configure_model`` the strategy builds parameters on meta, where ``Tensor.copy_`` is a no-op: a user's
+    ``load_state_dict(pretrained)`` there would raise nothing, and the layer's initialization would later replace
+    the values it never received. ``assign=True`` is no way out: the parameters it assigns are registered inside
+    :func:`parameters_on_meta`, which moves them to meta again."""
+    load = nn.Module.load_state_dict
+
+    def load_checked(module: nn.Module, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
+        dropped = [name for name, t in module.state_dict(keep_vars=True).items()
+                   if t.is_meta and name in state_dict and not getattr(state_dict[name], "is_meta", True)]
+        if dropped:
+            raise RuntimeError(
+                f"{type(module).__name__}.load_state_dict() would copy nothing into {dropped[:3]}"
+                f"{' ...' if len(dropped) > 3 else ''}: under AsyncPipelineStrategy, configure_model() (and "
+                f"trainer.init_module()) builds parameters on the meta device, and each stage initializes its own "
+                f"layers later. Start from pretrained weights with HuggingFaceCausalLM.from_pretrained(path) or "
+                f"LitGPT.from_checkpoint(dir) (each process reads only its own stage's tensors); for your own model, "
+                f"copy the values in init_layer(index, layer), or load them after the Trainer call"
+            )
+        return load(module, state_dict, strict=strict, assign=assign)
+
+    nn.Module.load_state_dict = load_checked  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        nn.Module.load_state_dict = load  # type: ignore[method-assign]
+
+
 def has_meta_tensors(module: nn.Module) -> bool:
     return any(t.is_meta for t in (*module.parameters(), *module.buffers()))
 

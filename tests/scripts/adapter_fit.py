@@ -6,7 +6,10 @@ the tests also import ``build_model``/``run`` for the same run on one device in 
 
 Config keys: adapter ("hf" or "litgpt"), model (adapter config overrides), devices, stages (on one device),
 schedule, microbatches, partition, steps, seed, samples, batch, seq, lr, checkpoint_dir (a sharded checkpoint at
-the last step), after (trainer calls after fit in the same interpreter: "validate", "test", "predict", "fit").
+the last step), after (trainer calls after fit in the same interpreter: "validate", "test", "predict", "fit"),
+pretrained (a save_pretrained folder / litgpt checkpoint folder to start from), zero_lr_first (the first update
+has learning rate 0; each rank then records its parameters after it as ``first_step`` and the first batch's loss as
+``first_loss``).
 """
 from __future__ import annotations
 
@@ -35,6 +38,10 @@ LITGPT_PYTHIA = dict(name="pythia-14m", n_layer=2, n_embd=32, n_head=4, vocab_si
 
 def build_model(cfg: dict) -> L.LightningModule:
     lr = cfg.get("lr", 3e-3)  # as llama_fit; litgpt's key biases get only rounding noise as gradient, which Adam scales to ~lr
+    if cfg.get("pretrained"):
+        if cfg.get("adapter", "hf") == "hf":
+            return HuggingFaceCausalLM.from_pretrained(cfg["pretrained"], lr=lr, init_seed=cfg.get("seed", 0))
+        return LitGPT.from_checkpoint(cfg["pretrained"], lr=lr, init_seed=cfg.get("seed", 0))
     if cfg.get("adapter", "hf") == "hf":
         return HuggingFaceCausalLM({**HF_LLAMA, **cfg.get("model", {})}, lr=lr, init_seed=cfg.get("seed", 0))
     return LitGPT({**LITGPT_PYTHIA, **cfg.get("model", {})}, lr=lr, init_seed=cfg.get("seed", 0))
@@ -51,6 +58,11 @@ def run(cfg: dict, devices: int) -> tuple[dict, L.LightningModule, L.Trainer]:
     trainer = make_trainer(cfg, devices)
     trainer.fit(model, loader(cfg))
     result: dict[str, Any] = {"rank": trainer.global_rank, "global_step": trainer.global_step}
+    if getattr(model, "_pretrained_tensors", None) is not None:
+        result["keys_read"] = sorted(model._pretrained_tensors.keys_read)
+    for callback in trainer.callbacks:
+        if isinstance(callback, ZeroLrFirst):
+            result.update(first_step=callback.first_step, first_loss=callback.first_loss)
     if trainer.is_global_zero:
         result["state_dict"] = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
     for call in cfg.get("after", []):  # later calls in the same interpreter, each with a new Trainer
@@ -75,7 +87,7 @@ def make_trainer(cfg: dict, devices: int) -> L.Trainer:
         kwargs["num_stages"] = cfg.get("stages", 2)  # the one-device emulation of the same pipeline
     strategy = AsyncPipelineStrategy(schedule=cfg.get("schedule", "2bw"), num_microbatches=cfg.get("microbatches", 4),
                                      pipeline_timeout=60.0, **kwargs)
-    callbacks = []
+    callbacks: list[L.Callback] = [ZeroLrFirst()] if cfg.get("zero_lr_first") else []
     if cfg.get("checkpoint_dir"):
         from lightning.pytorch.callbacks import ModelCheckpoint
 
@@ -86,6 +98,23 @@ def make_trainer(cfg: dict, devices: int) -> L.Trainer:
         enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=1 if cfg.get("evaluate") else 0,
     )
     return trainer
+
+
+class ZeroLrFirst(L.Callback):
+    """The first update has learning rate 0 (the later ones the configured rate); records this rank's parameters
+    (its own stage's) after that update, and the first batch's loss."""
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int) -> None:
+        if not hasattr(self, "configured"):
+            self.configured = [[g["lr"] for g in o.param_groups] for o in trainer.optimizers]
+        for optimizer, rates in zip(trainer.optimizers, self.configured):
+            for group, lr in zip(optimizer.param_groups, rates):
+                group["lr"] = 0.0 if trainer.global_step == 0 else lr
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
+        if trainer.global_step == 1 and not hasattr(self, "first_step"):
+            self.first_step = {k: v.detach().clone() for k, v in pl_module.state_dict().items() if not v.is_meta}
+            self.first_loss = outputs["loss"].detach().clone()
 
 
 def main() -> None:

@@ -1,0 +1,128 @@
+"""A trained adapter's checkpoint as the upstream library's own folder (``consolidate --hf`` / ``--litgpt``).
+
+- :func:`export_hf`: a Hugging Face ``save_pretrained`` folder (``config.json``, safetensors, ``generation_config.json``,
+  the tokenizer's files) that ``AutoModelForCausalLM.from_pretrained(folder)`` loads with the trained weights.
+- :func:`export_litgpt`: a litgpt checkpoint folder (``lit_model.pth``, ``model_config.yaml``, the tokenizer's files).
+
+The model's config comes from the checkpoint's ``hyper_parameters`` (``HuggingFaceCausalLM`` and ``LitGPT`` save
+their config there as a plain mapping); the weights are the checkpoint's newest. The tokenizer's files come from
+``tokenizer=`` (a folder or a ``tokenizer.json``), else from the data module's ``tokenizer`` hyperparameter, else
+from the folder the run started from (``pretrained``), where one of these holds them.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+from torch import Tensor
+
+from lightning_async_pp.models.litgpt_model import LIT_MODEL
+from lightning_async_pp.pipeline import checkpoint as _checkpoint
+
+#: The files a Hugging Face tokenizer folder may hold (what ``save_pretrained`` of a tokenizer writes).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+                   "tokenizer.model", "vocab.json", "merges.txt", "chat_template.jinja")
+GENERATION_CONFIG = "generation_config.json"
+
+
+def read_checkpoint(path: str | os.PathLike) -> tuple[dict[str, Any], dict[str, Tensor]]:
+    """A checkpoint's non-tensor part and its module ``state_dict``: a sharded directory, or one file (a
+    consolidated one, or one written with ``save_distributed_checkpoint=False``)."""
+    path = os.fspath(path)
+    if _checkpoint.is_sharded(path):
+        return _checkpoint.read_model_state(path)
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"no checkpoint at {path!r}")
+    checkpoint = torch.load(path, weights_only=False, map_location="cpu", mmap=True)
+    return checkpoint, checkpoint["state_dict"]
+
+
+def adapter_config(checkpoint: Mapping[str, Any], path: str, flag: str, needs: str, adapter: str) -> dict[str, Any]:
+    """The adapter's config saved in the checkpoint's ``hyper_parameters``; refuses another model's checkpoint."""
+    hparams = checkpoint.get("hyper_parameters") or {}
+    config = hparams.get("config")
+    if not isinstance(config, Mapping) or needs not in config:
+        raise ValueError(f"{flag} needs a checkpoint of {adapter} (its hyper_parameters hold the model's config, with "
+                         f"{needs!r}); {path!r} has hyper_parameters {sorted(hparams)}"
+                         f"{'' if not isinstance(config, Mapping) else f' and a config with keys {sorted(config)[:8]}'}")
+    return dict(config)
+
+
+def export_hf(src: str | os.PathLike, out: str | os.PathLike, tokenizer: Optional[str | os.PathLike] = None) -> list[str]:
+    """Write the ``HuggingFaceCausalLM`` checkpoint ``src`` as a ``save_pretrained`` folder ``out``; returns the
+    files written."""
+    from transformers import AutoModelForCausalLM
+
+    from lightning_async_pp.models.huggingface import as_pretrained_config
+
+    src, out = os.fspath(src), os.fspath(out)
+    checkpoint, state = read_checkpoint(src)
+    config = as_pretrained_config(adapter_config(checkpoint, src, "--hf", "model_type", "HuggingFaceCausalLM"))
+    with torch.device("meta"):  # no memory until the checkpoint's tensors are assigned
+        model = AutoModelForCausalLM.from_config(config)
+    model.load_state_dict(state, strict=True, assign=True)
+    model.tie_weights()  # assign=True gave the tied names separate tensors (equal values): one again
+    extras = run_files(checkpoint, tokenizer)
+    _check_out(out)
+    model.save_pretrained(out)
+    return _copy(extras, out)
+
+
+def export_litgpt(src: str | os.PathLike, out: str | os.PathLike, tokenizer: Optional[str | os.PathLike] = None) -> list[str]:
+    """Write the ``LitGPT`` checkpoint ``src`` as a litgpt checkpoint folder ``out`` (``lit_model.pth``,
+    ``model_config.yaml``: what litgpt's ``GPT(Config.from_file(...)).load_state_dict(torch.load(...))`` reads);
+    returns the files written."""
+    from litgpt import Config
+    from litgpt.utils import save_config
+
+    src, out = os.fspath(src), os.fspath(out)
+    checkpoint, state = read_checkpoint(src)
+    config = Config(**adapter_config(checkpoint, src, "--litgpt", "n_embd", "LitGPT"))
+    extras = run_files(checkpoint, tokenizer)
+    _check_out(out)
+    torch.save(dict(state), os.path.join(out, LIT_MODEL))
+    save_config(config, Path(out))
+    return _copy(extras, out)
+
+
+def _check_out(out: str) -> None:
+    if os.path.isfile(out):
+        raise ValueError(f"{out!r} is a file; give the folder to write")
+    os.makedirs(out, exist_ok=True)
+
+
+def tokenizer_files(path: str) -> dict[str, str]:
+    """The tokenizer files at ``path`` (a folder, or a ``tokenizer.json`` under any name), by the name to give them."""
+    if os.path.isfile(path):
+        return {"tokenizer.json": path}
+    if os.path.isdir(path):
+        return {name: os.path.join(path, name) for name in TOKENIZER_FILES if os.path.isfile(os.path.join(path, name))}
+    return {}
+
+
+def run_files(checkpoint: Mapping[str, Any], tokenizer: Optional[str | os.PathLike]) -> dict[str, str]:
+    """What goes into the folder beside the weights, by name: the tokenizer's files, from ``tokenizer`` (which must
+    hold some), else the data module's ``tokenizer`` hyperparameter, else the ``pretrained`` folder the model started
+    from; and that folder's generation config. Checked before anything is written."""
+    pretrained = (checkpoint.get("hyper_parameters") or {}).get("pretrained")
+    if tokenizer is not None:
+        files = tokenizer_files(os.fspath(tokenizer))
+        if not files:
+            raise ValueError(f"--tokenizer {os.fspath(tokenizer)!r} holds no tokenizer files (one of {', '.join(TOKENIZER_FILES)})")
+    else:
+        candidates = [(checkpoint.get("datamodule_hyper_parameters") or {}).get("tokenizer"), pretrained]
+        found = (tokenizer_files(os.fspath(c)) for c in candidates if isinstance(c, (str, os.PathLike)))
+        files = next((f for f in found if f), {})
+    if isinstance(pretrained, str) and os.path.isfile(os.path.join(pretrained, GENERATION_CONFIG)):
+        files[GENERATION_CONFIG] = os.path.join(pretrained, GENERATION_CONFIG)  # the upstream one, not a default
+    return files
+
+
+def _copy(files: Mapping[str, str], out: str) -> list[str]:
+    for name, file in files.items():
+        shutil.copyfile(file, os.path.join(out, name))
+    return sorted(os.listdir(out))

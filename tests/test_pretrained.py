@@ -1,0 +1,230 @@
+"""Pretrained weights in (``HuggingFaceCausalLM.from_pretrained``, ``LitGPT.from_checkpoint``) and the upstream folder
+out (``consolidate --hf`` / ``--litgpt``).
+
+The references are the upstream loaders themselves: ``AutoModelForCausalLM.from_pretrained`` and litgpt's
+``GPT(Config.from_file(...)).load_state_dict(torch.load(...))`` of the same folder give the same weights, loss and
+logits. Folders are written here from tiny configs; nothing is downloaded. The two-process runs are in
+tests/test_adapters.py (HF: one run checks what each rank reads, the lr-0 step, training and ``consolidate --hf``
+together; litgpt: what each rank reads and the lr-0 step, within the trainer-calls run).
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+pytest.importorskip("litgpt")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import lightning as L  # noqa: E402
+from litgpt import GPT, Config  # noqa: E402
+from safetensors.torch import load_file  # noqa: E402
+from transformers import AutoConfig, AutoModelForCausalLM  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).parent / "scripts"))
+import adapter_fit  # noqa: E402
+from pipeline_runs import run_here_on_one_device  # noqa: E402
+
+from lightning_async_pp import AsyncPipelineStrategy  # noqa: E402
+from lightning_async_pp.consolidate import main as consolidate_main  # noqa: E402
+from lightning_async_pp.models import HuggingFaceCausalLM, LitGPT  # noqa: E402
+
+
+def tokens(b: int = 3, t: int = 16, seed: int = 1) -> torch.Tensor:
+    return torch.randint(0, 256, (b, t + 1), generator=torch.Generator().manual_seed(seed))
+
+
+def hf_folder(path: Path, tied: bool = True, shard: bool = True, seed: int = 7, **overrides) -> Path:
+    """A tiny upstream Llama with random weights, saved by ``save_pretrained`` (sharded: several safetensors files
+    and ``model.safetensors.index.json``)."""
+    torch.manual_seed(seed)
+    config = AutoConfig.for_model(**{**adapter_fit.HF_LLAMA, "tie_word_embeddings": tied, **overrides})
+    AutoModelForCausalLM.from_config(config).save_pretrained(path, max_shard_size="20KB" if shard else "10GB")
+    return path
+
+
+def hf_file_tensors(folder: Path) -> dict[str, torch.Tensor]:
+    return {k: v for f in sorted(folder.glob("*.safetensors")) for k, v in load_file(f).items()}
+
+
+def litgpt_folder(path: Path, seed: int = 7) -> Path:
+    """A tiny litgpt checkpoint folder as litgpt writes one: ``lit_model.pth`` and ``model_config.yaml``."""
+    from litgpt.utils import save_config
+
+    torch.manual_seed(seed)
+    config = Config.from_name(**adapter_fit.LITGPT_PYTHIA)
+    model = GPT(config)
+    with torch.no_grad():  # litgpt zeroes biases at init: give them values, so that loading them is checked too
+        for name, p in model.named_parameters():
+            if name.endswith("bias"):
+                p.normal_()
+    path.mkdir(parents=True)
+    torch.save(model.state_dict(), path / "lit_model.pth")
+    save_config(config, path)
+    return path
+
+
+def equals_file(weights: dict[str, torch.Tensor], file: dict[str, torch.Tensor], tied: dict[str, str]) -> list[str]:
+    """The names whose value is not exactly the file's (a tied name the file lacks compared with the file's name of
+    that tensor)."""
+    return [k for k, v in weights.items() if not torch.equal(v, file[k] if k in file else file[tied[k]])]
+
+
+HF_TIED = {"lm_head.weight": "model.embed_tokens.weight"}
+
+
+# ---- Hugging Face in -----------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("tied, shard", [(True, True), (False, False)])
+def test_hf_from_pretrained_holds_the_file_weights_and_gives_the_upstream_loss(tmp_path, tied, shard):
+    folder = hf_folder(tmp_path / "hf", tied=tied, shard=shard)
+    assert (folder / "model.safetensors.index.json").exists() == shard
+    ours = HuggingFaceCausalLM.from_pretrained(folder, init_seed=3)
+    ours.configure_model()  # eager, as under plain Lightning
+    upstream = AutoModelForCausalLM.from_pretrained(folder).eval()
+    assert not equals_file(ours.state_dict(), hf_file_tensors(folder), HF_TIED)
+    assert ours.config.to_dict() == upstream.config.to_dict() | {"_name_or_path": ours.config._name_or_path}
+    assert (ours.lm_head.weight is ours.model.embed_tokens.weight) == tied
+    batch = tokens()
+    logits = ours.eval()(batch)
+    torch.testing.assert_close(logits, upstream(batch[:, :-1]).logits, rtol=0, atol=0)
+    torch.testing.assert_close(ours.pipeline_loss(logits, batch), upstream(batch, labels=batch).loss)
+
+
+def test_hf_one_device_pipeline_from_pretrained_then_consolidate_hf_loads_in_transformers(tmp_path):
+    # Two stages on one device: embedding + block 0 | block 1 + norm + head, the tied matrix on both.
+    folder = hf_folder(tmp_path / "hf")
+    (folder / "tokenizer.json").write_text(json.dumps({"version": "1.0", "model": {"type": "WordLevel"}}))
+    cfg = {"adapter": "hf", "pretrained": str(folder), "zero_lr_first": True, "steps": 2, "partition": [2, 3],
+           "checkpoint_dir": str(tmp_path / "ckpt")}
+    result = run_here_on_one_device(adapter_fit.run, cfg)
+    # After the lr-0 update the weights are the file's, exactly; the first loss is the upstream model's.
+    assert not equals_file(result["first_step"], hf_file_tensors(folder), HF_TIED)
+    upstream = AutoModelForCausalLM.from_pretrained(folder).eval()
+    first = next(iter(adapter_fit.loader(cfg)))
+    torch.testing.assert_close(result["first_loss"], upstream(first, labels=first).loss, rtol=0, atol=1e-6)
+    # The second update trained; consolidate --hf writes a folder transformers loads with exactly those weights.
+    out = tmp_path / "out"
+    assert consolidate_main([str(tmp_path / "ckpt" / "epoch=0-step=2.ckpt"), str(out), "--hf"]) == 0
+    reloaded = AutoModelForCausalLM.from_pretrained(out).eval()
+    trained = result["state_dict"]
+    assert max(float((trained[k] - v).abs().max()) for k, v in reloaded.state_dict().items()) == 0.0
+    assert not torch.equal(trained["model.norm.weight"], upstream.state_dict()["model.norm.weight"])
+    ours = HuggingFaceCausalLM(reloaded.config)
+    ours.configure_model()
+    ours.load_state_dict(trained, strict=True)
+    batch = tokens()
+    torch.testing.assert_close(reloaded(batch[:, :-1]).logits, ours.eval()(batch), rtol=0, atol=0)
+    # The folder the run started from named the tokenizer and generation config: both came along.
+    assert (out / "tokenizer.json").read_text() == (folder / "tokenizer.json").read_text()
+    assert (out / "generation_config.json").exists() and (out / "config.json").exists()
+
+
+def test_consolidate_hf_takes_the_tokenizer_argument_and_refuses_another_models_checkpoint(tmp_path, capsys):
+    folder = hf_folder(tmp_path / "hf", shard=False)
+    tok = tmp_path / "tok"
+    tok.mkdir()
+    (tok / "tokenizer.json").write_text("{}")
+    (tok / "tokenizer_config.json").write_text("{}")
+    model = HuggingFaceCausalLM.from_pretrained(folder)
+    model.configure_model()
+    ckpt = tmp_path / "one.ckpt"
+    torch.save({"state_dict": model.state_dict(), "hyper_parameters": dict(model.hparams)}, ckpt)
+    out = tmp_path / "out"
+    assert consolidate_main([str(ckpt), str(out), "--hf", "--tokenizer", str(tok)]) == 0
+    assert {"tokenizer.json", "tokenizer_config.json"} <= set(os.listdir(out))
+    assert not equals_file(AutoModelForCausalLM.from_pretrained(out).state_dict(), hf_file_tensors(folder), HF_TIED)
+    with pytest.raises(SystemExit):
+        consolidate_main([str(ckpt), str(tmp_path / "lit"), "--litgpt"])
+    assert "--litgpt needs a checkpoint of LitGPT" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        consolidate_main([str(ckpt), str(tmp_path / "o2"), "--hf", "--tokenizer", str(tmp_path)])
+    assert "holds no tokenizer files" in capsys.readouterr().err
+    assert not (tmp_path / "o2").exists()  # refused before anything was written
+
+
+def test_hf_pretrained_mismatches_are_refused_and_unused_tensors_warned_naming_the_keys(tmp_path):
+    folder = hf_folder(tmp_path / "hf", shard=False)
+    with pytest.raises(FileNotFoundError, match="no config.json"):
+        HuggingFaceCausalLM.from_pretrained(tmp_path / "nowhere")
+    wider = HuggingFaceCausalLM({**adapter_fit.HF_LLAMA, "intermediate_size": 48}, pretrained=str(folder))
+    with pytest.raises(ValueError, match=r"'model.layers.0.mlp.gate_proj.weight' of shape \(64, 32\).*\(48, 32\)"):
+        wider.configure_model()
+    untied = HuggingFaceCausalLM({**adapter_fit.HF_LLAMA, "tie_word_embeddings": False}, pretrained=str(folder))
+    with pytest.raises(KeyError, match="hold no 'lm_head.weight'"):
+        untied.configure_model()  # the file has no head of its own: the model would keep a random one
+    shallower = HuggingFaceCausalLM({**adapter_fit.HF_LLAMA, "num_hidden_layers": 1}, pretrained=str(folder))
+    with pytest.warns(UserWarning, match=r"hold 9 tensor\(s\) the model has no place for.*model.layers.1"):
+        shallower.configure_model()
+
+
+def test_hf_pretrained_is_an_init_arg_of_the_cli(tmp_path, monkeypatch):
+    from lightning_async_pp.cli import AsyncPipelineCLI
+
+    folder = hf_folder(tmp_path / "hf", shard=False)
+    monkeypatch.setattr(sys, "argv", ["lightning-async-pp"])
+    config = {"model": {"class_path": "lightning_async_pp.models.HuggingFaceCausalLM",
+                        "init_args": {"pretrained": str(folder), "lr": 0.0, "config": {"rms_norm_eps": 1e-3}}}}
+    (tmp_path / "c.yaml").write_text(json.dumps(config))
+    cli = AsyncPipelineCLI(args=["--config", str(tmp_path / "c.yaml")], run=False)
+    assert cli.model.config.rms_norm_eps == 1e-3 and cli.model.config.hidden_size == 32  # the folder's, one override
+    cli.model.configure_model()
+    assert not equals_file(cli.model.state_dict(), hf_file_tensors(folder), HF_TIED)
+
+
+# ---- load_state_dict onto meta inside configure_model is never silent ---------------------------------------------------
+class LoadsInConfigureModel(HuggingFaceCausalLM):
+    """The pattern a user writes: the model built, then the pretrained state dict loaded, in configure_model()."""
+
+    def __init__(self, config, state, assign: bool) -> None:
+        super().__init__(config, lr=0.0)
+        self.state, self.assign = state, assign
+
+    def configure_model(self) -> None:
+        if self._layers is None:
+            super().configure_model()
+            self.load_state_dict(self.state, assign=self.assign)
+
+
+def one_device_fit(model, steps: int = 1) -> None:
+    L.Trainer(strategy=AsyncPipelineStrategy(num_stages=2, num_microbatches=2), accelerator="cpu", devices=1,
+              max_steps=steps, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+              enable_model_summary=False).fit(model, adapter_fit.loader({"batch": 4, "samples": 8}))
+
+
+def test_load_state_dict_onto_meta_parameters_in_configure_model_raises_naming_from_pretrained(tmp_path):
+    folder = hf_folder(tmp_path / "hf", shard=False)
+    state = AutoModelForCausalLM.from_pretrained(folder).state_dict()
+    config = AutoConfig.from_pretrained(folder)
+    for assign in (False, True):  # assign=True too: what it assigns inside configure_model goes back to meta
+        with pytest.raises(RuntimeError, match=r"would copy nothing.*HuggingFaceCausalLM.from_pretrained\(path\)"):
+            one_device_fit(LoadsInConfigureModel(config, state, assign=assign))
+
+
+# ---- litgpt in and out --------------------------------------------------------------------------------------------
+def test_litgpt_one_device_pipeline_from_checkpoint_then_consolidate_litgpt_loads_in_litgpt(tmp_path):
+    folder = litgpt_folder(tmp_path / "lit")
+    file = torch.load(folder / "lit_model.pth")
+    cfg = {"adapter": "litgpt", "pretrained": str(folder), "zero_lr_first": True, "steps": 2, "partition": [2, 3],
+           "checkpoint_dir": str(tmp_path / "ckpt")}
+    result = run_here_on_one_device(adapter_fit.run, cfg)
+    assert not equals_file(result["first_step"], file, {})
+    upstream = GPT(Config.from_file(folder / "model_config.yaml")).eval()
+    upstream.load_state_dict(file, strict=True)
+    first = next(iter(adapter_fit.loader(cfg)))
+    expected = torch.nn.functional.cross_entropy(upstream(first[:, :-1]).flatten(0, 1), first[:, 1:].flatten())
+    torch.testing.assert_close(result["first_loss"], expected, rtol=0, atol=1e-6)
+    out = tmp_path / "out"
+    assert consolidate_main([str(tmp_path / "ckpt" / "epoch=0-step=2.ckpt"), str(out), "--litgpt"]) == 0
+    reloaded = GPT(Config.from_file(out / "model_config.yaml")).eval()
+    reloaded.load_state_dict(torch.load(out / "lit_model.pth"), strict=True)
+    trained = result["state_dict"]
+    assert max(float((trained[k] - v).abs().max()) for k, v in reloaded.state_dict().items()) == 0.0
+    ours = LitGPT.from_checkpoint(out)
+    ours.configure_model()
+    batch = tokens()
+    torch.testing.assert_close(reloaded(batch[:, :-1]), ours.eval()(batch), rtol=0, atol=0)
