@@ -117,6 +117,8 @@ class TextDataModule(L.LightningDataModule):
             raise FileNotFoundError(f"data_path {data_path!r} does not exist")
         if tokenizer is not None:
             tokenizer_file(tokenizer)  # exists, or a clear error now
+        # In checkpoints as ``datamodule_hyper_parameters``: ``consolidate --hf`` copies the tokenizer from there.
+        self.save_hyperparameters()
         self.data_path = data_path
         self.tokenizer_path = tokenizer
         self.text_field = text_field
