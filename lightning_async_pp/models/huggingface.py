@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from lightning_async_pp.models.adopted import AdoptedCausalLM, missing_package
+from lightning_async_pp.models.moe import RouterLoss, adds_router_loss, check_router_loss_supported
 
 #: What the adapter takes from the upstream model, as dotted paths of ``AutoModelForCausalLM.from_config(config)``.
 LAYOUT = ("model.embed_tokens", "model.layers", "model.norm", "model.rotary_emb", "lm_head")
@@ -93,11 +94,13 @@ class HuggingFaceCausalLM(AdoptedCausalLM):
     def __init__(self, config: Any, lr: float = 3e-4, weight_decay: float = 0.1, init_seed: Optional[int] = None) -> None:
         super().__init__(lr=lr, weight_decay=weight_decay, init_seed=init_seed)
         self.config = as_pretrained_config(config)
+        check_router_loss_supported(self.config)
         # A plain mapping, so that load_from_checkpoint rebuilds the config without unpickling transformers objects.
         self.save_hyperparameters({"config": self.config.to_dict(), "lr": lr, "weight_decay": weight_decay, "init_seed": init_seed})
         self.model: Optional[nn.Module] = None  # built in configure_model()
         self.lm_head: Optional[nn.Module] = None
         self._init_weights: Optional[Callable[[nn.Module], None]] = None
+        self._router_loss: Optional[RouterLoss] = None  # MoE with output_router_logits (models/moe.py)
 
     def build_upstream(self) -> list[nn.Module]:
         from transformers import AutoModelForCausalLM
@@ -137,11 +140,35 @@ class HuggingFaceCausalLM(AdoptedCausalLM):
             block.register_forward_pre_hook(DecoderLayerInputs(base.config, rotary, masks[attention], block), with_kwargs=True)
         self.model, self.lm_head = base, upstream.lm_head
         self._init_weights = upstream._init_weights
+        if adds_router_loss(self.config):  # the router statistics travel with the hidden state (models/moe.py)
+            self._router_loss = RouterLoss(upstream, self.config)
+            self._router_loss.attach(blocks, [base.norm, upstream.lm_head])
         return [base.embed_tokens, *blocks, base.norm, upstream.lm_head]
 
     def init_module(self, module: nn.Module) -> None:
         assert self._init_weights is not None
         self._init_weights(module)
+
+    # ---- MoE: the router's load-balancing term (models/moe.py) ---------------------------------------------------
+    def pipeline_loss(self, output: Any, batch: Any) -> torch.Tensor:
+        if self._router_loss is None:
+            return super().pipeline_loss(output, batch)
+        logits, statistics = self._router_loss.split(output)
+        return super().pipeline_loss(logits, batch) + self._router_loss.loss(statistics)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        if self._router_loss is None:
+            return super().training_step(batch, batch_idx)
+        self._router_loss.take_logged()  # drop what evaluation recorded
+        loss = super().training_step(batch, batch_idx)
+        aux = self._router_loss.take_logged()
+        if aux is not None:  # on the process that holds the last stage
+            self.log("train_aux_loss", aux)
+        return loss
+
+    def predict_step(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> Any:
+        output = super().predict_step(batch, batch_idx, dataloader_idx)
+        return output if self._router_loss is None or output is None else self._router_loss.split(output)[0]
 
 
 def _has_path(root: Any, path: str) -> bool:
