@@ -50,7 +50,8 @@ def run(cfg: dict, devices: int) -> tuple[dict, L.LightningModule, L.Trainer]:
     model = build_model(cfg)
     trainer = make_trainer(cfg, devices)
     trainer.fit(model, loader(cfg))
-    result: dict[str, Any] = {"rank": trainer.global_rank, "global_step": trainer.global_step}
+    result: dict[str, Any] = {"rank": trainer.global_rank, "global_step": trainer.global_step,
+                              "metrics": {k: v.item() for k, v in trainer.callback_metrics.items()}}
     if trainer.is_global_zero:
         result["state_dict"] = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
     for call in cfg.get("after", []):  # later calls in the same interpreter, each with a new Trainer
