@@ -156,15 +156,16 @@ class HuggingFaceCausalLM(AdoptedCausalLM):
         logits, statistics = self._router_loss.split(output)
         return super().pipeline_loss(logits, batch) + self._router_loss.loss(statistics)
 
-    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+    def pipeline_metric_names(self) -> tuple[str, ...]:
+        return ("train_aux_loss",) if adds_router_loss(self.config) else ()
+
+    def pipeline_metrics(self) -> dict[str, torch.Tensor]:
         if self._router_loss is None:
-            return super().training_step(batch, batch_idx)
-        self._router_loss.take_logged()  # drop what evaluation recorded
-        loss = super().training_step(batch, batch_idx)
+            return {}
         aux = self._router_loss.take_logged()
-        if aux is not None:  # on the process that holds the last stage
-            self.log("train_aux_loss", aux)
-        return loss
+        if aux is None:
+            raise RuntimeError("pipeline_metrics() was called before any training pipeline_loss() of the batch")
+        return {"train_aux_loss": aux}
 
     def predict_step(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> Any:
         output = super().predict_step(batch, batch_idx, dataloader_idx)

@@ -133,7 +133,7 @@ class RouterLoss:
     the language-model loss (:meth:`loss`), and its value per training batch for the logger (:meth:`take_logged`).
 
     The value logged is the mean over the batch's microbatches of upstream's ``aux_loss`` (without the
-    coefficient), as the process holding the last stage computed it."""
+    coefficient), recorded by the training losses only (evaluation runs without gradients)."""
 
     def __init__(self, upstream: nn.Module, config: Any) -> None:
         self.coefficient = float(config.router_aux_loss_coef)
@@ -165,7 +165,8 @@ class RouterLoss:
             raise RuntimeError("the model's config has output_router_logits=True but the last pipeline layer's output "
                                "carries no router statistics")
         aux = balancing_loss(statistics)
-        self._logged.append(aux.detach())
+        if torch.is_grad_enabled():
+            self._logged.append(aux.detach())
         return self.coefficient * aux
 
     def take_logged(self) -> Optional[Tensor]:
