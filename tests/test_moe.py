@@ -111,10 +111,12 @@ def test_moe_family_whose_balancing_term_is_not_reproduced_is_refused_at_constru
 
 
 # ---- under the pipeline on one device ---------------------------------------------------------------------------------
-def fit_one_device(cfg: dict, batches: list[torch.Tensor], microbatches: int, steps: int, schedule: str = "2bw"):
+def fit_one_device(cfg: dict, batches: list[torch.Tensor], microbatches: int, steps: int, schedule: str = "2bw",
+                   **strategy_kwargs):
     L.seed_everything(0, verbose=False)
     model = HuggingFaceCausalLM(cfg, lr=3e-3, init_seed=0)
-    strategy = AsyncPipelineStrategy(schedule=schedule, num_microbatches=microbatches, num_stages=2, partition=[2, 3])
+    strategy = AsyncPipelineStrategy(schedule=schedule, num_microbatches=microbatches, num_stages=2, partition=[2, 3],
+                                     **strategy_kwargs)
     trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=1, max_steps=steps, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                         num_sanity_val_steps=0, limit_val_batches=0)
@@ -158,15 +160,21 @@ def test_pipeline_trains_on_the_microbatch_mean_of_upstream_losses_and_logs_the_
 
 
 def test_pipeline_with_one_microbatch_logs_upstreams_whole_batch_aux_loss_and_predicts_logits():
+    # Block 1 recomputed in backward: its router statistics are computed again, the same.
     cfg = {**TINY, **MOE_CASES["qwen3_moe"]}
     batch = tokens(seed=5)
-    model, trainer = fit_one_device(cfg, [batch], microbatches=1, steps=1, schedule="1f1b")
+    model, trainer = fit_one_device(cfg, [batch], microbatches=1, steps=1, schedule="1f1b", activation_checkpointing=[2])
     L.seed_everything(0, verbose=False)
     reference = HuggingFaceCausalLM(cfg, init_seed=0)
     reference.configure_model()
-    want = upstream_output(upstream_at(reference), batch)  # the weights the first batch trained on
+    upstream = upstream_at(reference)
+    want = upstream_output(upstream, batch)  # the weights the first batch trained on
     assert trainer.callback_metrics["train_aux_loss"].item() == pytest.approx(want.aux_loss.item(), rel=1e-6)
     assert trainer.callback_metrics["train_loss"].item() == pytest.approx(want.loss.item(), rel=1e-6)
+    # ... and the update is upstream's whole-batch gradient's.
+    want.loss.backward()
+    torch.optim.AdamW(decay_matrices_only(upstream.named_parameters(), 0.1), lr=3e-3, betas=(0.9, 0.95)).step()
+    assert max_difference(model.state_dict(), upstream.state_dict()) < 1e-6
     predicted = trainer.predict(model, torch.utils.data.DataLoader(batch, batch_size=4))
     assert isinstance(predicted[0], torch.Tensor) and predicted[0].shape == (4, 16, VOCAB)
     torch.testing.assert_close(predicted[0], upstream_at(model)(batch[:, :-1]).logits, rtol=1e-5, atol=1e-5)
