@@ -230,3 +230,33 @@ def test_litgpt_moe_config_gives_litgpts_logits_loss_and_gradients():
         torch.testing.assert_close(p.grad, grads[name].grad, rtol=1e-5, atol=1e-7, msg=name)
         routers += name.endswith("mlp.gate.weight")
     assert routers == 2
+
+
+# ---- the metrics that travel with the loss ------------------------------------------------------------------------------
+def test_without_a_strategy_the_module_logs_upstreams_aux_loss_too():
+    cfg = {**TINY, **MOE_CASES["olmoe"]}
+    batch = tokens(seed=7)
+    L.seed_everything(0, verbose=False)
+    model = HuggingFaceCausalLM(cfg, init_seed=0)
+    reference = HuggingFaceCausalLM(cfg, init_seed=0)
+    reference.configure_model()
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=1, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0)
+    trainer.fit(model, torch.utils.data.DataLoader(batch, batch_size=4))
+    want = upstream_output(upstream_at(reference), batch)
+    assert trainer.callback_metrics["train_aux_loss"].item() == pytest.approx(want.aux_loss.item(), rel=1e-6)
+
+
+def test_metrics_that_differ_from_the_declared_names_are_a_clear_error():
+    from helpers import TinyLM, make_dataset
+
+    class Declares(TinyLM):
+        def pipeline_metric_names(self):
+            return ("train_extra",)
+
+    model = Declares()
+    trainer = L.Trainer(strategy=AsyncPipelineStrategy(schedule="1f1b", num_microbatches=2, num_stages=2),
+                        accelerator="cpu", devices=1, max_steps=1, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False)
+    with pytest.raises(ValueError, match=r"pipeline_metrics\(\) returned \[\]; pipeline_metric_names\(\) declared \['train_extra'\]"):
+        trainer.fit(model, torch.utils.data.DataLoader(make_dataset(8), batch_size=4))
