@@ -22,6 +22,8 @@ class PipelineExecutor(Protocol):
 
     def train_loss(self, batch: Any, batch_idx: int) -> Tensor: ...  # forward and backward; the detached mean loss
 
+    def train_metrics(self) -> dict[str, Tensor]: ...  # the last trained batch's pipeline_metrics(), on every rank
+
     def eval_loss(self, batch: Any) -> Tensor: ...  # forward only, newest weights, any batch size
 
     def predict(self, batch: Any) -> Any: ...  # the last layer's output, newest weights
@@ -62,6 +64,17 @@ class PipelineModule(PassesFetchedBatches, L.LightningModule):
         raise TypeError(
             f"Cannot tell the inputs of a batch of type {type(batch).__name__}; override pipeline_input(batch)"
         )
+
+    def pipeline_metric_names(self) -> tuple[str, ...]:
+        """Names of scalars, besides the loss, that ``pipeline_loss`` computes and ``training_step`` logs (an MoE
+        model's balancing loss, say). Fixed for the module's lifetime; default none."""
+        return ()
+
+    def pipeline_metrics(self) -> dict[str, Tensor]:
+        """The values of :meth:`pipeline_metric_names` for the batch just trained: called once per training batch after
+        its last ``pipeline_loss`` (under the pipeline on the process holding the last stage, whose values then
+        travel with the loss to every rank, data-parallel mean included)."""
+        return {}
 
     @torch.no_grad()
     def init_layer(self, index: int, layer: nn.Module) -> None:
@@ -130,6 +143,11 @@ class PipelineModule(PassesFetchedBatches, L.LightningModule):
         # Under the pipeline every rank already holds the data-parallel mean, so no sync here (a per-step
         # collective across stages would put a barrier back into a schedule built to avoid one).
         self.log("train_loss", loss, prog_bar=True)
+        if self.pipeline_metric_names():
+            executor = self._pipeline_executor
+            metrics = self.pipeline_metrics() if executor is None else executor.train_metrics()
+            for name, value in metrics.items():
+                self.log(name, value)
         return loss
 
     def validation_step(self, batch: Any, batch_idx: int) -> Tensor:

@@ -268,6 +268,7 @@ class AsyncPipelineStrategy(PipelineStateHooks, DDPStrategy):
             module, module._pipeline_all_layers, module._pipeline_layer_paths, self.config,
             input_fn=module.pipeline_input, loss_fn=module.pipeline_loss,
             device=self.root_device, world_size=self.world_size_total, rank=self.global_rank,
+            metric_names=module.pipeline_metric_names(), metrics_fn=module.pipeline_metrics,
         )
         # Layers built on the meta device (configure_model) get memory here, this process's stage only.
         self.engine.materialize(self.root_device, module.init_layer)
@@ -364,6 +365,10 @@ class AsyncPipelineStrategy(PipelineStateHooks, DDPStrategy):
                 engine.cancel_lookahead()  # Lightning did not train the batch fetched ahead (epoch cut, stop)
             self._lookahead = self._next_batch(batch_idx)
             return engine.train_step(batch, self._lookahead)
+
+    def train_metrics(self) -> dict[str, Tensor]:
+        assert self.engine is not None
+        return self.engine.last_metrics
 
     def eval_loss(self, batch: Any) -> Tensor:
         assert self.engine is not None

@@ -23,6 +23,7 @@ from torch import nn
 
 from lightning_async_pp.models.adopted import AdoptedCausalLM, missing_package
 from lightning_async_pp.models.pretrained import SafetensorsFolder
+from lightning_async_pp.models.moe import RouterLoss, adds_router_loss, check_router_loss_supported
 
 #: What the adapter takes from the upstream model, as dotted paths of ``AutoModelForCausalLM.from_config(config)``.
 LAYOUT = ("model.embed_tokens", "model.layers", "model.norm", "model.rotary_emb", "lm_head")
@@ -108,12 +109,14 @@ class HuggingFaceCausalLM(AdoptedCausalLM):
             raise ValueError("HuggingFaceCausalLM needs a config, or pretrained=<a save_pretrained folder> to take it from")
         self.config = as_pretrained_config(config)
         self.pretrained = pretrained
+        check_router_loss_supported(self.config)
         # A plain mapping, so that load_from_checkpoint rebuilds the config without unpickling transformers objects.
         self.save_hyperparameters({"config": self.config.to_dict(), "lr": lr, "weight_decay": weight_decay, "init_seed": init_seed,
                                    "pretrained": pretrained})
         self.model: Optional[nn.Module] = None  # built in configure_model()
         self.lm_head: Optional[nn.Module] = None
         self._init_weights: Optional[Callable[[nn.Module], None]] = None
+        self._router_loss: Optional[RouterLoss] = None  # MoE with output_router_logits (models/moe.py)
 
     def build_upstream(self) -> list[nn.Module]:
         from transformers import AutoModelForCausalLM
@@ -153,6 +156,9 @@ class HuggingFaceCausalLM(AdoptedCausalLM):
             block.register_forward_pre_hook(DecoderLayerInputs(base.config, rotary, masks[attention], block), with_kwargs=True)
         self.model, self.lm_head = base, upstream.lm_head
         self._init_weights = upstream._init_weights
+        if adds_router_loss(self.config):  # the router statistics travel with the hidden state (models/moe.py)
+            self._router_loss = RouterLoss(upstream, self.config)
+            self._router_loss.attach(blocks, [base.norm, upstream.lm_head])
         return [base.embed_tokens, *blocks, base.norm, upstream.lm_head]
 
     def init_module(self, module: nn.Module) -> None:
@@ -171,6 +177,28 @@ class HuggingFaceCausalLM(AdoptedCausalLM):
 
     def open_pretrained(self, path: str) -> SafetensorsFolder:
         return SafetensorsFolder(path)
+
+    # ---- MoE: the router's load-balancing term (models/moe.py) ---------------------------------------------------
+    def pipeline_loss(self, output: Any, batch: Any) -> torch.Tensor:
+        if self._router_loss is None:
+            return super().pipeline_loss(output, batch)
+        logits, statistics = self._router_loss.split(output)
+        return super().pipeline_loss(logits, batch) + self._router_loss.loss(statistics)
+
+    def pipeline_metric_names(self) -> tuple[str, ...]:
+        return ("train_aux_loss",) if adds_router_loss(self.config) else ()
+
+    def pipeline_metrics(self) -> dict[str, torch.Tensor]:
+        if self._router_loss is None:
+            return {}
+        aux = self._router_loss.take_logged()
+        if aux is None:
+            raise RuntimeError("pipeline_metrics() was called before any training pipeline_loss() of the batch")
+        return {"train_aux_loss": aux}
+
+    def predict_step(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> Any:
+        output = super().predict_step(batch, batch_idx, dataloader_idx)
+        return output if self._router_loss is None or output is None else self._router_loss.split(output)[0]
 
 
 def pretrained_config(folder: str, **overrides: Any) -> Any:

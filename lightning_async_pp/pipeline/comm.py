@@ -304,15 +304,16 @@ class StageLink:
 
     # ---- small scalars, evaluation and prediction (layout sent with every value: shapes may vary) ---------------
     def send_scalar(self, value: Tensor, dst: int, tag: int) -> None:
-        self._isend(value.detach().reshape(1).to(torch.float64), dst, tag)
+        """A scalar, or a 1-D vector of them (the loss and the module's metrics)."""
+        self._isend(value.detach().reshape(-1).to(torch.float64), dst, tag)
 
     def recv_scalar(self, src: int, tag: int) -> Tensor:
         work, buf = self._irecv((1,), torch.float64, src, tag)
         self.wait(work, src, "the loss")
         return buf[0]
 
-    def post_scalar_recv(self, src: int, tag: int) -> tuple[Any, Tensor]:
-        return self._irecv((1,), torch.float64, src, tag)
+    def post_scalar_recv(self, src: int, tag: int, size: int = 1) -> tuple[Any, Tensor]:
+        return self._irecv((size,), torch.float64, src, tag)
 
     def send_value(self, value: Any, dst: int, tag: int = TAG_EVAL) -> None:
         leaves, spec = flatten(value, f"stage {self.stage}'s output")

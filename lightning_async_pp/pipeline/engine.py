@@ -102,7 +102,8 @@ class PipelineStats:
 class PipelineEngine:
     def __init__(self, root: nn.Module, layers: Sequence[nn.Module], paths: Sequence[str], config: PipelineConfig, *,
                  input_fn: Callable[[Any], Any], loss_fn: Callable[[Any, Any], Tensor], device: torch.device,
-                 world_size: int = 1, rank: int = 0) -> None:
+                 world_size: int = 1, rank: int = 0, metric_names: Sequence[str] = (),
+                 metrics_fn: Optional[Callable[[], dict[str, Tensor]]] = None) -> None:
         self.config = config
         self.root, self.layers, self.paths = root, list(layers), list(paths)
         self.world_size, self.rank = world_size, rank
@@ -163,6 +164,7 @@ class PipelineEngine:
         self._loss_group = loss_group
         self._ties_due = False  # the tied-gradient sum waits for the data-parallel reduction
         self._input_fn, self._loss_fn = input_fn, loss_fn
+        self._metric_names, self._metrics_fn = tuple(metric_names), metrics_fn
         self.stages: list[Stage] = []
 
     def own_layer_indices(self) -> list[int]:
@@ -211,7 +213,7 @@ class PipelineEngine:
             input_fn=self._input_fn, loss_fn=self._loss_fn, link=self._link,
             pipeline_ranks=self.topology.pipeline_ranks if self.topology else [0],
             dp_group=self._dp_group, dp_size=self.config.data_parallel_size, check_batches=self.config.check_batches,
-            loss_group=self._loss_group,
+            loss_group=self._loss_group, metric_names=self._metric_names, metrics_fn=self._metrics_fn,
         )
         names = self.global_names
         self.stage_views = [StageView(st.index, st.versions.delay, tuple(names[id(p)] for p in st.params), st)
@@ -330,6 +332,11 @@ class PipelineEngine:
         loss = self.runtime.train_batch(batch, next_batch)
         self._ties_due = True  # summed on the first read of ``gradients``, once the replicas' mean is there
         return loss
+
+    @property
+    def last_metrics(self) -> dict[str, Tensor]:
+        """The last trained batch's ``metrics_fn()`` scalars (computed on the last stage), on every rank."""
+        return self.runtime.last_metrics
 
     def _sum_tied_gradients(self) -> None:
         for i, tie, group in self._tied_slots:

@@ -116,12 +116,18 @@ class PipelineRuntime:
         dp_size: int = 1,
         check_batches: bool = True,
         loss_group: Any = None,
+        metric_names: Sequence[str] = (),
+        metrics_fn: Optional[Callable[[], dict[str, Tensor]]] = None,
     ) -> None:
         self.stages = list(stages)
         self.num_stages = self.stages[0].num_stages
         self.schedule = schedule
         self.num_microbatches = num_microbatches
         self.input_fn, self.loss_fn = input_fn, loss_fn
+        # Scalars the loss computation of a batch produced besides the loss (the module's pipeline_metrics(), read on
+        # the last stage after the batch's last loss): they travel with the loss, so every rank can log them.
+        self.metric_names, self.metrics_fn = tuple(metric_names), metrics_fn
+        self.last_metrics: dict[str, Tensor] = {}
         self.link = link
         self.pipeline_ranks = list(pipeline_ranks)
         self.dp_group, self.dp_size = dp_group, dp_size
@@ -220,7 +226,7 @@ class PipelineRuntime:
             link.begin_step()
             wait_before = link.wait_seconds
             if not last.is_last:
-                loss_recv = link.post_scalar_recv(self.pipeline_ranks[-1], TAG_LOSS)
+                loss_recv = link.post_scalar_recv(self.pipeline_ranks[-1], TAG_LOSS, size=1 + len(self.metric_names))
         # Receives from other processes are posted a little ahead of the actions that consume them. Of the
         # forwards received, a batch's first microbatch carries the batch fingerprint.
         self._receives = _Receives(
@@ -252,14 +258,15 @@ class PipelineRuntime:
             self._compare(*self._checks_due.pop(0))
 
         if last.is_last:
-            loss = self._losses.pop(k)
+            total = self._losses.pop(k)
+            loss = torch.cat([total.reshape(1), self._batch_metrics().to(total.device)])
             if link is not None:
                 for rank in self.pipeline_ranks[:-1]:
                     link.send_scalar(loss, rank, TAG_LOSS)
         else:
             assert link is not None and loss_recv is not None
             link.wait(loss_recv[0], self.pipeline_ranks[-1], "the batch loss")
-            loss = loss_recv[1][0]
+            loss = loss_recv[1]
         if link is not None:
             link.flush_sends()  # all but the lookahead's sends: their receives were posted during this step
         self.gradients = [g for stage in self.stages for g in stage.take_gradients(k)]
@@ -269,6 +276,8 @@ class PipelineRuntime:
             loss /= self.dp_size
             if not self.reducer.OVERLAP:
                 self.gradients = self.reducer.finish(self.gradients)
+        self.last_metrics = {name: value.to(torch.float32) for name, value in zip(self.metric_names, loss[1:])}
+        loss = loss[0]
         self.last_times = StepTimes(
             total=time.perf_counter() - step_start, compute=compute,
             comm_wait=(link.wait_seconds - wait_before) if link is not None else 0.0,
@@ -276,6 +285,14 @@ class PipelineRuntime:
         if self.reducer is not None and not self.reducer.OVERLAP:
             self.last_times.dp_comm = self.last_times.dp_comm_exposed = self.reducer.exposed_s
         return loss.to(torch.float32)
+
+    def _batch_metrics(self) -> Tensor:
+        values = self.metrics_fn() if self.metrics_fn is not None else {}
+        if sorted(values) != sorted(self.metric_names):
+            raise ValueError(f"pipeline_metrics() returned {sorted(values)}; pipeline_metric_names() declared "
+                             f"{sorted(self.metric_names)}: they must name the same scalars")
+        return torch.stack([torch.as_tensor(values[n]).detach().reshape(()).to(torch.float64).cpu()
+                            for n in self.metric_names]) if values else torch.zeros(0, dtype=torch.float64)
 
     @property
     def reduction_pending(self) -> bool:

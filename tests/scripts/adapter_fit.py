@@ -57,7 +57,8 @@ def run(cfg: dict, devices: int) -> tuple[dict, L.LightningModule, L.Trainer]:
     model = build_model(cfg)
     trainer = make_trainer(cfg, devices)
     trainer.fit(model, loader(cfg))
-    result: dict[str, Any] = {"rank": trainer.global_rank, "global_step": trainer.global_step}
+    result: dict[str, Any] = {"rank": trainer.global_rank, "global_step": trainer.global_step,
+                              "metrics": {k: v.item() for k, v in trainer.callback_metrics.items()}}
     if getattr(model, "_pretrained_tensors", None) is not None:
         result["keys_read"] = sorted(model._pretrained_tensors.keys_read)
     for callback in trainer.callbacks:
