@@ -206,3 +206,54 @@ def test_a_bad_group_coefficient_is_refused_naming_the_group():
     with pytest.raises(ValueError, match=r"coefficient of parameter group 1 must be >= 0, got -2"):
         DelayCompensation([{"params": [a]}, {"params": [b], "coefficient": -2}],
                           optimizer=partial(torch.optim.SGD, lr=LR))
+
+
+def test_staleness_monitor_logs_the_compensation_term_relative_to_the_stale_gradient(tmp_path):
+    """compensation_ratio at update k = ||c g g (W_k - W_{k-1})|| / ||g||, g the gradient of batch k at W_{k-1},
+    recomputed here from the weights saved at every step (whole model and per stage)."""
+    from test_callbacks import WeightRecorder, close, fit, scalars
+
+    from lightning_async_pp.callbacks import StalenessMonitor
+
+    c, steps = 2.0, 4
+    model = CompensatedTinyLM(coefficient=c)
+    initial = copy.deepcopy(model)
+    recorder = WeightRecorder()
+    _, trainer = fit(tmp_path, AsyncPipelineStrategy("2bw", 4, num_stages=2), [recorder, StalenessMonitor()],
+                     model=model, steps=steps)
+    logged = scalars(trainer)
+    batches = list(loader())
+    stage_sizes = [len(w) for w in recorder.weights[0]]
+    for k in range(steps):
+        current = [t.double() for w in recorder.weights[k] for t in w]
+        stale = [t.double() for w in recorder.weights[max(k - 1, 0)] for t in w]
+        reference = copy.deepcopy(initial).double()
+        with torch.no_grad():
+            for p, w in zip(reference.parameters(), stale):
+                p.copy_(w)
+        batch = [t.double() for t in batches[k]]
+        grads = torch.autograd.grad(reference.pipeline_loss(reference.pipeline_forward(batch), batch),
+                                    list(reference.parameters()))
+        terms = [c * g * g * (w - s) for g, w, s in zip(grads, current, stale)]
+        sq = lambda ts: sum(float((t**2).sum()) for t in ts)  # noqa: E731
+        assert close(logged["staleness/compensation_ratio"][k], (sq(terms) / sq(grads)) ** 0.5, rel=1e-4, abs_=1e-9)
+        n0 = stage_sizes[0]
+        assert close(logged["staleness/stage0/compensation_ratio"][k],
+                     (sq(terms[:n0]) / sq(grads[:n0])) ** 0.5, rel=1e-4, abs_=1e-9)
+    assert logged["staleness/compensation_ratio"][0] == 0.0  # W_b = W_k at the first update
+    assert min(logged["staleness/compensation_ratio"][k] for k in range(1, steps)) > 1e-6
+    assert "staleness/correction_norm" not in logged and "staleness/lr_factor" not in logged
+
+
+def test_step_records_the_squared_norms_of_the_term_and_the_gradient():
+    w = nn.Parameter(W0.clone())
+    opt = DelayCompensation([w], optimizer=partial(torch.optim.SGD, lr=LR), coefficient=C)
+    w.grad = grad_at(W0)
+    opt.step()
+    before = w.detach().clone()
+    g = grad_at(W0)
+    w.grad = g
+    opt.step()
+    term_sq, grad_sq = opt.last_square_norms[w]
+    assert torch.allclose(term_sq, ((C * g * g * (before - W0)) ** 2).sum(), rtol=1e-12)
+    assert torch.allclose(grad_sq, (g**2).sum(), rtol=1e-12)

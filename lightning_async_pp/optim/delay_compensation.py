@@ -49,6 +49,10 @@ class DelayCompensation(OptimizerWrapper):
       ``shard_optimizer=True`` carry them like moments.
     - The delay is this constructor's, not the engine's: a synchronous step (``sync_steps``, ``sync_from_step``)
       is still compensated as if it were stale. Use ``delay=0`` (no correction) for synchronous schedules.
+    - After each step, :attr:`last_square_norms` maps every parameter it compensated (``c > 0``) to two 0-dim
+      float64 tensors on its device, ``(||c s (W_k - W_b)||^2, ||g||^2)``: the squared norms of the compensation
+      term and of the stale gradient, for ``StalenessMonitor``'s ``compensation_ratio`` (no parameter-sized buffer;
+      not in ``state_dict``).
     """
 
     def __init__(self, params: Iterable[Any], optimizer: OptimizerCallable, coefficient: float = 1.0,
@@ -62,6 +66,7 @@ class DelayCompensation(OptimizerWrapper):
         self.delay = delay
         self.ema = None if ema is None else float(ema)
         super().__init__(params, optimizer)
+        self.last_square_norms: dict[torch.Tensor, tuple[torch.Tensor, torch.Tensor]] = {}
         for index, group in enumerate(self.param_groups):  # bad group coefficients fail here, not at the first step
             self.group_coefficient(group, index)
 
@@ -77,6 +82,7 @@ class DelayCompensation(OptimizerWrapper):
                 loss = closure()
         originals = []  # (param, its own gradient) to put back after the wrapped step
         buffers = []  # (state, new buffers): written after the wrapped step, which initializes an empty state itself
+        self.last_square_norms = {}
         for index, group in enumerate(self.param_groups):
             c = self.group_coefficient(group, index)
             for p in group["params"]:
@@ -96,9 +102,12 @@ class DelayCompensation(OptimizerWrapper):
                 history = state.get(WEIGHT_HISTORY)
                 if history is None:  # W_{k-d} .. W_{k-1} are all W_0 = W_k: no correction yet
                     history = p.detach().unsqueeze(0).repeat(self.delay, *([1] * p.dim()))
-                    corrected = g
+                    corrected, term_sq = g, g.new_zeros((), dtype=torch.float64)
                 else:
-                    corrected = g + c * square * (p - history[0])  # g + c s (W_k - W_b)
+                    term = c * square * (p - history[0])  # c s (W_k - W_b)
+                    term_sq = _square_norm(term)
+                    corrected = term.add_(g)
+                self.last_square_norms[p] = (term_sq, _square_norm(g))
                 new[WEIGHT_HISTORY] = torch.cat([history[1:], p.detach().unsqueeze(0)])  # W_{k-d+1} .. W_k
                 buffers.append((p, new))
                 originals.append((p, g))
@@ -118,3 +127,7 @@ class DelayCompensation(OptimizerWrapper):
     def __repr__(self) -> str:
         ema = "" if self.ema is None else f", ema={self.ema}"
         return f"DelayCompensation(coefficient={self.coefficient}, delay={self.delay}{ema}, optimizer={self.wrapped!r})"
+
+
+def _square_norm(t: torch.Tensor) -> torch.Tensor:
+    return torch.linalg.vector_norm(t, dtype=torch.float64) ** 2
