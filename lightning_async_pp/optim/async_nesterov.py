@@ -8,12 +8,13 @@ runs "ours" with ``--momentum 0.99``). ``--adaptive_momentum`` (``main_with_runt
 the stage's delay: ``momentum + delay * (0.99 - momentum) / num_stages``, ``delay`` being the stage's number of
 weight versions minus 1.
 
-The paper modifies NAG's look-ahead so that the step along the momentum compensates for the gradient's staleness,
-with a momentum close to 1, and states that torch's NAdam implements that look-ahead in its update (the step mixes
-the decayed first moment with the current, here delayed, gradient). As far as the paper's abstract and its
-reproducibility notes could be read here (its full equations were not available), the code is consistent with it:
-the method *is* torch's NAdam (decoupled weight decay, beta1 = the momentum), with no delay-specific term other than
-the adaptive momentum. We reproduce the code, not an independent reading of the equations: this class is exactly
+What could be checked against the paper: its abstract says it modifies NAG's look-ahead step to address the
+staleness (with a sublinear convergence proof under a fixed delay), and the paper refers to "the PyTorch
+implementation of NAdam" for its experiments; NAdam's update mixes the decayed first moment with the current (here
+delayed) gradient, a Nesterov look-ahead along the momentum, which a momentum close to 1 makes long. The paper's own
+equations could not be read here, so whether they match NAdam term for term (e.g. NAdam's ``momentum_decay``
+schedule of ``beta1``, its bias corrections) is NOT verified; the code has no delay-specific term other than the
+adaptive momentum. We reproduce the code, not an independent reading of the equations: this class is exactly
 ``torch.optim.NAdam(params, lr, betas=(m, beta2), eps, weight_decay, momentum_decay, decoupled_weight_decay=True)``
 with ``m`` the (adaptive) momentum.
 """
