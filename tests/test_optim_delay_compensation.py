@@ -257,3 +257,19 @@ def test_step_records_the_squared_norms_of_the_term_and_the_gradient():
     term_sq, grad_sq = opt.last_square_norms[w]
     assert torch.allclose(term_sq, ((C * g * g * (before - W0)) ** 2).sum(), rtol=1e-12)
     assert torch.allclose(grad_sq, (g**2).sum(), rtol=1e-12)
+
+
+def test_the_monitor_finds_the_compensation_inside_error_feedback_and_lightnings_wrapper():
+    from types import SimpleNamespace
+
+    from lightning_async_pp.callbacks.staleness import _compensation_norms
+
+    w = nn.Parameter(W0.clone())
+    opt = ErrorFeedback([w], optimizer=partial(DelayCompensation, optimizer=partial(torch.optim.SGD, lr=LR),
+                                               coefficient=C), coefficient=0.5)
+    for k in range(2):
+        w.grad = grad_at(W0 * (k + 1))
+        opt.step()
+    norms = _compensation_norms([SimpleNamespace(optimizer=opt)])  # as a LightningOptimizer holds it
+    assert set(norms) == {w} and norms[w] is opt.wrapped.last_square_norms[w]
+    assert float(norms[w][0]) > 0

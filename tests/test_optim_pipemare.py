@@ -184,3 +184,21 @@ def test_a_plateau_schedule_or_one_on_another_optimizer_is_refused():
     other = torch.optim.SGD([nn.Parameter(torch.zeros(2))], lr=LR)
     with pytest.raises(ValueError, match="same optimizer"):
         PipeMareLR(opt, delay=2, warmup_steps=4, scheduler=ExponentialLR(other, gamma=0.8))
+
+
+def test_it_sets_every_group_of_error_feedback_around_muon():
+    """Around ErrorFeedback(Muon): the Muon and the AdamW groups (the wrapped optimizer's own dicts) all follow the
+    written-out rates while the optimizer steps."""
+    from lightning_async_pp.optim import ErrorFeedback, Muon
+
+    torch.manual_seed(0)
+    params = [nn.Parameter(torch.randn(4, 4)), nn.Parameter(torch.zeros(4))]
+    opt = ErrorFeedback(params, optimizer=partial(Muon, lr=0.02), coefficient=1.0)
+    sched = PipeMareLR(opt, delay=TAU, warmup_steps=T, scheduler=ExponentialLR(opt, gamma=0.8))
+    assert {g["use_muon"] for g in opt.wrapped.param_groups} == {True, False}
+    for k in range(6):
+        assert [g["lr"] for g in opt.wrapped.param_groups] == pytest.approx([0.02 * 0.8**k * factor(k)] * 2, rel=1e-12)
+        for p in params:
+            p.grad = torch.randn_like(p)
+        opt.step()
+        sched.step()
