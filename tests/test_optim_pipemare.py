@@ -118,12 +118,12 @@ class WrittenOutRates(TinyLM):
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
 
-def test_under_the_pipeline_with_delay_two_it_follows_the_delayed_loop_with_the_written_out_rates():
+def test_under_the_pipeline_with_three_stages_and_delay_two_it_follows_the_delayed_loop_with_the_written_out_rates():
     model = PipeMareTinyLM()
     reference = WrittenOutRates()
     reference.load_state_dict(model.state_dict())
     params = delayed_reference(reference, list(loader()), STEPS, delay=TAU)
-    t = trainer(AsyncPipelineStrategy("2bw", num_microbatches=4, delay=TAU), steps=STEPS)
+    t = trainer(AsyncPipelineStrategy("2bw", num_microbatches=4, num_stages=3, delay=TAU), steps=STEPS)
     t.fit(model, loader())
     assert max_param_difference(model, params) < 1e-6
     assert t.optimizers[0].param_groups[0]["lr"] == pytest.approx(LR * 0.8**STEPS * factor(STEPS))
