@@ -90,3 +90,24 @@ def test_warmup_cosine_rejects_a_warmup_as_long_as_the_run():
     opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
     with pytest.raises(ValueError, match=r"warmup_steps=10, total_steps=10"):
         WarmupCosine(opt, warmup_steps=10, total_steps=10)
+
+
+def test_async_nesterov_with_pipemare_around_exponential_lr_from_yaml(tmp_path, monkeypatch):
+    """AsyncNesterov's adaptive momentum (a YAML list for the tuple) and PipeMareLR's nested inner schedule build
+    from the config; after two updates the rate is 0.01 * 0.5^2 / 2^(1 - 3/4)."""
+    from torch.optim.lr_scheduler import ExponentialLR
+
+    from lightning_async_pp.optim import AsyncNesterov, PipeMareLR
+
+    monkeypatch.chdir(tmp_path)
+    optimizer = {"class_path": "lightning_async_pp.optim.AsyncNesterov",
+                 "init_args": {"lr": 0.01, "momentum": 0.9, "adaptive_momentum": [1, 2]}}
+    scheduler = {"class_path": "lightning_async_pp.optim.PipeMareLR",
+                 "init_args": {"delay": 2, "warmup_steps": 4, "scheduler": {
+                     "class_path": "torch.optim.lr_scheduler.ExponentialLR", "init_args": {"gamma": 0.5}}}}
+    cli = AsyncPipelineCLI(args=["fit", "--config", str(with_optimizer(tmp_path, optimizer, scheduler))])
+    opt = cli.trainer.optimizers[0]
+    assert isinstance(opt, AsyncNesterov) and opt.momentum == pytest.approx(0.945)
+    sched = cli.trainer.lr_scheduler_configs[0].scheduler
+    assert isinstance(sched, PipeMareLR) and isinstance(sched.inner, ExponentialLR) and cli.trainer.global_step == 2
+    assert opt.param_groups[0]["lr"] == pytest.approx(0.01 * 0.5**2 / 2 ** (1 - 3 / 4))

@@ -21,10 +21,12 @@ from lightning_async_pp.callbacks.figures import (
     logging_step_due,
     pipeline_strategy,
 )
+from lightning_async_pp.optim.delay_compensation import DelayCompensation
 from lightning_async_pp.optim.error_feedback import PREV_UPDATE, ErrorFeedback
+from lightning_async_pp.optim.pipemare import PipeMareLR
 from lightning_async_pp.pipeline.microbatch import split_microbatches
 
-_FIELDS = ("drift_sq", "weight_sq", "delay", "update_sq", "correction_sq")
+_FIELDS = ("drift_sq", "weight_sq", "delay", "update_sq", "correction_sq", "compensation_sq", "stale_grad_sq")
 
 
 class StalenessMonitor(Callback):
@@ -39,6 +41,12 @@ class StalenessMonitor(Callback):
       :class:`~lightning_async_pp.optim.ErrorFeedback` it is the wrapped optimizer's update ``u_k``, and
       ``correction_norm`` is ``c ||u_k - u_{k-1}||``, the norm of what the correction added
       (``(W_k - W_{k+1}) - u_k``). Without error feedback ``u_k = W_k - W_{k+1}`` and no correction is logged.
+    - ``compensation_ratio`` (only under :class:`~lightning_async_pp.optim.DelayCompensation`, coefficient > 0,
+      also inside ``ErrorFeedback``): ``||c s (W_k - W_b)|| / ||g||``, DC-ASGD's compensation term relative to the
+      stale gradient it corrects, over the compensated parameters (0 at the first update).
+    - ``lr_factor`` (whole model only, under :class:`~lightning_async_pp.optim.PipeMareLR`): the factor
+      ``tau ** -(1 - min((k + 1) / T, 1))`` that multiplied update ``k``'s learning rate (1 once the warm-up is over,
+      and always with ``delay <= 1``). With several ``PipeMareLR``, the smallest.
 
     Whole-model figures combine the stages' squared norms (``drift = sqrt(sum_s ||dW_s||^2 / sum_s ||W_s||^2)``),
     not their ratios.
@@ -137,12 +145,14 @@ class StalenessMonitor(Callback):
         self._due = False
         k = self._batch
         corrected = _error_feedback_states(trainer.optimizers)
+        compensated = _compensation_norms(trainer.optimizers)
         assert self._figures is not None
         for stage in trainer.strategy.engine.stats.stages:
             before = self._snapshots.pop(stage.index, None)
             if before is None:
                 before = stage.version(k)  # W_k, held when the delay is >= 1
             update_sq, correction_sq = [], []  # accumulated on the device: one host sync per stage
+            compensation_sq, stale_grad_sq = [], []
             for p, w_k in zip(stage.params, before):
                 change = _wide(w_k) - _wide(p.detach())  # W_k - W_{k+1}, one tensor at a time
                 state = corrected.get(p)
@@ -152,26 +162,37 @@ class StalenessMonitor(Callback):
                     correction_sq.append(_sq(change - u))  # c (u_k - u_{k-1}) = (W_k - W_{k+1}) - u_k
                 else:
                     update_sq.append(_sq(change))
+                norms = compensated.get(p)
+                if norms is not None:
+                    compensation_sq.append(norms[0])
+                    stale_grad_sq.append(norms[1])
             figures = dict(self._pending.get(stage.index, {}), update_sq=_total(update_sq),
-                           correction_sq=_total(correction_sq))
+                           correction_sq=_total(correction_sq), compensation_sq=_total(compensation_sq),
+                           stale_grad_sq=_total(stale_grad_sq))
             self._figures.update(stage.index, figures)
         table = self._figures.reduce()  # across processes: every rank calls this at the same step
-        metrics = self._metrics(table, has_correction=bool(corrected))
+        metrics = self._metrics(table, has_correction=bool(corrected), has_compensation=bool(compensated))
+        factors = [s.factor(k) for s in _pipemare_schedulers(trainer)]
+        if factors:
+            metrics["staleness/lr_factor"] = min(factors)
         self.metrics.update(metrics)
         log_to_loggers(trainer, metrics)
 
     # ---- figures --------------------------------------------------------------------------------------------
-    def _metrics(self, table: dict[int, dict[str, float]], has_correction: bool) -> dict[str, float]:
+    def _metrics(self, table: dict[int, dict[str, float]], has_correction: bool,
+                 has_compensation: bool = False) -> dict[str, float]:
         out: dict[str, float] = {}
-        names = ["drift", "delay", "update_norm"] + (["correction_norm"] if has_correction else [])
+        names = (["drift", "delay", "update_norm"] + (["correction_norm"] if has_correction else [])
+                 + (["compensation_ratio"] if has_compensation else []))
         if self.per_stage:
             for s, row in sorted(table.items()):
                 values = _norm_figures(row["drift_sq"], row["weight_sq"], row["delay"], row["update_sq"],
-                                       row["correction_sq"])
+                                       row["correction_sq"], row["compensation_sq"], row["stale_grad_sq"])
                 out.update({f"staleness/stage{s}/{n}": values[n] for n in names})
-        total = {f: sum(row[f] for row in table.values()) for f in ("drift_sq", "weight_sq", "update_sq", "correction_sq")}
+        total = {f: sum(row[f] for row in table.values()) for f in _FIELDS if f != "delay"}
         values = _norm_figures(total["drift_sq"], total["weight_sq"], max(row["delay"] for row in table.values()),
-                               total["update_sq"], total["correction_sq"])
+                               total["update_sq"], total["correction_sq"], total["compensation_sq"],
+                               total["stale_grad_sq"])
         out.update({f"staleness/{n}": values[n] for n in names})
         return out
 
@@ -228,6 +249,23 @@ def _error_feedback_states(optimizers: Sequence[Any]) -> dict[Any, dict]:
     return states
 
 
+def _compensation_norms(optimizers: Sequence[Any]) -> dict[Any, tuple[Tensor, Tensor]]:
+    """``{parameter: (||compensation||^2, ||stale gradient||^2)}`` of the last step of every DelayCompensation,
+    also one wrapped by another correction (``ErrorFeedback(optimizer=DelayCompensation...)``)."""
+    norms: dict[Any, tuple[Tensor, Tensor]] = {}
+    for opt in optimizers:
+        opt = getattr(opt, "optimizer", opt)  # a LightningOptimizer wraps the real one
+        while opt is not None:
+            if isinstance(opt, DelayCompensation):
+                norms.update(opt.last_square_norms)
+            opt = getattr(opt, "wrapped", None)
+    return norms
+
+
+def _pipemare_schedulers(trainer: Trainer) -> list[PipeMareLR]:
+    return [c.scheduler for c in trainer.lr_scheduler_configs if isinstance(c.scheduler, PipeMareLR)]
+
+
 def _wide(t: Tensor) -> Tensor:
     return t.float() if t.dtype in (torch.float16, torch.bfloat16) else t
 
@@ -255,8 +293,10 @@ def _cosine(dot: float, a_sq: float, b_sq: float) -> float:
     return dot / math.sqrt(a_sq * b_sq)
 
 
-def _norm_figures(drift_sq: float, weight_sq: float, delay: float, update_sq: float, correction_sq: float) -> dict:
+def _norm_figures(drift_sq: float, weight_sq: float, delay: float, update_sq: float, correction_sq: float,
+                  compensation_sq: float = 0.0, stale_grad_sq: float = 0.0) -> dict:
     return {
+        "compensation_ratio": math.sqrt(compensation_sq / stale_grad_sq) if stale_grad_sq > 0 else 0.0,
         "drift": math.sqrt(drift_sq / weight_sq) if weight_sq > 0 else 0.0,
         "delay": delay,
         "update_norm": math.sqrt(update_sq),

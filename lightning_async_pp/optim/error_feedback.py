@@ -15,13 +15,14 @@ from typing import Any, Optional
 
 import torch
 from lightning.pytorch.cli import OptimizerCallable
-from torch.optim import Optimizer
+
+from lightning_async_pp.optim.wrapper import OptimizerWrapper, check_coefficient, group_coefficient
 
 #: Key of the correction buffer (``u_{k-1}``) in ``state[p]``, and so in ``state_dict()["state"][i]``.
 PREV_UPDATE = "prev_update"
 
 
-class ErrorFeedback(Optimizer):
+class ErrorFeedback(OptimizerWrapper):
     """Wrap the optimizer that ``optimizer(params)`` builds with the correction ``-c (u_k - u_{k-1})``.
 
     Guarantees:
@@ -54,45 +55,16 @@ class ErrorFeedback(Optimizer):
         _check_coefficient(coefficient, "coefficient")
         if muon_coefficient is not None:
             _check_coefficient(muon_coefficient, "muon_coefficient")
-        wrapped = optimizer(params)
-        if not isinstance(wrapped, Optimizer):
-            raise TypeError(
-                "ErrorFeedback's `optimizer` must build a torch.optim.Optimizer from the parameters, "
-                f"but {optimizer!r} returned {type(wrapped).__qualname__}: {wrapped!r}"
-            )
-        self.wrapped = wrapped
+        super().__init__(params, optimizer)
         self.coefficient = float(coefficient)
         self.muon_coefficient = None if muon_coefficient is None else float(muon_coefficient)
-        # Optimizer.__setstate__ sets up hooks and step profiling without adding groups: the groups are the wrapped ones.
-        Optimizer.__setstate__(self, {"defaults": wrapped.defaults})
         for index, group in enumerate(self.param_groups):  # bad group coefficients fail here, not at the first step
             self.group_coefficient(group, index)
 
     def group_coefficient(self, group: dict[str, Any], index: Optional[int] = None) -> float:
         """The correction coefficient ``c`` of one parameter group (see the class docstring for the order)."""
-        if "coefficient" in group:
-            where = "parameter group" + (f" {index}" if index is not None else "")
-            return _check_coefficient(group["coefficient"], f"coefficient of {where}")
-        if group.get("use_muon") and self.muon_coefficient is not None:
-            return self.muon_coefficient
-        return self.coefficient
-
-    # The wrapped optimizer may replace these objects (torch's load_state_dict does), so always read through.
-    @property  # type: ignore[override]
-    def param_groups(self) -> list[dict[str, Any]]:
-        return self.wrapped.param_groups
-
-    @param_groups.setter
-    def param_groups(self, value: list[dict[str, Any]]) -> None:
-        self.wrapped.param_groups = value
-
-    @property  # type: ignore[override]
-    def state(self) -> Any:
-        return self.wrapped.state
-
-    @state.setter
-    def state(self, value: Any) -> None:
-        self.wrapped.state = value
+        default = self.muon_coefficient if group.get("use_muon") and self.muon_coefficient is not None else self.coefficient
+        return group_coefficient(group, index, default, "ErrorFeedback")
 
     @torch.no_grad()
     def step(self, closure=None):  # type: ignore[override]
@@ -130,28 +102,10 @@ class ErrorFeedback(Optimizer):
         (``shard_optimizer=True``): the buffer then exists only for those parameters."""
         return type(self)(params, optimizer=optimizer, coefficient=self.coefficient, muon_coefficient=self.muon_coefficient)
 
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        self.wrapped.zero_grad(set_to_none=set_to_none)
-
-    def add_param_group(self, param_group: dict[str, Any]) -> None:
-        self.wrapped.add_param_group(param_group)
-
-    def state_dict(self) -> dict[str, Any]:
-        """The wrapped optimizer's state dict; each parameter's entry also holds ``prev_update``."""
-        return self.wrapped.state_dict()
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self.wrapped.load_state_dict(state_dict)
-
-    def __getstate__(self) -> dict[str, Any]:  # keep the wrapped optimizer when pickled or deep-copied
-        return self.__dict__.copy()
-
     def __repr__(self) -> str:
         muon = "" if self.muon_coefficient is None else f", muon_coefficient={self.muon_coefficient}"
         return f"ErrorFeedback(coefficient={self.coefficient}{muon}, optimizer={self.wrapped!r})"
 
 
 def _check_coefficient(value: Any, what: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:  # also rejects NaN
-        raise ValueError(f"ErrorFeedback {what} must be >= 0, got {value!r} (a number; 0 means no correction)")
-    return float(value)
+    return check_coefficient(value, what, "ErrorFeedback")
