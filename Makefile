@@ -24,12 +24,12 @@ $(STAMP_HF5): pyproject.toml
 demo: $(STAMP)
 	$(VENV)/bin/lightning-async-pp fit --config configs/demo.yaml
 
-# The whole suite (transformers 4.x and litgpt), then the transformers adapter's tests (marked `hf`) on 5.x.
+# The transformers adapter's single-process tests (marked `hf`) on 5.x, then the whole suite (4.x and litgpt).
 test: $(STAMP) test-hf5
 	$(PY) -m pytest -q tests
 
 test-hf5: $(STAMP_HF5)
-	$(PY_HF5) -m pytest -q -m hf tests
+	$(PY_HF5) -m pytest -q -m "hf and not multiprocess" tests
 
 # While working: the tests that start no processes and take seconds (unmarked by `multiprocess` and `slow`).
 test-quick: $(STAMP)

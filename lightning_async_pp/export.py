@@ -76,12 +76,17 @@ def export_litgpt(src: str | os.PathLike, out: str | os.PathLike, tokenizer: Opt
     """Write the ``LitGPT`` checkpoint ``src`` as a litgpt checkpoint folder ``out`` (``lit_model.pth``,
     ``model_config.yaml``: what litgpt's ``GPT(Config.from_file(...)).load_state_dict(torch.load(...))`` reads);
     returns the files written."""
-    from litgpt import Config
-    from litgpt.utils import save_config
-
     src, out = os.fspath(src), os.fspath(out)
     checkpoint, state = read_checkpoint(src)
-    config = Config(**adapter_config(checkpoint, src, "--litgpt", "n_embd", "LitGPT"))
+    fields = adapter_config(checkpoint, src, "--litgpt", "n_embd", "LitGPT")  # another model's checkpoint: said first
+    try:
+        from litgpt import Config
+        from litgpt.utils import save_config
+    except ImportError as err:
+        from lightning_async_pp.models.adopted import missing_package
+
+        raise missing_package("litgpt", "litgpt") from err
+    config = Config(**fields)
     extras = run_files(checkpoint, tokenizer)
     _check_out(out)
     torch.save(dict(state), os.path.join(out, LIT_MODEL))
