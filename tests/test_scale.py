@@ -215,6 +215,8 @@ def test_a_plain_lightning_checkpoint_resumes_on_two_replicas_with_a_sharded_opt
     assert max_difference(ranks[0]["state_dict"], full["state_dict"]) < TOL
 
 
+@pytest.mark.multiprocess
+@pytest.mark.slow
 def test_a_sharded_optimizer_checkpoint_resumes_at_the_learning_rate_of_the_next_step_on_any_layout(tmp_path):
     # ExponentialLR derives each learning rate from the group's current one, so a checkpoint must hold the rate
     # the next step uses: with shard_optimizer the local optimizer's groups learn it only inside step(), after
