@@ -177,10 +177,12 @@ class GradientReducer:
                 bucket.buffer.div_(self.size)
         self._used_work.wait()
         self._used_work = None
-        used = self._used.tolist()
+        used = set(self._touched)
+        if any(i not in used for i in self._bucket_of):  # only then read the map (on a GPU, a wait for it)
+            used = {i for i, count in enumerate(self._used.tolist()) if count > 0}
         end = time.perf_counter()
         self.exposed_s = end - start
         self.total_s = end - (self.started if self.started is not None else start)
         self._leaves = []
         # A leaf's .grad is its bucket view, also where this replica added nothing (zero before the all-reduce).
-        return [g if i in self._bucket_of and used[i] > 0 else None for i, g in enumerate(gradients)]
+        return [g if i in self._bucket_of and i in used else None for i, g in enumerate(gradients)]
