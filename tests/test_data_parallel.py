@@ -23,6 +23,9 @@ from lightning_async_pp.pipeline.checkpoint import consolidate
 from lightning_async_pp.pipeline.data_parallel import GradientReducer
 from lightning_async_pp.pipeline.sharding import rebuild
 
+sys.path.insert(0, str(Path(__file__).parent / "scripts"))
+from branch_fit import BranchMLP, run as branch_run  # noqa: E402
+
 
 def concatenated_run(cfg: dict, steps: int, ckpt_path=None, checkpoint_dir=None) -> dict[str, torch.Tensor]:
     """One device; batch k is replica 0's batch k followed by replica 1's (the replicas' shards are rows r::dp)."""
@@ -130,14 +133,11 @@ def test_a_parameter_one_replica_did_not_use_takes_the_mean_gradient_on_every_re
     """An expert that only one replica's rows use: 2 replicas (sharded and not, either replica the user, one bucket
     and one bucket per parameter) train it as one device on both replicas' rows, replicas equal; an expert that no
     row uses gets no gradient anywhere, so AdamW's weight decay leaves it as initialized (as on one device)."""
-    sys.path.insert(0, str(Path(__file__).parent / "scripts"))
-    from branch_fit import BranchMLP, run
-
     cases = [dict(user=0), dict(user=1, bucket_bytes=64), dict(user=0, shard_optimizer=True, bucket_bytes=64),
              dict(user=1, shard_optimizer=True)]
     cfg = dict(devices=2, dp=2, steps=4, batch=4, microbatches=2, cases=cases)
     ranks = script_ranks(Path(__file__).parent / "scripts" / "branch_fit.py", cfg, tmp_path)
-    one_device = {user: run_here_on_one_device(run, dict(cfg, cases=[dict(user=user)]))["cases"][0] for user in (0, 1)}
+    one_device = {user: run_here_on_one_device(branch_run, dict(cfg, cases=[dict(user=user)]))["cases"][0] for user in (0, 1)}
     L.seed_everything(0, verbose=False)
     initial = {k: v.detach().clone() for k, v in BranchMLP().state_dict().items()}
     for i, case in enumerate(cases):
