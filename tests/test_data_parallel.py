@@ -137,7 +137,8 @@ def test_a_parameter_one_replica_did_not_use_takes_the_mean_gradient_on_every_re
              dict(user=1, shard_optimizer=True)]
     cfg = dict(devices=2, dp=2, steps=4, batch=4, microbatches=2, cases=cases)
     ranks = script_ranks(Path(__file__).parent / "scripts" / "branch_fit.py", cfg, tmp_path)
-    one_device = {user: run_here_on_one_device(branch_run, dict(cfg, cases=[dict(user=user)]))["cases"][0] for user in (0, 1)}
+    one_device = {user: run_here_on_one_device(branch_run, dict(cfg, cases=[dict(user=user)]))["cases"][0]
+                  for user in (0, 1)}
     L.seed_everything(0, verbose=False)
     initial = {k: v.detach().clone() for k, v in BranchMLP().state_dict().items()}
     for i, case in enumerate(cases):
