@@ -3,6 +3,8 @@ gradient reduction. Replicas are compared with one device trained on the replica
 from __future__ import annotations
 
 import os
+import sys
+from pathlib import Path
 
 import lightning as L
 import pytest
@@ -10,7 +12,7 @@ import torch
 import torch.distributed as dist
 from helpers import TinyLM, delayed_loop, make_dataset
 from lightning.pytorch.callbacks import ModelCheckpoint
-from pipeline_runs import max_difference, run_multiprocess
+from pipeline_runs import max_difference, run_here_on_one_device, run_multiprocess, script_ranks
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from torch import nn
 from torch.utils.data import DataLoader, Subset
@@ -20,6 +22,9 @@ from lightning_async_pp.optim import ErrorFeedback, Muon
 from lightning_async_pp.pipeline.checkpoint import consolidate
 from lightning_async_pp.pipeline.data_parallel import GradientReducer
 from lightning_async_pp.pipeline.sharding import rebuild
+
+sys.path.insert(0, str(Path(__file__).parent / "scripts"))
+from branch_fit import BranchMLP, run as branch_run  # noqa: E402
 
 
 def concatenated_run(cfg: dict, steps: int, ckpt_path=None, checkpoint_dir=None) -> dict[str, torch.Tensor]:
@@ -121,6 +126,32 @@ def test_sharded_checkpoints_resume_exactly_across_layouts_and_consolidate(tmp_p
             assert tensors[f"optim.0/{name}/{key}"].shape == p.shape, (name, key)
 
 
+# ---- parameters that some replica did not use (MoE experts, data-dependent branches) ---------------------------------
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_a_parameter_one_replica_did_not_use_takes_the_mean_gradient_on_every_replica(tmp_path):
+    """An expert that only one replica's rows use: 2 replicas (sharded and not, either replica the user, one bucket
+    and one bucket per parameter) train it as one device on both replicas' rows, replicas equal; an expert that no
+    row uses gets no gradient anywhere, so AdamW's weight decay leaves it as initialized (as on one device)."""
+    cases = [dict(user=0), dict(user=1, bucket_bytes=64), dict(user=0, shard_optimizer=True, bucket_bytes=64),
+             dict(user=1, shard_optimizer=True)]
+    cfg = dict(devices=2, dp=2, steps=4, batch=4, microbatches=2, cases=cases)
+    ranks = script_ranks(Path(__file__).parent / "scripts" / "branch_fit.py", cfg, tmp_path)
+    one_device = {user: run_here_on_one_device(branch_run, dict(cfg, cases=[dict(user=user)]))["cases"][0]
+                  for user in (0, 1)}
+    L.seed_everything(0, verbose=False)
+    initial = {k: v.detach().clone() for k, v in BranchMLP().state_dict().items()}
+    for i, case in enumerate(cases):
+        replicas = [r["cases"][i] for r in ranks]
+        reference = one_device[case["user"]]
+        assert max_difference(replicas[0], replicas[1]) == 0.0, case
+        assert max_difference(replicas[0], reference) < 1e-6, case
+        expert = "layers.0.expert.weight"
+        assert (reference[expert] - initial[expert]).abs().max() > 1e-3, case  # the expert did train
+        for name in ("layers.0.idle.weight", "layers.0.idle.bias"):
+            assert torch.equal(replicas[0][name], initial[name]) and torch.equal(reference[name], initial[name]), case
+
+
 # ---- rebuilding an optimizer over one replica's share --------------------------------------------------------------
 def test_rebuilt_optimizers_step_like_the_originals_on_their_share_including_empty_groups():
     torch.manual_seed(0)
@@ -160,11 +191,11 @@ def one_rank_group():
         dist.destroy_process_group()
 
 
-def test_gradients_accumulate_in_the_buckets_and_reduce_from_the_last_backward(one_rank_group, monkeypatch):
+def test_gradients_accumulate_in_the_buckets_and_reduce_in_order_from_the_last_backward(one_rank_group, monkeypatch):
     monkeypatch.setattr(GradientReducer, "BUCKET_BYTES", 3 * 3 * 4)  # one 3x3 weight per bucket
     layers = nn.Sequential(nn.Linear(3, 3, bias=False), nn.Linear(3, 3, bias=False), nn.Linear(3, 3, bias=False))
     unused = nn.Parameter(torch.ones(2))
-    params = [*layers.parameters(), unused]
+    params = [unused, *layers.parameters()]
     reducer = GradientReducer(params, one_rank_group, size=2)
     assert [b.indices for b in reducer.buckets] == [[3], [2], [1], [0]]  # reverse order: last layers first
     leaves = [p.detach().clone().requires_grad_() for p in params]
@@ -173,10 +204,10 @@ def test_gradients_accumulate_in_the_buckets_and_reduce_from_the_last_backward(o
     x = torch.randn(5, 3)
 
     def loss(xs, watch=False):
-        h = xs @ leaves[0].T
+        h = xs @ leaves[1].T
         if watch:  # runs once layer 0's output gradient exists: after the later layers' weight gradients
             h.register_hook(lambda g: launched_during_backward.append([b.work is not None for b in reducer.buckets]))
-        for weight in leaves[1:3]:
+        for weight in leaves[2:]:
             h = h @ weight.T
         return h.square().sum()
 
@@ -185,19 +216,39 @@ def test_gradients_accumulate_in_the_buckets_and_reduce_from_the_last_backward(o
     reducer.arm()
     loss(x[2:], watch=True).backward()
     # layers 2 and 1 were reduced while layer 0's backward had still to run; the unused parameter waits for the end
-    assert launched_during_backward == [[False, True, True, False]]
+    assert launched_during_backward == [[True, True, False, False]]
+    assert reducer.buckets[2].work is not None and reducer.buckets[3].work is None
     reducer.launch_rest()
-    reference = [p.detach().clone().requires_grad_() for p in params[:3]]
+    reference = [p.detach().clone().requires_grad_() for p in params[1:]]
     h = x
     for weight in reference:
         h = h @ weight.T
     expected = torch.autograd.grad(h.square().sum(), reference)
     gradients = reducer.finish([leaf.grad for leaf in leaves])
-    for g, e in zip(gradients[:3], expected):
+    for g, e in zip(gradients[1:], expected):
         torch.testing.assert_close(g, e / 2, rtol=1e-6, atol=1e-6)  # the mean over "2 replicas" of one
-    assert gradients[3] is None  # no gradient in the whole step, as without data parallelism
-    for leaf, bucket in zip(leaves[:3], reversed(reducer.buckets[1:])):
+    assert gradients[0] is None  # no replica used it in the whole step: no gradient, as without data parallelism
+    for leaf, bucket in zip(leaves[1:], reversed(reducer.buckets[:3])):
         assert leaf.grad.untyped_storage().data_ptr() == bucket.buffer.untyped_storage().data_ptr()  # in place
+
+
+def test_a_bucket_ready_before_the_ones_ahead_of_it_waits_for_them(one_rank_group, monkeypatch):
+    """Collectives pair up by their order on each rank, and a leaf that one replica's data did not use makes its
+    bucket ready later there: buckets are launched in their fixed order only, on every replica."""
+    monkeypatch.setattr(GradientReducer, "BUCKET_BYTES", 3 * 4)
+    skipped, used = nn.Parameter(torch.ones(3)), nn.Parameter(torch.ones(3))
+    reducer = GradientReducer([used, skipped], one_rank_group, size=2)
+    assert [b.indices for b in reducer.buckets] == [[1], [0]]
+    leaves = [p.detach().clone().requires_grad_() for p in (used, skipped)]
+    reducer.attach(leaves)
+    reducer.arm()
+    (leaves[0] * 2).sum().backward()  # the second bucket is ready, the first (the skipped leaf) is not
+    assert [b.work is not None for b in reducer.buckets] == [False, False]
+    reducer.launch_rest()
+    assert [b.work is not None for b in reducer.buckets] == [True, True]
+    gradients = reducer.finish([leaf.grad for leaf in leaves])
+    torch.testing.assert_close(gradients[0], torch.ones(3))  # 2 / "2 replicas"
+    assert gradients[1] is None
 
 
 # ---- the planner's model of the reduction ---------------------------------------------------------------------------

@@ -215,6 +215,27 @@ def test_a_plain_lightning_checkpoint_resumes_on_two_replicas_with_a_sharded_opt
     assert max_difference(ranks[0]["state_dict"], full["state_dict"]) < TOL
 
 
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_a_sharded_optimizer_checkpoint_resumes_at_the_learning_rate_of_the_next_step_on_any_layout(tmp_path):
+    # ExponentialLR derives each learning rate from the group's current one, so a checkpoint must hold the rate
+    # the next step uses: with shard_optimizer the local optimizer's groups learn it only inside step(), after
+    # the scheduler has moved on. 2 sharded replicas save at step 3 and resume there, and on one device unsharded.
+    cfg = dict(steps=6, lr_gamma=0.5)
+    full, _, _ = run(dict(cfg, batch=16, microbatches=8))
+    sharded = dict(cfg, devices=2, dp=2, strategy_kwargs={"data_parallel_size": 2, "shard_optimizer": True})
+    (tmp_path / "first").mkdir()
+    uninterrupted = multiprocess(dict(sharded, save_every=3, checkpoint_dir=str(tmp_path / "ckpt")), tmp_path / "first")
+    assert max_difference(uninterrupted[0]["state_dict"], full["state_dict"]) < TOL
+    checkpoint = str(tmp_path / "ckpt" / "epoch=0-step=3.ckpt")
+    (tmp_path / "resumed").mkdir()
+    resumed = multiprocess(dict(sharded, resume_from=checkpoint), tmp_path / "resumed")
+    assert max_difference(resumed[0]["state_dict"], full["state_dict"]) < TOL
+    alone, _, trainer = run(dict(cfg, batch=16, microbatches=8, resume_from=checkpoint))
+    assert max_difference(alone["state_dict"], full["state_dict"]) < TOL
+    assert trainer.optimizers[0].param_groups[0]["lr"] == pytest.approx(0.01 * 0.5**6)
+
+
 def written_out(steps: int, version_of) -> dict:
     """The one-device model's updates with the gradient of batch k taken at W_{version_of(k)}, written out."""
     import lightning as L

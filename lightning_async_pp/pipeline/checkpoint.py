@@ -48,6 +48,9 @@ def engine_tensors(engine: Any, module_state: Mapping[str, Tensor], optimizers: 
 
 
 def _optimizer_by_name(optimizer: torch.optim.Optimizer, names: Mapping[int, str], prefix: str) -> dict[str, Any]:
+    # Sharded: the local groups take the exposed groups' settings first (what the next step would use: an LR
+    # scheduler changed the exposed ones after the last step), as ZeroRedundancyOptimizer.consolidate_state_dict.
+    sync_group_settings(optimizer)
     optimizer = local_optimizer(optimizer)  # sharded: only the state this replica holds
     state = optimizer.state_dict()
     name_of = {index: names[id(p)] for saved, group in zip(state["param_groups"], optimizer.param_groups)

@@ -5,7 +5,13 @@ a few flat bucket buffers allocated once (each leaf's ``.grad`` is a view into i
 first backward, and autograd adds into it in place), so the reduction needs no second copy of the gradient. A
 bucket is all-reduced asynchronously as soon as its gradients are final: during the batch's last backward on
 this stage, once each of its leaves has taken its last microbatch's gradient (a post-accumulate hook), else
-right after that backward. :meth:`GradientReducer.finish` waits for them; the engine calls it only when the
+right after that backward. Buckets are launched in one fixed order on every replica (as DDP: a bucket waits for the
+ones before it), since collectives on a group are matched by their order: a parameter that one replica's data
+used and another's did not (an MoE expert, any data-dependent branch) must not reorder them. With the buckets
+goes one small all-reduce of which parameters each replica used, so that the decision "no gradient" is global:
+a parameter some replica used gets the mean (zero from the replicas that did not use it) on every replica, one
+that no replica used gets ``None`` everywhere (DDP with ``find_unused_parameters=True`` does the same).
+:meth:`GradientReducer.finish` waits for them; the engine calls it only when the
 gradient is first needed, in Lightning's ``backward``, so the reduction runs behind the rest of the backward,
 the step's remaining sends and receives, and Lightning's work between ``training_step`` and ``backward``. See
 docs/design.md, "Data parallelism".
@@ -31,6 +37,7 @@ class _Bucket:
     buffer: Tensor
     views: list[Tensor] = field(default_factory=list)
     pending: set[int] = field(default_factory=set)  # leaves not yet final in this step's last backward
+    ready: bool = False  # every leaf final: launched once the buckets before it are
     work: Any = None
 
 
@@ -59,6 +66,11 @@ class GradientReducer:
         if current:
             self._add_bucket(params, current)
         self._bucket_of = {i: b for b in self.buckets for i in b.indices}
+        self._next = 0  # the first bucket of this step not launched yet (they are launched in order)
+        # Which parameters each replica used this step, summed over the replicas (1 where this one did).
+        device = self.buckets[0].buffer.device if self.buckets else torch.device("cpu")
+        self._used = torch.zeros(len(params), dtype=torch.int32, device=device)
+        self._used_work: Any = None
         self._leaves: list[Tensor] = []
         self._hooks: list[Any] = []
         self._touched: set[int] = set()
@@ -79,7 +91,7 @@ class GradientReducer:
 
     @property
     def pending(self) -> bool:
-        return any(b.work is not None for b in self.buckets)
+        return self._used_work is not None or any(b.work is not None for b in self.buckets)
 
     # ---- one step ------------------------------------------------------------------------------------------
     @torch.no_grad()
@@ -90,9 +102,11 @@ class GradientReducer:
         self._touched = set()
         self._armed = False
         self.started = None
+        self._next = 0
         for bucket in self.buckets:
             bucket.buffer.zero_()
             bucket.pending = set(bucket.indices)
+            bucket.ready = False
             for i, view in zip(bucket.indices, bucket.views):
                 self._leaves[i].grad = view
         for i in self._bucket_of:
@@ -105,7 +119,8 @@ class GradientReducer:
                 bucket = self._bucket_of[i]
                 bucket.pending.discard(i)
                 if not bucket.pending:
-                    self._launch(bucket)
+                    bucket.ready = True
+                    self._launch_ready()
         return accumulated
 
     def accumulated_outside_autograd(self, leaves: Sequence[Tensor]) -> None:
@@ -123,23 +138,35 @@ class GradientReducer:
         self._armed = True
 
     def launch_rest(self) -> None:
-        """After the last backward: launch every bucket not launched yet (leaves that took no gradient then)."""
+        """After the last backward: launch every bucket not launched yet (leaves that took no gradient then), then
+        the exchange of which parameters each replica used (complete only now)."""
         for handle in self._hooks:
             handle.remove()
         self._hooks = []
+        if not self.buckets:
+            return
         for bucket in self.buckets:
-            if bucket.work is None:
-                self._launch(bucket)
+            bucket.ready = True
+        self._launch_ready()
+        used = [i in self._touched for i in range(len(self._used))]
+        self._used.copy_(torch.tensor(used, dtype=torch.int32))
+        self._used_work = dist.all_reduce(self._used, group=self.group, async_op=True)
 
-    def _launch(self, bucket: _Bucket) -> None:
-        if self.started is None:
-            self.started = time.perf_counter()
-        bucket.work = dist.all_reduce(bucket.buffer, group=self.group, async_op=True)
+    def _launch_ready(self) -> None:
+        # In bucket order only: collectives on a group pair up by their order on each rank, and a bucket whose
+        # leaf one replica did not use becomes ready later there than on the others.
+        while self._next < len(self.buckets) and self.buckets[self._next].ready:
+            bucket = self.buckets[self._next]
+            if self.started is None:
+                self.started = time.perf_counter()
+            bucket.work = dist.all_reduce(bucket.buffer, group=self.group, async_op=True)
+            self._next += 1
 
     def finish(self, gradients: list[Optional[Tensor]]) -> list[Optional[Tensor]]:
         """Wait for every bucket and divide by the number of replicas. Returns ``gradients`` (the leaves'
-        ``.grad``, one per parameter) with ``None`` for a leaf that took no gradient in the whole step, as
-        without data parallelism."""
+        ``.grad``, one per parameter): the mean over the replicas for a parameter that any replica used in this
+        step (also where this one did not), ``None`` on every replica for one that none used, as with one
+        pipeline."""
         if not self.pending:
             return gradients
         start = time.perf_counter()
@@ -148,8 +175,14 @@ class GradientReducer:
                 bucket.work.wait()
                 bucket.work = None
                 bucket.buffer.div_(self.size)
+        self._used_work.wait()
+        self._used_work = None
+        used = set(self._touched)
+        if any(i not in used for i in self._bucket_of):  # only then read the map (on a GPU, a wait for it)
+            used = {i for i, count in enumerate(self._used.tolist()) if count > 0}
         end = time.perf_counter()
         self.exposed_s = end - start
         self.total_s = end - (self.started if self.started is not None else start)
         self._leaves = []
-        return [g if i in self._touched else None for i, g in enumerate(gradients)]
+        # A leaf's .grad is its bucket view, also where this replica added nothing (zero before the all-reduce).
+        return [g if i in self._bucket_of and i in used else None for i, g in enumerate(gradients)]

@@ -96,8 +96,10 @@ def local_optimizer(optimizer: Optimizer) -> Optimizer:
 
 
 def sync_group_settings(optimizer: Optimizer) -> None:
-    """After a checkpoint was loaded: the exposed groups' settings to the local optimizer's groups (ZeRO does the
-    same before every step; done here so that the local optimizer is complete at once)."""
+    """The exposed groups' settings to the local optimizer's groups. ZeRO does it only before every step, so after
+    a step the local groups hold the settings of the step just taken, not those an LR scheduler has set since:
+    done before a checkpoint is written (it must hold the settings of the next step) and after one was loaded
+    (so that the local optimizer is complete at once)."""
     if isinstance(optimizer, ZeroRedundancyOptimizer):
         for src, dst in zip(optimizer.param_groups, optimizer.optim.param_groups):
             dst.update({k: v for k, v in src.items() if k != "params"})

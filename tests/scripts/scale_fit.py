@@ -7,13 +7,13 @@ setup (its materialized parameters, the names left on the meta device) and, on r
 
 Config keys: model ("mlp" | "llama"), steps, batch, microbatches, schedule, strategy_kwargs, devices, seed,
 checkpoint_dir + save_every (a checkpoint every that many steps, all kept), resume_from, dp (data-parallel
-replicas, for the data split).
+replicas, for the data split), lr_gamma (the mlp's learning rate times this after every update: ExponentialLR).
 """
 from __future__ import annotations
 
 import os
 import sys
-from typing import Any
+from typing import Any, Optional
 
 import lightning as L
 import torch
@@ -32,9 +32,10 @@ SAMPLES = 64
 class ConfiguredMLP(PipelineModule):
     """A regression MLP whose layers are created in ``configure_model`` (initialized by ``init_layer``'s default)."""
 
-    def __init__(self, width: int = 8, depth: int = 4) -> None:
+    def __init__(self, width: int = 8, depth: int = 4, lr_gamma: Optional[float] = None) -> None:
         super().__init__()
         self.width, self.depth = width, depth
+        self.lr_gamma = lr_gamma  # an ExponentialLR stepped every update: each learning rate derived from the last
         self.layers = None
 
     def configure_model(self) -> None:
@@ -51,14 +52,18 @@ class ConfiguredMLP(PipelineModule):
         return ((output - batch[1]) ** 2).mean()
 
     def configure_optimizers(self):
-        return torch.optim.AdamW(self.parameters(), lr=0.01, weight_decay=0.1)
+        optimizer = torch.optim.AdamW(self.parameters(), lr=0.01, weight_decay=0.1)
+        if self.lr_gamma is None:
+            return optimizer
+        schedule = torch.optim.lr_scheduler.ExponentialLR(optimizer, gamma=self.lr_gamma)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
 
 
 def build_model(cfg: dict) -> PipelineModule:
     if cfg.get("model", "mlp") == "llama":
         return Llama("tiny", vocab_size=32, hidden_size=16, num_layers=2, num_heads=2, num_kv_heads=1,
                      intermediate_size=24, lr=0.01, init_seed=cfg.get("seed", 0))
-    return ConfiguredMLP()
+    return ConfiguredMLP(lr_gamma=cfg.get("lr_gamma"))
 
 
 def build_loader(cfg: dict) -> ResumableLoader:
