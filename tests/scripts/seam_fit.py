@@ -15,6 +15,8 @@ Config keys (all optional but ``steps`` or ``max_epochs``):
     eval_data: the same, for validate/test/predict after fit
     after: ["validate", "test", "predict"], in that order
     seed: L.seed_everything(seed) before anything else;  rng_per_rank: each process's global RNG differs
+    clip, clip_algorithm: Trainer(gradient_clip_val=..., gradient_clip_algorithm=...)
+    cases: {name: config}: several runs in one launch (run_cases), each result under its name
     schedule, microbatches, partition, timeout, strategy_kwargs, use_distributed_sampler (left at
     Lightning's default unless given), steps, max_epochs, save_every + checkpoint_dir, resume_from,
     val_every (validation on a fixed loader every that many training batches, its losses recorded)
@@ -90,8 +92,42 @@ class SeamHooks:
             self.val_losses.append(float(self.trainer.callback_metrics["val_loss"]))
 
 
-class SeamTinyLM(SeamHooks, TinyLM):
-    """helpers.TinyLM (regression MLP, ``width``/``depth``/``optimizer``) with the recording hooks."""
+class ClippingChoices:
+    """Mixin: the ways besides ``Trainer(gradient_clip_val=...)`` that Lightning offers to clip, by ``clipping``:
+    ``{"how": "override", "val": c}``: ``configure_gradient_clipping`` clips by norm ``c`` itself;
+    ``{"how": "skip"}``: ``configure_gradient_clipping`` does nothing (the Trainer's value is ignored);
+    ``{"how": "manual", "val": c}``: manual optimization, ``self.clip_gradients`` by norm ``c`` before the step.
+    """
+
+    def __init__(self, *args: Any, clipping: Optional[dict] = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.clipping = dict(clipping or {})
+        self.automatic_optimization = self.clipping.get("how") != "manual"
+
+    def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None) -> None:
+        how = self.clipping.get("how")
+        if how == "skip":
+            return
+        if how == "override":
+            self.clip_gradients(optimizer, gradient_clip_val=self.clipping["val"], gradient_clip_algorithm="norm")
+            return
+        super().configure_gradient_clipping(optimizer, gradient_clip_val, gradient_clip_algorithm)
+
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        if self.automatic_optimization:
+            return super().training_step(batch, batch_idx)
+        optimizer = self.optimizers()
+        optimizer.zero_grad()
+        loss = self._loss(batch, batch_idx)
+        self.manual_backward(loss)
+        self.clip_gradients(optimizer, gradient_clip_val=self.clipping["val"], gradient_clip_algorithm="norm")
+        optimizer.step()
+        return loss
+
+
+class SeamTinyLM(SeamHooks, ClippingChoices, TinyLM):
+    """helpers.TinyLM (regression MLP, ``width``/``depth``/``optimizer``/``dropout``) with the recording hooks and
+    the clipping choices."""
 
 
 class TiedLM(SeamHooks, PipelineModule):
@@ -210,7 +246,8 @@ def build_trainer(cfg: dict, devices: int, strategy: bool = True) -> L.Trainer:
         accelerator="cpu", devices=devices, max_steps=cfg.get("steps", -1), max_epochs=cfg.get("max_epochs"),
         logger=False, enable_checkpointing=bool(callbacks), callbacks=callbacks, enable_progress_bar=False,
         enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=cfg.get("val_batches", 1.0),
-        val_check_interval=cfg.get("val_every"),
+        val_check_interval=cfg.get("val_every"), gradient_clip_val=cfg.get("clip"),
+        gradient_clip_algorithm=cfg.get("clip_algorithm"),
     )
     if strategy:
         kwargs["strategy"] = build_strategy(cfg)
@@ -278,8 +315,19 @@ def run(cfg: dict, devices: int, strategy: bool = True) -> tuple[dict, PipelineM
     return result, model, trainer
 
 
+def run_cases(cfg: dict, devices: int, strategy: bool = True) -> tuple[dict, PipelineModule, L.Trainer]:
+    """``cfg["cases"]`` (name -> config) run one after another in the same processes (one launch for several
+    runs); the result maps each name to what ``run`` returned. Without "cases": ``run(cfg)``."""
+    if "cases" not in cfg:
+        return run(cfg, devices, strategy)
+    results: dict[str, Any] = {}
+    for name, case in cfg["cases"].items():
+        results[name], model, trainer = run(case, devices, strategy)
+    return {"rank": trainer.global_rank, "cases": results}, model, trainer
+
+
 def main() -> None:
-    script_main(run)
+    script_main(run_cases)
 
 
 if __name__ == "__main__":
