@@ -72,28 +72,23 @@ def combinations(seed: int, count: int) -> list[dict]:
     return out
 
 
-class ComboModule(seam_fit.SeamTinyLM):
-    """The trained module: TinyLM with the combination's clipping choice, dropout and LR scheduler interval."""
-
-    def __init__(self, combo: dict) -> None:
-        super().__init__(optimizer=combo["optimizer"], dropout=combo["dropout"], seed=MODEL_SEED,
-                         clipping=CLIPPING[combo["clipping"]][0])
-        self.scheduler_interval = combo["scheduler"]
-
-    def configure_optimizers(self):
-        optimizer = super().configure_optimizers()
-        if self.scheduler_interval is None:
-            return optimizer
-        schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda k: 1.0 / (1.0 + k))
-        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": self.scheduler_interval}}
+def model_kwargs(combo: dict) -> dict:
+    """The trained module's arguments: seam_fit.ScheduledTinyLM with the combination's clipping choice, dropout
+    and LR scheduler interval."""
+    return dict(optimizer=combo["optimizer"], dropout=combo["dropout"], seed=MODEL_SEED,
+                clipping=CLIPPING[combo["clipping"]][0], scheduler_interval=combo["scheduler"])
 
 
-class WrittenOutPipeline(ComboModule):
+def ComboModule(combo: dict) -> seam_fit.ScheduledTinyLM:  # noqa: N802 - builds the module like a class would
+    return seam_fit.ScheduledTinyLM(**model_kwargs(combo))
+
+
+class WrittenOutPipeline(seam_fit.ScheduledTinyLM):
     """The reference for plain Lightning: microbatches, per-(stage, batch, microbatch) streams and 2BW's version
     rule, written out (see the module docstring)."""
 
     def __init__(self, combo: dict) -> None:
-        super().__init__(combo)
+        super().__init__(**model_kwargs(combo))
         self.delay = 1 if combo["schedule"] == "2bw" else 0
         layers = list(self.pipeline_layers())
         half = len(layers) // combo["stages"]
@@ -198,6 +193,35 @@ def test_drawn_combinations_of_lightning_options_on_one_device_equal_plain_light
     failures = []
     for i, combo in enumerate(combinations(seed=25, count=8)):
         failure = compare(combo, pipeline_run(combo, tmp_path / str(i)), reference_run(combo))
+        if failure:
+            failures.append(failure)
+    assert not failures, "\n".join(failures)
+
+
+def seam_config(combo: dict) -> dict:
+    """The combination as a scripts/seam_fit.py config on 2 stages (its validation loader, its data)."""
+    clip = CLIPPING[combo["clipping"]][1] or {}
+    return dict(
+        model=dict(name="scheduled", **model_kwargs(combo)), schedule=combo["schedule"], steps=STEPS,
+        data={"samples": 64, "batch": 8}, microbatches=MICROBATCHES, partition=[2, 2],
+        strategy_kwargs={"activation_checkpointing": combo["activation_checkpointing"]},
+        sanity_steps=combo["sanity_steps"], limit_train_batches=combo["limit_train_batches"],
+        val_every=combo["val_check_interval"], val_batches=2, clip=clip.get("gradient_clip_val"),
+        clip_algorithm=clip.get("gradient_clip_algorithm"), use_distributed_sampler=False,
+    )
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_drawn_combinations_on_two_processes_equal_one_device(tmp_path):
+    # A smaller sample (no resume: resuming across processes is covered in test_lightning_seam.py), in one launch.
+    combos = [dict(c, stages=2, resume=False) for c in combinations(seed=2025, count=3)]
+    cases = {f"combo{i}": seam_config(c) for i, c in enumerate(combos)}
+    multi = seam_results({"cases": cases}, tmp_path)[0]["cases"]
+    failures = []
+    for (name, cfg), combo in zip(cases.items(), combos):
+        one = seam_fit.run(dict(cfg, strategy_kwargs=dict(cfg["strategy_kwargs"], num_stages=2)), devices=1)[0]
+        failure = compare(combo, multi[name], one)
         if failure:
             failures.append(failure)
     assert not failures, "\n".join(failures)

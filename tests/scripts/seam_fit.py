@@ -19,7 +19,8 @@ Config keys (all optional but ``steps`` or ``max_epochs``):
     cases: {name: config}: several runs in one launch (run_cases), each result under its name
     schedule, microbatches, partition, timeout, strategy_kwargs, use_distributed_sampler (left at
     Lightning's default unless given), steps, max_epochs, save_every + checkpoint_dir, resume_from,
-    val_every (validation on a fixed loader every that many training batches, its losses recorded)
+    val_every (validation on a fixed loader every that many training batches, its losses recorded; given as None:
+    at epoch ends), sanity_steps, limit_train_batches
 """
 from __future__ import annotations
 
@@ -130,6 +131,22 @@ class SeamTinyLM(SeamHooks, ClippingChoices, TinyLM):
     the clipping choices."""
 
 
+class ScheduledTinyLM(SeamTinyLM):
+    """SeamTinyLM with a LambdaLR schedule (``1 / (1 + k)``) stepped every ``scheduler_interval`` ("step" or
+    "epoch"; ``None``: no schedule)."""
+
+    def __init__(self, scheduler_interval: Optional[str] = None, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.scheduler_interval = scheduler_interval
+
+    def configure_optimizers(self):
+        optimizer = super().configure_optimizers()
+        if self.scheduler_interval is None:
+            return optimizer
+        schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda k: 1.0 / (1.0 + k))
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": self.scheduler_interval}}
+
+
 class TiedLM(SeamHooks, PipelineModule):
     """Embedding -> block -> block -> head, the head's weight IS the embedding's (``head.weight = embed.weight``)."""
 
@@ -195,7 +212,7 @@ class DictLM(SeamHooks, PipelineModule):
         return torch.optim.AdamW(self.parameters(), lr=0.01, weight_decay=0.1)
 
 
-MODELS = {"tiny": SeamTinyLM, "tied": TiedLM, "dict": DictLM}
+MODELS = {"tiny": SeamTinyLM, "tied": TiedLM, "dict": DictLM, "scheduled": ScheduledTinyLM}
 
 
 def build_model(cfg: dict) -> PipelineModule:
@@ -245,7 +262,8 @@ def build_trainer(cfg: dict, devices: int, strategy: bool = True) -> L.Trainer:
     kwargs = dict(
         accelerator="cpu", devices=devices, max_steps=cfg.get("steps", -1), max_epochs=cfg.get("max_epochs"),
         logger=False, enable_checkpointing=bool(callbacks), callbacks=callbacks, enable_progress_bar=False,
-        enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=cfg.get("val_batches", 1.0),
+        enable_model_summary=False, num_sanity_val_steps=cfg.get("sanity_steps", 0),
+        limit_val_batches=cfg.get("val_batches", 1.0), limit_train_batches=cfg.get("limit_train_batches"),
         val_check_interval=cfg.get("val_every"), gradient_clip_val=cfg.get("clip"),
         gradient_clip_algorithm=cfg.get("clip_algorithm"),
     )
@@ -290,7 +308,7 @@ def run(cfg: dict, devices: int, strategy: bool = True) -> tuple[dict, PipelineM
         # No seed: each process's global RNG is in its own state, as after seeding from the clock.
         torch.manual_seed(1000 + 17 * int(os.environ.get("LOCAL_RANK", 0)))
     trainer = build_trainer(cfg, devices, strategy)
-    val_loader = build_loader(cfg, {"kind": "seq", "samples": 32, "batch": 16}) if cfg.get("val_every") else None
+    val_loader = build_loader(cfg, {"kind": "seq", "samples": 32, "batch": 16}) if "val_every" in cfg else None
     trainer.fit(model, loader, val_loader, ckpt_path=cfg.get("resume_from"))
     result: dict[str, Any] = {"rank": trainer.global_rank, "calls": model.calls, "seen_batches": model.seen_batches,
                               "global_step": trainer.global_step, "losses": model.losses, "val_losses": model.val_losses}
