@@ -14,7 +14,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from torch import nn
 
 sys.path.insert(0, str(Path(__file__).parent / "scripts"))
 import seam_fit  # noqa: E402

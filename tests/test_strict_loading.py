@@ -49,7 +49,8 @@ def resume(model, checkpoint: Path, pipeline: bool) -> dict:
     return state(model)
 
 
-@pytest.mark.parametrize("saved_with_marker", [False, True], ids=["checkpoint_lacks_a_key", "checkpoint_has_an_extra_key"])
+@pytest.mark.parametrize("saved_with_marker", [False, True],
+                         ids=["checkpoint_lacks_a_key", "checkpoint_has_an_extra_key"])
 def test_strict_loading_false_resumes_as_plain_lightning_and_true_refuses(tmp_path, saved_with_marker):
     saved, loading = (marked, unmarked) if saved_with_marker else (unmarked, marked)
     ours_ckpt, plain_ckpt = save(saved(), tmp_path / "ours", True), save(saved(), tmp_path / "plain", False)

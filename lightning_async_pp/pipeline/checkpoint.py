@@ -168,7 +168,8 @@ def needed_keys(engine: Any, module_state_names: Iterable[str], source: TensorSo
     return sorted(k for k in keys if k in source.shapes)
 
 
-def load_engine(engine: Any, module: nn.Module, tensors: Mapping[str, Any], num_updates: int, strict: bool = True) -> None:
+def load_engine(engine: Any, module: nn.Module, tensors: Mapping[str, Any], num_updates: int,
+                strict: bool = True) -> None:
     """Load the module state and every held weight version of this process's stages.
 
     A version the checkpoint lacks (it was saved with a smaller delay: 1f1b -> 2bw) is the newest one: the delay

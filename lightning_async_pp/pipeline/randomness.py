@@ -37,7 +37,8 @@ class ForwardRandomness:
 
     def __init__(self, base: int, device: torch.device, replica: int = 0) -> None:
         self.base, self.replica = int(base), int(replica)
-        self.cuda = [device.index if device.index is not None else torch.cuda.current_device()] if device.type == "cuda" else []
+        index = device.index if device.index is not None or device.type != "cuda" else torch.cuda.current_device()
+        self.cuda = [index] if device.type == "cuda" else []
 
     @contextmanager
     def forward(self, stage: int, batch: int, microbatch: int, phase: int = TRAIN) -> Iterator[None]:

@@ -146,8 +146,9 @@ class PipelineRuntime:
         # Per stage, its persistent buffers and their values before the lookahead's first forward of the next
         # batch (BatchNorm statistics, say): what they are for the batches trained so far.
         self._trained_buffers: dict[int, list[tuple[torch.nn.Module, str, Tensor]]] = {}
-        # Every forward draws from its own seeded stream (pipeline/randomness.py); evaluations are counted to key theirs.
-        self.randomness = randomness if randomness is not None else ForwardRandomness(torch.initial_seed(), torch.device("cpu"))
+        # Every forward draws from its own seeded stream (pipeline/randomness.py); evaluations are counted to key
+        # theirs.
+        self.randomness = randomness or ForwardRandomness(torch.initial_seed(), torch.device("cpu"))
         self._evaluations = 0
         if link is not None:
             link.recorder = self._record_wait
