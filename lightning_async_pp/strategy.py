@@ -282,6 +282,11 @@ class AsyncPipelineStrategy(PipelineStateHooks, DDPStrategy):
                 self.optimizers = shard_optimizers(self.optimizers, self.engine.dp_group)  # ZeRO-1 per stage
             _optimizers_to_device(self.optimizers, self.root_device)
         self.setup_precision_plugin()
+        # Every clipping by norm that Lightning offers (Trainer(gradient_clip_val=...), configure_gradient_clipping,
+        # self.clip_gradients, automatic or manual) ends in the precision plugin's clip_grad_by_norm, which would
+        # take each stage's own norm: this plugin instance takes the norm over every stage instead (as Lightning's
+        # FSDPPrecision replaces the method for sharded parameters). Clipping by value is elementwise: unchanged.
+        self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_norm  # type: ignore[method-assign]
         if self.is_multiprocess:
             # A stage that stops makes its neighbours stop through the pipeline's own failure handling, so a
             # local check replaces Lightning's per-step broadcast (a barrier across all stages).
@@ -393,17 +398,21 @@ class AsyncPipelineStrategy(PipelineStateHooks, DDPStrategy):
         closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
         for p, g in zip(engine.params, engine.gradients):
             p.grad = g
-        clip = module.trainer.gradient_clip_val
-        if clip and module.trainer.gradient_clip_algorithm in (None, "norm"):
-            # Global-norm clipping needs the norm over every stage; Lightning's own (per-stage) clipping that
-            # follows then sees a norm within the bound. Clipping by value is elementwise: local is exact.
-            engine.clip_gradients_across_stages(float(clip))
+        # Clipping is Lightning's to call, after this (configure_gradient_clipping, self.clip_gradients); by norm
+        # it reaches _clip_grad_by_norm, which takes the norm over every stage.
         # From here the optimizer writes W_{k+1} into the other slot; the stash W_k stays for batch k+1.
         engine.prepare_update()
         self._update_started = time.perf_counter()
         closure_loss = self.precision_plugin.post_backward(closure_loss, module)
         self.post_backward(closure_loss)
         return closure_loss
+
+    def _clip_grad_by_norm(self, optimizer: Any, clip_val: float) -> None:
+        """The precision plugin's ``clip_grad_by_norm`` here: the norm of ``optimizer``'s gradients over every stage
+        (tied copies once), so one device, p processes and plain Lightning clip alike."""
+        assert self.engine is not None
+        with self._reporting_failures():
+            self.engine.clip_grad_norm(list(self.precision_plugin.main_params(optimizer)), float(clip_val))
 
     def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
         output = super().optimizer_step(optimizer, closure, model, **kwargs)
@@ -453,6 +462,7 @@ class AsyncPipelineStrategy(PipelineStateHooks, DDPStrategy):
             replace_meta_tensors(module, lambda t: torch.empty((), dtype=t.dtype).expand(t.shape))
         self._train_loader = None
         self._lookahead = None
+        self.precision_plugin.__dict__.pop("clip_grad_by_norm", None)  # the plugin's own method again
         super().teardown()
 
 

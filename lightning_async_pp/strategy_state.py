@@ -89,13 +89,14 @@ class PipelineStateHooks:
         if source is None:  # a checkpoint dict handed over without load_checkpoint
             source = self._source = ckpt.file_source(checkpoint)
         own = module.state_dict()
-        ckpt.check_model_fits(engine, own, source, not self.is_multiprocess, check_names_and_shapes)
+        # strict is the module's strict_loading (Lightning's checkpoint connector passes it).
+        ckpt.check_model_fits(engine, own, source, not self.is_multiprocess, check_names_and_shapes, strict)
         owned = ckpt.owned_parameters(self.optimizers, engine.global_names)
         tensors = source.read(ckpt.needed_keys(engine, own, source, owned))
         # A plain Lightning checkpoint counts its updates in the loop's state: sync_from_step counts from the start.
         num_updates = (checkpoint["async_pipeline"].get("num_updates", 0) if "async_pipeline" in checkpoint
                        else _lightning.batches_trained(checkpoint))
-        ckpt.load_engine(engine, module, tensors, num_updates)
+        ckpt.load_engine(engine, module, tensors, num_updates, strict)
         # Keep only what load_optimizer_state_dict will take (nothing outside fit), not a second copy of the model.
         fitting = module.trainer.state.fn == TrainerFn.FITTING
         self._tensors = {k: v for k, v in tensors.items() if k.startswith(ckpt.OPTIM)} if fitting else {}

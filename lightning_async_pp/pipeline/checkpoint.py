@@ -143,12 +143,16 @@ def model_key(engine: Any, name: str) -> str:
 
 
 def check_model_fits(engine: Any, module_state: Mapping[str, Tensor], source: TensorSource, whole_model: bool,
-                     check: Callable[[dict, dict, str], None]) -> None:
+                     check: Callable[[dict, dict, str], None], strict: bool = True) -> None:
     """Names and shapes of the module state against the checkpoint's (all of them when this process holds the
-    whole model, else those of its own stage)."""
+    whole model, else those of its own stage). Not ``strict``: only the shapes of the names both have, as
+    ``Module.load_state_dict(strict=False)`` (missing and unexpected names are left out)."""
     expected = {engine.aliases.get(n, n): tuple(t.shape) for n, t in module_state.items()}
     found = {k[len(MODEL):]: tuple(shape[0]) for k, shape in source.shapes.items()
              if k.startswith(MODEL) and shape is not None and (whole_model or k[len(MODEL):] in expected)}
+    if not strict:
+        expected = {n: shape for n, shape in expected.items() if n in found}
+        found = {n: shape for n, shape in found.items() if n in expected}
     check(expected, found, "the model's state_dict")
 
 
@@ -167,17 +171,21 @@ def needed_keys(engine: Any, module_state_names: Iterable[str], source: TensorSo
     return sorted(k for k in keys if k in source.shapes)
 
 
-def load_engine(engine: Any, module: nn.Module, tensors: Mapping[str, Any], num_updates: int) -> None:
+def load_engine(engine: Any, module: nn.Module, tensors: Mapping[str, Any], num_updates: int,
+                strict: bool = True) -> None:
     """Load the module state and every held weight version of this process's stages.
 
     A version the checkpoint lacks (it was saved with a smaller delay: 1f1b -> 2bw) is the newest one: the delay
     starts from the loaded weights, as at the first update of a run. A checkpoint with a larger delay than this
-    run (2bw -> 1f1b) continues from its newest weights.
+    run (2bw -> 1f1b) continues from its newest weights. Not ``strict``: a parameter or buffer the checkpoint lacks
+    keeps its present value (in every version), as ``Module.load_state_dict(strict=False)`` keeps it.
     """
-    module.load_state_dict({n: tensors[model_key(engine, n)] for n in module.state_dict()})
+    names = [n for n in module.state_dict() if strict or model_key(engine, n) in tensors]
+    module.load_state_dict({n: tensors[model_key(engine, n)] for n in names}, strict=strict)
     stages: dict[str, Any] = {}
     for view in engine.stats.stages:
-        newest = {n: tensors[MODEL + n] for n in view.param_names}
+        newest = {n: tensors[MODEL + n] if strict or MODEL + n in tensors else p.detach().clone()
+                  for n, p in zip(view.param_names, view.params)}
         versions = {num_updates: newest}
         for o in range(1, min(view.delay, num_updates) + 1):
             versions[num_updates - o] = {n: tensors.get(f"{STASH}{o}.{n}", newest[n]) for n in view.param_names}

@@ -35,6 +35,7 @@ from lightning_async_pp.pipeline.placement import (
     remove_other_stages,
     restore_layers,
 )
+from lightning_async_pp.pipeline.randomness import ForwardRandomness
 from lightning_async_pp.pipeline.runtime import PipelineRuntime, Span, StepTimes
 from lightning_async_pp.pipeline.stage import Stage
 from lightning_async_pp.pipeline.topology import PipelineTopology
@@ -106,7 +107,7 @@ class PipelineEngine:
                  metrics_fn: Optional[Callable[[], dict[str, Tensor]]] = None) -> None:
         self.config = config
         self.root, self.layers, self.paths = root, list(layers), list(paths)
-        self.world_size, self.rank = world_size, rank
+        self.world_size, self.rank, self.device = world_size, rank, device
         self.is_multiprocess = world_size > 1
         self.num_stages = config.stages_for(world_size)
         self.num_microbatches = config.microbatches_for(self.num_stages)
@@ -159,6 +160,12 @@ class PipelineEngine:
                         f"a parameter of shape {tuple(tie.param.shape)} is tied across stages {tie.stages} whose delays "
                         f"differ ({[delays[s] for s in tie.stages]}); tied copies must use one weight version"
                     )
+        # Each forward draws from a stream seeded by the run's seed and its own (stage, replica, batch, microbatch):
+        # rank 0's seed on every process, so p processes draw as one device does (pipeline/randomness.py).
+        base = [torch.initial_seed()]
+        if self.is_multiprocess:
+            dist.broadcast_object_list(base, src=0)
+        self.randomness = ForwardRandomness(base[0], device, replica=self.topology.dp_rank if self.topology else 0)
         self._local, self._delays, self._link = local, delays, link
         self._dp_group = dp_group if self.is_multiprocess else None
         self._loss_group = loss_group
@@ -214,17 +221,17 @@ class PipelineEngine:
             pipeline_ranks=self.topology.pipeline_ranks if self.topology else [0],
             dp_group=self._dp_group, dp_size=self.config.data_parallel_size, check_batches=self.config.check_batches,
             loss_group=self._loss_group, metric_names=self._metric_names, metrics_fn=self._metrics_fn,
+            randomness=self.randomness,
         )
         names = self.global_names
         self.stage_views = [StageView(st.index, st.versions.delay, tuple(names[id(p)] for p in st.params), st)
                             for st in self.stages]
         self.stats = PipelineStats(self)
-        # Where each tied parameter sits among this process's gradients, and which parameters this stage counts
-        # in a global norm (a tied one only on its first stage): fixed once the stages exist.
+        # Where each tied parameter sits among this process's gradients, and the parameters another stage counts
+        # in a global norm (a tied one only on the stage that owns it): fixed once the stages exist.
         index = {id(p): i for i, p in enumerate(self.params)}
         self._tied_slots = [(index[id(tie.param)], tie, group) for tie, group in self._tie_groups]
-        counted_elsewhere = {id(t.param) for t in self.ties if self.topology and t.owner != self.topology.stage}
-        self._counted_in_norm = [id(p) not in counted_elsewhere for p in self.params]
+        self._counted_elsewhere = {id(t.param) for t in self.ties if self.topology and t.owner != self.topology.stage}
         return self
 
     @classmethod
@@ -370,22 +377,27 @@ class PipelineEngine:
         self.runtime.gradients = [None] * len(self.runtime.gradients)
 
     @torch.no_grad()
-    def clip_gradients_across_stages(self, max_norm: float) -> None:
-        """Scale the gradients by the factor global-norm clipping would apply over the whole model.
+    def clip_grad_norm(self, params: Sequence[Tensor], max_norm: float) -> Tensor:
+        """Global-norm clipping of the ``.grad`` of ``params`` (one optimizer's, on this process) by their norm over
+        every stage of the pipeline, as ``torch.nn.utils.clip_grad_norm_`` would clip the whole model's; returns
+        that norm.
 
-        Each stage adds its squared norm (a tied parameter counted on its first stage only); the sum goes round
-        the pipeline's stages in one scalar all-reduce.
+        Each stage adds its squared norm (a parameter tied across stages counted on the stage that owns it); the
+        sum goes round the pipeline's stages in one scalar all-reduce, so every stage calls this for the same
+        optimizers at the same step. Data-parallel replicas hold the same (averaged, whole) gradient: no reduction
+        across them. Scaling is torch's ``clip_grads_with_norm_``.
         """
-        if self.pipeline_group is None:
-            return
-        grads = [g for g in self.gradients if g is not None]
-        own = [g for g, counted in zip(self.gradients, self._counted_in_norm) if g is not None and counted]
-        device = grads[0].device if grads else torch.device("cpu")
-        sq = torch.stack([g.detach().float().pow(2).sum() for g in own]).sum() if own else torch.zeros((), device=device)
-        dist.all_reduce(sq, group=self.pipeline_group)
-        coef = torch.clamp(max_norm / (sq.sqrt() + 1e-6), max=1.0)
-        for g in grads:
-            g.mul_(coef.to(g.dtype))
+        params = [p for p in params if p.grad is not None]
+        counted = [p.grad for p in params if id(p) not in self._counted_elsewhere]
+        device = params[0].grad.device if params else self.device
+        sq = (torch.stack([torch.linalg.vector_norm(g.detach(), dtype=torch.float32) ** 2 for g in counted]).sum()
+              if counted else torch.zeros((), device=device))
+        if self.pipeline_group is not None:
+            dist.all_reduce(sq, group=self.pipeline_group)
+        total = sq.sqrt()
+        if params:
+            torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+        return total
 
     # ---- evaluation and prediction --------------------------------------------------------------------------
     def evaluate(self, batch: Any) -> Tensor:

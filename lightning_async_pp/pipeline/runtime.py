@@ -29,6 +29,7 @@ from lightning_async_pp.pipeline.backward import PendingWeightGradient, backward
 from lightning_async_pp.pipeline.comm import TAG_EVAL, TAG_LOSS, TAG_PREDICT, StageLink
 from lightning_async_pp.pipeline.data_parallel import GradientReducer
 from lightning_async_pp.pipeline.microbatch import batch_size_of, fingerprint, split_microbatches, split_ragged
+from lightning_async_pp.pipeline.randomness import EVAL, ForwardRandomness
 from lightning_async_pp.pipeline.schedule import Action, lookahead_forwards, step_actions
 from lightning_async_pp.pipeline.stage import Stage
 from lightning_async_pp.pipeline.structure import as_received, flatten, input_gradient, unflatten
@@ -118,6 +119,7 @@ class PipelineRuntime:
         loss_group: Any = None,
         metric_names: Sequence[str] = (),
         metrics_fn: Optional[Callable[[], dict[str, Tensor]]] = None,
+        randomness: Optional[ForwardRandomness] = None,
     ) -> None:
         self.stages = list(stages)
         self.num_stages = self.stages[0].num_stages
@@ -150,6 +152,10 @@ class PipelineRuntime:
         # Per stage, its persistent buffers and their values before the lookahead's first forward of the next
         # batch (BatchNorm statistics, say): what they are for the batches trained so far.
         self._trained_buffers: dict[int, list[tuple[torch.nn.Module, str, Tensor]]] = {}
+        # Every forward draws from its own seeded stream (pipeline/randomness.py); evaluations are counted to key
+        # theirs.
+        self.randomness = randomness or ForwardRandomness(torch.initial_seed(), torch.device("cpu"))
+        self._evaluations = 0
         if link is not None:
             link.recorder = self._record_wait
 
@@ -335,23 +341,24 @@ class PipelineRuntime:
             self._post_receives()
         if action.op == "F":
             inputs: list[Tensor] = []
-            if stage.is_first:
-                x = self.input_fn(mb)
-            elif remote_in:
+            x = None  # the first stage's input is computed in the forward's seeded stream, below
+            if remote_in:
                 inputs, check = self.link.recv_activations(with_check=self.check_batches and j == 0)
                 self._receives.used_f += 1
                 if check is not None:
                     self._checks_due.append((check, checks[action.batch], stage, b))
                 x = unflatten(inputs, self.link.in_layout.spec)
-            else:
+            elif not stage.is_first:
                 inputs, spec = acts.pop((stage.index, b, j))
                 x = unflatten(inputs, spec)
             if action.batch == 1 and stage.index not in self._trained_buffers:
                 self._trained_buffers[stage.index] = [(m, n, m._buffers[n].clone()) for m, n in stage.persistent_buffers()]
             start = time.perf_counter()
-            out = stage.forward(b, x)
+            with self.randomness.forward(stage.index, b, j):
+                out = stage.forward(b, self.input_fn(mb) if stage.is_first else x)
+                if stage.is_last:
+                    out = scalar_loss(self.loss_fn(out, mb)) / self.num_microbatches
             if stage.is_last:
-                out = scalar_loss(self.loss_fn(out, mb)) / self.num_microbatches
                 self._losses[b] = self._losses.get(b, 0.0) + out.detach().to(torch.float64)
                 out_leaves: Any = out
             else:
@@ -496,20 +503,20 @@ class PipelineRuntime:
 
     def _forward_microbatches(self, batch: Any, tag: int, on_last: Callable[[Any, Any], None]) -> None:
         link = self.link
-        for mb in split_ragged(batch, self.num_microbatches):
-            first = self.stages[0]
-            if first.is_first:
-                x = self.input_fn(mb)
-            else:
+        call, self._evaluations = self._evaluations, self._evaluations + 1
+        for j, mb in enumerate(split_ragged(batch, self.num_microbatches)):
+            x = None  # the first stage's input is computed in the forward's seeded stream, below
+            if not self.stages[0].is_first:
                 assert link is not None
                 x = link.recv_value(link.prev_rank, tag)
             for stage in self.stages:
-                x = stage.forward_newest(x)
+                with self.randomness.forward(stage.index, call, j, phase=EVAL):
+                    x = stage.forward_newest(self.input_fn(mb) if stage.is_first else x)
+                    if stage.is_last:
+                        on_last(x, mb)
                 if not stage.is_last:
                     flatten(x, f"stage {stage.index}'s output")  # the same rules as across processes
-            if self.stages[-1].is_last:
-                on_last(x, mb)
-            else:
+            if not self.stages[-1].is_last:
                 assert link is not None
                 link.send_value(x, link.next_rank, tag)
 

@@ -15,9 +15,12 @@ Config keys (all optional but ``steps`` or ``max_epochs``):
     eval_data: the same, for validate/test/predict after fit
     after: ["validate", "test", "predict"], in that order
     seed: L.seed_everything(seed) before anything else;  rng_per_rank: each process's global RNG differs
+    clip, clip_algorithm: Trainer(gradient_clip_val=..., gradient_clip_algorithm=...)
+    cases: {name: config}: several runs in one launch (run_cases), each result under its name
     schedule, microbatches, partition, timeout, strategy_kwargs, use_distributed_sampler (left at
     Lightning's default unless given), steps, max_epochs, save_every + checkpoint_dir, resume_from,
-    val_every (validation on a fixed loader every that many training batches, its losses recorded)
+    val_every (validation on a fixed loader every that many training batches, its losses recorded; given as None:
+    at epoch ends), sanity_steps, limit_train_batches
 """
 from __future__ import annotations
 
@@ -90,8 +93,58 @@ class SeamHooks:
             self.val_losses.append(float(self.trainer.callback_metrics["val_loss"]))
 
 
-class SeamTinyLM(SeamHooks, TinyLM):
-    """helpers.TinyLM (regression MLP, ``width``/``depth``/``optimizer``) with the recording hooks."""
+class ClippingChoices:
+    """Mixin: the ways besides ``Trainer(gradient_clip_val=...)`` that Lightning offers to clip, by ``clipping``:
+    ``{"how": "override", "val": c}``: ``configure_gradient_clipping`` clips by norm ``c`` itself;
+    ``{"how": "skip"}``: ``configure_gradient_clipping`` does nothing (the Trainer's value is ignored);
+    ``{"how": "manual", "val": c}``: manual optimization, ``self.clip_gradients`` by norm ``c`` before the step.
+    """
+
+    def __init__(self, *args: Any, clipping: Optional[dict] = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.clipping = dict(clipping or {})
+        self.automatic_optimization = self.clipping.get("how") != "manual"
+
+    def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None) -> None:
+        how = self.clipping.get("how")
+        if how == "skip":
+            return
+        if how == "override":
+            self.clip_gradients(optimizer, gradient_clip_val=self.clipping["val"], gradient_clip_algorithm="norm")
+            return
+        super().configure_gradient_clipping(optimizer, gradient_clip_val, gradient_clip_algorithm)
+
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        if self.automatic_optimization:
+            return super().training_step(batch, batch_idx)
+        optimizer = self.optimizers()
+        optimizer.zero_grad()
+        loss = self._loss(batch, batch_idx)
+        self.manual_backward(loss)
+        self.clip_gradients(optimizer, gradient_clip_val=self.clipping["val"], gradient_clip_algorithm="norm")
+        optimizer.step()
+        return loss
+
+
+class SeamTinyLM(SeamHooks, ClippingChoices, TinyLM):
+    """helpers.TinyLM (regression MLP, ``width``/``depth``/``optimizer``/``dropout``) with the recording hooks and
+    the clipping choices."""
+
+
+class ScheduledTinyLM(SeamTinyLM):
+    """SeamTinyLM with a LambdaLR schedule (``1 / (1 + k)``) stepped every ``scheduler_interval`` ("step" or
+    "epoch"; ``None``: no schedule)."""
+
+    def __init__(self, scheduler_interval: Optional[str] = None, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.scheduler_interval = scheduler_interval
+
+    def configure_optimizers(self):
+        optimizer = super().configure_optimizers()
+        if self.scheduler_interval is None:
+            return optimizer
+        schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda k: 1.0 / (1.0 + k))
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": self.scheduler_interval}}
 
 
 class TiedLM(SeamHooks, PipelineModule):
@@ -159,7 +212,7 @@ class DictLM(SeamHooks, PipelineModule):
         return torch.optim.AdamW(self.parameters(), lr=0.01, weight_decay=0.1)
 
 
-MODELS = {"tiny": SeamTinyLM, "tied": TiedLM, "dict": DictLM}
+MODELS = {"tiny": SeamTinyLM, "tied": TiedLM, "dict": DictLM, "scheduled": ScheduledTinyLM}
 
 
 def build_model(cfg: dict) -> PipelineModule:
@@ -209,8 +262,10 @@ def build_trainer(cfg: dict, devices: int, strategy: bool = True) -> L.Trainer:
     kwargs = dict(
         accelerator="cpu", devices=devices, max_steps=cfg.get("steps", -1), max_epochs=cfg.get("max_epochs"),
         logger=False, enable_checkpointing=bool(callbacks), callbacks=callbacks, enable_progress_bar=False,
-        enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=cfg.get("val_batches", 1.0),
-        val_check_interval=cfg.get("val_every"),
+        enable_model_summary=False, num_sanity_val_steps=cfg.get("sanity_steps", 0),
+        limit_val_batches=cfg.get("val_batches", 1.0), limit_train_batches=cfg.get("limit_train_batches"),
+        val_check_interval=cfg.get("val_every"), gradient_clip_val=cfg.get("clip"),
+        gradient_clip_algorithm=cfg.get("clip_algorithm"),
     )
     if strategy:
         kwargs["strategy"] = build_strategy(cfg)
@@ -253,7 +308,7 @@ def run(cfg: dict, devices: int, strategy: bool = True) -> tuple[dict, PipelineM
         # No seed: each process's global RNG is in its own state, as after seeding from the clock.
         torch.manual_seed(1000 + 17 * int(os.environ.get("LOCAL_RANK", 0)))
     trainer = build_trainer(cfg, devices, strategy)
-    val_loader = build_loader(cfg, {"kind": "seq", "samples": 32, "batch": 16}) if cfg.get("val_every") else None
+    val_loader = build_loader(cfg, {"kind": "seq", "samples": 32, "batch": 16}) if "val_every" in cfg else None
     trainer.fit(model, loader, val_loader, ckpt_path=cfg.get("resume_from"))
     result: dict[str, Any] = {"rank": trainer.global_rank, "calls": model.calls, "seen_batches": model.seen_batches,
                               "global_step": trainer.global_step, "losses": model.losses, "val_losses": model.val_losses}
@@ -278,8 +333,19 @@ def run(cfg: dict, devices: int, strategy: bool = True) -> tuple[dict, PipelineM
     return result, model, trainer
 
 
+def run_cases(cfg: dict, devices: int, strategy: bool = True) -> tuple[dict, PipelineModule, L.Trainer]:
+    """``cfg["cases"]`` (name -> config) run one after another in the same processes (one launch for several
+    runs); the result maps each name to what ``run`` returned. Without "cases": ``run(cfg)``."""
+    if "cases" not in cfg:
+        return run(cfg, devices, strategy)
+    results: dict[str, Any] = {}
+    for name, case in cfg["cases"].items():
+        results[name], model, trainer = run(case, devices, strategy)
+    return {"rank": trainer.global_rank, "cases": results}, model, trainer
+
+
 def main() -> None:
-    script_main(run)
+    script_main(run_cases)
 
 
 if __name__ == "__main__":
