@@ -21,7 +21,9 @@ from lightning_async_pp.models import Llama
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 STUDY_BASE = CONFIGS / "study" / "base.yaml"
-GPU = sorted((CONFIGS / "gpu").glob("smollm_135m_*.yaml"))
+#: The tokenized Hugging Face run (a user's own data and checkpoint), not a cell of the comparison.
+HF_TOKENIZED = CONFIGS / "gpu" / "smollm_135m_hf_tokenized_2bw.yaml"
+GPU = sorted(p for p in (CONFIGS / "gpu").glob("smollm_135m_*.yaml") if p != HF_TOKENIZED)
 
 
 @pytest.fixture(autouse=True)
@@ -167,3 +169,27 @@ def test_the_readme_llama_yaml_parses_with_the_cli(tmp_path, capsys):
     printed = yaml.safe_load(capsys.readouterr().out)
     assert printed["model"]["init_args"]["tie_embeddings"] is True
     assert printed["trainer"]["callbacks"][0]["class_path"] == "lightning_async_pp.callbacks.TextSamples"
+
+
+def test_the_tokenized_hf_gpu_config_is_the_readme_recipe_on_two_gpus():
+    """smollm_135m_hf_tokenized_2bw.yaml: a local save_pretrained folder and a prepared folder with its tokenizer,
+    2BW over two GPUs, sharded checkpoints; the header's commands make and use exactly the config's paths."""
+    config, text = yaml.safe_load(HF_TOKENIZED.read_text()), HF_TOKENIZED.read_text()
+    trainer, data, model = config["trainer"], config["data"], config["model"]
+    assert (trainer["accelerator"], trainer["devices"], trainer["precision"]) == ("gpu", 2, "bf16-true")
+    strategy = trainer["strategy"]["init_args"]
+    assert strategy["schedule"] == "2bw" and strategy["save_distributed_checkpoint"] is True
+    assert "num_stages" not in strategy  # one stage per GPU
+    assert model["class_path"] == "lightning_async_pp.models.HuggingFaceCausalLM"
+    pretrained = model["init_args"]["pretrained"]
+    assert data["tokenizer"] == pretrained  # the checkpoint's folder holds its tokenizer too
+    assert f"--tokenizer {pretrained} --output {data['data_path']} " in text
+    assert f"save_pretrained('{pretrained}')" in text
+    (checkpoint,) = [c for c in trainer["callbacks"] if c["class_path"].endswith("ModelCheckpoint")]
+    assert f"python -m lightning_async_pp.consolidate {checkpoint['init_args']['dirpath']}/" in text and " --hf" in text
+    assert f"lightning-async-pp fit --config configs/gpu/{HF_TOKENIZED.name}" in text
+    assert config["lr_scheduler"]["init_args"]["total_steps"] == trainer["max_steps"]
+    assert data["block_size"] <= 2048  # SmolLM-135M's max_position_embeddings
+    tokens_per_step = data["batch_size"] * data["block_size"]
+    assert (f"batch {data['batch_size']} rows x {data['block_size']} tokens = {tokens_per_step:,} tokens per step; "
+            f"{trainer['max_steps']:,} steps = {tokens_per_step * trainer['max_steps'] / 1e6:.1f}M tokens") in text
