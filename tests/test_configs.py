@@ -193,3 +193,48 @@ def test_the_tokenized_hf_gpu_config_is_the_readme_recipe_on_two_gpus():
     tokens_per_step = data["batch_size"] * data["block_size"]
     assert (f"batch {data['batch_size']} rows x {data['block_size']} tokens = {tokens_per_step:,} tokens per step; "
             f"{trainer['max_steps']:,} steps = {tokens_per_step * trainer['max_steps'] / 1e6:.1f}M tokens") in text
+
+
+def test_the_tokenized_hf_gpu_config_trains_two_steps_at_tiny_size_on_cpu(tmp_path, monkeypatch):
+    """Everything of smollm_135m_hf_tokenized_2bw.yaml but the hardware, the size and the paths (a tiny random
+    Llama and a BPE trained here, saved into one folder as the header says; a corpus prepared with it): bf16-true,
+    the pretrained folder, the prepared data with its tokenizer checked, sharded checkpoints, the scheduler and
+    TextSamples with the data's tokenizer. The 2-process run of the same pieces: tests/test_recipe.py."""
+    pytest.importorskip("transformers")
+    from test_recipe import tiny_llama, train_tokenizer, write_corpus
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from lightning_async_pp.data.prepare import prepare
+
+    monkeypatch.chdir(tmp_path)
+    files = write_corpus(tmp_path / "corpus")
+    folder = tmp_path / "checkpoint"
+    tokenizer = train_tokenizer(files, folder)
+    torch.manual_seed(0)
+    llama = AutoConfig.for_model(**tiny_llama(tokenizer.get_vocab_size(with_added_tokens=True)))
+    AutoModelForCausalLM.from_config(llama).save_pretrained(folder)
+    prepare(files, folder, tmp_path / "tokens", val_fraction=0.2, num_workers=1)
+
+    config = yaml.safe_load(HF_TOKENIZED.read_text())
+    # limit_val_batches 2, not 1: the CLI reads a 1 as 1.0, all the batches.
+    config["trainer"].update(accelerator="cpu", devices=1, max_steps=2, val_check_interval=2, limit_val_batches=2,
+                             log_every_n_steps=1, default_root_dir=str(tmp_path))
+    config["trainer"]["strategy"]["init_args"]["num_stages"] = 2  # the one-device emulation of the two GPUs
+    config["trainer"]["logger"]["init_args"]["save_dir"] = str(tmp_path / "logs")
+    callbacks = {c["class_path"].rsplit(".", 1)[1]: c for c in config["trainer"]["callbacks"]}
+    callbacks["ModelCheckpoint"]["init_args"].update(dirpath=str(tmp_path / "ckpt"), every_n_train_steps=2)
+    callbacks["TextSamples"]["init_args"].update(every_n_steps=2, max_new_tokens=3)
+    config["model"]["init_args"]["pretrained"] = str(folder)
+    config["lr_scheduler"]["init_args"].update(warmup_steps=1, total_steps=2)
+    config["data"].update(data_path=str(tmp_path / "tokens"), tokenizer=str(folder), block_size=16, batch_size=8,
+                          num_workers=0)
+    path = tmp_path / "hf_tokenized_on_cpu.yaml"
+    path.write_text(yaml.safe_dump(config))
+    cli = AsyncPipelineCLI(args=["fit", "--config", str(path)])
+    assert cli.trainer.global_step == 2
+    assert next(p for p in cli.model.parameters()).dtype == torch.bfloat16
+    assert torch.isfinite(cli.trainer.callback_metrics["val_loss"])
+    assert (tmp_path / "ckpt" / "epoch=0-step=2.ckpt").is_dir()  # sharded
+    (samples,) = [c for c in cli.trainer.callbacks if isinstance(c, TextSamples)]
+    assert [step for step, _ in samples.history] == [2] and len(samples.history[0][1]) == 2
+    assert cli.trainer.num_val_batches == [2]

@@ -65,6 +65,12 @@ def train_tokenizer(files: list[Path], folder: Path) -> Tokenizer:
     return tokenizer
 
 
+def tiny_llama(vocab_size: int) -> dict:
+    """A tiny Llama config (tied embedding and head, as SmolLM) with the tokenizer's vocabulary."""
+    return dict(model_type="llama", vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=True)
+
+
 def recipe_config(tmp_path: Path, pretrained: Path, data: Path) -> Path:
     """What a user writes: 2 CPU processes, 2BW, the HF checkpoint and the prepared folder (its tokenizer comes
     with it), a sharded checkpoint at the last step."""
@@ -104,8 +110,7 @@ def test_recipe_tokenizer_prepare_two_process_fit_consolidate_hf_loads_in_transf
 
     # 2. A Hugging Face checkpoint with the tokenizer's vocabulary (random weights from a tiny Llama config).
     torch.manual_seed(0)
-    llama = dict(model_type="llama", vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=True)
+    llama = tiny_llama(vocab)
     initial = AutoModelForCausalLM.from_config(AutoConfig.for_model(**llama))
     initial.save_pretrained(tmp_path / "pretrained")
 
