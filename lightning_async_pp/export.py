@@ -7,7 +7,8 @@
 The model's config comes from the checkpoint's ``hyper_parameters`` (``HuggingFaceCausalLM`` and ``LitGPT`` save
 their config there as a plain mapping); the weights are the checkpoint's newest. The tokenizer's files come from
 ``tokenizer=`` (a folder or a ``tokenizer.json``), else from the data module's ``tokenizer`` hyperparameter, else
-from the folder the run started from (``pretrained``), where one of these holds them.
+from the folder a prepared ``data_path`` carries, else from the folder the run started from (``pretrained``), where
+one of these holds them.
 """
 from __future__ import annotations
 
@@ -111,20 +112,32 @@ def tokenizer_files(path: str) -> dict[str, str]:
 
 def run_files(checkpoint: Mapping[str, Any], tokenizer: Optional[str | os.PathLike]) -> dict[str, str]:
     """What goes into the folder beside the weights, by name: the tokenizer's files, from ``tokenizer`` (which must
-    hold some), else the data module's ``tokenizer`` hyperparameter, else the ``pretrained`` folder the model started
-    from; and that folder's generation config. Checked before anything is written."""
+    hold some), else the data module's ``tokenizer`` hyperparameter, else the tokenizer its prepared ``data_path``
+    carries, else the ``pretrained`` folder the model started from; and that folder's generation config. Checked
+    before anything is written."""
     pretrained = (checkpoint.get("hyper_parameters") or {}).get("pretrained")
     if tokenizer is not None:
         files = tokenizer_files(os.fspath(tokenizer))
         if not files:
             raise ValueError(f"--tokenizer {os.fspath(tokenizer)!r} holds no tokenizer files (one of {', '.join(TOKENIZER_FILES)})")
     else:
-        candidates = [(checkpoint.get("datamodule_hyper_parameters") or {}).get("tokenizer"), pretrained]
+        data = checkpoint.get("datamodule_hyper_parameters") or {}
+        candidates = [data.get("tokenizer"), _prepared_tokenizer(data.get("data_path")), pretrained]
         found = (tokenizer_files(os.fspath(c)) for c in candidates if isinstance(c, (str, os.PathLike)))
         files = next((f for f in found if f), {})
     if isinstance(pretrained, str) and os.path.isfile(os.path.join(pretrained, GENERATION_CONFIG)):
         files[GENERATION_CONFIG] = os.path.join(pretrained, GENERATION_CONFIG)  # the upstream one, not a default
     return files
+
+
+def _prepared_tokenizer(data_path: Any) -> Optional[str]:
+    """The tokenizer a prepared ``data_path`` carries (a run given only ``data_path``, its tokenizer left out)."""
+    if not isinstance(data_path, (str, os.PathLike)):
+        return None
+    from lightning_async_pp.data.tokenized import prepared_tokenizer
+
+    folder = prepared_tokenizer(data_path)
+    return os.fspath(folder) if folder is not None else None
 
 
 def _copy(files: Mapping[str, str], out: str) -> list[str]:

@@ -21,7 +21,9 @@ from lightning_async_pp.models import Llama
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 STUDY_BASE = CONFIGS / "study" / "base.yaml"
-GPU = sorted((CONFIGS / "gpu").glob("smollm_135m_*.yaml"))
+#: The tokenized Hugging Face run (a user's own data and checkpoint), not a cell of the comparison.
+HF_TOKENIZED = CONFIGS / "gpu" / "smollm_135m_hf_tokenized_2bw.yaml"
+GPU = sorted(p for p in (CONFIGS / "gpu").glob("smollm_135m_*.yaml") if p != HF_TOKENIZED)
 
 
 @pytest.fixture(autouse=True)
@@ -167,3 +169,72 @@ def test_the_readme_llama_yaml_parses_with_the_cli(tmp_path, capsys):
     printed = yaml.safe_load(capsys.readouterr().out)
     assert printed["model"]["init_args"]["tie_embeddings"] is True
     assert printed["trainer"]["callbacks"][0]["class_path"] == "lightning_async_pp.callbacks.TextSamples"
+
+
+def test_the_tokenized_hf_gpu_config_is_the_readme_recipe_on_two_gpus():
+    """smollm_135m_hf_tokenized_2bw.yaml: a local save_pretrained folder and a prepared folder with its tokenizer,
+    2BW over two GPUs, sharded checkpoints; the header's commands make and use exactly the config's paths."""
+    config, text = yaml.safe_load(HF_TOKENIZED.read_text()), HF_TOKENIZED.read_text()
+    trainer, data, model = config["trainer"], config["data"], config["model"]
+    assert (trainer["accelerator"], trainer["devices"], trainer["precision"]) == ("gpu", 2, "bf16-true")
+    strategy = trainer["strategy"]["init_args"]
+    assert strategy["schedule"] == "2bw" and strategy["save_distributed_checkpoint"] is True
+    assert "num_stages" not in strategy  # one stage per GPU
+    assert model["class_path"] == "lightning_async_pp.models.HuggingFaceCausalLM"
+    pretrained = model["init_args"]["pretrained"]
+    assert data["tokenizer"] == pretrained  # the checkpoint's folder holds its tokenizer too
+    assert f"--tokenizer {pretrained} --output {data['data_path']} " in text
+    assert f"save_pretrained('{pretrained}')" in text
+    (checkpoint,) = [c for c in trainer["callbacks"] if c["class_path"].endswith("ModelCheckpoint")]
+    assert f"python -m lightning_async_pp.consolidate {checkpoint['init_args']['dirpath']}/" in text and " --hf" in text
+    assert f"lightning-async-pp fit --config configs/gpu/{HF_TOKENIZED.name}" in text
+    assert config["lr_scheduler"]["init_args"]["total_steps"] == trainer["max_steps"]
+    assert data["block_size"] <= 2048  # SmolLM-135M's max_position_embeddings
+    tokens_per_step = data["batch_size"] * data["block_size"]
+    assert (f"batch {data['batch_size']} rows x {data['block_size']} tokens = {tokens_per_step:,} tokens per step; "
+            f"{trainer['max_steps']:,} steps = {tokens_per_step * trainer['max_steps'] / 1e6:.1f}M tokens") in text
+
+
+def test_the_tokenized_hf_gpu_config_trains_two_steps_at_tiny_size_on_cpu(tmp_path, monkeypatch):
+    """Everything of smollm_135m_hf_tokenized_2bw.yaml but the hardware, the size and the paths (a tiny random
+    Llama and a BPE trained here, saved into one folder as the header says; a corpus prepared with it): bf16-true,
+    the pretrained folder, the prepared data with its tokenizer checked, sharded checkpoints, the scheduler and
+    TextSamples with the data's tokenizer. The 2-process run of the same pieces: tests/test_recipe.py."""
+    pytest.importorskip("transformers")
+    from test_recipe import tiny_llama, train_tokenizer, write_corpus
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from lightning_async_pp.data.prepare import prepare
+
+    monkeypatch.chdir(tmp_path)
+    files = write_corpus(tmp_path / "corpus")
+    folder = tmp_path / "checkpoint"
+    tokenizer = train_tokenizer(files, folder)
+    torch.manual_seed(0)
+    llama = AutoConfig.for_model(**tiny_llama(tokenizer.get_vocab_size(with_added_tokens=True)))
+    AutoModelForCausalLM.from_config(llama).save_pretrained(folder)
+    prepare(files, folder, tmp_path / "tokens", val_fraction=0.2, num_workers=1)
+
+    config = yaml.safe_load(HF_TOKENIZED.read_text())
+    # limit_val_batches 2, not 1: the CLI reads a 1 as 1.0, all the batches.
+    config["trainer"].update(accelerator="cpu", devices=1, max_steps=2, val_check_interval=2, limit_val_batches=2,
+                             log_every_n_steps=1, default_root_dir=str(tmp_path))
+    config["trainer"]["strategy"]["init_args"]["num_stages"] = 2  # the one-device emulation of the two GPUs
+    config["trainer"]["logger"]["init_args"]["save_dir"] = str(tmp_path / "logs")
+    callbacks = {c["class_path"].rsplit(".", 1)[1]: c for c in config["trainer"]["callbacks"]}
+    callbacks["ModelCheckpoint"]["init_args"].update(dirpath=str(tmp_path / "ckpt"), every_n_train_steps=2)
+    callbacks["TextSamples"]["init_args"].update(every_n_steps=2, max_new_tokens=3)
+    config["model"]["init_args"]["pretrained"] = str(folder)
+    config["lr_scheduler"]["init_args"].update(warmup_steps=1, total_steps=2)
+    config["data"].update(data_path=str(tmp_path / "tokens"), tokenizer=str(folder), block_size=16, batch_size=8,
+                          num_workers=0)
+    path = tmp_path / "hf_tokenized_on_cpu.yaml"
+    path.write_text(yaml.safe_dump(config))
+    cli = AsyncPipelineCLI(args=["fit", "--config", str(path)])
+    assert cli.trainer.global_step == 2
+    assert next(p for p in cli.model.parameters()).dtype == torch.bfloat16
+    assert torch.isfinite(cli.trainer.callback_metrics["val_loss"])
+    assert (tmp_path / "ckpt" / "epoch=0-step=2.ckpt").is_dir()  # sharded
+    (samples,) = [c for c in cli.trainer.callbacks if isinstance(c, TextSamples)]
+    assert [step for step, _ in samples.history] == [2] and len(samples.history[0][1]) == 2
+    assert cli.trainer.num_val_batches == [2]

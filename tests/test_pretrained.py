@@ -148,6 +148,26 @@ def test_consolidate_hf_takes_the_tokenizer_argument_and_refuses_another_models_
     assert not (tmp_path / "o2").exists()  # refused before anything was written
 
 
+@pytest.mark.parametrize("data_path", ["tokens", "tokens/train"])
+def test_consolidate_hf_takes_the_tokenizer_a_prepared_data_path_carries(tmp_path, data_path):
+    # A run given only data_path (a `prepare` output, its tokenizer left out as the README says it may be): the
+    # checkpoint names no tokenizer, the prepared folder holds one (tokenizer/ beside COMPLETE.json).
+    prepared = tmp_path / "tokens"
+    (prepared / "train").mkdir(parents=True)
+    (prepared / "COMPLETE.json").write_text(json.dumps({"vocab_size": 256}))
+    (prepared / "tokenizer").mkdir()
+    (prepared / "tokenizer" / "tokenizer.json").write_text('{"prepared": true}')
+    (prepared / "tokenizer" / "tokenizer_config.json").write_text('{"eos_token": "</s>"}')
+    model = HuggingFaceCausalLM.from_pretrained(hf_folder(tmp_path / "hf", shard=False))
+    model.configure_model()
+    ckpt = tmp_path / "one.ckpt"
+    torch.save({"state_dict": model.state_dict(), "hyper_parameters": dict(model.hparams),
+                "datamodule_hyper_parameters": {"data_path": str(tmp_path / data_path), "tokenizer": None}}, ckpt)
+    assert consolidate_main([str(ckpt), str(tmp_path / "out"), "--hf"]) == 0
+    assert (tmp_path / "out" / "tokenizer.json").read_text() == '{"prepared": true}'
+    assert (tmp_path / "out" / "tokenizer_config.json").read_text() == '{"eos_token": "</s>"}'
+
+
 def test_hf_pretrained_mismatches_are_refused_and_unused_tensors_warned_naming_the_keys(tmp_path):
     folder = hf_folder(tmp_path / "hf", shard=False)
     with pytest.raises(FileNotFoundError, match="no config.json"):

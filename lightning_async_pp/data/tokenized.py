@@ -22,7 +22,7 @@ from typing import Any, Optional, Union
 
 import torch
 
-from lightning_async_pp.data.corpus import Segment, build_token_cache, corpus_key
+from lightning_async_pp.data.corpus import Segment, build_token_cache, cache_info, corpus_key
 
 TOKENIZER_FILE = "tokenizer.json"
 #: Files of a Hugging Face tokenizer folder copied next to the tokens (so the tokens say how to read them).
@@ -96,6 +96,16 @@ def tokenizer_info(path: Union[str, Path]) -> dict[str, Any]:
     vocab = tokenizer.get_vocab_size(with_added_tokens=True)
     return {"vocab_size": vocab, "eos_id": eos_id(path, tokenizer), "dtype": str(token_dtype(vocab)).split(".")[-1],
             "tokenizer_sha256": tokenizer_hash(path)}
+
+
+def prepared_tokenizer(data_path: Union[str, Path]) -> Optional[Path]:
+    """The tokenizer folder a prepared ``data_path`` carries (``prepare``'s output, or its ``train/``/``val/``
+    folder), or ``None``."""
+    path = Path(data_path)
+    for root in (path, path.parent):
+        if cache_info(root) is not None and (root / TOKENIZER_DIR).is_dir():
+            return root / TOKENIZER_DIR
+    return None
 
 
 def copy_tokenizer(path: Union[str, Path], dest: Path) -> None:
