@@ -57,10 +57,12 @@ class PipelineStateHooks:
             for part in parts or []:
                 merged.update(part)
             checkpoint.update(ckpt.single_file_parts(merged, meta))
-            # Write beside the target and rename: a crash mid-write leaves the previous checkpoint intact.
-            tmp = f"{path}.tmp-{os.getpid()}"
+            # Write beside the target (out of the names Lightning lists) and rename: a crash mid-write leaves the
+            # previous checkpoint intact and no partial file where a resume looks.
+            tmp = ckpt.partial_path(path)
+            os.makedirs(os.path.dirname(tmp), exist_ok=True)
             self.checkpoint_io.save_checkpoint(checkpoint, tmp, storage_options=storage_options)
-            os.replace(tmp, path)
+            ckpt.put_in_place(tmp, path)
 
     @property
     def not_a_replica(self) -> bool:

@@ -1,0 +1,140 @@
+"""Runs that are killed or requeued resume to the uninterrupted result (docs/design.md, "Faults").
+
+- A save interrupted at any point leaves the newest complete checkpoint where ``ckpt_path="last"`` finds it, and
+  nothing partial is ever loaded (the crash states are made on disk, then resumed).
+- A stage killed with SIGKILL under ``torchrun --max-restarts 1`` takes the job down and the restarted job resumes
+  from ``ckpt_path="last"`` to the uninterrupted weights.
+
+Every resumed run is compared with the uninterrupted one-device run (which 2 processes equal, tests/test_scale.py).
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent / "scripts"))
+from faults_fit import run  # noqa: E402
+
+from lightning_async_pp.pipeline import checkpoint as ckpt  # noqa: E402
+
+SCRIPT = Path(__file__).parent / "scripts" / "faults_fit.py"
+_RENDEZVOUS = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK", "LOCAL_WORLD_SIZE",
+               "PL_GLOBAL_SEED", "PL_SEED_WORKERS")
+
+
+def max_difference(a: dict, b: dict) -> float:
+    assert a.keys() == b.keys(), (sorted(a), sorted(b))
+    return max((a[k].float() - b[k].float()).abs().max().item() for k in a)
+
+
+def clean_env(**extra: str) -> dict:
+    env = {k: v for k, v in os.environ.items() if k not in _RENDEZVOUS and not k.startswith(("SLURM_", "TORCHELASTIC"))}
+    env.update(PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1", **extra)
+    return env
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory) -> Path:
+    """One device, 4 steps, a sharded checkpoint every 2 steps: last.ckpt and epoch=0-step={2,4}.ckpt."""
+    folder = tmp_path_factory.mktemp("saved") / "ckpt"
+    run(dict(steps=4, checkpoint_dir=str(folder), save_top_k=-1))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def uninterrupted() -> dict:
+    return run(dict(steps=5))[0]["state_dict"]
+
+
+def resume_last(folder: Path, steps: int = 5) -> dict:
+    return run(dict(steps=steps, checkpoint_dir=str(folder), save_top_k=-1, resume="last"))[0]
+
+
+# ---- a kill at each point of a save ----------------------------------------------------------------------------
+def test_a_partial_write_is_never_where_a_resume_looks_and_last_resumes_the_previous_checkpoint(saved, uninterrupted, tmp_path):
+    # Killed mid-write of the next last.ckpt: shards in the partial folder, no DCP metadata, no meta.pt.
+    folder = tmp_path / "ckpt"
+    shutil.copytree(saved, folder)
+    partial = Path(ckpt.partial_path(str(folder / "last.ckpt")))
+    partial.mkdir(parents=True)
+    (partial / "__0_0.distcp").write_bytes(b"half a shard")
+    result = resume_last(folder)
+    assert result["ckpt_path"] == str(folder / "last.ckpt")
+    assert max_difference(result["state_dict"], uninterrupted) <= 1e-6
+    # The partial folder is out of Lightning's listings: not a last*.ckpt, and no hpc_ckpt_ in its name.
+    assert not any(p.name.startswith("last") for p in folder.iterdir() if p.suffix != ".ckpt")
+    assert ckpt.PARTIAL_DIR in os.listdir(folder) and "hpc_ckpt_" not in ckpt.PARTIAL_DIR
+
+
+def test_replacing_a_sharded_checkpoint_swaps_atomically_so_the_target_always_holds_a_complete_one(
+        saved, tmp_path, monkeypatch):
+    target, newer = tmp_path / "last.ckpt", tmp_path / "newer"
+    shutil.copytree(saved / "epoch=0-step=2.ckpt", target)
+    shutil.copytree(saved / "epoch=0-step=4.ckpt", newer)
+
+    def killed(*args):  # a kill at the first rename would leave the target missing: there must be none
+        raise SystemExit("killed between the renames")
+
+    monkeypatch.setattr(os, "rename", killed)
+    ckpt.put_in_place(str(newer), str(target))
+    monkeypatch.undo()
+    assert ckpt.read_meta(str(target))["async_pipeline"]["num_updates"] == 4
+    assert sorted(os.listdir(tmp_path)) == ["last.ckpt"]  # the previous one and the temporary are gone
+
+
+def test_where_the_filesystem_cannot_swap_a_kill_between_the_renames_loads_the_previous_checkpoint(
+        saved, uninterrupted, tmp_path, monkeypatch):
+    # Between the two renames: the previous checkpoint at last.ckpt.old, the target missing.
+    folder = tmp_path / "ckpt"
+    shutil.copytree(saved, folder)
+    (folder / "last.ckpt").rename(folder / "last.ckpt.old")
+    assert ckpt.resolve(str(folder / "last.ckpt")) == str(folder / "last.ckpt.old")
+    result = run(dict(steps=5, checkpoint_dir=str(folder), save_top_k=-1, resume=str(folder / "last.ckpt")))[0]
+    assert max_difference(result["state_dict"], uninterrupted) <= 1e-6
+    # That save put the new last.ckpt in place (two renames here) and removed the .old.
+    monkeypatch.setattr(ckpt, "_exchange", lambda a, b: False)
+    newer = tmp_path / "newer"
+    shutil.copytree(folder / "last.ckpt", newer)
+    ckpt.put_in_place(str(newer), str(folder / "last.ckpt"))
+    assert not (folder / "last.ckpt.old").exists() and (folder / "last.ckpt").is_dir()
+
+
+def test_after_the_swap_a_leftover_previous_checkpoint_is_not_what_last_resumes(saved, uninterrupted, tmp_path):
+    # Killed after the new checkpoint went in place, before the previous one was removed (either way of swapping).
+    folder = tmp_path / "ckpt"
+    shutil.copytree(saved, folder)
+    (folder / "last.ckpt.old").mkdir()
+    (folder / "last.ckpt.old" / "__0_0.distcp").write_bytes(b"stale")
+    partial = Path(ckpt.partial_path(str(folder / "last.ckpt")))
+    shutil.copytree(saved / "epoch=0-step=2.ckpt", partial)  # the previous one, swapped out
+    result = resume_last(folder)
+    assert result["ckpt_path"] == str(folder / "last.ckpt")
+    assert max_difference(result["state_dict"], uninterrupted) <= 1e-6
+
+
+# ---- a stage killed under torchrun ---------------------------------------------------------------------------------
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_a_stage_killed_mid_training_under_torchrun_restarts_from_last_to_the_uninterrupted_weights(tmp_path):
+    steps = 8
+    cfg = dict(steps=steps, devices=2, checkpoint_dir=str(tmp_path / "ckpt"), save_every=2, resume="last",
+               kill={"rank": 1, "step": 5}, pipeline_timeout=10.0)
+    out = tmp_path / "out"
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "--max-restarts", "1",
+         "--monitor-interval", "0.5", str(SCRIPT), "--config", json.dumps(cfg), "--out", str(out)],
+        cwd=tmp_path, env=clean_env(), capture_output=True, text=True, timeout=400,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    result = torch.load(out / "rank0.pt", weights_only=False)
+    assert result["restart_count"] == 1  # a worker failed (only the kill does), and the weights are the restart's
+    assert result["ckpt_path"] == str(tmp_path / "ckpt" / "last.ckpt") and result["global_step"] == steps
+    expected = run(dict(steps=steps))[0]["state_dict"]
+    assert max_difference(result["state_dict"], expected) <= 1e-5
