@@ -36,6 +36,7 @@ from lightning_async_pp.pipeline.partition import PartitionSpec
 from lightning_async_pp.pipeline.placement import layer_paths, parameters_on_meta, replace_meta_tensors
 from lightning_async_pp.pipeline.sharding import shard_optimizers
 from lightning_async_pp.pipeline.topology import PipelineTopology
+from lightning_async_pp.requeue import RequeueAtStepBoundary
 from lightning_async_pp.strategy_state import PipelineStateHooks
 
 #: Keyword arguments of Lightning's DDPStrategy that are meaningful here (the accelerator connector and users
@@ -148,6 +149,7 @@ class AsyncPipelineStrategy(PipelineStateHooks, DDPStrategy):
         self._lookahead: Any = None  # the batch whose forwards ran ahead (2BW across processes)
         self._update_started: Optional[float] = None
         self._reported: Optional[BaseException] = None  # the failure already reported to the other stages
+        self._requeue: Optional[RequeueAtStepBoundary] = None
 
     # ---- shape of the run -------------------------------------------------------------------------------------
     @property
@@ -276,6 +278,10 @@ class AsyncPipelineStrategy(PipelineStateHooks, DDPStrategy):
                 self.optimizers = shard_optimizers(self.optimizers, self.engine.dp_group)  # ZeRO-1 per stage
             _optimizers_to_device(self.optimizers, self.root_device)
         self.setup_precision_plugin()
+        if trainer.state.fn == TrainerFn.FITTING:
+            # SLURM auto-requeue: save and requeue at a step boundary that every stage agrees on (requeue.py).
+            self._requeue = RequeueAtStepBoundary.install(trainer, self.cluster_environment, self.engine.board.store,
+                                                          self.data_parallel_size)
         if self.is_multiprocess:
             # A stage that stops makes its neighbours stop through the pipeline's own failure handling, so a
             # local check replaces Lightning's per-step broadcast (a barrier across all stages).
@@ -321,6 +327,9 @@ class AsyncPipelineStrategy(PipelineStateHooks, DDPStrategy):
             return super().batch_to_device(batch, device, dataloader_idx)
         # Lightning's loop reached a batch from the lookahead loader: transfer it unless the lookahead already did.
         assert self._train_loader is not None and self._train_loader.iterator is not None
+        if self._requeue is not None and self.engine is not None:
+            # A step boundary: the previous batch is complete, this one not started (the data position is before it).
+            self._requeue.at_step_boundary(self.engine.stats.batch_index)
         self._train_loader.iterator.started(batch)
         return transfer_early(batch, self._transfer)
 
@@ -441,6 +450,7 @@ class AsyncPipelineStrategy(PipelineStateHooks, DDPStrategy):
             replace_meta_tensors(module, lambda t: torch.empty((), dtype=t.dtype).expand(t.shape))
         self._train_loader = None
         self._lookahead = None
+        self._requeue = None
         super().teardown()
 
 

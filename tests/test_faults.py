@@ -138,3 +138,48 @@ def test_a_stage_killed_mid_training_under_torchrun_restarts_from_last_to_the_un
     assert result["ckpt_path"] == str(tmp_path / "ckpt" / "last.ckpt") and result["global_step"] == steps
     expected = run(dict(steps=steps))[0]["state_dict"]
     assert max_difference(result["state_dict"], expected) <= 1e-5
+
+
+# ---- SLURM requeue ------------------------------------------------------------------------------------------------
+def slurm_tasks(cfg: dict, tmp_path: Path, restart: int, tasks: int = 2) -> list[subprocess.CompletedProcess]:
+    """The job's tasks as srun starts them (SLURM's variables), with a fake ``scontrol`` on PATH that records its
+    arguments in ``tmp_path/scontrol.log``."""
+    bin_dir = tmp_path / "bin"
+    if not bin_dir.exists():
+        bin_dir.mkdir()
+        (bin_dir / "scontrol").write_text(f'#!/bin/sh\necho "$@" >> {tmp_path / "scontrol.log"}\n')
+        (bin_dir / "scontrol").chmod(0o755)
+    out = tmp_path / f"out{restart}"
+    procs = []
+    for rank in range(tasks):
+        env = clean_env(PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}", SLURM_JOB_ID="4242", SLURM_JOB_NAME="fit",
+                        SLURM_NTASKS=str(tasks), SLURM_NTASKS_PER_NODE=str(tasks), SLURM_NNODES="1",
+                        SLURM_NODEID="0", SLURM_PROCID=str(rank), SLURM_LOCALID=str(rank),
+                        SLURM_NODELIST="127.0.0.1", SLURM_RESTART_COUNT=str(restart), MASTER_PORT=str(29600 + restart))
+        procs.append(subprocess.Popen([sys.executable, str(SCRIPT), "--config", json.dumps(cfg), "--out", str(out)],
+                                      cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    done = []
+    for p in procs:
+        stdout, stderr = p.communicate(timeout=300)
+        done.append(subprocess.CompletedProcess(p.args, p.returncode, stdout, stderr))
+    for p in done:
+        assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-5000:]
+    return [torch.load(out / "rank0.pt", weights_only=False)]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_a_slurm_requeue_signal_saves_at_one_step_on_every_stage_requeues_and_resumes_to_the_uninterrupted_weights(tmp_path):
+    steps, root = 10, tmp_path / "root"
+    # The signal reaches the two stages at different steps (2 and 3); they agree on one step to save at.
+    first = slurm_tasks(dict(steps=steps, devices=2, slurm=True, root_dir=str(root), usr1={0: 2, 1: 3}), tmp_path, 0)[0]
+    hpc = root / "hpc_ckpt_1.ckpt"
+    saved_at = ckpt.read_meta(str(hpc))["async_pipeline"]["num_updates"]
+    assert saved_at == 2 + 1 + 3  # requested at the boundary after the signal, 3 steps ahead (StepAgreement)
+    assert first["global_step"] == saved_at + 1  # the step started at the save runs, then training stops
+    assert (tmp_path / "scontrol.log").read_text() == "requeue 4242\n"
+    # The requeued job: Lightning finds the hpc checkpoint and resumes from it.
+    second = slurm_tasks(dict(steps=steps, devices=2, slurm=True, root_dir=str(root)), tmp_path, 1)[0]
+    assert second["ckpt_path"] == str(hpc) and second["global_step"] == steps
+    expected = run(dict(steps=steps))[0]["state_dict"]
+    assert max_difference(second["state_dict"], expected) <= 1e-5
