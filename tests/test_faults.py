@@ -167,6 +167,31 @@ def slurm_tasks(cfg: dict, tmp_path: Path, restart: int, tasks: int = 2) -> list
     return [torch.load(out / "rank0.pt", weights_only=False)]
 
 
+def test_stages_asked_at_different_steps_agree_on_one_step_through_the_store_without_a_collective():
+    from torch.distributed import HashStore
+
+    from lightning_async_pp.pipeline.comm import StepAgreement
+
+    store = HashStore()
+    first, second = StepAgreement(store, margin=3), StepAgreement(store, margin=3)
+    first.request()  # the signal reached the first stage during step 2
+    assert [first.due(3), second.due(3)] == [False, False]  # the first stage writes step 3 + 3
+    second.request()  # ... and the second one a step later: the step is already set
+    assert [second.due(4), first.due(4), second.due(5), first.due(5)] == [False] * 4
+    assert [first.due(6), second.due(6)] == [True, True]
+    first.clear(coordinator=True)
+    second.clear(coordinator=False)
+    assert not StepAgreement(store, margin=3).due(7)  # the next request starts afresh
+    late = StepAgreement(store, margin=3)
+    late.request()
+    late.due(8)
+    with pytest.raises(RuntimeError, match="agreed step 11 was passed"):
+        StepAgreement(store, margin=3).due(12)
+    alone = StepAgreement(None, margin=3)  # one process: due at the next boundary
+    alone.request()
+    assert alone.due(5)
+
+
 @pytest.mark.multiprocess
 @pytest.mark.slow
 def test_a_slurm_requeue_signal_saves_at_one_step_on_every_stage_requeues_and_resumes_to_the_uninterrupted_weights(tmp_path):
