@@ -277,6 +277,32 @@ def finish_sharded(path: str, meta: Mapping[str, Any]) -> None:
     put_in_place(tmp, path)
 
 
+class PendingSave:
+    """A sharded save written in the background (``torch.distributed.checkpoint.async_save``), put in place by
+    :meth:`finish` once every shard is written. Checkpoints to delete meanwhile (Lightning removing the previous
+    top-k one) wait for it, so the newest complete checkpoint is never removed before its successor is in place."""
+
+    def __init__(self, path: str, flat: Mapping[str, Any], meta: Mapping[str, Any], *, is_coordinator: bool,
+                 barrier: Callable[[], None], process_group: Any = None) -> None:
+        self.path, self.meta, self.is_coordinator = path, dict(meta), is_coordinator
+        self.removals: list[Callable[[], None]] = []
+        tmp = begin_sharded(path, is_coordinator=is_coordinator, barrier=barrier)
+        # The tensors are copied (staged) before this returns, so training may change them at once.
+        self.future = dcp.async_save(dict(flat), storage_writer=dcp.FileSystemWriter(tmp), process_group=process_group,
+                                     no_dist=not torch.distributed.is_initialized())
+
+    def finish(self, put: bool = True) -> None:
+        """Wait for the write (its error, if any, is raised here); the coordinator then adds ``meta.pt`` and puts the
+        checkpoint in place (unless ``put`` is False), and runs the removals that waited for it. A checkpoint whose
+        write failed is never put in place. The coordinator's write finishes after every process's (DCP writes the
+        metadata once all shards are written), so no barrier is needed before the rename."""
+        self.future.result()
+        if self.is_coordinator and put:
+            finish_sharded(self.path, self.meta)
+        for remove in self.removals:
+            remove()
+
+
 def put_in_place(tmp: str, path: str) -> None:
     """Move the complete checkpoint ``tmp`` (a file or a directory) to ``path``, replacing what is there.
 
