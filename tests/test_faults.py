@@ -119,6 +119,15 @@ def test_after_the_swap_a_leftover_previous_checkpoint_is_not_what_last_resumes(
     assert max_difference(result["state_dict"], uninterrupted) <= 1e-6
 
 
+def test_last_as_a_link_to_a_sharded_checkpoint_directory_resumes_to_the_uninterrupted_weights(uninterrupted, tmp_path):
+    folder = tmp_path / "ckpt"
+    run(dict(steps=4, checkpoint_dir=str(folder), save_last="link"))
+    assert os.path.islink(folder / "last.ckpt") and (folder / "last.ckpt").resolve() == folder / "epoch=0-step=4.ckpt"
+    result = run(dict(steps=5, checkpoint_dir=str(folder), save_last="link", resume="last"))[0]
+    assert result["ckpt_path"] == str(folder / "last.ckpt")
+    assert max_difference(result["state_dict"], uninterrupted) <= 1e-6
+
+
 # ---- a stage killed under torchrun ---------------------------------------------------------------------------------
 @pytest.mark.multiprocess
 @pytest.mark.slow

@@ -55,7 +55,7 @@ def build_trainer(cfg: dict, devices: int) -> L.Trainer:
     callbacks: list = [Faults(cfg)]
     if cfg.get("checkpoint_dir"):
         callbacks.append(ModelCheckpoint(dirpath=cfg["checkpoint_dir"], every_n_train_steps=cfg.get("save_every", 2),
-                                         save_last=True, save_top_k=cfg.get("save_top_k", 1)))
+                                         save_last=cfg.get("save_last", True), save_top_k=cfg.get("save_top_k", 1)))
     strategy = AsyncPipelineStrategy(num_microbatches=4, pipeline_timeout=cfg.get("pipeline_timeout", 20.0),
                                      **cfg.get("strategy_kwargs", {}))
     return L.Trainer(accelerator="cpu", devices=devices, max_steps=cfg["steps"], logger=False,
