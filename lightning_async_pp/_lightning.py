@@ -81,3 +81,21 @@ def batches_trained(checkpoint: dict) -> int:
         return int(checkpoint["loops"]["fit_loop"]["epoch_loop.batch_progress"]["total"]["processed"])
     except (KeyError, TypeError):
         return int(checkpoint.get("global_step", 0))
+
+
+def replace_requeue_handler(trainer: Any, handler: Callable[[Any, Any], None]) -> None:
+    """Make Lightning register ``handler`` for SLURM's requeue signal instead of its own, which saves the hpc
+    checkpoint inside the signal handler.
+
+    Relies on: ``_SignalConnector.register_signal_handlers`` (run by the trainer after ``strategy.setup``) looking
+    up ``self._slurm_sigusr_handler_fn`` when it registers the requeue signal's handlers under
+    ``SLURMEnvironment(auto_requeue=True)``."""
+    trainer._signal_connector._slurm_sigusr_handler_fn = handler
+
+
+def hpc_save_path(trainer: Any) -> str:
+    """Where Lightning's SLURM handler saves its hpc checkpoint (``hpc_ckpt_<n+1>.ckpt`` in ``default_root_dir``),
+    which a requeued job's ``fit`` resumes from.
+
+    Relies on: ``trainer._checkpoint_connector.hpc_save_path(folder)``."""
+    return trainer._checkpoint_connector.hpc_save_path(trainer.default_root_dir)

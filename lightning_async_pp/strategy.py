@@ -41,6 +41,7 @@ from lightning_async_pp.pipeline.placement import (
 )
 from lightning_async_pp.pipeline.sharding import shard_optimizers
 from lightning_async_pp.pipeline.topology import PipelineTopology
+from lightning_async_pp.requeue import RequeueAtStepBoundary
 from lightning_async_pp.strategy_state import PipelineStateHooks
 
 #: Keyword arguments of Lightning's DDPStrategy that are meaningful here (the accelerator connector and users
@@ -49,7 +50,7 @@ _LIGHTNING_KWARGS = ("accelerator", "parallel_devices", "cluster_environment", "
                      "process_group_backend", "timeout", "start_method")
 _OWN_KWARGS = ("schedule", "num_microbatches", "data_parallel_size", "partition", "delay", "sync_steps", "num_stages",
                "gather_final_weights", "pipeline_timeout", "check_batches", "save_distributed_checkpoint",
-               "activation_checkpointing", "sync_from_step", "shard_optimizer")
+               "activation_checkpointing", "sync_from_step", "shard_optimizer", "async_checkpoint")
 
 
 class AsyncPipelineStrategy(PipelineStateHooks, DDPStrategy):
@@ -91,6 +92,10 @@ class AsyncPipelineStrategy(PipelineStateHooks, DDPStrategy):
             parameters to each (Muon keeps whole matrices); every replica still holds all weights and the
             gradient. Results are unchanged. Checkpoints keep the same keys, so they load with sharding on or off
             and any layout. No effect with one pipeline.
+        async_checkpoint: sharded checkpoints are written in the background
+            (``torch.distributed.checkpoint.async_save``): a save stalls training only while the tensors are copied,
+            and the checkpoint is put in place once every shard is written. A save still in flight is awaited before
+            the next save, a load, at teardown and when training fails. Needs ``save_distributed_checkpoint=True``.
     """
 
     strategy_name = "async_pipeline"
@@ -113,6 +118,7 @@ class AsyncPipelineStrategy(PipelineStateHooks, DDPStrategy):
         activation_checkpointing: CheckpointingSpec = False,
         sync_from_step: Optional[int] = None,
         shard_optimizer: bool = False,
+        async_checkpoint: bool = False,
         *,
         accelerator: Any = None,
         parallel_devices: Any = None,
@@ -138,6 +144,7 @@ class AsyncPipelineStrategy(PipelineStateHooks, DDPStrategy):
             num_stages=num_stages,
             pipeline_timeout=pipeline_timeout, check_batches=check_batches,
             activation_checkpointing=activation_checkpointing, shard_optimizer=shard_optimizer,
+            save_distributed_checkpoint=save_distributed_checkpoint, async_checkpoint=async_checkpoint,
         )
         super().__init__(
             accelerator=accelerator, parallel_devices=parallel_devices, cluster_environment=cluster_environment,
@@ -146,6 +153,8 @@ class AsyncPipelineStrategy(PipelineStateHooks, DDPStrategy):
         )
         self.gather_final_weights = gather_final_weights
         self.save_distributed_checkpoint = save_distributed_checkpoint
+        self._pending_save: Optional[ckpt.PendingSave] = None  # an async_checkpoint save still being written
+        self._checkpoint_group: Any = None  # async saves' own gloo group: their collectives run in a background thread
         self._source: Optional[ckpt.TensorSource] = None  # the checkpoint being restored, between its two loads
         self._tensors: dict[str, Any] = {}
         self.engine: Optional[PipelineEngine] = None
@@ -153,6 +162,7 @@ class AsyncPipelineStrategy(PipelineStateHooks, DDPStrategy):
         self._lookahead: Any = None  # the batch whose forwards ran ahead (2BW across processes)
         self._update_started: Optional[float] = None
         self._reported: Optional[BaseException] = None  # the failure already reported to the other stages
+        self._requeue: Optional[RequeueAtStepBoundary] = None
 
     # ---- shape of the run -------------------------------------------------------------------------------------
     @property
@@ -287,6 +297,13 @@ class AsyncPipelineStrategy(PipelineStateHooks, DDPStrategy):
         # take each stage's own norm: this plugin instance takes the norm over every stage instead (as Lightning's
         # FSDPPrecision replaces the method for sharded parameters). Clipping by value is elementwise: unchanged.
         self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_norm  # type: ignore[method-assign]
+        if self.config.async_checkpoint and self.is_multiprocess and self._checkpoint_group is None:
+            self._checkpoint_group = torch.distributed.new_group(
+                backend="gloo", timeout=timedelta(seconds=self.config.pipeline_timeout))
+        if trainer.state.fn == TrainerFn.FITTING:
+            # SLURM auto-requeue: save and requeue at a step boundary that every stage agrees on (requeue.py).
+            self._requeue = RequeueAtStepBoundary.install(trainer, self.cluster_environment, self.engine.board.store,
+                                                          self.data_parallel_size)
         if self.is_multiprocess:
             # A stage that stops makes its neighbours stop through the pipeline's own failure handling, so a
             # local check replaces Lightning's per-step broadcast (a barrier across all stages).
@@ -334,6 +351,11 @@ class AsyncPipelineStrategy(PipelineStateHooks, DDPStrategy):
             return super().batch_to_device(batch, device, dataloader_idx)
         # Lightning's loop reached a batch from the lookahead loader: transfer it unless the lookahead already did.
         assert self._train_loader is not None and self._train_loader.iterator is not None
+        if self._pending_save is not None and self._pending_save.future.done():
+            self.finish_pending_save()  # written in the background meanwhile: put it in place now
+        if self._requeue is not None and self.engine is not None:
+            # A step boundary: the previous batch is complete, this one not started (the data position is before it).
+            self._requeue.at_step_boundary(self.engine.stats.batch_index)
         self._train_loader.iterator.started(batch)
         return transfer_early(batch, self._transfer)
 
@@ -450,6 +472,7 @@ class AsyncPipelineStrategy(PipelineStateHooks, DDPStrategy):
 
     def on_exception(self, exception: BaseException) -> None:
         self._report_failure(exception)
+        self.finish_pending_save(failing=True)
         super().on_exception(exception)
 
     def teardown(self) -> None:
@@ -463,6 +486,8 @@ class AsyncPipelineStrategy(PipelineStateHooks, DDPStrategy):
         self._train_loader = None
         self._lookahead = None
         self.precision_plugin.__dict__.pop("clip_grad_by_norm", None)  # the plugin's own method again
+        self._requeue = None
+        self.finish_pending_save()
         super().teardown()
 
 

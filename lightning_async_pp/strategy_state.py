@@ -5,6 +5,7 @@ trainer call. A mixin, so that ``strategy.py`` keeps the run itself; see docs/de
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Mapping
 from typing import Any, Optional
 
@@ -47,8 +48,13 @@ class PipelineStateHooks:
         # Replicas hold the same weights; with a sharded optimizer each one adds the state it holds.
         flat = ckpt.engine_tensors(self.engine, module_state, self.optimizers, weights=own) if own or sharded else {}
         meta = ckpt.checkpoint_meta(self.engine, self.schedule, self.data_parallel_size)
+        self.finish_pending_save()  # one save in flight at a time, in order
         if self.save_distributed_checkpoint:
             checkpoint["async_pipeline"] = meta
+            if self.config.async_checkpoint:
+                self._pending_save = ckpt.PendingSave(path, flat, checkpoint, is_coordinator=self.is_global_zero,
+                                                      barrier=self.barrier, process_group=self._checkpoint_group)
+                return
             ckpt.save_sharded(path, flat, checkpoint, is_coordinator=self.is_global_zero, barrier=self.barrier)
             return
         parts = self._gather_to_zero(_cpu(flat) if self.is_multiprocess else flat)
@@ -57,10 +63,35 @@ class PipelineStateHooks:
             for part in parts or []:
                 merged.update(part)
             checkpoint.update(ckpt.single_file_parts(merged, meta))
-            # Write beside the target and rename: a crash mid-write leaves the previous checkpoint intact.
-            tmp = f"{path}.tmp-{os.getpid()}"
+            # Write beside the target (out of the names Lightning lists) and rename: a crash mid-write leaves the
+            # previous checkpoint intact and no partial file where a resume looks.
+            tmp = ckpt.partial_path(path)
+            os.makedirs(os.path.dirname(tmp), exist_ok=True)
             self.checkpoint_io.save_checkpoint(checkpoint, tmp, storage_options=storage_options)
-            os.replace(tmp, path)
+            ckpt.put_in_place(tmp, path)
+
+    def finish_pending_save(self, failing: bool = False) -> None:
+        """Wait for an ``async_checkpoint`` save still being written and put it in place. When training is failing
+        (``failing``), a write that failed too is only reported, so the original error surfaces."""
+        pending, self._pending_save = self._pending_save, None
+        if pending is None:
+            return
+        try:
+            pending.finish()
+        except Exception as err:
+            if not failing:
+                raise
+            print(f"lightning_async_pp: the checkpoint {pending.path} being written when training failed was not "
+                  f"completed ({type(err).__name__}: {err}); the previous one stays", file=sys.stderr, flush=True)
+
+    def remove_checkpoint(self, filepath: Any) -> None:
+        pending = self._pending_save
+        if pending is not None:
+            # Lightning removes the previous top-k checkpoint right after saving the next one; while that one is
+            # still being written, the previous one stays until it is in place.
+            pending.removals.append(lambda: super(PipelineStateHooks, self).remove_checkpoint(filepath))
+            return
+        super().remove_checkpoint(filepath)
 
     @property
     def not_a_replica(self) -> bool:
@@ -75,6 +106,7 @@ class PipelineStateHooks:
         return out
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
+        self.finish_pending_save()
         path = ckpt.resolve(os.fspath(checkpoint_path))
         if ckpt.is_sharded(path):
             self._source = ckpt.ShardedSource(path)

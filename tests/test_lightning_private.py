@@ -108,3 +108,35 @@ def test_the_module_contract_does_not_import_the_strategy():
         a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
     assert not any(name and "strategy" in name for name in imported), imported
     assert AsyncPipelineStrategy.resumes_pipeline_checkpoints is True
+
+
+def test_the_slurm_requeue_handler_is_looked_up_on_the_signal_connector_after_the_strategy_is_set_up(monkeypatch):
+    import signal
+
+    from lightning.pytorch.plugins.environments import SLURMEnvironment
+
+    for key in [k for k in __import__("os").environ if k.startswith("SLURM_")]:
+        monkeypatch.delenv(key)
+    calls = []
+    trainer = _trainer(plugins=[SLURMEnvironment(auto_requeue=True)])
+    _lightning.replace_requeue_handler(trainer, lambda signum, frame: calls.append(signum))
+    previous = signal.getsignal(signal.SIGUSR1)
+    trainer._signal_connector.register_signal_handlers()
+    try:
+        signal.getsignal(signal.SIGUSR1)(signal.SIGUSR1, None)
+    finally:
+        trainer._signal_connector.teardown()
+        signal.signal(signal.SIGUSR1, previous)
+    assert calls == [signal.SIGUSR1]
+    source = inspect.getsource(L.Trainer._run)  # the strategy's setup comes first, so it can replace the handler
+    assert source.index("self.strategy.setup(self)") < source.index("self._signal_connector.register_signal_handlers()")
+
+
+def test_the_hpc_checkpoint_path_counts_up_and_ignores_the_folder_of_partial_writes(tmp_path):
+    from lightning_async_pp.pipeline.checkpoint import PARTIAL_DIR
+
+    trainer = _trainer(default_root_dir=str(tmp_path))
+    assert _lightning.hpc_save_path(trainer) == str(tmp_path / "hpc_ckpt_1.ckpt")
+    (tmp_path / "hpc_ckpt_1.ckpt").mkdir()  # a sharded checkpoint is a directory
+    (tmp_path / PARTIAL_DIR / "hpc_ckpt_2.ckpt").mkdir(parents=True)  # a write that was killed
+    assert _lightning.hpc_save_path(trainer) == str(tmp_path / "hpc_ckpt_2.ckpt")

@@ -15,6 +15,7 @@ tensor (the loops' and data state, written once). A single file holds the same d
 """
 from __future__ import annotations
 
+import ctypes
 import os
 import pickle
 import shutil
@@ -244,30 +245,107 @@ def owned_parameters(optimizers: Sequence[torch.optim.Optimizer], names: Mapping
     return {names[id(p)] for local in locals_ for g in local.param_groups for p in g["params"]}
 
 
-# ---- writing a sharded checkpoint safely ---------------------------------------------------------------------------
+# ---- writing a checkpoint safely ----------------------------------------------------------------------------------
+#: Temporaries are written under this folder beside the target, out of the names Lightning lists when it looks for a
+#: checkpoint to resume (``last*.ckpt`` for ``ckpt_path="last"``, any name containing ``hpc_ckpt_`` for SLURM):
+#: a partial write must never be a candidate (docs/design.md, "Faults").
+PARTIAL_DIR = ".partial"
+
+
+def partial_path(path: str) -> str:
+    """Where a checkpoint for ``path`` is written before it is put in place (same filesystem, so a rename moves it)."""
+    folder, name = os.path.split(os.path.abspath(path))
+    return os.path.join(folder, PARTIAL_DIR, name)
+
+
 def save_sharded(path: str, flat: Mapping[str, Any], meta: Mapping[str, Any], *, is_coordinator: bool,
                  barrier: Callable[[], None]) -> None:
     """Write ``flat`` through ``torch.distributed.checkpoint`` (collective) and ``meta`` into directory ``path``.
 
-    Everything goes into ``<path>.tmp`` first; only a complete checkpoint is renamed into place, so a crash
-    mid-save leaves the previous checkpoint at ``path`` (or, for an instant during the swap, at ``<path>.old``,
-    where :func:`resolve` finds it)."""
-    tmp, old = f"{path}.tmp", f"{path}.old"
+    Everything goes into :func:`partial_path` first; only a complete checkpoint is put in place
+    (:func:`put_in_place`), so a crash mid-save leaves the previous checkpoint at ``path``."""
+    tmp = begin_sharded(path, is_coordinator=is_coordinator, barrier=barrier)
+    dcp.save(dict(flat), storage_writer=dcp.FileSystemWriter(tmp), no_dist=not torch.distributed.is_initialized())
+    if is_coordinator:
+        finish_sharded(path, meta)
+    barrier()
+
+
+def begin_sharded(path: str, *, is_coordinator: bool, barrier: Callable[[], None]) -> str:
+    """An empty temporary directory for a sharded save of ``path`` (created by the coordinator, then a barrier)."""
+    tmp = partial_path(path)
     if is_coordinator:
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
     barrier()
-    dcp.save(dict(flat), storage_writer=dcp.FileSystemWriter(tmp), no_dist=not torch.distributed.is_initialized())
-    if is_coordinator:
-        torch.save(dict(meta), os.path.join(tmp, META_FILE))
+    return tmp
+
+
+def finish_sharded(path: str, meta: Mapping[str, Any]) -> None:
+    """Coordinator only, once every shard and DCP's metadata are written: add ``meta.pt`` and put it in place."""
+    tmp = partial_path(path)
+    torch.save(dict(meta), os.path.join(tmp, META_FILE))
+    put_in_place(tmp, path)
+
+
+class PendingSave:
+    """A sharded save written in the background (``torch.distributed.checkpoint.async_save``), put in place by
+    :meth:`finish` once every shard is written. Checkpoints to delete meanwhile (Lightning removing the previous
+    top-k one) wait for it, so the newest complete checkpoint is never removed before its successor is in place."""
+
+    def __init__(self, path: str, flat: Mapping[str, Any], meta: Mapping[str, Any], *, is_coordinator: bool,
+                 barrier: Callable[[], None], process_group: Any = None) -> None:
+        self.path, self.meta, self.is_coordinator = path, dict(meta), is_coordinator
+        self.removals: list[Callable[[], None]] = []
+        tmp = begin_sharded(path, is_coordinator=is_coordinator, barrier=barrier)
+        # The tensors are copied (staged) before this returns, so training may change them at once.
+        self.future = dcp.async_save(dict(flat), storage_writer=dcp.FileSystemWriter(tmp), process_group=process_group,
+                                     no_dist=not torch.distributed.is_initialized())
+
+    def finish(self, put: bool = True) -> None:
+        """Wait for the write (its error, if any, is raised here); the coordinator then adds ``meta.pt`` and puts the
+        checkpoint in place (unless ``put`` is False), and runs the removals that waited for it. A checkpoint whose
+        write failed is never put in place. The coordinator's write finishes after every process's (DCP writes the
+        metadata once all shards are written), so no barrier is needed before the rename."""
+        self.future.result()
+        if self.is_coordinator and put:
+            finish_sharded(self.path, self.meta)
+        for remove in self.removals:
+            remove()
+
+
+def put_in_place(tmp: str, path: str) -> None:
+    """Move the complete checkpoint ``tmp`` (a file or a directory) to ``path``, replacing what is there.
+
+    A directory cannot be renamed over a non-empty one, so replacing a sharded checkpoint swaps the two atomically
+    (Linux ``renameat2(RENAME_EXCHANGE)``): ``path`` always holds a complete checkpoint, the old or the new one. Where
+    the filesystem cannot swap, the old one goes to ``<path>.old`` for the instant between two renames, and
+    :func:`resolve` finds it there."""
+    if os.path.isdir(path) and _exchange(tmp, path):
+        shutil.rmtree(tmp, ignore_errors=True)  # now the previous checkpoint
+    else:
+        old = f"{path}.old"
         if os.path.isdir(path):
             shutil.rmtree(old, ignore_errors=True)
             os.rename(path, old)
-        elif os.path.exists(path):
-            os.remove(path)
-        os.rename(tmp, path)
+        elif os.path.isdir(tmp) and os.path.exists(path):
+            os.remove(path)  # a single file replaced by a directory
+        os.replace(tmp, path)
         shutil.rmtree(old, ignore_errors=True)
-    barrier()
+    try:
+        os.rmdir(os.path.dirname(tmp))  # the partial folder, once nothing else is being written there
+    except OSError:
+        pass
+
+
+def _exchange(a: str, b: str) -> bool:
+    """Swap the paths ``a`` and ``b`` atomically; False where the platform or filesystem cannot."""
+    try:
+        renameat2 = ctypes.CDLL(None, use_errno=True).renameat2
+    except (OSError, AttributeError):
+        return False
+    at_fdcwd, rename_exchange = -100, 2
+    return renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0
 
 
 def is_sharded(path: str) -> bool:
@@ -275,7 +353,8 @@ def is_sharded(path: str) -> bool:
 
 
 def resolve(path: str) -> str:
-    """``path``, or the previous checkpoint a crash during the final rename left at ``<path>.old``."""
+    """``path``, or the previous checkpoint a crash between the two renames of :func:`put_in_place` left at
+    ``<path>.old`` (only where the filesystem cannot swap directories atomically)."""
     if not os.path.exists(path) and os.path.isdir(f"{path}.old"):
         return f"{path}.old"
     return path

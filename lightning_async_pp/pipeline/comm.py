@@ -65,6 +65,55 @@ class FailureBoard:
             return cls(None)
 
 
+class StepAgreement:
+    """One decision every process acts on at the same training step, without a collective per step.
+
+    The first process that wants it (:meth:`request`, at a step boundary) writes into the process group's store the
+    step ``now + margin``; every process reads the store at each step boundary (:meth:`due`) and acts when it
+    reaches that step. Processes of a job are never more than a few steps apart (a stage at boundary ``b`` has
+    taken batch ``b-1``'s gradient, which needs every later stage past ``b-1`` and every earlier one past ``b-2``
+    under 2BW's one-batch lookahead; data-parallel replicas meet in each step's all-reduce), so ``margin`` steps
+    ahead no process has passed yet. Without a store (one process) the decision is due at once.
+    See docs/design.md, "Faults"."""
+
+    KEY = "lightning_async_pp/agreed_step"
+
+    def __init__(self, store: Optional[dist.Store], margin: int) -> None:
+        self.store, self.margin = store, margin
+        self.wanted = False  # set by a signal handler: only a flag, the store is written at the next boundary
+        self._requested = False
+        self._step: Optional[int] = None
+
+    def request(self) -> None:
+        self.wanted = True
+
+    def due(self, step: int) -> bool:
+        """Called at every step boundary (``step`` updates done) on every process: whether to act now."""
+        if self.wanted and not self._requested:
+            self._requested = True
+            if self.store is None:
+                self._step = step
+            elif self.store.add(self.KEY + "/requests", 1) == 1:  # the first request sets the step
+                self.store.set(self.KEY, str(step + self.margin))
+        if self._step is None and self.store is not None and self.store.check([self.KEY]):
+            self._step = int(self.store.get(self.KEY).decode())
+        if self._step is None:
+            return False
+        if step > self._step:
+            raise RuntimeError(f"the agreed step {self._step} was passed before it was read (now at step {step})")
+        return step == self._step
+
+    def clear(self, coordinator: bool) -> None:
+        """After acting, on every process; the coordinator deletes the keys (every process has read them by then)."""
+        self._step, self.wanted, self._requested = None, False, False
+        if coordinator and self.store is not None:
+            for key in (self.KEY, self.KEY + "/requests"):
+                try:
+                    self.store.delete_key(key)
+                except Exception:  # a store without delete_key: the next job starts with a new store anyway
+                    pass
+
+
 class StageLink:
     """The links of one stage to its previous and next stage (global ranks).
 

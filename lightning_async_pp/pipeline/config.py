@@ -36,6 +36,8 @@ class PipelineConfig:
     check_batches: bool = True
     activation_checkpointing: CheckpointingSpec = False  # True (every layer) or indices into pipeline_layers()
     shard_optimizer: bool = False  # ZeRO-1: each stage's optimizer state split across its data-parallel replicas
+    save_distributed_checkpoint: bool = True  # checkpoints as directories through torch.distributed.checkpoint
+    async_checkpoint: bool = False  # sharded saves written in the background (torch.distributed.checkpoint.async_save)
 
     def __post_init__(self) -> None:
         if self.schedule in MULTI_CHUNK_SCHEDULES:
@@ -77,6 +79,15 @@ class PipelineConfig:
             raise ValueError(
                 f"shard_optimizer must be True (each stage's optimizer state split across its data-parallel "
                 f"replicas) or False, got {self.shard_optimizer!r}"
+            )
+        for name in ("save_distributed_checkpoint", "async_checkpoint"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        if self.async_checkpoint and not self.save_distributed_checkpoint:
+            raise ValueError(
+                "async_checkpoint=True writes sharded checkpoints in the background through "
+                "torch.distributed.checkpoint.async_save, but save_distributed_checkpoint=False asks for one file "
+                "assembled on rank 0; use save_distributed_checkpoint=True with it, or async_checkpoint=False"
             )
         spec = self.activation_checkpointing
         if not isinstance(spec, bool):

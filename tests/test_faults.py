@@ -1,0 +1,222 @@
+"""Runs that are killed or requeued resume to the uninterrupted result (docs/design.md, "Faults").
+
+- A save interrupted at any point leaves the newest complete checkpoint where ``ckpt_path="last"`` finds it, and
+  nothing partial is ever loaded (the crash states are made on disk, then resumed).
+- A stage killed with SIGKILL under ``torchrun --max-restarts 1`` takes the job down and the restarted job resumes
+  from ``ckpt_path="last"`` to the uninterrupted weights.
+
+Every resumed run is compared with the uninterrupted one-device run (which 2 processes equal, tests/test_scale.py).
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent / "scripts"))
+from faults_fit import run  # noqa: E402
+
+from lightning_async_pp.pipeline import checkpoint as ckpt  # noqa: E402
+
+SCRIPT = Path(__file__).parent / "scripts" / "faults_fit.py"
+_RENDEZVOUS = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK", "LOCAL_WORLD_SIZE",
+               "PL_GLOBAL_SEED", "PL_SEED_WORKERS")
+
+
+def max_difference(a: dict, b: dict) -> float:
+    assert a.keys() == b.keys(), (sorted(a), sorted(b))
+    return max((a[k].float() - b[k].float()).abs().max().item() for k in a)
+
+
+def clean_env(**extra: str) -> dict:
+    env = {k: v for k, v in os.environ.items() if k not in _RENDEZVOUS and not k.startswith(("SLURM_", "TORCHELASTIC"))}
+    env.update(PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1", **extra)
+    return env
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory) -> Path:
+    """One device, 4 steps, a sharded checkpoint every 2 steps: last.ckpt and epoch=0-step={2,4}.ckpt."""
+    folder = tmp_path_factory.mktemp("saved") / "ckpt"
+    run(dict(steps=4, checkpoint_dir=str(folder), save_top_k=-1))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def uninterrupted() -> dict:
+    return run(dict(steps=5))[0]["state_dict"]
+
+
+def resume_last(folder: Path, steps: int = 5) -> dict:
+    return run(dict(steps=steps, checkpoint_dir=str(folder), save_top_k=-1, resume="last"))[0]
+
+
+# ---- a kill at each point of a save ----------------------------------------------------------------------------
+def test_a_partial_write_is_never_where_a_resume_looks_and_last_resumes_the_previous_checkpoint(saved, uninterrupted, tmp_path):
+    # Killed mid-write of the next last.ckpt: shards in the partial folder, no DCP metadata, no meta.pt.
+    folder = tmp_path / "ckpt"
+    shutil.copytree(saved, folder)
+    partial = Path(ckpt.partial_path(str(folder / "last.ckpt")))
+    partial.mkdir(parents=True)
+    (partial / "__0_0.distcp").write_bytes(b"half a shard")
+    result = resume_last(folder)
+    assert result["ckpt_path"] == str(folder / "last.ckpt")
+    assert max_difference(result["state_dict"], uninterrupted) <= 1e-6
+    # The partial folder is out of Lightning's listings: not a last*.ckpt, and no hpc_ckpt_ in its name.
+    assert not any(p.name.startswith("last") for p in folder.iterdir() if p.suffix != ".ckpt")
+    assert ckpt.PARTIAL_DIR in os.listdir(folder) and "hpc_ckpt_" not in ckpt.PARTIAL_DIR
+
+
+def test_replacing_a_sharded_checkpoint_swaps_atomically_so_the_target_always_holds_a_complete_one(
+        saved, tmp_path, monkeypatch):
+    target, newer = tmp_path / "last.ckpt", tmp_path / "newer"
+    shutil.copytree(saved / "epoch=0-step=2.ckpt", target)
+    shutil.copytree(saved / "epoch=0-step=4.ckpt", newer)
+
+    def killed(*args):  # a kill at the first rename would leave the target missing: there must be none
+        raise SystemExit("killed between the renames")
+
+    monkeypatch.setattr(os, "rename", killed)
+    ckpt.put_in_place(str(newer), str(target))
+    monkeypatch.undo()
+    assert ckpt.read_meta(str(target))["async_pipeline"]["num_updates"] == 4
+    assert sorted(os.listdir(tmp_path)) == ["last.ckpt"]  # the previous one and the temporary are gone
+
+
+def test_where_the_filesystem_cannot_swap_a_kill_between_the_renames_loads_the_previous_checkpoint(
+        saved, uninterrupted, tmp_path, monkeypatch):
+    # Between the two renames: the previous checkpoint at last.ckpt.old, the target missing.
+    folder = tmp_path / "ckpt"
+    shutil.copytree(saved, folder)
+    (folder / "last.ckpt").rename(folder / "last.ckpt.old")
+    assert ckpt.resolve(str(folder / "last.ckpt")) == str(folder / "last.ckpt.old")
+    result = run(dict(steps=5, checkpoint_dir=str(folder), save_top_k=-1, resume=str(folder / "last.ckpt")))[0]
+    assert max_difference(result["state_dict"], uninterrupted) <= 1e-6
+    # That save put the new last.ckpt in place (two renames here) and removed the .old.
+    monkeypatch.setattr(ckpt, "_exchange", lambda a, b: False)
+    newer = tmp_path / "newer"
+    shutil.copytree(folder / "last.ckpt", newer)
+    ckpt.put_in_place(str(newer), str(folder / "last.ckpt"))
+    assert not (folder / "last.ckpt.old").exists() and (folder / "last.ckpt").is_dir()
+
+
+def test_after_the_swap_a_leftover_previous_checkpoint_is_not_what_last_resumes(saved, uninterrupted, tmp_path):
+    # Killed after the new checkpoint went in place, before the previous one was removed (either way of swapping).
+    folder = tmp_path / "ckpt"
+    shutil.copytree(saved, folder)
+    (folder / "last.ckpt.old").mkdir()
+    (folder / "last.ckpt.old" / "__0_0.distcp").write_bytes(b"stale")
+    partial = Path(ckpt.partial_path(str(folder / "last.ckpt")))
+    shutil.copytree(saved / "epoch=0-step=2.ckpt", partial)  # the previous one, swapped out
+    result = resume_last(folder)
+    assert result["ckpt_path"] == str(folder / "last.ckpt")
+    assert max_difference(result["state_dict"], uninterrupted) <= 1e-6
+
+
+def test_last_as_a_link_to_a_sharded_checkpoint_directory_resumes_to_the_uninterrupted_weights(uninterrupted, tmp_path):
+    folder = tmp_path / "ckpt"
+    run(dict(steps=4, checkpoint_dir=str(folder), save_last="link"))
+    assert os.path.islink(folder / "last.ckpt") and (folder / "last.ckpt").resolve() == folder / "epoch=0-step=4.ckpt"
+    result = run(dict(steps=5, checkpoint_dir=str(folder), save_last="link", resume="last"))[0]
+    assert result["ckpt_path"] == str(folder / "last.ckpt")
+    assert max_difference(result["state_dict"], uninterrupted) <= 1e-6
+
+
+# ---- a stage killed under torchrun ---------------------------------------------------------------------------------
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_a_stage_killed_mid_training_under_torchrun_restarts_from_last_to_the_uninterrupted_weights(tmp_path):
+    # torchrun tears the surviving stage down as soon as it sees its peer die; pipeline_timeout (also the process
+    # group's connect timeout) is only the bound if it did not, and must let a late restarted process connect.
+    steps = 8
+    cfg = dict(steps=steps, devices=2, checkpoint_dir=str(tmp_path / "ckpt"), save_every=2, resume="last",
+               kill={"rank": 1, "step": 5}, pipeline_timeout=60.0,
+               strategy_kwargs={"async_checkpoint": True})  # the saves across processes go through async_save
+    out = tmp_path / "out"
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "--max-restarts", "1",
+         "--monitor-interval", "0.5", str(SCRIPT), "--config", json.dumps(cfg), "--out", str(out)],
+        cwd=tmp_path, env=clean_env(), capture_output=True, text=True, timeout=400,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    result = torch.load(out / "rank0.pt", weights_only=False)
+    assert result["restart_count"] == 1  # a worker failed (only the kill does), and the weights are the restart's
+    assert result["ckpt_path"] == str(tmp_path / "ckpt" / "last.ckpt") and result["global_step"] == steps
+    expected = run(dict(steps=steps))[0]["state_dict"]
+    assert max_difference(result["state_dict"], expected) <= 1e-5
+
+
+# ---- SLURM requeue ------------------------------------------------------------------------------------------------
+def slurm_tasks(cfg: dict, tmp_path: Path, restart: int, tasks: int = 2) -> list[subprocess.CompletedProcess]:
+    """The job's tasks as srun starts them (SLURM's variables), with a fake ``scontrol`` on PATH that records its
+    arguments in ``tmp_path/scontrol.log``."""
+    bin_dir = tmp_path / "bin"
+    if not bin_dir.exists():
+        bin_dir.mkdir()
+        (bin_dir / "scontrol").write_text(f'#!/bin/sh\necho "$@" >> {tmp_path / "scontrol.log"}\n')
+        (bin_dir / "scontrol").chmod(0o755)
+    out = tmp_path / f"out{restart}"
+    procs = []
+    for rank in range(tasks):
+        env = clean_env(PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}", SLURM_JOB_ID="4242", SLURM_JOB_NAME="fit",
+                        SLURM_NTASKS=str(tasks), SLURM_NTASKS_PER_NODE=str(tasks), SLURM_NNODES="1",
+                        SLURM_NODEID="0", SLURM_PROCID=str(rank), SLURM_LOCALID=str(rank),
+                        SLURM_NODELIST="127.0.0.1", SLURM_RESTART_COUNT=str(restart), MASTER_PORT=str(29600 + restart))
+        procs.append(subprocess.Popen([sys.executable, str(SCRIPT), "--config", json.dumps(cfg), "--out", str(out)],
+                                      cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    done = []
+    for p in procs:
+        stdout, stderr = p.communicate(timeout=300)
+        done.append(subprocess.CompletedProcess(p.args, p.returncode, stdout, stderr))
+    for p in done:
+        assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-5000:]
+    return [torch.load(out / "rank0.pt", weights_only=False)]
+
+
+def test_stages_asked_at_different_steps_agree_on_one_step_through_the_store_without_a_collective():
+    from torch.distributed import HashStore
+
+    from lightning_async_pp.pipeline.comm import StepAgreement
+
+    store = HashStore()
+    first, second = StepAgreement(store, margin=3), StepAgreement(store, margin=3)
+    first.request()  # the signal reached the first stage during step 2
+    assert [first.due(3), second.due(3)] == [False, False]  # the first stage writes step 3 + 3
+    second.request()  # ... and the second one a step later: the step is already set
+    assert [second.due(4), first.due(4), second.due(5), first.due(5)] == [False] * 4
+    assert [first.due(6), second.due(6)] == [True, True]
+    first.clear(coordinator=True)
+    second.clear(coordinator=False)
+    assert not StepAgreement(store, margin=3).due(7)  # the next request starts afresh
+    late = StepAgreement(store, margin=3)
+    late.request()
+    late.due(8)
+    with pytest.raises(RuntimeError, match="agreed step 11 was passed"):
+        StepAgreement(store, margin=3).due(12)
+    alone = StepAgreement(None, margin=3)  # one process: due at the next boundary
+    alone.request()
+    assert alone.due(5)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_a_slurm_requeue_signal_saves_at_one_step_on_every_stage_requeues_and_resumes_to_the_uninterrupted_weights(tmp_path):
+    steps, root = 10, tmp_path / "root"
+    # The signal reaches the two stages at different steps (2 and 3); they agree on one step to save at.
+    first = slurm_tasks(dict(steps=steps, devices=2, slurm=True, root_dir=str(root), usr1={0: 2, 1: 3}), tmp_path, 0)[0]
+    hpc = root / "hpc_ckpt_1.ckpt"
+    saved_at = ckpt.read_meta(str(hpc))["async_pipeline"]["num_updates"]
+    assert saved_at == 2 + 1 + 3  # requested at the boundary after the signal, 3 steps ahead (StepAgreement)
+    assert first["global_step"] == saved_at + 1  # the step started at the save runs, then training stops
+    assert (tmp_path / "scontrol.log").read_text() == "requeue 4242\n"
+    # The requeued job: Lightning finds the hpc checkpoint and resumes from it.
+    second = slurm_tasks(dict(steps=steps, devices=2, slurm=True, root_dir=str(root)), tmp_path, 1)[0]
+    assert second["ckpt_path"] == str(hpc) and second["global_step"] == steps
+    expected = run(dict(steps=steps))[0]["state_dict"]
+    assert max_difference(second["state_dict"], expected) <= 1e-5
