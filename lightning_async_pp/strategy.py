@@ -7,6 +7,7 @@ How it meets Lightning is described in docs/design.md, "The Lightning seam".
 """
 from __future__ import annotations
 
+import dataclasses
 import difflib
 from contextlib import contextmanager, nullcontext
 import os
@@ -23,6 +24,7 @@ from lightning.pytorch.plugins.precision import MixedPrecision
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.exceptions import SIGTERMException
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
 
 from lightning_async_pp import _lightning
@@ -30,7 +32,7 @@ from lightning_async_pp.lookahead import FetchedBatch, LookaheadLoader, transfer
 from lightning_async_pp.module import PipelineModule
 from lightning_async_pp.pipeline import checkpoint as ckpt
 from lightning_async_pp.pipeline.comm import PipelineFailure
-from lightning_async_pp.pipeline.config import CheckpointingSpec, DelaySpec, PipelineConfig
+from lightning_async_pp.pipeline.config import CheckpointingSpec, CompileSpec, DelaySpec, PipelineConfig
 from lightning_async_pp.pipeline.engine import PipelineEngine
 from lightning_async_pp.pipeline.partition import PartitionSpec
 from lightning_async_pp.pipeline.placement import layer_paths, parameters_on_meta, replace_meta_tensors
@@ -44,7 +46,7 @@ _LIGHTNING_KWARGS = ("accelerator", "parallel_devices", "cluster_environment", "
                      "process_group_backend", "timeout", "start_method")
 _OWN_KWARGS = ("schedule", "num_microbatches", "data_parallel_size", "partition", "delay", "sync_steps", "num_stages",
                "gather_final_weights", "pipeline_timeout", "check_batches", "save_distributed_checkpoint",
-               "activation_checkpointing", "sync_from_step", "shard_optimizer")
+               "activation_checkpointing", "sync_from_step", "shard_optimizer", "compile")
 
 
 class AsyncPipelineStrategy(PipelineStateHooks, DDPStrategy):
@@ -86,6 +88,11 @@ class AsyncPipelineStrategy(PipelineStateHooks, DDPStrategy):
             parameters to each (Muon keeps whole matrices); every replica still holds all weights and the
             gradient. Results are unchanged. Checkpoints keep the same keys, so they load with sharding on or off
             and any layout. No effect with one pipeline.
+        compile: ``True`` or a dict of ``torch.compile`` keyword arguments (``backend``, ``mode``, ``dynamic``,
+            ``options``, ...): each pipeline layer is compiled once per process, and every weight version,
+            microbatch and later trainer call reuses its graphs (evaluation under ``no_grad`` adds its own, once).
+            Results equal the eager run's to rounding. Not with ``schedule="zb_h1"``. A model given to the Trainer
+            as ``torch.compile(model)`` is run this way too (with a warning): the whole-model compile is undone.
     """
 
     strategy_name = "async_pipeline"
@@ -108,6 +115,7 @@ class AsyncPipelineStrategy(PipelineStateHooks, DDPStrategy):
         activation_checkpointing: CheckpointingSpec = False,
         sync_from_step: Optional[int] = None,
         shard_optimizer: bool = False,
+        compile: CompileSpec = False,
         *,
         accelerator: Any = None,
         parallel_devices: Any = None,
@@ -132,7 +140,7 @@ class AsyncPipelineStrategy(PipelineStateHooks, DDPStrategy):
             partition=partition, delay=delay, sync_steps=sync_steps, sync_from_step=sync_from_step,
             num_stages=num_stages,
             pipeline_timeout=pipeline_timeout, check_batches=check_batches,
-            activation_checkpointing=activation_checkpointing, shard_optimizer=shard_optimizer,
+            activation_checkpointing=activation_checkpointing, shard_optimizer=shard_optimizer, compile=compile,
         )
         super().__init__(
             accelerator=accelerator, parallel_devices=parallel_devices, cluster_environment=cluster_environment,
@@ -239,6 +247,8 @@ class AsyncPipelineStrategy(PipelineStateHooks, DDPStrategy):
                 f"AsyncPipelineStrategy trains a lightning_async_pp.PipelineModule; got {type(module).__name__}. "
                 f"Derive your model from PipelineModule and implement pipeline_layers() and pipeline_loss()"
             )
+        if _lightning.undo_whole_model_compile(module):
+            self._compile_per_layer()
         if isinstance(self.precision_plugin, MixedPrecision) and self.precision_plugin.scaler is not None:
             raise ValueError(
                 f"precision={self.precision_plugin.precision!r} scales the loss with a GradScaler, which the pipeline "
@@ -280,6 +290,24 @@ class AsyncPipelineStrategy(PipelineStateHooks, DDPStrategy):
             # A stage that stops makes its neighbours stop through the pipeline's own failure handling, so a
             # local check replaces Lightning's per-step broadcast (a barrier across all stages).
             _lightning.replace_sigterm_broadcast(trainer, self._check_sigterm_locally)
+
+    def _compile_per_layer(self) -> None:
+        """The Trainer was given ``torch.compile(model)``: compile the pipeline layers instead (see docs/design.md,
+        'Compiled layers')."""
+        if self.config.compile is not False:
+            how = f"with the strategy's compile={self.config.compile!r}"
+        elif self.schedule == "zb_h1":
+            how = "not at all: schedule='zb_h1' runs eager layers"
+        else:
+            self.config = dataclasses.replace(self.config, compile=True)
+            how = "with torch.compile's defaults (compile=True)"
+        rank_zero_warn(
+            "The model was given to the Trainer as torch.compile(model). A compiled training_step would trace into "
+            "the pipeline engine and gain nothing, so the whole-model compile is undone and each pipeline layer "
+            f"is compiled {how}. Pass the model uncompiled and set AsyncPipelineStrategy(compile=True or "
+            "{torch.compile arguments}) to choose the backend or mode; the whole-model compile's own arguments "
+            "are not carried over."
+        )
 
     @contextmanager
     def tensor_init_context(self, empty_init: Optional[bool] = None) -> Iterator[None]:
