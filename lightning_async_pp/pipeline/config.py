@@ -131,10 +131,15 @@ class PipelineConfig:
         object.__setattr__(self, "compile", dict(spec))  # a copy: later changes to the caller's dict do not leak in
 
     def compile_options(self) -> Optional[dict[str, Any]]:
-        """The keyword arguments each pipeline layer is compiled with, or ``None`` (layers run eagerly)."""
+        """The keyword arguments each pipeline layer is compiled with, or ``None`` (layers run eagerly).
+
+        ``True`` is inductor with the two options that keep its results equal to eager ones: intermediate results
+        rounded to bf16 where eager rounds them (``emulate_precision_casts``; without it fused bf16 kernels keep
+        fp32 intermediates) and eager's random numbers for dropout (``fallback_random``). A dict is passed as
+        given (``{}``: torch.compile's own defaults)."""
         if self.compile is False:
             return None
-        return {} if self.compile is True else dict(self.compile)
+        return {"options": dict(EXACT_INDUCTOR_OPTIONS)} if self.compile is True else dict(self.compile)
 
     # ---- what follows from the number of processes ---------------------------------------------------------
     def stages_for(self, world_size: int) -> int:
@@ -200,6 +205,10 @@ class PipelineConfig:
             raise ValueError(f"data_parallel_size={self.data_parallel_size} needs at least that many processes; got one device")
         self.stage_delays(num_stages)
         check_schedule(self.schedule, num_stages, self.microbatches_for(num_stages))
+
+
+#: What ``compile=True`` gives inductor (see ``PipelineConfig.compile_options``).
+EXACT_INDUCTOR_OPTIONS = {"emulate_precision_casts": True, "fallback_random": True}
 
 
 def compile_defaults() -> dict[str, Any]:
