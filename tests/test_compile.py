@@ -132,6 +132,26 @@ def test_layers_of_one_kind_share_compiled_code_and_other_shapes_do_not():
     assert layer_kind(block) != layer_kind(copy.deepcopy(block).to(torch.bfloat16))
 
 
+def test_more_layer_kinds_than_dynamos_recompile_limit_all_run_compiled():
+    # All nn.Module compiles share one code object, whose recompile_limit (8) would send every layer beyond the
+    # eighth distinct graph back to eager, silently. Each kind compiles in its own region instead.
+    from lightning_async_pp.pipeline.stage import Stage
+
+    backend = CountingBackend()
+    widths = list(range(2, 14))
+    layers = [nn.Linear(a, b) for a, b in zip(widths, widths[1:])]  # 11 layers of 11 kinds
+    stage = Stage(layers, 0, 1, delay=0, compile_options={"backend": backend})
+    x = torch.randn(3, 2)
+    with torch.no_grad():
+        compiled = [stage.forward_newest(x) for _ in range(2)]
+        eager = x
+        for layer in layers:
+            eager = layer(eager)
+    assert backend.graphs == len(layers)  # one per kind, none on the second pass
+    for out in compiled:
+        torch.testing.assert_close(out, eager, rtol=0, atol=TOL)
+
+
 # ---- exact, and compiled once -------------------------------------------------------------------------------------
 def test_compiled_2bw_run_equals_eager_and_never_recompiles_across_versions_microbatches_or_evaluation():
     backend = CountingBackend()
@@ -247,3 +267,16 @@ def test_compiled_layers_on_two_processes_equal_the_eager_one_device_run(tmp_pat
     torch.testing.assert_close(torch.tensor(multi["losses"]), torch.tensor(one["losses"]), rtol=0, atol=TOL)
     assert max_difference(multi["state_dict"], one["state_dict"]) <= TOL
     assert abs(multi["validate"][0]["val_loss"] - one["validate"][0]["val_loss"]) <= TOL
+
+
+# ---- LightningCLI -----------------------------------------------------------------------------------------------
+def test_compile_is_set_from_the_command_line_or_yaml(tmp_path, monkeypatch):
+    from test_cli import demo_config
+
+    from lightning_async_pp.cli import AsyncPipelineCLI
+
+    monkeypatch.setattr(sys, "argv", ["lightning-async-pp"])  # LightningCLI(args=...) warns about pytest's own
+    config = str(demo_config(tmp_path))
+    for arg, expected in [("true", True), ('{"backend": "aot_eager", "dynamic": false}', {"backend": "aot_eager", "dynamic": False})]:
+        cli = AsyncPipelineCLI(args=["--config", config, f"--trainer.strategy.compile={arg}"], run=False)
+        assert cli.trainer.strategy.config.compile == expected
