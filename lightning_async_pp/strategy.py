@@ -89,10 +89,12 @@ class AsyncPipelineStrategy(PipelineStateHooks, DDPStrategy):
             gradient. Results are unchanged. Checkpoints keep the same keys, so they load with sharding on or off
             and any layout. No effect with one pipeline.
         compile: ``True`` or a dict of ``torch.compile`` keyword arguments (``backend``, ``mode``, ``dynamic``,
-            ``options``, ...): each pipeline layer is compiled once per process, and every weight version,
-            microbatch and later trainer call reuses its graphs (evaluation under ``no_grad`` adds its own, once).
-            Results equal the eager run's to rounding. Not with ``schedule="zb_h1"``. A model given to the Trainer
-            as ``torch.compile(model)`` is run this way too (with a warning): the whole-model compile is undone.
+            ``options``, ...): each pipeline layer is compiled once per process (identical layers share a graph),
+            and every weight version, microbatch and later trainer call reuses its graphs (evaluation adds its
+            own, once). ``True`` is inductor with ``emulate_precision_casts`` and ``fallback_random``, so results
+            equal eager ones, bf16 and dropout included; a dict is passed as given. Not with ``schedule="zb_h1"``.
+            A model given to the Trainer as ``torch.compile(model)`` is run this way too (with a warning): the
+            whole-model compile is undone. See docs/design.md, 'Compiled layers'.
     """
 
     strategy_name = "async_pipeline"

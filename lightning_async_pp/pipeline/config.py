@@ -104,7 +104,8 @@ class PipelineConfig:
             )
         if isinstance(spec, bool):
             return
-        valid = compile_keywords()
+        defaults = compile_defaults()
+        valid = list(defaults)
         if not isinstance(spec, Mapping) or not all(isinstance(k, str) for k in spec):
             raise ValueError(
                 f"compile must be True, False or a mapping of torch.compile keyword arguments ({', '.join(valid)}), "
@@ -118,7 +119,7 @@ class PipelineConfig:
                 f"compile got unknown torch.compile keyword argument(s) {', '.join(hints)}; valid ones are "
                 f"{', '.join(valid)}"
             )
-        flags = [k for k, v in spec.items() if isinstance(compile_defaults()[k], bool) and not isinstance(v, bool)]
+        flags = [k for k, v in spec.items() if isinstance(defaults[k], bool) and not isinstance(v, bool)]
         if flags:
             raise ValueError(f"compile: torch.compile's {', '.join(map(repr, flags))} must be True or False, got "
                              + ", ".join(f"{spec[k]!r}" for k in flags))
@@ -215,10 +216,6 @@ def compile_defaults() -> dict[str, Any]:
     """The keyword arguments ``torch.compile`` takes besides the callable, with their defaults (its signature)."""
     return {name: p.default for name, p in inspect.signature(torch.compile).parameters.items()
             if p.kind is inspect.Parameter.KEYWORD_ONLY}
-
-
-def compile_keywords() -> list[str]:
-    return list(compile_defaults())
 
 
 def _identity(x: Any) -> Any:
