@@ -2,12 +2,12 @@
 takes its weights as inputs, so every weight version and microbatch reuses one graph (see docs/design.md,
 'Compiled layers').
 
-Layers of one kind (class, parameter and buffer shapes and dtypes: the identical blocks of a transformer) share
-one compiled function, so they are traced and compiled once per process, not once per layer. Each kind is its
-own compile region (``isolate_recompiles``): its graphs (training, evaluation under ``no_grad``, a batch
-dimension made dynamic by a ragged evaluation batch) count against its own ``recompile_limit``, not against one
-limit shared by every compiled module in the process. The functions are kept for the process's lifetime, so a
-later engine on the same layers (the next trainer call) finds its graphs compiled.
+Layers of one kind (see :func:`layer_kind`: the identical blocks of a transformer) share one compiled function,
+so they are traced and compiled once per process, not once per layer. Each kind is its own compile region
+(``isolate_recompiles``): its graphs (training; evaluation under ``no_grad`` and under ``inference_mode``; one-row
+microbatches) count against its own ``recompile_limit``, not against one limit shared by every compiled module in
+the process. The functions are kept for the process's lifetime, so a later engine on the same layers (the next
+trainer call) finds its graphs compiled.
 """
 from __future__ import annotations
 
@@ -42,7 +42,7 @@ def compile_layers(layers: Sequence[nn.Module], options: Mapping[str, Any]) -> l
 def _compiled_for(layer: nn.Module, options: Mapping[str, Any]) -> Callable[[nn.Module, Any], Any]:
     key = (repr(sorted(options.items())), layer_kind(layer))
     if key not in _COMPILED:
-        own_region = {"isolate_recompiles": True} if _HAS_ISOLATED_REGIONS else {}  # torch >= 2.14
+        own_region = {"isolate_recompiles": True} if _HAS_ISOLATED_REGIONS else {}  # an older torch: one region
         _COMPILED[key] = torch.compile(_call, **{**own_region, **options})
     return _COMPILED[key]
 
