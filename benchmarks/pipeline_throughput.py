@@ -39,6 +39,12 @@ planner's prediction against the measurement: each stage's mean forward, backwar
 measured activation transfer time are fed to ``pipeline.simulate.simulate()``, whose steady-state step time is
 compared with the measured one (see BENCHMARKS.md, "Predicted vs measured").
 
+``--compile`` runs only the bare engine's schedules (``2bw``, ``1f1b``, ``gpipe``; ``zb_h1`` cannot split a
+compiled layer's backward), each with eager layers and with compiled ones (``PipelineConfig(compile=True)``:
+torch.compile's default backend, inductor), in the same process pair, and reports the step times side by side.
+Compilation happens in the warm-up steps, which are not timed. With ``--accelerator cuda`` it runs both stages on
+``cuda:0`` in this process (the engine overhead setting below) and, with two or more GPUs, the 2-process pairs too.
+
 ``--accelerator cuda`` (width 4096 unless ``--width`` is given, 10 warm-up + 50 timed steps unless given, torch's
 own thread settings) measures on ``cuda:0`` in this process the whole model (whole batch, and microbatched) and the
 bare engine with both stages on that one GPU (``num_stages=2``, one process: the stages cannot overlap, so its
@@ -444,7 +450,8 @@ def run_engine(cfg: dict, rank: int, world_size: int, profile: bool = False,
     device = device_of(cfg, rank)
     # What the Lightning runs give AsyncPipelineStrategy, with the timeout the other pairs use.
     config = PipelineConfig(schedule=cfg["schedule"], num_microbatches=cfg["m"], partition="uniform",
-                            pipeline_timeout=120.0, num_stages=STAGES if world_size == 1 else None)
+                            pipeline_timeout=120.0, num_stages=STAGES if world_size == 1 else None,
+                            compile=cfg.get("compile", False))
     root = nn.ModuleList(make_layers(cfg["width"]))
     engine = PipelineEngine.build(root, list(root), config, input_fn=lambda b: b[0],
                                   loss_fn=lambda out, b: mse(out, b[1]), device=device,
@@ -749,6 +756,8 @@ def main() -> None:
                         help="measure only one process, the bare engine and torch's schedules (no Lightning); no report")
     parser.add_argument("--predict", action="store_true",
                         help="only the bare engine's schedules, traced: the planner's predicted step time vs the measured one")
+    parser.add_argument("--compile", action="store_true",
+                        help="only the bare engine's schedules, eager layers against compiled ones (compile=True)")
     parser.add_argument("--profile", action="store_true", help="also profile one stage of torch 1F1B and ours")
     parser.add_argument("--profile-only", action="store_true", help="only the profiles (at the first --microbatches)")
     parser.add_argument("--json", help="also write every measurement to this file")
@@ -783,6 +792,9 @@ def main() -> None:
         if not torch.cuda.is_available():
             sys.exit(f"no CUDA device: torch.cuda.is_available() is False (torch {torch.__version__}, built for CUDA "
                      f"{torch.version.cuda or 'none'}); run on a machine with an NVIDIA GPU, or with --accelerator cpu")
+        if args.compile:
+            run_compile_comparison(args, cuda=True)
+            return
         main_cuda(args)
         return
 
@@ -799,6 +811,9 @@ def main() -> None:
     results: dict[str, Any] = {"config": base, "load_before": load, "runs": {}}
     runs = results["runs"]
     quiet = Quiet(args.wait_idle, args.retries)
+    if args.compile:
+        run_compile_comparison(args, cuda=False)
+        return
     if args.predict:
         results["predict"] = run_predict(base, args.microbatches, quiet)
         print()
@@ -1151,6 +1166,66 @@ def run_predict(base: dict, microbatches: list[int], quiet: "Quiet") -> list[dic
                   f"{r['predicted_s'] * 1e3:7.1f} (compute only), {r['predicted_with_overhead_s'] * 1e3:7.1f} "
                   f"(+ engine overhead)   others' CPU {r['others_cpu']:5.1%}", flush=True)
     return rows
+
+
+#: The schedules measured eager against compiled (zb_h1's split backward does not take compiled layers).
+COMPILE_SCHEDULES = SCHEDULES
+
+
+def run_compile_comparison(args: argparse.Namespace, cuda: bool) -> None:
+    """``--compile``: each schedule on the bare engine with eager and with compiled layers, side by side."""
+    started = time.perf_counter()
+    base = {"rows": args.rows_per_microbatch, "steps": args.steps, "warmup": args.warmup, "optimizer": args.optimizer,
+            "width": args.width, "accelerator": "cuda" if cuda else "cpu"}
+    two = not cuda or torch.cuda.device_count() >= STAGES
+    where = ["one process, both stages on cuda:0"] if cuda else []
+    where += [f"{STAGES} processes" + (", one GPU each (NCCL)" if cuda else " (gloo, 1 thread each)")] if two else []
+    print(f"# eager vs compiled layers (bare engine): {DEPTH} x [Linear({args.width},{args.width}) + GELU], "
+          f"{STAGES} stages, {args.rows_per_microbatch} rows per microbatch, optimizer {args.optimizer}, "
+          f"{args.warmup} warmup (compilation included) + {args.steps} timed steps, torch {torch.__version__}; "
+          f"{'; '.join(where)}; load average before start {os.getloadavg()[0]:.2f}", flush=True)
+    quiet = Quiet(args.wait_idle, args.retries)
+    rows = []
+    for m in args.microbatches:
+        cfgs = [{**base, "m": m, "schedule": s, "compile": c} for s in COMPILE_SCHEDULES for c in (False, True)]
+        measured: list[tuple[str, dict, list[dict]]] = []
+        if cuda:
+            for cfg in cfgs:
+                def one_gpu(cfg: dict = cfg) -> list[dict]:
+                    try:
+                        return [run_engine(cfg, 0, 1)]
+                    finally:
+                        torch.cuda.empty_cache()
+                measured.append(("one GPU", cfg, quiet.measure(one_gpu)))
+        if two:
+            for cfg, pair in zip(cfgs, quiet.measure_group(_engine_worker, "engine", cfgs)):
+                measured.append((f"{STAGES} processes", cfg, pair))
+        for where_run, cfg, res in measured:
+            rows.append({"where": where_run, "m": m, "schedule": cfg["schedule"], "compile": cfg["compile"],
+                         "sec_per_step": res[0]["sec_per_step"], "others_cpu": others_cpu(res)})
+            print(f"  m={m} {where_run:<12} {cfg['schedule']:<6} {'compiled' if cfg['compile'] else 'eager':<9}"
+                  f"{res[0]['sec_per_step'] * 1e3:9.2f} ms/step   others' CPU {rows[-1]['others_cpu']:5.1%}",
+                  flush=True)
+    print()
+    print(compile_report(rows))
+    print(f"\n(benchmark wall time {time.perf_counter() - started:.0f}s; load average now {os.getloadavg()[0]:.2f})")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"config": base, "compile": rows}, indent=1))
+
+
+def compile_report(rows: list[dict]) -> str:
+    lines = ["## Eager vs compiled layers (bare engine, ms per step on rank 0, median of the timed steps)\n",
+             "| where | m | schedule | eager ms/step | compiled ms/step | eager / compiled | others' CPU (eager, compiled) |",
+             "|---|---:|---|---:|---:|---:|---|"]
+    index = {(r["where"], r["m"], r["schedule"], r["compile"]): r for r in rows}
+    for (where, m, schedule, compiled), eager in index.items():
+        if compiled:
+            continue
+        comp = index[(where, m, schedule, True)]
+        lines.append(f"| {where} | {m} | {schedule} | {eager['sec_per_step'] * 1e3:.2f} | "
+                     f"{comp['sec_per_step'] * 1e3:.2f} | {eager['sec_per_step'] / comp['sec_per_step']:.2f}x | "
+                     f"{eager['others_cpu']:.0%}, {comp['others_cpu']:.0%} |")
+    return "\n".join(lines)
 
 
 def predict_report(rows: list[dict], cfg: dict) -> str:

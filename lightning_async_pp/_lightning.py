@@ -99,3 +99,19 @@ def hpc_save_path(trainer: Any) -> str:
 
     Relies on: ``trainer._checkpoint_connector.hpc_save_path(folder)``."""
     return trainer._checkpoint_connector.hpc_save_path(trainer.default_root_dir)
+
+
+def undo_whole_model_compile(module: Any) -> bool:
+    """If the Trainer was given ``torch.compile(module)``, put the module's own methods back; returns whether it was.
+
+    Relies on: the Trainer unwrapping an ``OptimizedModule`` with ``from_compiled`` (``_maybe_unwrap_optimized``),
+    which compiles ``forward`` and the ``*_step`` methods of the original module and records them in its
+    ``_compiler_ctx`` (``None`` otherwise). Compiled ``*_step`` methods would trace into the pipeline engine
+    (graph breaks at every send, receive and Python-side schedule step); the public ``to_uncompiled`` undoes
+    them."""
+    if getattr(module, "_compiler_ctx", None) is None:
+        return False
+    from lightning.pytorch.utilities.compile import to_uncompiled
+
+    to_uncompiled(module)
+    return True

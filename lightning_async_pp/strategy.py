@@ -7,6 +7,7 @@ How it meets Lightning is described in docs/design.md, "The Lightning seam".
 """
 from __future__ import annotations
 
+import dataclasses
 import difflib
 from contextlib import contextmanager, nullcontext
 import os
@@ -23,6 +24,7 @@ from lightning.pytorch.plugins.precision import MixedPrecision
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.exceptions import SIGTERMException
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
 
 from lightning_async_pp import _lightning
@@ -30,7 +32,7 @@ from lightning_async_pp.lookahead import FetchedBatch, LookaheadLoader, transfer
 from lightning_async_pp.module import PipelineModule
 from lightning_async_pp.pipeline import checkpoint as ckpt
 from lightning_async_pp.pipeline.comm import PipelineFailure
-from lightning_async_pp.pipeline.config import CheckpointingSpec, DelaySpec, PipelineConfig
+from lightning_async_pp.pipeline.config import CheckpointingSpec, CompileSpec, DelaySpec, PipelineConfig
 from lightning_async_pp.pipeline.engine import PipelineEngine
 from lightning_async_pp.pipeline.partition import PartitionSpec
 from lightning_async_pp.pipeline.placement import (
@@ -50,7 +52,8 @@ _LIGHTNING_KWARGS = ("accelerator", "parallel_devices", "cluster_environment", "
                      "process_group_backend", "timeout", "start_method")
 _OWN_KWARGS = ("schedule", "num_microbatches", "data_parallel_size", "partition", "delay", "sync_steps", "num_stages",
                "gather_final_weights", "pipeline_timeout", "check_batches", "save_distributed_checkpoint",
-               "activation_checkpointing", "sync_from_step", "shard_optimizer", "async_checkpoint")
+               "activation_checkpointing", "sync_from_step", "shard_optimizer", "async_checkpoint",
+               "compile")
 
 
 class AsyncPipelineStrategy(PipelineStateHooks, DDPStrategy):
@@ -96,6 +99,13 @@ class AsyncPipelineStrategy(PipelineStateHooks, DDPStrategy):
             (``torch.distributed.checkpoint.async_save``): a save stalls training only while the tensors are copied,
             and the checkpoint is put in place once every shard is written. A save still in flight is awaited before
             the next save, a load, at teardown and when training fails. Needs ``save_distributed_checkpoint=True``.
+        compile: ``True`` or a dict of ``torch.compile`` keyword arguments (``backend``, ``mode``, ``dynamic``,
+            ``options``, ...): each pipeline layer is compiled once per process (identical layers share a graph),
+            and every weight version, microbatch and later trainer call reuses its graphs (evaluation adds its
+            own, once). ``True`` is inductor with ``emulate_precision_casts`` and ``fallback_random``, so results
+            equal eager ones, bf16 and dropout included; a dict is passed as given. Not with ``schedule="zb_h1"``.
+            A model given to the Trainer as ``torch.compile(model)`` is run this way too (with a warning): the
+            whole-model compile is undone. See docs/design.md, 'Compiled layers'.
     """
 
     strategy_name = "async_pipeline"
@@ -119,6 +129,7 @@ class AsyncPipelineStrategy(PipelineStateHooks, DDPStrategy):
         sync_from_step: Optional[int] = None,
         shard_optimizer: bool = False,
         async_checkpoint: bool = False,
+        compile: CompileSpec = False,
         *,
         accelerator: Any = None,
         parallel_devices: Any = None,
@@ -145,6 +156,7 @@ class AsyncPipelineStrategy(PipelineStateHooks, DDPStrategy):
             pipeline_timeout=pipeline_timeout, check_batches=check_batches,
             activation_checkpointing=activation_checkpointing, shard_optimizer=shard_optimizer,
             save_distributed_checkpoint=save_distributed_checkpoint, async_checkpoint=async_checkpoint,
+            compile=compile,
         )
         super().__init__(
             accelerator=accelerator, parallel_devices=parallel_devices, cluster_environment=cluster_environment,
@@ -254,6 +266,8 @@ class AsyncPipelineStrategy(PipelineStateHooks, DDPStrategy):
                 f"AsyncPipelineStrategy trains a lightning_async_pp.PipelineModule; got {type(module).__name__}. "
                 f"Derive your model from PipelineModule and implement pipeline_layers() and pipeline_loss()"
             )
+        if _lightning.undo_whole_model_compile(module):
+            self._compile_per_layer()
         if isinstance(self.precision_plugin, MixedPrecision) and self.precision_plugin.scaler is not None:
             raise ValueError(
                 f"precision={self.precision_plugin.precision!r} scales the loss with a GradScaler, which the pipeline "
@@ -308,6 +322,24 @@ class AsyncPipelineStrategy(PipelineStateHooks, DDPStrategy):
             # A stage that stops makes its neighbours stop through the pipeline's own failure handling, so a
             # local check replaces Lightning's per-step broadcast (a barrier across all stages).
             _lightning.replace_sigterm_broadcast(trainer, self._check_sigterm_locally)
+
+    def _compile_per_layer(self) -> None:
+        """The Trainer was given ``torch.compile(model)``: compile the pipeline layers instead (see docs/design.md,
+        'Compiled layers')."""
+        if self.config.compile is not False:
+            how = f"with the strategy's compile={self.config.compile!r}"
+        elif self.schedule == "zb_h1":
+            how = "not at all: schedule='zb_h1' runs eager layers"
+        else:
+            self.config = dataclasses.replace(self.config, compile=True)
+            how = "with torch.compile's defaults (compile=True)"
+        rank_zero_warn(
+            "The model was given to the Trainer as torch.compile(model). A compiled training_step would trace into "
+            "the pipeline engine and gain nothing, so the whole-model compile is undone and each pipeline layer "
+            f"is compiled {how}. Pass the model uncompiled and set AsyncPipelineStrategy(compile=True or "
+            "{torch.compile arguments}) to choose the backend or mode; the whole-model compile's own arguments "
+            "are not carried over."
+        )
 
     @contextmanager
     def tensor_init_context(self, empty_init: Optional[bool] = None) -> Iterator[None]:

@@ -140,3 +140,20 @@ def test_the_hpc_checkpoint_path_counts_up_and_ignores_the_folder_of_partial_wri
     (tmp_path / "hpc_ckpt_1.ckpt").mkdir()  # a sharded checkpoint is a directory
     (tmp_path / PARTIAL_DIR / "hpc_ckpt_2.ckpt").mkdir(parents=True)  # a write that was killed
     assert _lightning.hpc_save_path(trainer) == str(tmp_path / "hpc_ckpt_2.ckpt")
+
+
+def test_the_trainer_unwraps_torch_compile_into_compiled_steps_recorded_in_compiler_ctx():
+    # undo_whole_model_compile reads _compiler_ctx, which from_compiled sets when the Trainer unwraps the
+    # OptimizedModule (_maybe_unwrap_optimized, in every trainer entry point), and undoes it with to_uncompiled.
+    from lightning.pytorch.utilities.compile import from_compiled
+
+    assert "_maybe_unwrap_optimized(model)" in inspect.getsource(L.Trainer.fit)
+    model = TinyLM()
+    assert model._compiler_ctx is None and not _lightning.undo_whole_model_compile(model)
+    unwrapped = from_compiled(torch.compile(model))
+    assert unwrapped is model and model._compiler_ctx is not None
+    assert getattr(model.training_step, "__func__", None) is not TinyLM.training_step  # dynamo's wrapper
+    assert _lightning.undo_whole_model_compile(model)
+    assert model._compiler_ctx is None
+    for step in ("forward", "training_step", "validation_step", "test_step", "predict_step"):
+        assert getattr(model, step).__func__ is getattr(TinyLM, step)

@@ -5,15 +5,20 @@ way. ``check(...)`` adds the checks that need the shape of the run (processes, l
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+import difflib
+import inspect
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Optional, Union
+from typing import Any, Optional, Union
+
+import torch
 
 from lightning_async_pp.pipeline.partition import PARTITION_METHODS, PartitionSpec
 from lightning_async_pp.pipeline.schedule import MULTI_CHUNK_SCHEDULES, SCHEDULES, check_schedule
 
 DelaySpec = Union[int, Sequence[int], None]
 CheckpointingSpec = Union[bool, Sequence[int]]
+CompileSpec = Union[bool, Mapping[str, Any]]
 
 
 def _is_int(value: object) -> bool:
@@ -38,6 +43,7 @@ class PipelineConfig:
     shard_optimizer: bool = False  # ZeRO-1: each stage's optimizer state split across its data-parallel replicas
     save_distributed_checkpoint: bool = True  # checkpoints as directories through torch.distributed.checkpoint
     async_checkpoint: bool = False  # sharded saves written in the background (torch.distributed.checkpoint.async_save)
+    compile: CompileSpec = False  # True or torch.compile keyword arguments: each pipeline layer compiled
 
     def __post_init__(self) -> None:
         if self.schedule in MULTI_CHUNK_SCHEDULES:
@@ -97,6 +103,55 @@ class PipelineConfig:
             if any(i < 0 for i in spec) or len(set(spec)) != len(spec):
                 raise ValueError(f"activation_checkpointing must list distinct layer indices >= 0, got {list(spec)!r}")
             object.__setattr__(self, "activation_checkpointing", tuple(spec))  # frozen: keep an immutable copy
+        self._check_compile()
+
+    def _check_compile(self) -> None:
+        spec = self.compile
+        if spec is not False and self.schedule == "zb_h1":
+            raise ValueError(
+                f"compile={spec!r} with schedule='zb_h1': a compiled layer is one autograd node, so zb_h1's split "
+                f"backward would run its backward twice (once for the input gradient, once for the weights'); use "
+                f"schedule='1f1b' with compile, or zb_h1 without"
+            )
+        if isinstance(spec, bool):
+            return
+        defaults = compile_defaults()
+        valid = list(defaults)
+        if not isinstance(spec, Mapping) or not all(isinstance(k, str) for k in spec):
+            raise ValueError(
+                f"compile must be True, False or a mapping of torch.compile keyword arguments ({', '.join(valid)}), "
+                f"got {spec!r}"
+            )
+        unknown = [k for k in spec if k not in valid]
+        if unknown:
+            hints = [f"{k!r} (did you mean {m[0]!r}?)" if (m := difflib.get_close_matches(k, valid, 1)) else repr(k)
+                     for k in unknown]
+            raise ValueError(
+                f"compile got unknown torch.compile keyword argument(s) {', '.join(hints)}; valid ones are "
+                f"{', '.join(valid)}"
+            )
+        flags = [k for k, v in spec.items() if isinstance(defaults[k], bool) and not isinstance(v, bool)]
+        if flags:
+            raise ValueError(f"compile: torch.compile's {', '.join(map(repr, flags))} must be True or False, got "
+                             + ", ".join(f"{spec[k]!r}" for k in flags))
+        # torch.compile checks the backend, mode and options when it wraps a function (nothing is compiled yet):
+        # its refusal, with its list of what is valid, reaches the user before training.
+        try:
+            torch.compile(_identity, **spec)
+        except Exception as err:  # InvalidBackend, RuntimeError (mode, options), AssertionError (dynamic)
+            raise ValueError(f"compile={dict(spec)!r} is refused by torch.compile: {type(err).__name__}: {err}") from err
+        object.__setattr__(self, "compile", dict(spec))  # a copy: later changes to the caller's dict do not leak in
+
+    def compile_options(self) -> Optional[dict[str, Any]]:
+        """The keyword arguments each pipeline layer is compiled with, or ``None`` (layers run eagerly).
+
+        ``True`` is inductor with the two options that keep its results equal to eager ones: intermediate results
+        rounded to bf16 where eager rounds them (``emulate_precision_casts``; without it fused bf16 kernels keep
+        fp32 intermediates) and eager's random numbers for dropout (``fallback_random``). A dict is passed as
+        given (``{}``: torch.compile's own defaults)."""
+        if self.compile is False:
+            return None
+        return {"options": dict(EXACT_INDUCTOR_OPTIONS)} if self.compile is True else dict(self.compile)
 
     # ---- what follows from the number of processes ---------------------------------------------------------
     def stages_for(self, world_size: int) -> int:
@@ -162,3 +217,17 @@ class PipelineConfig:
             raise ValueError(f"data_parallel_size={self.data_parallel_size} needs at least that many processes; got one device")
         self.stage_delays(num_stages)
         check_schedule(self.schedule, num_stages, self.microbatches_for(num_stages))
+
+
+#: What ``compile=True`` gives inductor (see ``PipelineConfig.compile_options``).
+EXACT_INDUCTOR_OPTIONS = {"emulate_precision_casts": True, "fallback_random": True}
+
+
+def compile_defaults() -> dict[str, Any]:
+    """The keyword arguments ``torch.compile`` takes besides the callable, with their defaults (its signature)."""
+    return {name: p.default for name, p in inspect.signature(torch.compile).parameters.items()
+            if p.kind is inspect.Parameter.KEYWORD_ONLY}
+
+
+def _identity(x: Any) -> Any:
+    return x

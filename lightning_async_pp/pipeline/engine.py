@@ -273,7 +273,8 @@ class PipelineEngine:
             borrowed = {f"layers.{name}": owner_of[id(p)] for name, p in holder.named_parameters() if id(p) in owner_of}
             stage = Stage(layers, s, self.num_stages, delay=delays[s], sync_steps=self.config.sync_steps,
                           sync_from_step=self.config.sync_from_step, borrowed=borrowed,
-                          checkpointed=[i in self.checkpointed_layers for i in self.ranges[s]])
+                          checkpointed=[i in self.checkpointed_layers for i in self.ranges[s]],
+                          compile_options=self.config.compile_options())
             for i, p in enumerate(stage.params):
                 owner_of.setdefault(id(p), (stage, i))
             stages.append(stage)

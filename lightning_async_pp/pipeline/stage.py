@@ -1,26 +1,31 @@
 """``Stage``: one pipeline stage's layers, run on the weight version each batch is due."""
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Optional
 
 from torch import Tensor, nn
 from torch.func import functional_call
 from torch.utils.checkpoint import checkpoint
 
+from lightning_async_pp.pipeline.compiled import compile_layers
 from lightning_async_pp.pipeline.versions import WeightVersions
 
 
 class StageLayers(nn.Module):
-    """The layers of one stage, applied in order; each takes the previous output."""
+    """The layers of one stage, applied in order; each takes the previous output.
 
-    def __init__(self, layers: Sequence[nn.Module]) -> None:
+    ``calls`` (one per layer) are what runs each layer: the layer itself, or its compiled wrapper. They are kept
+    outside the module tree, so parameter names stay the layers' own."""
+
+    def __init__(self, layers: Sequence[nn.Module], calls: Optional[Sequence[Callable[[Any], Any]]] = None) -> None:
         super().__init__()
         self.layers = nn.ModuleList(layers)
+        self.calls = tuple(calls) if calls is not None else tuple(layers)  # a tuple: not registered as submodules
 
     def forward(self, x: Any) -> Any:
-        for layer in self.layers:
-            x = layer(x)
+        for call in self.calls:
+            x = call(x)
         return x
 
 
@@ -37,14 +42,21 @@ class Stage:
     (activation checkpointing). Each such layer runs under ``torch.utils.checkpoint`` with its weight tensors as
     explicit arguments, so the recomputation reads the same version as the first forward (the stash under 2BW),
     not the module's own parameters, which hold the newest version by then.
+
+    ``compile_options`` (``torch.compile`` keyword arguments, or ``None``) compiles each layer once, here: the
+    weights reach the compiled code as inputs (``functional_call`` swaps them in), so another weight version or
+    microbatch reuses the compiled graph (see docs/design.md, 'Compiled layers').
     """
 
     def __init__(self, layers: Sequence[nn.Module], index: int, num_stages: int, delay: int = 1, sync_steps: int = 0,
                  sync_from_step: Optional[int] = None, borrowed: Optional[dict[str, tuple["Stage", int]]] = None,
-                 checkpointed: Optional[Sequence[bool]] = None):
+                 checkpointed: Optional[Sequence[bool]] = None, compile_options: Optional[Mapping[str, Any]] = None):
         self.index = index
         self.num_stages = num_stages
-        self.layers = StageLayers(layers)
+        # Each layer's compiled wrapper holds the layer itself: functional_call on the wrapper (names prefixed
+        # "layer.") swaps the version's tensors into the layer.
+        compiled = compile_layers(layers, compile_options) if compile_options is not None else None
+        self.layers = StageLayers(layers, compiled)
         self.borrowed = dict(borrowed or {})
         # named_parameters() lists a tensor shared by several layers once: one leaf serves every use.
         named = [(n, p) for n, p in self.layers.named_parameters() if n not in self.borrowed]
@@ -56,8 +68,9 @@ class Stage:
             raise ValueError(f"checkpointed has {len(self.checkpointed)} flags for {len(layers)} layers; give one per layer")
         # Per layer: its own parameter names (every alias of a tied one) and the stage-level name of each tensor.
         stage_name = {id(p): n for n, p in self.layers.named_parameters()}
-        self._layer_params = [[(n, stage_name[id(p)]) for n, p in layer.named_parameters(remove_duplicate=False)]
-                              for layer in self.layers.layers]
+        self._layer_calls: Sequence[nn.Module] = compiled if compiled is not None else list(self.layers.layers)
+        self._layer_params = [[(n, stage_name[id(p)]) for n, p in call.named_parameters(remove_duplicate=False)]
+                              for call in self._layer_calls]
         # Every further name of a tensor used twice in the stage, with the name it is given under: passing each
         # alias explicitly lets functional_call skip its search for ties on every forward.
         self._aliases = [(n, stage_name[id(p)]) for n, p in self.layers.named_parameters(remove_duplicate=False)
@@ -86,7 +99,7 @@ class Stage:
             for alias, name in self._aliases:
                 weights[alias] = weights[name]
             return functional_call(self.layers, weights, (x,), tie_weights=False)  # one call: the cheapest path
-        for layer, names, recompute in zip(self.layers.layers, self._layer_params, self.checkpointed):
+        for layer, names, recompute in zip(self._layer_calls, self._layer_params, self.checkpointed):
             local = [n for n, _ in names]
             tensors = [weights[s] for _, s in names]
             if recompute:
