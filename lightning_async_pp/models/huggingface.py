@@ -18,8 +18,9 @@ from collections.abc import Mapping
 from typing import Any, Callable, Optional
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
+from lightning_async_pp.models import hf_outside, hf_probe
 from lightning_async_pp.models.adopted import AdoptedCausalLM, missing_package
 
 #: What the adapter takes from the upstream model, as dotted paths of ``AutoModelForCausalLM.from_config(config)``.
@@ -51,6 +52,7 @@ class DecoderLayerInputs:
 
     def __init__(self, config: Any, rotary: nn.Module, make_mask: Callable[..., Any], layer: nn.Module) -> None:
         self.config, self.rotary, self.make_mask = config, rotary, make_mask
+        self.pipeline_call = False
         mask_args = inspect.signature(make_mask).parameters
         self.embeds_name = "inputs_embeds" if "inputs_embeds" in mask_args else "input_embeds"
         self.mask_cache = {name: None for name in ("past_key_values", "cache") if name in mask_args}
@@ -58,12 +60,13 @@ class DecoderLayerInputs:
         self.layer_takes_cache_position = "cache_position" in inspect.signature(type(layer).forward).parameters
 
     def __call__(self, module: nn.Module, args: tuple, kwargs: dict) -> Optional[tuple[tuple, dict]]:
-        if kwargs or len(args) != 1:
+        self.pipeline_call = not kwargs and len(args) == 1
+        if not self.pipeline_call:
             return None  # called the upstream way
         (hidden,) = args
         cache_position = torch.arange(hidden.shape[1], device=hidden.device)
         position_ids = cache_position.unsqueeze(0)
-        if self.rotary.inv_freq.device != hidden.device:
+        if any(b.device != hidden.device for b in self.rotary.buffers()):
             self.rotary.to(hidden.device)  # once per process: the rotary module is shared by its layers
         mask_kwargs = dict(config=self.config, attention_mask=None, position_ids=position_ids, **self.mask_cache)
         mask_kwargs[self.embeds_name] = hidden
@@ -74,6 +77,13 @@ class DecoderLayerInputs:
         if self.layer_takes_cache_position:
             layer_kwargs["cache_position"] = cache_position
         return (hidden,), layer_kwargs
+
+    def unwrap(self, module: nn.Module, args: tuple, output: Any) -> Any:
+        """Forward hook: a layer called by the pipeline gives the hidden state alone (transformers 4.x layers of
+        some families return ``(hidden_states, ...)``); called the upstream way, its output is untouched."""
+        if self.pipeline_call and isinstance(output, tuple):
+            return output[0]
+        return None
 
 
 class HuggingFaceCausalLM(AdoptedCausalLM):
@@ -98,6 +108,8 @@ class HuggingFaceCausalLM(AdoptedCausalLM):
         self.model: Optional[nn.Module] = None  # built in configure_model()
         self.lm_head: Optional[nn.Module] = None
         self._init_weights: Optional[Callable[[nn.Module], None]] = None
+        #: configure_model first checks the family on a tiny copy of the config (hf_probe.check_exact).
+        self.check_exact = True
 
     def build_upstream(self) -> list[nn.Module]:
         from transformers import AutoModelForCausalLM
@@ -117,9 +129,13 @@ class HuggingFaceCausalLM(AdoptedCausalLM):
         if not blocks:
             raise ValueError(f"HuggingFaceCausalLM: {name} has no decoder layers (num_hidden_layers={self.config.num_hidden_layers})")
         forward_args = inspect.signature(type(blocks[0]).forward).parameters
+        if "position_embeddings_global" in forward_args:
+            raise ValueError(f"HuggingFaceCausalLM cannot split {name}: its decoder layer {type(blocks[0]).__name__}.forward "
+                             f"takes two rotary tables (position_embeddings_global and _local); the adapter computes one")
         if "position_embeddings" not in forward_args:
             raise ValueError(f"HuggingFaceCausalLM cannot split {name}: its decoder layer {type(blocks[0]).__name__}.forward "
                              f"takes no position_embeddings (transformers >= 4.54 passes them to every layer)")
+        refuse_router_loss(self.config, name)
         # The rotary module holds only non-persistent buffers (inv_freq): rebuilt off the meta device (where the
         # strategy builds layers) from the config, as its constructor computes them, and kept out of the module tree.
         with torch.device("cpu"):
@@ -134,14 +150,35 @@ class HuggingFaceCausalLM(AdoptedCausalLM):
             if attention not in masks:
                 raise ValueError(f"HuggingFaceCausalLM cannot split {name}: its layers use {attention!r} attention; "
                                  f"supported: {', '.join(masks)}")
-            block.register_forward_pre_hook(DecoderLayerInputs(base.config, rotary, masks[attention], block), with_kwargs=True)
+            inputs = DecoderLayerInputs(base.config, rotary, masks[attention], block)
+            block.register_forward_pre_hook(inputs, with_kwargs=True)
+            block.register_forward_hook(inputs.unwrap)
+        # Embedding scales, logit scales, soft-capping: on the first and last pipeline layers.
+        hf_outside.attach(hf_outside.outside_work(base, upstream, self.config), base.embed_tokens, upstream.lm_head,
+                          base, self.config)
         self.model, self.lm_head = base, upstream.lm_head
         self._init_weights = upstream._init_weights
         return [base.embed_tokens, *blocks, base.norm, upstream.lm_head]
 
+    def configure_model(self) -> None:
+        if self._layers is None and self.check_exact:
+            # Before the real build: refuses a family whose pipeline layers differ from the upstream forward.
+            hf_probe.check_exact(type(self), self.config)
+        super().configure_model()
+
     def init_module(self, module: nn.Module) -> None:
         assert self._init_weights is not None
         self._init_weights(module)
+
+
+def refuse_router_loss(config: Any, name: str) -> None:
+    """An MoE config asking for the router's load-balancing loss: the pipeline loss does not include it (yet)."""
+    coef = getattr(config, "router_aux_loss_coef", None)
+    if getattr(config, "output_router_logits", False) and coef:
+        raise ValueError(f"HuggingFaceCausalLM cannot train {name} with output_router_logits=True: the upstream "
+                         f"training loss adds router_aux_loss_coef ({coef}) x the load-balancing loss of all layers' "
+                         f"router logits, which the pipeline does not carry; set output_router_logits=False to train "
+                         f"on the language-model loss alone")
 
 
 def _has_path(root: Any, path: str) -> bool:
