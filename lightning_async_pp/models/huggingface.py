@@ -142,8 +142,11 @@ class HuggingFaceCausalLM(AdoptedCausalLM):
             rotary = type(base.rotary_emb)(config=base.config)
         del base._modules["rotary_emb"]
         object.__setattr__(base, "rotary_emb", rotary)  # model.forward still finds it
-        for block in blocks:
+        layer_types = getattr(self.config, "layer_types", None)
+        for index, block in enumerate(blocks):
             attention = getattr(block, "attention_type", None)
+            if attention is None and layer_types:  # transformers 5: model.forward picks by config.layer_types[i]
+                attention = layer_types[index]
             if attention is None:  # Mistral: one kind of attention, sliding if the config has a window
                 attention = "sliding_attention" if getattr(self.config, "sliding_window", None) is not None else "full_attention"
             masks = {"full_attention": create_causal_mask, "sliding_attention": create_sliding_window_causal_mask}
