@@ -158,6 +158,33 @@ def test_one_pipeline_step_of_a_family_with_outside_work_equals_a_step_on_the_up
     assert max((got[k] - want[k]).abs().max().item() for k in want) < TOL
 
 
+# ---- padded batches: refused before the first update ------------------------------------------------------------
+def test_a_padded_dict_batch_is_refused_before_the_first_update_naming_the_batch_form_taken():
+    pytest.importorskip("lightning")
+    import lightning as L
+    from torch.utils.data import DataLoader
+
+    from lightning_async_pp import AsyncPipelineStrategy
+
+    config = tiny_config(AutoConfig.for_model("llama"))
+    rows = torch.randint(0, config.vocab_size, (8, 17), generator=torch.Generator().manual_seed(2))
+    mask = torch.ones_like(rows)
+    mask[:, -3:] = 0
+    samples = [{"input_ids": r, "attention_mask": m, "labels": r.masked_fill(m == 0, -100)} for r, m in zip(rows, mask)]
+    model = HuggingFaceCausalLM(config, init_seed=0)
+    model.configure_model()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    model._layers = None
+    trainer = L.Trainer(strategy=AsyncPipelineStrategy(num_microbatches=2, num_stages=2), accelerator="cpu", devices=1,
+                        max_steps=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, num_sanity_val_steps=0)
+    with pytest.raises(TypeError, match=r"takes batches of token ids, an integer tensor \(B, T \+ 1\).*"
+                                        r"keys \['attention_mask', 'input_ids', 'labels'\].*not supported"):
+        trainer.fit(model, DataLoader(samples, batch_size=8))
+    assert trainer.global_step == 0
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
 # ---- the table in the docs ----------------------------------------------------------------------------------------
 def table() -> str:
     lines = ["| family | outcome | why |", "|---|---|---|"]
