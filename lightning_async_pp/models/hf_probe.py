@@ -60,13 +60,17 @@ def tiny_config(config: Any, layers: int = TINY["layers"]) -> Any:
     shrink(("kv_lora_rank", "q_lora_rank"), TINY["rank"])
     shrink(("vocab_size",), TINY["vocab"])
     shrink(("max_position_embeddings", "n_positions"), TINY["positions"])
-    for name in ("sliding_window", "attention_window"):
+    for name in ("sliding_window", "attention_window", "attention_chunk_size"):
         if isinstance(fields.get(name), int) and fields[name] > TINY["window"]:
             tiny[name] = TINY["window"]
-    if "layer_types" in fields:
-        tiny["layer_types"] = None  # derived from the number of layers by the constructor
-        if fields.get("layer_types") and "layer_types" in type(config)().to_dict() and type(config)().layer_types is not None:
-            tiny["layer_types"] = list(fields["layer_types"])[:layers]
+    if isinstance(fields.get("layer_types"), list) and any(name in tiny for name in LAYERS):
+        # One layer of each kind the config has (sliding and full attention, ...), then the first ones.
+        kinds = list(dict.fromkeys(fields["layer_types"]))
+        chosen = kinds + fields["layer_types"][: max(0, layers - len(kinds))]
+        tiny["layer_types"] = chosen
+        for name in LAYERS:
+            if name in tiny:
+                tiny[name] = len(chosen)
     vocab = tiny.get("vocab_size", fields.get("vocab_size"))
     for name in ("pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_token_id", "sep_token_id"):
         value = fields.get(name)
