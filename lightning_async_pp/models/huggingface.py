@@ -10,6 +10,12 @@ keyword arguments) it is untouched. The rotary embedding holds only a non-persis
 the meta device and kept outside the module tree (``model.rotary_emb`` still names it), so its ``inv_freq`` is
 the upstream value whatever device the layers were built on. ``tie_word_embeddings`` ties ``lm_head.weight`` to
 ``model.embed_tokens.weight`` (one Parameter; across stages the engine keeps identical copies).
+
+Work the upstream ``forward`` does outside the layers (embedding scales, logit scales, soft-capping) is done by
+hooks on the embedding and the head (``hf_outside``); layers returning tuples give their hidden state to the
+pipeline. Before building, ``configure_model`` checks the family on a tiny copy of the config against the upstream
+forward and loss (``hf_probe.check_exact``) and refuses it on any difference or failure: every family is exact or
+refused when built (see docs/design.md, 'Adapters of upstream models'; the table: docs/models.md).
 """
 from __future__ import annotations
 
