@@ -111,7 +111,13 @@ def check_exact(adapter_class: type, config: Any) -> None:
     with torch.device("cpu"), torch.random.fork_rng(devices=[]), _float32_default():
         ours = adapter_class(tiny, init_seed=0)
         ours.check_exact = False
-        ours.configure_model()  # the adapter's own refusals name what they cannot do
+        try:
+            ours.configure_model()  # the adapter's own refusals (ValueError) name what they cannot do
+        except ValueError:
+            raise
+        except Exception as err:  # the family's own code, on the tiny sizes
+            raise ValueError(f"HuggingFaceCausalLM cannot check {name} on a tiny copy of its config: building it "
+                             f"fails with {type(err).__name__}: {err}; the model is refused") from err
         name = f"{type(ours.model).__name__} ({name})"
         try:
             upstream = AutoModelForCausalLM.from_config(tiny)
