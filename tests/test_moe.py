@@ -65,13 +65,7 @@ def upstream_output(upstream, batch: torch.Tensor):
 
 
 # ---- one device, the model alone ------------------------------------------------------------------------------------
-# On transformers 5.x Qwen2-MoE's logits differ already without the balancing term (its config sets sliding_window=0
-# when use_sliding_window is off; the adapter's choice of mask is issue 23 item 1's): its cases are expected to fail.
-DENSE_PART_DIFFERS_ON_5 = pytest.mark.xfail(int(transformers.__version__.split(".")[0]) >= 5, reason="Qwen2-MoE's mask on 5.x")
-
-
-@pytest.mark.parametrize("case", [pytest.param(c, marks=DENSE_PART_DIFFERS_ON_5) if c.startswith("qwen2_moe") else c
-                                  for c in MOE_CASES])
+@pytest.mark.parametrize("case", MOE_CASES)
 def test_moe_loss_with_the_balancing_term_and_its_gradients_equal_upstream(case):
     ours = HuggingFaceCausalLM(moe_config(case), init_seed=3)
     ours.configure_model()

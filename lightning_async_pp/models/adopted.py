@@ -11,7 +11,7 @@ global RNG seeded by the layer's index, so a layer's weights do not depend on wh
 from __future__ import annotations
 
 import warnings
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Optional
 
 import torch
@@ -119,10 +119,30 @@ class AdoptedCausalLM(PipelineModule):
         return self._layers
 
     def pipeline_input(self, batch: Tensor) -> Tensor:
-        return batch[:, :-1]
+        return self.token_rows(batch)[:, :-1]
 
     def pipeline_loss(self, logits: Tensor, batch: Tensor) -> Tensor:
-        return F.cross_entropy(logits.flatten(0, 1).float(), batch[:, 1:].flatten())
+        return F.cross_entropy(logits.flatten(0, 1).float(), self.token_rows(batch)[:, 1:].flatten())
+
+    def token_rows(self, batch: object) -> Tensor:
+        """The batch if it is what the adapters take, a LongTensor (B, T + 1) of token ids; otherwise a clear error
+        before the first update (the first microbatch's forward). Padded batches (``attention_mask``, ``labels``
+        with -100) are refused: a mask would have to cross the stages, and a token-mean loss over microbatches with
+        different numbers of valid tokens is not the mean of their means (see docs/design.md, 'Adapters of
+        upstream models')."""
+        if isinstance(batch, Tensor) and batch.dim() == 2 and not batch.is_floating_point() and not batch.is_complex():
+            return batch
+        if isinstance(batch, Mapping):
+            got = f"a mapping with keys {sorted(batch)}"
+        elif isinstance(batch, Tensor):
+            got = f"a {batch.dtype} tensor of shape {tuple(batch.shape)}"
+        else:
+            got = f"a {type(batch).__name__}"
+        raise TypeError(
+            f"{type(self).__name__} takes batches of token ids, an integer tensor (B, T + 1) per batch (inputs all "
+            f"but the last token, targets all but the first; unpadded rows, as the project's data modules give); got "
+            f"{got}. Dict batches with attention_mask/labels (padding) are not supported: pack the text into full "
+            f"rows (data.TextDataModule) or write a PipelineModule whose pipeline_input/pipeline_loss take your batch")
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         # As models.Llama: weight decay on matrices only; a tied matrix is listed once, under its first name.

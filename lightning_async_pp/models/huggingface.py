@@ -10,6 +10,12 @@ keyword arguments) it is untouched. The rotary embedding holds only a non-persis
 the meta device and kept outside the module tree (``model.rotary_emb`` still names it), so its ``inv_freq`` is
 the upstream value whatever device the layers were built on. ``tie_word_embeddings`` ties ``lm_head.weight`` to
 ``model.embed_tokens.weight`` (one Parameter; across stages the engine keeps identical copies).
+
+Work the upstream ``forward`` does outside the layers (embedding scales, logit scales, soft-capping) is done by
+hooks on the embedding and the head (``hf_outside``); layers returning tuples give their hidden state to the
+pipeline. Before building, ``configure_model`` checks the family on a tiny copy of the config against the upstream
+forward and loss (``hf_probe.check_exact``) and refuses it on any difference or failure: every family is exact or
+refused when built (see docs/design.md, 'Adapters of upstream models'; the table: docs/models.md).
 """
 from __future__ import annotations
 
@@ -19,8 +25,9 @@ from collections.abc import Mapping
 from typing import Any, Callable, Optional, Union
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
+from lightning_async_pp.models import hf_outside, hf_probe
 from lightning_async_pp.models.adopted import AdoptedCausalLM, missing_package
 from lightning_async_pp.models.pretrained import SafetensorsFolder
 from lightning_async_pp.models.moe import RouterLoss, adds_router_loss, check_router_loss_supported
@@ -54,6 +61,7 @@ class DecoderLayerInputs:
 
     def __init__(self, config: Any, rotary: nn.Module, make_mask: Callable[..., Any], layer: nn.Module) -> None:
         self.config, self.rotary, self.make_mask = config, rotary, make_mask
+        self.pipeline_call = False
         mask_args = inspect.signature(make_mask).parameters
         self.embeds_name = "inputs_embeds" if "inputs_embeds" in mask_args else "input_embeds"
         self.mask_cache = {name: None for name in ("past_key_values", "cache") if name in mask_args}
@@ -61,12 +69,13 @@ class DecoderLayerInputs:
         self.layer_takes_cache_position = "cache_position" in inspect.signature(type(layer).forward).parameters
 
     def __call__(self, module: nn.Module, args: tuple, kwargs: dict) -> Optional[tuple[tuple, dict]]:
-        if kwargs or len(args) != 1:
+        self.pipeline_call = not kwargs and len(args) == 1
+        if not self.pipeline_call:
             return None  # called the upstream way
         (hidden,) = args
         cache_position = torch.arange(hidden.shape[1], device=hidden.device)
         position_ids = cache_position.unsqueeze(0)
-        if self.rotary.inv_freq.device != hidden.device:
+        if any(b.device != hidden.device for b in self.rotary.buffers()):
             self.rotary.to(hidden.device)  # once per process: the rotary module is shared by its layers
         mask_kwargs = dict(config=self.config, attention_mask=None, position_ids=position_ids, **self.mask_cache)
         mask_kwargs[self.embeds_name] = hidden
@@ -77,6 +86,13 @@ class DecoderLayerInputs:
         if self.layer_takes_cache_position:
             layer_kwargs["cache_position"] = cache_position
         return (hidden,), layer_kwargs
+
+    def unwrap(self, module: nn.Module, args: tuple, output: Any) -> Any:
+        """Forward hook: a layer called by the pipeline gives the hidden state alone (transformers 4.x layers of
+        some families return ``(hidden_states, ...)``); called the upstream way, its output is untouched."""
+        if self.pipeline_call and isinstance(output, tuple):
+            return output[0]
+        return None
 
 
 class HuggingFaceCausalLM(AdoptedCausalLM):
@@ -117,6 +133,8 @@ class HuggingFaceCausalLM(AdoptedCausalLM):
         self.lm_head: Optional[nn.Module] = None
         self._init_weights: Optional[Callable[[nn.Module], None]] = None
         self._router_loss: Optional[RouterLoss] = None  # MoE with output_router_logits (models/moe.py)
+        #: configure_model first checks the family on a tiny copy of the config (hf_probe.check_exact).
+        self.check_exact = True
 
     def build_upstream(self) -> list[nn.Module]:
         from transformers import AutoModelForCausalLM
@@ -136,6 +154,9 @@ class HuggingFaceCausalLM(AdoptedCausalLM):
         if not blocks:
             raise ValueError(f"HuggingFaceCausalLM: {name} has no decoder layers (num_hidden_layers={self.config.num_hidden_layers})")
         forward_args = inspect.signature(type(blocks[0]).forward).parameters
+        if "position_embeddings_global" in forward_args:
+            raise ValueError(f"HuggingFaceCausalLM cannot split {name}: its decoder layer {type(blocks[0]).__name__}.forward "
+                             f"takes two rotary tables (position_embeddings_global and _local); the adapter computes one")
         if "position_embeddings" not in forward_args:
             raise ValueError(f"HuggingFaceCausalLM cannot split {name}: its decoder layer {type(blocks[0]).__name__}.forward "
                              f"takes no position_embeddings (transformers >= 4.54 passes them to every layer)")
@@ -145,21 +166,36 @@ class HuggingFaceCausalLM(AdoptedCausalLM):
             rotary = type(base.rotary_emb)(config=base.config)
         del base._modules["rotary_emb"]
         object.__setattr__(base, "rotary_emb", rotary)  # model.forward still finds it
-        for block in blocks:
+        layer_types = getattr(self.config, "layer_types", None)
+        for index, block in enumerate(blocks):
             attention = getattr(block, "attention_type", None)
+            if attention is None and layer_types:  # transformers 5: model.forward picks by config.layer_types[i]
+                attention = layer_types[index]
             if attention is None:  # Mistral: one kind of attention, sliding if the config has a window
                 attention = "sliding_attention" if getattr(self.config, "sliding_window", None) is not None else "full_attention"
             masks = {"full_attention": create_causal_mask, "sliding_attention": create_sliding_window_causal_mask}
             if attention not in masks:
                 raise ValueError(f"HuggingFaceCausalLM cannot split {name}: its layers use {attention!r} attention; "
                                  f"supported: {', '.join(masks)}")
-            block.register_forward_pre_hook(DecoderLayerInputs(base.config, rotary, masks[attention], block), with_kwargs=True)
+            inputs = DecoderLayerInputs(base.config, rotary, masks[attention], block)
+            block.register_forward_pre_hook(inputs, with_kwargs=True)
+            block.register_forward_hook(inputs.unwrap)
+        # Embedding scales, logit scales, soft-capping: on the first and last pipeline layers.
+        hf_outside.attach(hf_outside.outside_work(base, upstream, self.config), base.embed_tokens, upstream.lm_head,
+                          base, self.config)
         self.model, self.lm_head = base, upstream.lm_head
         self._init_weights = upstream._init_weights
         if adds_router_loss(self.config):  # the router statistics travel with the hidden state (models/moe.py)
             self._router_loss = RouterLoss(upstream, self.config)
             self._router_loss.attach(blocks, [base.norm, upstream.lm_head])
         return [base.embed_tokens, *blocks, base.norm, upstream.lm_head]
+
+    def configure_model(self) -> None:
+        if self._layers is None and self.check_exact:
+            # Before the real build: refuses a family whose pipeline layers differ from the upstream forward.
+            # The adapter itself, not a subclass: a subclass may take other constructor arguments.
+            hf_probe.check_exact(HuggingFaceCausalLM, self.config)
+        super().configure_model()
 
     def init_module(self, module: nn.Module) -> None:
         assert self._init_weights is not None

@@ -1,0 +1,168 @@
+"""A tiny copy of a transformers config (same family, same switches, small sizes), and the adapter's build-time
+check on it: its pipeline layers against the upstream ``forward`` and loss at the same weights.
+
+The check is what makes "exact or refused" a property of ``HuggingFaceCausalLM`` rather than of a list of known
+families: whatever a family (or a new transformers release) does outside the decoder layers that the adapter does
+not reproduce shows up as a difference on the tiny copy, and the adapter refuses the model before training (see
+docs/design.md, 'Adapters of upstream models').
+"""
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+from lightning_async_pp.pipeline.placement import replace_meta_tensors
+
+#: Config fields shrunk in the tiny copy, by what they size (the names used across transformers' families).
+WIDTHS = ("hidden_size", "n_embd", "d_model", "embed_dim")
+LAYERS = ("num_hidden_layers", "n_layer", "num_layers", "n_layers")
+HEADS = ("num_attention_heads", "n_head", "num_heads")
+KV_HEADS = ("num_key_value_heads", "n_kv_heads", "multi_query_group_num", "num_kv_heads")
+FFN = ("intermediate_size", "ffn_dim", "n_inner", "moe_intermediate_size", "shared_expert_intermediate_size",
+       "expert_intermediate_size", "ffn_hidden_size", "intermediate_size_mlp")
+HEAD_DIMS = ("head_dim", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim", "attention_head_dim")  # not qk_head_dim: a sum
+EXPERTS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
+TINY = dict(width=32, layers=2, heads=4, kv_heads=2, ffn=64, head_dim=8, experts=4, experts_per_token=2, vocab=256,
+            positions=128, window=8, rank=16)
+
+
+def tiny_config(config: Any, layers: int = TINY["layers"]) -> Any:
+    """A config of the same family and switches as ``config`` with small sizes: width 32, ``layers`` layers, 4 heads
+    (2 key/value heads if the family has them), head dim 8, FFN 64, 4 experts (2 per token), vocabulary 256,
+    sliding windows of 8. Token ids outside the vocabulary become ``None``. Built with the config's class so that
+    fields derived in its constructor (``layer_types``, ...) follow the new sizes."""
+    fields = config.to_dict()
+    tiny: dict[str, Any] = {}
+
+    def shrink(names: tuple[str, ...], value: int) -> None:
+        for name in names:
+            if isinstance(fields.get(name), int) and not isinstance(fields.get(name), bool) and fields[name] > value:
+                tiny[name] = value
+
+    shrink(WIDTHS, TINY["width"])
+    shrink(LAYERS, layers)
+    shrink(HEADS, TINY["heads"])
+    shrink(KV_HEADS, TINY["kv_heads"])
+    shrink(FFN, TINY["ffn"])
+    shrink(HEAD_DIMS, TINY["head_dim"])
+    # Some families' defaults leave these to be derived (and do not derive them): set them as the sizes say.
+    if "head_dim" in fields and fields["head_dim"] is None:
+        tiny["head_dim"] = TINY["head_dim"]
+    if isinstance(fields.get("qk_head_dim"), int):  # DeepSeek: the sum of its parts
+        tiny["qk_head_dim"] = tiny.get("qk_nope_head_dim", fields.get("qk_nope_head_dim", 0)) + tiny.get(
+            "qk_rope_head_dim", fields.get("qk_rope_head_dim", 0))
+    if "num_key_value_heads" in fields and fields["num_key_value_heads"] is None:
+        tiny["num_key_value_heads"] = TINY["kv_heads"]
+    shrink(EXPERTS, TINY["experts"])
+    shrink(("num_experts_per_tok", "moe_topk", "moe_k", "top_k"), TINY["experts_per_token"])
+    shrink(("n_group", "topk_group", "n_shared_experts", "num_shared_experts"), 1)
+    shrink(("kv_lora_rank", "q_lora_rank"), TINY["rank"])
+    shrink(("vocab_size",), TINY["vocab"])
+    shrink(("max_position_embeddings", "n_positions"), TINY["positions"])
+    for name in ("sliding_window", "attention_window", "attention_chunk_size"):
+        if isinstance(fields.get(name), int) and fields[name] > TINY["window"]:
+            tiny[name] = TINY["window"]
+    if isinstance(fields.get("layer_types"), list) and any(name in tiny for name in LAYERS):
+        # One layer of each kind the config has (sliding and full attention, ...), then the first ones.
+        kinds = list(dict.fromkeys(fields["layer_types"]))
+        chosen = kinds + fields["layer_types"][: max(0, layers - len(kinds))]
+        tiny["layer_types"] = chosen
+        for name in LAYERS:
+            if name in tiny:
+                tiny[name] = len(chosen)
+    vocab = tiny.get("vocab_size", fields.get("vocab_size"))
+    for name in ("pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_token_id", "sep_token_id"):
+        value = fields.get(name)
+        ids = value if isinstance(value, list) else [value]
+        if vocab is not None and any(isinstance(i, int) and i >= vocab for i in ids):
+            tiny[name] = None
+    fields.update(tiny)
+    for name in ("architectures", "_name_or_path", "transformers_version", "model_type"):
+        fields.pop(name, None)
+    attn = getattr(config, "_attn_implementation", None)
+    made = type(config)(**fields)
+    if attn is not None:
+        made._attn_implementation = attn
+    return made
+
+
+#: The largest difference of logits (fp32) and loss the check accepts.
+TOLERANCE = 1e-5
+#: Attention implementations the check runs as they are (others, such as flash attention, run as SDPA on the CPU).
+CPU_ATTENTION = ("eager", "sdpa")
+
+
+def check_exact(adapter_class: type, config: Any) -> None:
+    """Raises ``ValueError`` unless ``adapter_class`` on a tiny copy of ``config`` gives the upstream logits and
+    training loss (``model(ids, labels=ids).loss``) at the same weights, in eval mode (no dropout), on the CPU.
+    The global RNG is left as it was."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    name = f"model_type {config.model_type!r}"
+    try:
+        tiny = tiny_config(config)
+        if getattr(tiny, "_attn_implementation", None) not in (None, *CPU_ATTENTION):
+            tiny._attn_implementation = "sdpa"
+    except Exception as err:  # the family's own config validation
+        raise ValueError(f"HuggingFaceCausalLM cannot check {name} on a tiny copy of its config "
+                         f"({type(err).__name__}: {err}), so it is refused") from err
+    with torch.device("cpu"), torch.random.fork_rng(devices=[]), _float32_default():
+        ours = adapter_class(tiny, init_seed=0)
+        ours.check_exact = False
+        try:
+            ours.configure_model()  # the adapter's own refusals (ValueError) name what they cannot do
+        except ValueError:
+            raise
+        except Exception as err:  # the family's own code, on the tiny sizes
+            raise ValueError(f"HuggingFaceCausalLM cannot check {name} on a tiny copy of its config: building it "
+                             f"fails with {type(err).__name__}: {err}; the model is refused") from err
+        name = f"{type(ours.model).__name__} ({name})"
+        try:
+            upstream = AutoModelForCausalLM.from_config(tiny)
+            # Under the strategy's build, parameters are created on the meta device: give them memory here.
+            for module in (ours, upstream):
+                replace_meta_tensors(module, lambda t: torch.empty_like(t, device="cpu"))
+            ours.init_weights()
+            upstream.load_state_dict(ours.state_dict(), strict=True)
+            ours.eval(), upstream.eval()
+            batch = torch.randint(0, tiny.vocab_size, (2, 17), generator=torch.Generator().manual_seed(0))
+            with torch.no_grad(), torch.autocast("cpu", enabled=False):
+                x = ours.pipeline_input(batch)
+                for layer in ours.pipeline_layers():
+                    x = layer(x)
+                loss = ours.pipeline_loss(x, batch)
+                # Upstream on what the adapter reads: the first T tokens in, the next T as targets (the router's
+                # balancing term, when the config asks for it, is over exactly those tokens: models/moe.py).
+                expected = upstream(batch[:, :-1], labels=batch[:, :-1], shift_labels=batch[:, 1:].contiguous())
+                router_loss = getattr(ours, "_router_loss", None)
+                if router_loss is not None:
+                    x = router_loss.split(x)[0]  # the logits; the router statistics went into the loss
+        except Exception as err:
+            raise ValueError(f"HuggingFaceCausalLM cannot run {name} as pipeline layers: on a tiny copy of its "
+                             f"config they fail with {type(err).__name__}: {err}") from err
+        if not isinstance(x, torch.Tensor) or x.shape != expected.logits.shape:
+            raise ValueError(f"HuggingFaceCausalLM cannot run {name} as pipeline layers: they give "
+                             f"{type(x).__name__} {tuple(getattr(x, 'shape', ()))}, not the logits "
+                             f"{tuple(expected.logits.shape)}")
+        logits = (x - expected.logits).abs().max().item()
+        loss_gap = (loss - expected.loss).abs().item()
+        if not logits <= TOLERANCE or not loss_gap <= TOLERANCE:
+            raise ValueError(
+                f"HuggingFaceCausalLM refuses {name}: on a tiny copy of its config the pipeline layers give logits "
+                f"{logits:.3g} and a loss {loss_gap:.3g} away from the upstream forward at the same weights: the family "
+                f"does work outside its decoder layers (or in its loss) that the adapter does not reproduce")
+
+
+@contextlib.contextmanager
+def _float32_default() -> Iterator[None]:
+    """The check runs in fp32 whatever the caller's precision context (Lightning's module init sets a default dtype)."""
+    import torch
+
+    saved = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float32)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(saved)

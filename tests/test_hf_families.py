@@ -1,0 +1,238 @@
+"""Every family of the installed transformers' causal-LM auto mapping, through ``models.HuggingFaceCausalLM``: exact
+(the upstream logits and training loss at the same weights) or refused when the model is built, never a silent
+difference and never a crash after the build.
+
+Each family is built from a tiny copy of its default config (``hf_probe.tiny_config``). The reference is the
+upstream class (``AutoModelForCausalLM.from_config``) loaded with the adapter's weights. Runs under transformers
+4.x and 5.x. ``python tests/test_hf_families.py`` rewrites the installed version's table in docs/models.md from
+this sweep; ``test_the_family_table_in_the_docs_is_current`` checks it.
+"""
+from __future__ import annotations
+
+import os
+import re
+import sys
+import warnings
+from functools import lru_cache
+from pathlib import Path
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+pytestmark = pytest.mark.hf  # make test also runs these on transformers 5.x
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+from transformers import AutoConfig, AutoModelForCausalLM  # noqa: E402
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES  # noqa: E402
+
+from lightning_async_pp.models import HuggingFaceCausalLM  # noqa: E402
+from lightning_async_pp.models.hf_probe import tiny_config  # noqa: E402
+
+TOL = 1e-5
+#: A "tiny" copy larger than this was not made tiny by the generic shrink (nested sub-configs, fixed sizes).
+MAX_PARAMETERS = 3_000_000
+DOC = Path(__file__).resolve().parents[1] / "docs" / "models.md"
+EXACT, REFUSED, NOT_BUILT = "exact", "refused", "not built"
+
+
+def batch_of(vocab: int) -> torch.Tensor:
+    return torch.randint(0, vocab, (2, 17), generator=torch.Generator().manual_seed(1))
+
+
+def short(err: BaseException) -> str:
+    text = " ".join(str(err).split())
+    return f"{type(err).__name__}: {text[:240]}"
+
+
+def outcome(model_type: str) -> tuple[str, str]:
+    """(outcome, detail) for one family. Outcomes other than exact / refused / not built are failures."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            config = tiny_config(AutoConfig.for_model(model_type))
+            with torch.device("meta"):
+                size = sum(p.numel() for p in AutoModelForCausalLM.from_config(config).parameters())
+        except Exception as err:  # the family's own code, at its defaults
+            return NOT_BUILT, short(err)
+        if size > MAX_PARAMETERS:
+            return NOT_BUILT, f"the generic shrink leaves {size:,} parameters (sub-configs or fixed sizes)"
+        try:
+            upstream = AutoModelForCausalLM.from_config(config).eval()
+        except Exception as err:
+            return NOT_BUILT, short(err)
+        try:
+            ours = HuggingFaceCausalLM(config, init_seed=0)
+            ours.configure_model()
+        except ValueError as err:
+            return REFUSED, " ".join(str(err).split())
+        except Exception as err:
+            return "CRASH AT BUILD", short(err)
+        try:
+            upstream.load_state_dict(ours.state_dict(), strict=True)
+            ours.eval()
+            batch = batch_of(config.vocab_size)
+            with torch.no_grad():
+                logits = ours(batch)
+                loss = ours.pipeline_loss(logits, batch)
+                expected = upstream(batch, labels=batch)
+        except Exception as err:
+            return "CRASH AFTER BUILD", short(err)
+        gap = (logits - expected.logits[:, :-1]).abs().max().item()
+        loss_gap = (loss - expected.loss).abs().item()
+        if gap <= TOL and loss_gap <= TOL:
+            return EXACT, ""
+        return "DIFFERENT", f"logits {gap:.3g}, loss {loss_gap:.3g}"
+
+
+@lru_cache(maxsize=1)
+def sweep() -> dict[str, tuple[str, str]]:
+    return {model_type: outcome(model_type) for model_type in sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)}
+
+
+def test_every_family_is_exact_or_refused_at_build_never_different_or_crashing():
+    results = sweep()
+    bad = {family: result for family, result in results.items() if result[0] not in (EXACT, REFUSED, NOT_BUILT)}
+    assert not bad, "\n".join(f"{family}: {kind} {detail}" for family, (kind, detail) in bad.items())
+    # The families the issue named, as they are now (4.x and 5.x alike).
+    for family in ("llama", "qwen2", "qwen3", "mistral", "olmo2", "phi3", "smollm3", "gemma", "gemma2", "cohere",
+                   "cohere2", "granite", "nemotron", "stablelm", "qwen2_moe", "olmoe", "mixtral"):
+        if family in results:
+            assert results[family][0] == EXACT, (family, results[family])
+    assert results["gpt2"][0] == REFUSED  # another layout
+
+
+def test_the_refusal_names_the_family_and_what_it_cannot_do():
+    results = sweep()
+    for family, (kind, detail) in results.items():
+        if kind == REFUSED:
+            assert "HuggingFaceCausalLM" in detail and (family in detail or "Model" in detail), (family, detail)
+    if "doge" in results and results["doge"][0] == REFUSED:  # outside work nobody listed: the build-time check
+        assert "tiny copy" in results["doge"][1] and "logits" in results["doge"][1]
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
+def test_a_router_loss_family_passes_the_build_time_check_with_its_balancing_term(family, monkeypatch):
+    """The tiny-copy check compares the loss with upstream's, router term included (models/moe.py): it runs and
+    passes; with the term dropped from the pipeline loss it refuses the family."""
+    config = tiny_config(AutoConfig.for_model(family, output_router_logits=True, router_aux_loss_coef=0.5))
+    HuggingFaceCausalLM(config).configure_model()
+    from lightning_async_pp.models.moe import RouterLoss
+
+    monkeypatch.setattr(RouterLoss, "loss", lambda self, statistics: 0.0)
+    with pytest.raises(ValueError, match=r"refuses .*loss .* away from the upstream forward"):
+        HuggingFaceCausalLM(config).configure_model()
+
+
+def test_the_upstream_way_of_calling_the_adopted_base_model_is_unchanged():
+    # The embedding hook (Gemma's sqrt(hidden) scale) acts on pipeline calls only: model.forward scales itself.
+    config = tiny_config(AutoConfig.for_model("gemma"))
+    ours = HuggingFaceCausalLM(config, init_seed=0)
+    ours.configure_model()
+    upstream = AutoModelForCausalLM.from_config(config).eval()
+    upstream.load_state_dict(ours.state_dict())
+    ids = batch_of(config.vocab_size)
+    with torch.no_grad():
+        torch.testing.assert_close(ours.model.eval()(ids).last_hidden_state, upstream.model(ids).last_hidden_state,
+                                   rtol=0, atol=0)
+
+
+# ---- one pipeline step on one device (2 stages) equals one AdamW step on the upstream loss -------------------------
+@pytest.mark.parametrize("family, schedule", [("gemma2", "2bw"), ("granite", "1f1b"), ("cohere", "2bw")])
+def test_one_pipeline_step_of_a_family_with_outside_work_equals_a_step_on_the_upstream_loss(family, schedule):
+    pytest.importorskip("lightning")
+    import lightning as L
+    from torch.utils.data import DataLoader
+
+    from lightning_async_pp import AsyncPipelineStrategy
+    from lightning_async_pp.optim.groups import decay_matrices_only
+
+    config = tiny_config(AutoConfig.for_model(family))
+    rows = torch.randint(0, config.vocab_size, (8, 17), generator=torch.Generator().manual_seed(2))
+    model = HuggingFaceCausalLM(config, lr=1e-3, init_seed=0)
+    upstream = AutoModelForCausalLM.from_config(config)
+    model.configure_model()
+    upstream.load_state_dict(model.state_dict())
+    model._layers = None  # built again by the strategy, from the same seed
+    L.Trainer(strategy=AsyncPipelineStrategy(schedule=schedule, num_microbatches=4, num_stages=2), accelerator="cpu",
+              devices=1, max_steps=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+              enable_model_summary=False, num_sanity_val_steps=0).fit(model, DataLoader(rows, batch_size=8))
+    # The reference, written out: the upstream loss on the whole batch, AdamW as configure_optimizers sets it.
+    opt = torch.optim.AdamW(decay_matrices_only(upstream.named_parameters(), 0.1), lr=1e-3, betas=(0.9, 0.95))
+    upstream(rows, labels=rows).loss.backward()
+    opt.step()
+    got, want = model.state_dict(), upstream.state_dict()
+    assert list(got) == list(want)
+    assert max((got[k] - want[k]).abs().max().item() for k in want) < TOL
+
+
+# ---- padded batches: refused before the first update ------------------------------------------------------------
+def test_a_padded_dict_batch_is_refused_before_the_first_update_naming_the_batch_form_taken():
+    pytest.importorskip("lightning")
+    import lightning as L
+    from torch.utils.data import DataLoader
+
+    from lightning_async_pp import AsyncPipelineStrategy
+
+    config = tiny_config(AutoConfig.for_model("llama"))
+    rows = torch.randint(0, config.vocab_size, (8, 17), generator=torch.Generator().manual_seed(2))
+    mask = torch.ones_like(rows)
+    mask[:, -3:] = 0
+    samples = [{"input_ids": r, "attention_mask": m, "labels": r.masked_fill(m == 0, -100)} for r, m in zip(rows, mask)]
+    model = HuggingFaceCausalLM(config, init_seed=0)
+    model.configure_model()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    model._layers = None
+    trainer = L.Trainer(strategy=AsyncPipelineStrategy(num_microbatches=2, num_stages=2), accelerator="cpu", devices=1,
+                        max_steps=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, num_sanity_val_steps=0)
+    with pytest.raises(TypeError, match=r"takes batches of token ids, an integer tensor \(B, T \+ 1\).*"
+                                        r"keys \['attention_mask', 'input_ids', 'labels'\].*not supported"):
+        trainer.fit(model, DataLoader(samples, batch_size=8))
+    assert trainer.global_step == 0
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+# ---- the table in the docs ----------------------------------------------------------------------------------------
+def table() -> str:
+    lines = ["| family | outcome | why |", "|---|---|---|"]
+    for family, (kind, detail) in sweep().items():
+        lines.append(f"| `{family}` | {kind} | {detail.replace('|', '/')} |")
+    return "\n".join(lines)
+
+
+def section_markers() -> tuple[str, str]:
+    version = transformers.__version__
+    return f"<!-- families: transformers {version} -->", f"<!-- end: transformers {version} -->"
+
+
+def documented_outcomes(text: str) -> dict[str, str]:
+    start, end = section_markers()
+    if start not in text:
+        return {}
+    body = text[text.index(start):text.index(end)]
+    return {m.group(1): m.group(2).strip() for m in re.finditer(r"^\| `([^`]+)` \| ([^|]+) \|", body, re.M)}
+
+
+def test_the_family_table_in_the_docs_is_current():
+    documented = documented_outcomes(DOC.read_text())
+    if not documented:
+        pytest.skip(f"docs/models.md has no table for transformers {transformers.__version__}")
+    assert documented == {family: kind for family, (kind, _) in sweep().items()}, \
+        "docs/models.md is out of date: python tests/test_hf_families.py rewrites it"
+
+
+def write_table() -> None:
+    """Replace (or add) the installed transformers version's table in docs/models.md."""
+    start, end = section_markers()
+    text = DOC.read_text()
+    block = f"{start}\n### transformers {transformers.__version__}\n\n{table()}\n{end}"
+    if start in text:
+        text = text[:text.index(start)] + block + text[text.index(end) + len(end):]
+    else:
+        text = text.rstrip("\n") + "\n\n" + block + "\n"
+    DOC.write_text(text)
+
+
+if __name__ == "__main__":
+    sys.exit(write_table())
