@@ -38,7 +38,11 @@ class RequeueAtStepBoundary:
         if not (isinstance(environment, SLURMEnvironment) and environment.auto_requeue):
             return None
         # Processes are at most 2 steps apart within a pipeline, 5 across replicas (StepAgreement).
-        return cls(trainer, StepAgreement(store, margin=3 if data_parallel_size == 1 else 6))
+        agreement = StepAgreement(store, margin=3 if data_parallel_size == 1 else 6)
+        # An earlier fit in this job that ended before its agreed step left the keys behind: a fresh start.
+        agreement.clear(trainer.is_global_zero)
+        trainer.strategy.barrier("requeue-install")
+        return cls(trainer, agreement)
 
     def at_step_boundary(self, num_updates: int) -> None:
         """Every stage calls it before each training step (``num_updates`` batches trained)."""
@@ -48,6 +52,9 @@ class RequeueAtStepBoundary:
         for logger in trainer.loggers:
             logger.finalize("finished")
         trainer.save_checkpoint(_lightning.hpc_save_path(trainer))  # collective: every stage is at this step
+        # With async_checkpoint the save only started: the job is requeued (and soon killed) once it is in place.
+        trainer.strategy.finish_pending_save()
+        trainer.strategy.barrier("requeue")
         self.agreement.clear(trainer.is_global_zero)
         if trainer.is_global_zero:
             requeue_job()

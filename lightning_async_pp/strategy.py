@@ -279,6 +279,10 @@ class AsyncPipelineStrategy(PipelineStateHooks, DDPStrategy):
                 f"accumulate_grad_batches={trainer.accumulate_grad_batches} is not supported by "
                 f"AsyncPipelineStrategy; raise num_microbatches and the batch size instead (use 1)"
             )
+        if self.config.async_checkpoint and any(getattr(c, "save_last", None) == "link" for c in trainer.checkpoint_callbacks):
+            # The link would point at a checkpoint still being written: a crash then leaves "last" dangling.
+            raise ValueError("async_checkpoint=True cannot be combined with ModelCheckpoint(save_last='link'); use "
+                             "save_last=True (a second checkpoint, written after the first) or async_checkpoint=False")
         self.model = self.precision_plugin.convert_module(self.model)
         # The full layer list is remembered on the module: after a multi-process call, other stages' layers are
         # placeholders in rank 0's tree (unless gathered back), and a later call must still find the originals.

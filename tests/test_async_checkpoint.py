@@ -47,6 +47,12 @@ def test_async_checkpoint_needs_sharded_checkpoints_and_says_so():
         AsyncPipelineStrategy(async_checkpoint="yes")
 
 
+def test_a_last_link_to_a_checkpoint_still_being_written_is_refused_before_training(tmp_path):
+    with pytest.raises(ValueError, match=r"async_checkpoint=True cannot be combined with ModelCheckpoint\(save_last='link'\)"):
+        run(dict(steps=2, checkpoint_dir=str(tmp_path), save_last="link", strategy_kwargs=ASYNC))
+    assert not any(tmp_path.rglob("*.distcp"))  # nothing was trained or saved
+
+
 def test_async_saves_write_the_synchronous_files_and_resume_to_the_uninterrupted_weights(tmp_path, monkeypatch):
     sync_dir, async_dir = tmp_path / "sync", tmp_path / "async"
     run(dict(steps=4, checkpoint_dir=str(sync_dir)))

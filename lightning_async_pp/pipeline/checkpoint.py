@@ -295,21 +295,25 @@ class PendingSave:
 
     def __init__(self, path: str, flat: Mapping[str, Any], meta: Mapping[str, Any], *, is_coordinator: bool,
                  barrier: Callable[[], None], process_group: Any = None) -> None:
-        self.path, self.meta, self.is_coordinator = path, dict(meta), is_coordinator
+        self.path, self.is_coordinator = path, is_coordinator
         self.removals: list[Callable[[], None]] = []
         tmp = begin_sharded(path, is_coordinator=is_coordinator, barrier=barrier)
+        if is_coordinator:
+            # Now, not at finish: ``meta`` holds live objects (callback states such as ModelCheckpoint's top-k map)
+            # that the next save changes before this one is finished.
+            torch.save(dict(meta), os.path.join(tmp, META_FILE))
         # The tensors are copied (staged) before this returns, so training may change them at once.
         self.future = dcp.async_save(dict(flat), storage_writer=dcp.FileSystemWriter(tmp), process_group=process_group,
                                      no_dist=not torch.distributed.is_initialized())
 
-    def finish(self, put: bool = True) -> None:
-        """Wait for the write (its error, if any, is raised here); the coordinator then adds ``meta.pt`` and puts the
-        checkpoint in place (unless ``put`` is False), and runs the removals that waited for it. A checkpoint whose
-        write failed is never put in place. The coordinator's write finishes after every process's (DCP writes the
-        metadata once all shards are written), so no barrier is needed before the rename."""
+    def finish(self) -> None:
+        """Wait for the write (its error, if any, is raised here); the coordinator then puts the checkpoint in place,
+        and runs the removals that waited for it. A checkpoint whose write failed is never put in place. The
+        coordinator's write finishes after every process's (DCP writes the metadata once all shards are written), so
+        no barrier is needed before the rename."""
         self.future.result()
-        if self.is_coordinator and put:
-            finish_sharded(self.path, self.meta)
+        if self.is_coordinator:
+            put_in_place(partial_path(self.path), self.path)
         for remove in self.removals:
             remove()
 

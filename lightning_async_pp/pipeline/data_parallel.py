@@ -148,8 +148,10 @@ class GradientReducer:
         for bucket in self.buckets:
             bucket.ready = True
         self._launch_ready()
-        used = [i in self._touched for i in range(len(self._used))]
-        self._used.copy_(torch.tensor(used, dtype=torch.int32))
+        used = torch.tensor([i in self._touched for i in range(len(self._used))], dtype=torch.int32)
+        if self._used.is_cuda:  # a pageable copy to the GPU waits for the device; torch's pinned cache is reused safely
+            used = used.pin_memory()
+        self._used.copy_(used, non_blocking=True)
         self._used_work = dist.all_reduce(self._used, group=self.group, async_op=True)
 
     def _launch_ready(self) -> None:

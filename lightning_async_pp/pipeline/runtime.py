@@ -265,7 +265,7 @@ class PipelineRuntime:
 
         if last.is_last:
             total = self._losses.pop(k)
-            loss = torch.cat([total.reshape(1), self._batch_metrics().to(total.device)])
+            loss = torch.cat([total.reshape(1), self._batch_metrics(total.device)]) if self.metric_names else total.reshape(1)
             if link is not None:
                 for rank in self.pipeline_ranks[:-1]:
                     link.send_scalar(loss, rank, TAG_LOSS)
@@ -292,13 +292,14 @@ class PipelineRuntime:
             self.last_times.dp_comm = self.last_times.dp_comm_exposed = self.reducer.exposed_s
         return loss.to(torch.float32)
 
-    def _batch_metrics(self) -> Tensor:
+    def _batch_metrics(self, device: torch.device) -> Tensor:
+        """The module's declared metrics of this batch, on ``device`` (where the loss is: no host sync per step)."""
         values = self.metrics_fn() if self.metrics_fn is not None else {}
         if sorted(values) != sorted(self.metric_names):
             raise ValueError(f"pipeline_metrics() returned {sorted(values)}; pipeline_metric_names() declared "
                              f"{sorted(self.metric_names)}: they must name the same scalars")
-        return torch.stack([torch.as_tensor(values[n]).detach().reshape(()).to(torch.float64).cpu()
-                            for n in self.metric_names]) if values else torch.zeros(0, dtype=torch.float64)
+        return torch.stack([torch.as_tensor(values[n]).detach().reshape(()).to(device=device, dtype=torch.float64)
+                            for n in self.metric_names])
 
     @property
     def reduction_pending(self) -> bool:
