@@ -183,6 +183,22 @@ def test_hf_pretrained_mismatches_are_refused_and_unused_tensors_warned_naming_t
         shallower.configure_model()
 
 
+def test_hf_pretrained_tied_weight_missing_under_every_name_and_misspelled_overrides_are_refused(tmp_path):
+    from safetensors.torch import save_file
+
+    folder = hf_folder(tmp_path / "hf", tied=True, shard=False)
+    with pytest.raises(ValueError, match=r"overrides \['hiden_size'\] are not fields of LlamaConfig"):
+        HuggingFaceCausalLM({"hiden_size": 64}, pretrained=str(folder))  # transformers alone would ignore it
+    tensors = hf_file_tensors(folder)
+    del tensors["model.embed_tokens.weight"]  # the tied embedding/head, under neither of its names now
+    for f in folder.glob("*.safetensors"):
+        f.unlink()
+    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    model = HuggingFaceCausalLM.from_pretrained(folder)
+    with pytest.raises(KeyError, match="hold no 'model.embed_tokens.weight' \\(nor any other name"):
+        model.configure_model()  # it stayed the random init, silently
+
+
 def test_hf_pretrained_is_an_init_arg_of_the_cli(tmp_path, monkeypatch):
     from lightning_async_pp.cli import AsyncPipelineCLI
 

@@ -246,7 +246,11 @@ def pretrained_config(folder: str, **overrides: Any) -> Any:
         from transformers import AutoConfig
     except ImportError as err:
         raise missing_package("transformers", "hf") from err
-    return AutoConfig.from_pretrained(folder, local_files_only=True, **overrides)
+    config, unused = AutoConfig.from_pretrained(folder, local_files_only=True, return_unused_kwargs=True, **overrides)
+    if unused:  # transformers ignores a key its config does not have: a typo would train another model silently
+        raise ValueError(f"the config overrides {sorted(unused)} are not fields of {type(config).__name__} (from "
+                         f"{folder!r}); its fields include {', '.join(sorted(config.to_dict())[:12])}, ...")
+    return config
 
 
 def _has_path(root: Any, path: str) -> bool:

@@ -124,17 +124,15 @@ def load_layer(layer: nn.Module, path: str, source: PretrainedTensors, aliases: 
     """Copy into ``layer`` (at dotted ``path`` in its model) the file's value of each of its persistent tensors.
 
     A tensor is looked up under its own name, then under the other names it has in the model (a tie). A tensor the
-    file holds under none of them is an error (a model partly random would train silently wrong), except a tied
-    one another layer loads. Values are copied (cast to the layer's dtype); shapes must match."""
+    file holds under none of them is an error, tied or not (a model partly random would train silently wrong).
+    Values are copied (cast to the layer's dtype); shapes must match."""
     keys = source.keys() if file_keys is None else file_keys
     prefix = f"{path}." if path else ""
     for local, tensor in layer.state_dict(keep_vars=True).items():
         name = prefix + local
         candidates = [name, *(n for n in aliases.get(name, ()) if n != name)]
         key = next((k for k in candidates if k in keys), None)
-        if key is None:
-            if len(aliases.get(name, ())) > 1:
-                continue  # tied: the layer whose name the file holds loads it (across stages, the copies follow)
+        if key is None:  # the candidates are every name of the tensor: no other layer would load it either
             raise KeyError(f"the pretrained weights {source.path!r} hold no {name!r} (nor any other name of that tensor); "
                            f"is this the model they were saved from? The file holds e.g. {sorted(keys)[:4]}")
         value = source.read(key)
