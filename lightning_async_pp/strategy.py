@@ -30,6 +30,7 @@ from torch import Tensor
 from lightning_async_pp import _lightning
 from lightning_async_pp.lookahead import FetchedBatch, LookaheadLoader, transfer_early
 from lightning_async_pp.module import PipelineModule
+from lightning_async_pp.optim.checks import check_corrections
 from lightning_async_pp.pipeline import checkpoint as ckpt
 from lightning_async_pp.pipeline.comm import PipelineFailure
 from lightning_async_pp.pipeline.config import CheckpointingSpec, CompileSpec, DelaySpec, PipelineConfig
@@ -306,6 +307,7 @@ class AsyncPipelineStrategy(PipelineStateHooks, DDPStrategy):
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
             self.engine.check_tied_hyperparameters(self.optimizers)
+            check_corrections(self.optimizers, self.lr_scheduler_configs, self.config.stage_delays(self.engine.num_stages))
             if self.config.shard_optimizer and self.engine.dp_group is not None:
                 self.optimizers = shard_optimizers(self.optimizers, self.engine.dp_group)  # ZeRO-1 per stage
             _optimizers_to_device(self.optimizers, self.root_device)

@@ -105,7 +105,9 @@ def test_async_nesterov_with_pipemare_around_exponential_lr_from_yaml(tmp_path, 
     scheduler = {"class_path": "lightning_async_pp.optim.PipeMareLR",
                  "init_args": {"delay": 2, "warmup_steps": 4, "scheduler": {
                      "class_path": "torch.optim.lr_scheduler.ExponentialLR", "init_args": {"gamma": 0.5}}}}
-    cli = AsyncPipelineCLI(args=["fit", "--config", str(with_optimizer(tmp_path, optimizer, scheduler))])
+    # PipeMareLR's tau is the pipeline's delay (optim/checks.py): a one-device delay-2 study
+    cli = AsyncPipelineCLI(args=["fit", "--config", str(with_optimizer(tmp_path, optimizer, scheduler)),
+                                 "--trainer.strategy.init_args.delay", "2"])
     opt = cli.trainer.optimizers[0]
     assert isinstance(opt, AsyncNesterov) and opt.momentum == pytest.approx(0.945)
     sched = cli.trainer.lr_scheduler_configs[0].scheduler

@@ -273,3 +273,34 @@ def test_the_monitor_finds_the_compensation_inside_error_feedback_and_lightnings
     norms = _compensation_norms([SimpleNamespace(optimizer=opt)])  # as a LightningOptimizer holds it
     assert set(norms) == {w} and norms[w] is opt.wrapped.last_square_norms[w]
     assert float(norms[w][0]) > 0
+
+
+class ScheduledCompensatedTinyLM(CompensatedTinyLM):
+    """DelayCompensation with a PipeMareLR at the given interval."""
+
+    def __init__(self, interval: str, pipemare_delay: int, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.interval, self.pipemare_delay = interval, pipemare_delay
+
+    def configure_optimizers(self):
+        from lightning_async_pp.optim import PipeMareLR
+
+        opt = super().configure_optimizers()
+        sched = PipeMareLR(opt, delay=self.pipemare_delay, warmup_steps=4)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": self.interval}}
+
+
+@pytest.mark.parametrize("schedule, strategy_delay, model, message", [
+    ("1f1b", None, CompensatedTinyLM(coefficient=1.0, delay=1), r"DelayCompensation\(delay=1\) .* 0 update\(s\) stale"),
+    ("2bw", 2, CompensatedTinyLM(coefficient=1.0, delay=1), r"DelayCompensation\(delay=1\) .* 2 update\(s\) stale"),
+    ("2bw", 2, ScheduledCompensatedTinyLM("epoch", 2, coefficient=1.0, delay=2), r"interval 'step' \(got 'epoch'\)"),
+    ("2bw", 2, ScheduledCompensatedTinyLM("step", 3, coefficient=1.0, delay=2), r"PipeMareLR\(delay=3\) .* 2 update"),
+])
+def test_a_correction_told_another_delay_than_the_pipelines_is_refused_before_training(schedule, strategy_delay, model,
+                                                                                       message):
+    before = [p.detach().clone() for p in model.parameters()]
+    strategy = AsyncPipelineStrategy(schedule, num_microbatches=4, num_stages=2, delay=strategy_delay)
+    t = trainer(strategy, steps=2)
+    with pytest.raises(ValueError, match=message):
+        t.fit(model, loader())
+    assert t.global_step == 0 and all(torch.equal(p, q) for p, q in zip(model.parameters(), before))
