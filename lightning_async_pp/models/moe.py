@@ -70,9 +70,9 @@ def add_statistics(a: Optional[dict[str, Tensor]], b: Optional[dict[str, Tensor]
 def balancing_loss(statistics: dict[str, Tensor]) -> Tensor:
     """Upstream's ``load_balancing_loss_func`` (without a mask) from the summed statistics of every MoE layer."""
     counts, prob_sums = statistics["expert_counts"], statistics["expert_prob_sums"]
-    rows = counts[0].sum()  # every row has exactly one rank-0 choice
-    if rows == 0:
-        return prob_sums.sum() * 0.0
+    # Every row has exactly one rank-0 choice. With no rows every count is 0, and so is the term: clamping keeps
+    # that without a host sync (a Python comparison on a GPU tensor waits for the device, per microbatch).
+    rows = counts[0].sum().clamp_min(1)
     return torch.sum(counts / rows * (prob_sums / rows).unsqueeze(0)) * counts.shape[1]
 
 
