@@ -65,10 +65,8 @@ class DelayCompensation(OptimizerWrapper):
             raise ValueError(f"DelayCompensation ema must be None (the paper's g*g) or a decay in [0, 1), got {ema!r}")
         self.delay = delay
         self.ema = None if ema is None else float(ema)
-        super().__init__(params, optimizer)
+        super().__init__(params, optimizer)  # checks every group's coefficient
         self.last_square_norms: dict[torch.Tensor, tuple[torch.Tensor, torch.Tensor]] = {}
-        for index, group in enumerate(self.param_groups):  # bad group coefficients fail here, not at the first step
-            self.group_coefficient(group, index)
 
     def group_coefficient(self, group: dict[str, Any], index: Optional[int] = None) -> float:
         return group_coefficient(group, index, self.coefficient, "DelayCompensation")

@@ -52,14 +52,10 @@ class ErrorFeedback(OptimizerWrapper):
 
     def __init__(self, params: Iterable[Any], optimizer: OptimizerCallable, coefficient: float = 1.0,
                  muon_coefficient: Optional[float] = None) -> None:
-        _check_coefficient(coefficient, "coefficient")
-        if muon_coefficient is not None:
-            _check_coefficient(muon_coefficient, "muon_coefficient")
-        super().__init__(params, optimizer)
-        self.coefficient = float(coefficient)
-        self.muon_coefficient = None if muon_coefficient is None else float(muon_coefficient)
-        for index, group in enumerate(self.param_groups):  # bad group coefficients fail here, not at the first step
-            self.group_coefficient(group, index)
+        self.coefficient = check_coefficient(coefficient, "coefficient", "ErrorFeedback")
+        self.muon_coefficient = (None if muon_coefficient is None
+                                 else check_coefficient(muon_coefficient, "muon_coefficient", "ErrorFeedback"))
+        super().__init__(params, optimizer)  # checks every group's coefficient
 
     def group_coefficient(self, group: dict[str, Any], index: Optional[int] = None) -> float:
         """The correction coefficient ``c`` of one parameter group (see the class docstring for the order)."""
@@ -105,7 +101,3 @@ class ErrorFeedback(OptimizerWrapper):
     def __repr__(self) -> str:
         muon = "" if self.muon_coefficient is None else f", muon_coefficient={self.muon_coefficient}"
         return f"ErrorFeedback(coefficient={self.coefficient}{muon}, optimizer={self.wrapped!r})"
-
-
-def _check_coefficient(value: Any, what: str) -> float:
-    return check_coefficient(value, what, "ErrorFeedback")

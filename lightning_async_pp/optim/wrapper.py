@@ -18,7 +18,8 @@ from torch.optim import Optimizer
 class OptimizerWrapper(Optimizer):
     """Base of the corrections: builds ``optimizer(params)`` and delegates groups, state and (de)serialization to it.
 
-    Subclasses implement ``step`` and :meth:`rewrap`. ``optimizer`` is typed ``OptimizerCallable`` so that
+    Subclasses implement ``step``, :meth:`group_coefficient` and :meth:`rewrap`, and set their settings before
+    calling this constructor (it checks every group's coefficient). ``optimizer`` is typed ``OptimizerCallable`` so that
     LightningCLI/jsonargparse turn a nested ``class_path``/``init_args`` into a partial that takes the parameters.
     """
 
@@ -32,6 +33,12 @@ class OptimizerWrapper(Optimizer):
         self.wrapped = wrapped
         # Optimizer.__setstate__ sets up hooks and step profiling without adding groups: the groups are the wrapped ones.
         Optimizer.__setstate__(self, {"defaults": wrapped.defaults})
+        for index, group in enumerate(self.param_groups):  # bad group coefficients fail here, not at the first step
+            self.group_coefficient(group, index)
+
+    def group_coefficient(self, group: dict[str, Any], index: Optional[int] = None) -> float:
+        """The correction's coefficient for one parameter group (subclasses: their own rule)."""
+        raise NotImplementedError
 
     # The wrapped optimizer may replace these objects (torch's load_state_dict does), so always read through.
     @property  # type: ignore[override]
