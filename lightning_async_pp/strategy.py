@@ -165,7 +165,6 @@ class AsyncPipelineStrategy(PipelineStateHooks, DDPStrategy):
             timeout=timeout if timeout is not None else timedelta(seconds=pipeline_timeout), start_method=start_method,
         )
         self.gather_final_weights = gather_final_weights
-        self.save_distributed_checkpoint = save_distributed_checkpoint
         self._pending_save: Optional[ckpt.PendingSave] = None  # an async_checkpoint save still being written
         self._checkpoint_group: Any = None  # async saves' own gloo group: their collectives run in a background thread
         self._source: Optional[ckpt.TensorSource] = None  # the checkpoint being restored, between its two loads

@@ -49,7 +49,7 @@ class PipelineStateHooks:
         flat = ckpt.engine_tensors(self.engine, module_state, self.optimizers, weights=own) if own or sharded else {}
         meta = ckpt.checkpoint_meta(self.engine, self.schedule, self.data_parallel_size)
         self.finish_pending_save()  # one save in flight at a time, in order
-        if self.save_distributed_checkpoint:
+        if self.config.save_distributed_checkpoint:
             checkpoint["async_pipeline"] = meta
             if self.config.async_checkpoint:
                 self._pending_save = ckpt.PendingSave(path, flat, checkpoint, is_coordinator=self.is_global_zero,
