@@ -218,6 +218,23 @@ def test_prepare_writes_what_data_path_takes_as_it_is(tmp_path, tokenizer, mixed
         TextDataModule(data_path=str(out), tokenizer=str(train_bpe(tmp_path / "t2", vocab_size=90))).optimized_dirs()
 
 
+def test_prepare_never_deletes_an_input_corpus_inside_its_output(tmp_path, tokenizer):
+    from lightning_async_pp.data.prepare import prepare
+
+    corpus_file = tmp_path / "data" / "train" / "a.txt"
+    corpus_file.parent.mkdir(parents=True)
+    corpus_file.write_text(SENTENCES[0])
+    with pytest.raises(ValueError, match=r"input .*a\.txt.* inside the output folder .*data"):
+        prepare([tmp_path / "data" / "train"], tokenizer, tmp_path / "data")
+    # A train/ folder holding anything but litdata's files is not prepare's, so not removed either.
+    other = tmp_path / "out" / "val" / "notes.txt"
+    other.parent.mkdir(parents=True)
+    other.write_text("mine")
+    with pytest.raises(FileExistsError, match="not empty"):
+        prepare([corpus_file], tokenizer, tmp_path / "out")
+    assert corpus_file.read_text() == SENTENCES[0] and other.read_text() == "mine"
+
+
 # ---- refusals ---------------------------------------------------------------------------------------------------
 def with_model(dm: TextDataModule, model) -> TextDataModule:
     dm.trainer = SimpleNamespace(lightning_module=model, strategy=SimpleNamespace(distributed_sampler_kwargs=None))
