@@ -235,6 +235,33 @@ def test_prepare_never_deletes_an_input_corpus_inside_its_output(tmp_path, token
     assert corpus_file.read_text() == SENTENCES[0] and other.read_text() == "mine"
 
 
+def test_a_tokenizer_file_under_another_name_hashes_as_its_prepared_copy(tmp_path, tokenizer):
+    from lightning_async_pp.data.tokenized import copy_tokenizer, tokenizer_hash
+
+    renamed = tmp_path / "mytok.json"
+    renamed.write_bytes((tokenizer / "tokenizer.json").read_bytes())
+    copy_tokenizer(renamed, tmp_path / "prepared" / "tokenizer")  # what prepare --tokenizer mytok.json keeps
+    assert tokenizer_hash(renamed) == tokenizer_hash(tmp_path / "prepared" / "tokenizer") == tokenizer_hash(tokenizer)
+
+
+def test_an_unparsable_completion_marker_is_no_marker_and_the_cache_is_rebuilt(tmp_path, mixed_corpus):
+    train, val = split_corpus([mixed_corpus / "notes0.txt", mixed_corpus / "notes1.txt"], 0.5, None, 0)
+    cache = corpus.build_token_cache(train, val, tmp_path / "c")
+    assert sorted(p.name for p in cache.iterdir()) == ["COMPLETE.json", "train", "val"]  # no temporary left
+    (cache / "COMPLETE.json").write_text('{"vocab_size": 2')  # as a crash while writing it would leave
+    assert corpus.cache_info(cache) is None and not corpus.is_complete(cache)
+    corpus.build_token_cache(train, val, cache)
+    assert corpus.cache_info(cache)["vocab_size"] == 256
+
+
+def test_a_tokenizer_given_over_tokens_prepared_without_one_is_refused(tmp_path, tokenizer, mixed_corpus):
+    train, val = split_corpus([mixed_corpus / "notes0.txt", mixed_corpus / "notes1.txt"], 0.5, None, 0)
+    cache = corpus.build_token_cache(train, val, tmp_path / "bytes")
+    with pytest.raises(ValueError, match=r"bytes.* prepared without a tokenizer \(vocabulary 256\).* tokenizer"):
+        TextDataModule(data_path=str(cache), tokenizer=str(tokenizer)).optimized_dirs()
+    assert TextDataModule(data_path=str(cache)).vocab_size == 256  # without tokenizer=: read as it is
+
+
 # ---- refusals ---------------------------------------------------------------------------------------------------
 def with_model(dm: TextDataModule, model) -> TextDataModule:
     dm.trainer = SimpleNamespace(lightning_module=model, strategy=SimpleNamespace(distributed_sampler_kwargs=None))

@@ -188,8 +188,12 @@ class TextDataModule(L.LightningDataModule):
     def _check_prepared_tokenizer(self) -> None:
         root = self._prepared_root()
         info = cache_info(root) if root is not None else None
-        if self.tokenizer_path is None or info is None or "tokenizer_sha256" not in info:
+        if self.tokenizer_path is None or info is None:
             return
+        if "tokenizer_sha256" not in info:
+            raise ValueError(f"data_path {self.data_path!r} holds tokens prepared without a tokenizer (vocabulary "
+                             f"{info.get('vocab_size')}), but tokenizer {self.tokenizer_path!r} was given: leave "
+                             f"tokenizer unset to read it as it is, or prepare the corpus with this tokenizer")
         if info["tokenizer_sha256"] != tokenizer_hash(self.tokenizer_path):
             raise ValueError(f"data_path {self.data_path!r} was tokenized with another tokenizer than "
                              f"{self.tokenizer_path!r} (its files differ from {root / TOKENIZER_DIR}); leave tokenizer "

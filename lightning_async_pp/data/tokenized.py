@@ -56,8 +56,11 @@ def load_tokenizer(path: Union[str, Path]) -> Any:
 def tokenizer_hash(path: Union[str, Path]) -> str:
     """sha256 of the tokenizer's files: a changed vocabulary, merge or end-of-text token names another cache."""
     digest = hashlib.sha256()
+    main = tokenizer_file(path)
     for f in _tokenizer_files(path):
-        digest.update(f.name.encode() + b"\0" + f.read_bytes())
+        # The main file under the name copy_tokenizer gives it, so a prepared folder's copy hashes the same.
+        name = TOKENIZER_FILE if f == main else f.name
+        digest.update(name.encode() + b"\0" + f.read_bytes())
     return digest.hexdigest()
 
 
