@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import sys
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Optional
@@ -98,6 +99,9 @@ def export_litgpt(src: str | os.PathLike, out: str | os.PathLike, tokenizer: Opt
 def _check_out(out: str) -> None:
     if os.path.isfile(out):
         raise ValueError(f"{out!r} is a file; give the folder to write")
+    if os.path.isdir(out) and os.listdir(out):  # stale files of another export would sit beside the new ones
+        raise ValueError(f"{out!r} is not empty ({', '.join(sorted(os.listdir(out))[:5])}); give a new or empty "
+                         f"folder to write")
     os.makedirs(out, exist_ok=True)
 
 
@@ -125,6 +129,10 @@ def run_files(checkpoint: Mapping[str, Any], tokenizer: Optional[str | os.PathLi
         candidates = [data.get("tokenizer"), _prepared_tokenizer(data.get("data_path")), pretrained]
         found = (tokenizer_files(os.fspath(c)) for c in candidates if isinstance(c, (str, os.PathLike)))
         files = next((f for f in found if f), {})
+        named = data.get("tokenizer")
+        if not files and isinstance(named, (str, os.PathLike)):  # e.g. a relative path, consolidate run elsewhere
+            print(f"warning: the run's tokenizer {os.fspath(named)!r} was not found from {os.getcwd()!r}; no tokenizer "
+                  f"files exported: give --tokenizer", file=sys.stderr)
     if isinstance(pretrained, str) and os.path.isfile(os.path.join(pretrained, GENERATION_CONFIG)):
         files[GENERATION_CONFIG] = os.path.join(pretrained, GENERATION_CONFIG)  # the upstream one, not a default
     return files
