@@ -32,14 +32,17 @@ SENTENCES = [
 EOS = "<|endoftext|>"
 
 
-def train_bpe(folder: Path, vocab_size: int = 120, extra: list[str] = ()) -> Path:
-    """A byte-pair tokenizer trained on SENTENCES (nothing downloaded), saved as folder/tokenizer.json."""
-    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+def train_bpe(folder: Path, vocab_size: int = 120, extra: list[str] = (), bos: bool = False) -> Path:
+    """A byte-pair tokenizer trained on SENTENCES (nothing downloaded), saved as folder/tokenizer.json; with
+    ``bos``, its post-processor adds a BOS to every encoding (as many LLM tokenizers' do)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors, trainers
 
     tok = Tokenizer(models.BPE(unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<unk>", EOS, *extra])
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<unk>", EOS, *extra, *(["<s>"] if bos else [])])
     tok.train_from_iterator(SENTENCES * 3, trainer=trainer)
+    if bos:
+        tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", tok.token_to_id("<s>"))])
     folder.mkdir(parents=True, exist_ok=True)
     tok.save(str(folder / "tokenizer.json"))
     return folder
@@ -58,7 +61,7 @@ def word_tokenizer(path: Path, words: int) -> Path:
 
 @pytest.fixture(scope="module")
 def tokenizer(tmp_path_factory) -> Path:
-    return train_bpe(tmp_path_factory.mktemp("tok"))
+    return train_bpe(tmp_path_factory.mktemp("tok"), bos=True)
 
 
 @pytest.fixture(scope="module")
@@ -110,6 +113,9 @@ def test_each_document_is_the_tokenizers_ids_then_eos_in_the_splits_order(tmp_pa
     assert train and val and any(p.endswith(".jsonl") for p, _, _ in train + val)
     for segments, d in ((train, train_dir), (val, val_dir)):
         assert stored_ids(d) == expected_ids(tokenizer, documents_of(segments))
+    # The tokenizer's post-processor adds a BOS to an encoding; the cache holds none (documents are split by EOS).
+    bos = dm.tokenizer.token_to_id("<s>")
+    assert dm.tokenizer.encode(SENTENCES[0]).ids[0] == bos and bos not in stored_ids(train_dir) + stored_ids(val_dir)
     assert data_format(train_dir).endswith(f"tensor:{corpus_dtype_index(torch.uint8)}")  # 120 tokens fit a byte
     # Batches are (B, block + 1) LongTensors of those ids; the tokenizer and its vocabulary are the module's.
     dm.setup("fit")
