@@ -248,6 +248,11 @@ def test_a_tokenizer_file_under_another_name_hashes_as_its_prepared_copy(tmp_pat
     renamed.write_bytes((tokenizer / "tokenizer.json").read_bytes())
     copy_tokenizer(renamed, tmp_path / "prepared" / "tokenizer")  # what prepare --tokenizer mytok.json keeps
     assert tokenizer_hash(renamed) == tokenizer_hash(tmp_path / "prepared" / "tokenizer") == tokenizer_hash(tokenizer)
+    # Every file of a tokenizer folder is hashed and kept with the tokens, so consolidate exports it from there.
+    (tmp_path / "chat_template.jinja").write_text("{{ messages }}")
+    copy_tokenizer(renamed, tmp_path / "again")
+    assert (tmp_path / "again" / "chat_template.jinja").read_text() == "{{ messages }}"
+    assert tokenizer_hash(renamed) == tokenizer_hash(tmp_path / "again") != tokenizer_hash(tokenizer)
 
 
 def test_an_unparsable_completion_marker_is_no_marker_and_the_cache_is_rebuilt(tmp_path, mixed_corpus):

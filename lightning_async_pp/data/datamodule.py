@@ -34,6 +34,8 @@ from lightning_async_pp.data.tokenized import (
     build_tokenized_cache,
     is_record_file,
     load_tokenizer,
+    prepared_root,
+    prepared_tokenizer,
     tokenized_key,
     tokenizer_file,
     tokenizer_hash,
@@ -177,13 +179,9 @@ class TextDataModule(L.LightningDataModule):
     # ---- vocabulary ----------------------------------------------------------------------------------------------
     def _prepared_root(self) -> Optional[Path]:
         """The folder holding a prepared ``data_path``'s marker and tokenizer (itself, or the parent of a split)."""
-        prepared = self.prepared_dirs()
-        if prepared is None:
+        if self.prepared_dirs() is None:
             return None
-        path = Path(self.data_path)  # type: ignore[arg-type]
-        if prepared[1] is None and cache_info(path) is None and cache_info(path.parent) is not None:
-            return path.parent  # data_path is the train/ (or val/) folder of a prepared directory
-        return path
+        return prepared_root(self.data_path) or Path(self.data_path)  # type: ignore[arg-type]
 
     def _check_prepared_tokenizer(self) -> None:
         root = self._prepared_root()
@@ -205,9 +203,8 @@ class TextDataModule(L.LightningDataModule):
         for bytes."""
         if self._tokenizer is None:
             path: Optional[Path] = Path(self.tokenizer_path) if self.tokenizer_path is not None else None
-            root = self._prepared_root() if path is None else None
-            if root is not None and (root / TOKENIZER_DIR).is_dir():
-                path = root / TOKENIZER_DIR
+            if path is None and self.prepared_dirs() is not None:
+                path = prepared_tokenizer(self.data_path)  # type: ignore[arg-type]
             self._tokenizer = load_tokenizer(path) if path is not None else None
         return self._tokenizer
 
