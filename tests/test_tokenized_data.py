@@ -239,6 +239,12 @@ def test_prepare_never_deletes_an_input_corpus_inside_its_output(tmp_path, token
     with pytest.raises(FileExistsError, match="not empty"):
         prepare([corpus_file], tokenizer, tmp_path / "out")
     assert corpus_file.read_text() == SENTENCES[0] and other.read_text() == "mine"
+    # What an interrupted build leaves (litdata's files only) is redone.
+    other.unlink()
+    for name in ("chunk-0-0.bin", "0.index.json", "index.json.tmp"):
+        (other.parent / name).write_text("")
+    prepare([corpus_file], tokenizer, tmp_path / "out", val_fraction=0)
+    assert corpus.cache_info(tmp_path / "out")["train_tokens"] > 0
 
 
 def test_a_tokenizer_file_under_another_name_hashes_as_its_prepared_copy(tmp_path, tokenizer):

@@ -5,12 +5,13 @@
 INPUTs are text files, ``.jsonl`` or ``.parquet`` files, or folders of them. The output holds ``train/`` and
 ``val/`` (ordered litdata chunks, see docs/design.md, 'Data'), ``tokenizer/`` (the tokenizer's files) and
 ``COMPLETE.json`` (vocabulary, end-of-text id, dtype, token counts). Running it again with the same inputs and
-tokenizer does nothing; other inputs into the same output are refused.
+tokenizer does nothing; other inputs into the same output, and an output holding an input, are refused.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 from pathlib import Path
 from typing import Optional, Sequence, Union
@@ -64,7 +65,8 @@ def _written_by_prepare(path: Path) -> bool:
     if path.name == "tokenizer" and path.is_dir():
         return True
     if path.name in ("train", "val") and path.is_dir():
-        return all(f.is_file() and (f.name == "index.json" or f.suffix == ".bin") for f in path.iterdir())
+        # litdata writes chunk-*.bin, index.json and, while it works, {rank}.index.json and *.tmp files.
+        return all(f.is_file() and re.fullmatch(r".*(\.bin|index\.json)(\.tmp.*)?", f.name) for f in path.iterdir())
     return False
 
 
