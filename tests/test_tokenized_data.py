@@ -39,10 +39,12 @@ def train_bpe(folder: Path, vocab_size: int = 120, extra: list[str] = (), bos: b
 
     tok = Tokenizer(models.BPE(unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<unk>", EOS, *extra, *(["<s>"] if bos else [])])
+    specials = ["<unk>", EOS, *extra, *(["<s>"] if bos else [])]
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=specials)
     tok.train_from_iterator(SENTENCES * 3, trainer=trainer)
     if bos:
-        tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", tok.token_to_id("<s>"))])
+        tok.post_processor = processors.TemplateProcessing(single="<s> $A",
+                                                           special_tokens=[("<s>", tok.token_to_id("<s>"))])
     folder.mkdir(parents=True, exist_ok=True)
     tok.save(str(folder / "tokenizer.json"))
     return folder
