@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import sys
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Optional
@@ -21,12 +22,10 @@ from typing import Any, Optional
 import torch
 from torch import Tensor
 
+from lightning_async_pp.data.tokenized import TOKENIZER_FILES, prepared_tokenizer, tokenizer_files
 from lightning_async_pp.models.litgpt_model import LIT_MODEL
 from lightning_async_pp.pipeline import checkpoint as _checkpoint
 
-#: The files a Hugging Face tokenizer folder may hold (what ``save_pretrained`` of a tokenizer writes).
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
-                   "tokenizer.model", "vocab.json", "merges.txt", "chat_template.jinja")
 GENERATION_CONFIG = "generation_config.json"
 
 
@@ -98,16 +97,10 @@ def export_litgpt(src: str | os.PathLike, out: str | os.PathLike, tokenizer: Opt
 def _check_out(out: str) -> None:
     if os.path.isfile(out):
         raise ValueError(f"{out!r} is a file; give the folder to write")
+    if os.path.isdir(out) and os.listdir(out):  # stale files of another export would sit beside the new ones
+        raise ValueError(f"{out!r} is not empty ({', '.join(sorted(os.listdir(out))[:5])}); give a new or empty "
+                         f"folder to write")
     os.makedirs(out, exist_ok=True)
-
-
-def tokenizer_files(path: str) -> dict[str, str]:
-    """The tokenizer files at ``path`` (a folder, or a ``tokenizer.json`` under any name), by the name to give them."""
-    if os.path.isfile(path):
-        return {"tokenizer.json": path}
-    if os.path.isdir(path):
-        return {name: os.path.join(path, name) for name in TOKENIZER_FILES if os.path.isfile(os.path.join(path, name))}
-    return {}
 
 
 def run_files(checkpoint: Mapping[str, Any], tokenizer: Optional[str | os.PathLike]) -> dict[str, str]:
@@ -117,27 +110,24 @@ def run_files(checkpoint: Mapping[str, Any], tokenizer: Optional[str | os.PathLi
     before anything is written."""
     pretrained = (checkpoint.get("hyper_parameters") or {}).get("pretrained")
     if tokenizer is not None:
-        files = tokenizer_files(os.fspath(tokenizer))
+        files = {name: os.fspath(f) for name, f in tokenizer_files(tokenizer).items()}
         if not files:
             raise ValueError(f"--tokenizer {os.fspath(tokenizer)!r} holds no tokenizer files (one of {', '.join(TOKENIZER_FILES)})")
     else:
         data = checkpoint.get("datamodule_hyper_parameters") or {}
-        candidates = [data.get("tokenizer"), _prepared_tokenizer(data.get("data_path")), pretrained]
-        found = (tokenizer_files(os.fspath(c)) for c in candidates if isinstance(c, (str, os.PathLike)))
+        data_path = data.get("data_path")
+        prepared = prepared_tokenizer(data_path) if isinstance(data_path, (str, os.PathLike)) else None
+        candidates = [data.get("tokenizer"), prepared, pretrained]
+        found = ({name: os.fspath(f) for name, f in tokenizer_files(c).items()}
+                 for c in candidates if isinstance(c, (str, os.PathLike)))
         files = next((f for f in found if f), {})
+        named = data.get("tokenizer")
+        if not files and isinstance(named, (str, os.PathLike)):  # e.g. a relative path, consolidate run elsewhere
+            print(f"warning: the run's tokenizer {os.fspath(named)!r} was not found from {os.getcwd()!r}; no tokenizer "
+                  f"files exported: give --tokenizer", file=sys.stderr)
     if isinstance(pretrained, str) and os.path.isfile(os.path.join(pretrained, GENERATION_CONFIG)):
         files[GENERATION_CONFIG] = os.path.join(pretrained, GENERATION_CONFIG)  # the upstream one, not a default
     return files
-
-
-def _prepared_tokenizer(data_path: Any) -> Optional[str]:
-    """The tokenizer a prepared ``data_path`` carries (a run given only ``data_path``, its tokenizer left out)."""
-    if not isinstance(data_path, (str, os.PathLike)):
-        return None
-    from lightning_async_pp.data.tokenized import prepared_tokenizer
-
-    folder = prepared_tokenizer(data_path)
-    return os.fspath(folder) if folder is not None else None
 
 
 def _copy(files: Mapping[str, str], out: str) -> list[str]:

@@ -148,6 +148,25 @@ def test_consolidate_hf_takes_the_tokenizer_argument_and_refuses_another_models_
     assert not (tmp_path / "o2").exists()  # refused before anything was written
 
 
+def test_consolidate_warns_of_a_run_tokenizer_not_found_and_refuses_a_non_empty_folder(tmp_path, capsys):
+    model = HuggingFaceCausalLM.from_pretrained(hf_folder(tmp_path / "hf", shard=False))
+    model.configure_model()
+    for name, tokenizer in (("lost", "relative/tok"), ("none", None)):
+        torch.save({"state_dict": model.state_dict(), "hyper_parameters": dict(model.hparams),
+                    "datamodule_hyper_parameters": {"data_path": None, "tokenizer": tokenizer}}, tmp_path / name)
+    assert consolidate_main([str(tmp_path / "lost"), str(tmp_path / "out"), "--hf"]) == 0
+    err = capsys.readouterr().err
+    assert "'relative/tok' was not found" in err and "--tokenizer" in err
+    assert consolidate_main([str(tmp_path / "none"), str(tmp_path / "out2"), "--hf"]) == 0
+    assert "tokenizer" not in capsys.readouterr().err  # a run without a tokenizer: nothing to say
+    (tmp_path / "out2" / "stale.txt").write_text("old")
+    before = sorted(os.listdir(tmp_path / "out2"))
+    with pytest.raises(SystemExit):
+        consolidate_main([str(tmp_path / "none"), str(tmp_path / "out2"), "--hf"])
+    assert "is not empty" in capsys.readouterr().err
+    assert sorted(os.listdir(tmp_path / "out2")) == before
+
+
 @pytest.mark.parametrize("data_path", ["tokens", "tokens/train"])
 def test_consolidate_hf_takes_the_tokenizer_a_prepared_data_path_carries(tmp_path, data_path):
     # A run given only data_path (a `prepare` output, its tokenizer left out as the README says it may be): the

@@ -32,14 +32,19 @@ SENTENCES = [
 EOS = "<|endoftext|>"
 
 
-def train_bpe(folder: Path, vocab_size: int = 120, extra: list[str] = ()) -> Path:
-    """A byte-pair tokenizer trained on SENTENCES (nothing downloaded), saved as folder/tokenizer.json."""
-    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+def train_bpe(folder: Path, vocab_size: int = 120, extra: list[str] = (), bos: bool = False) -> Path:
+    """A byte-pair tokenizer trained on SENTENCES (nothing downloaded), saved as folder/tokenizer.json; with
+    ``bos``, its post-processor adds a BOS to every encoding (as many LLM tokenizers' do)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors, trainers
 
     tok = Tokenizer(models.BPE(unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<unk>", EOS, *extra])
+    specials = ["<unk>", EOS, *extra, *(["<s>"] if bos else [])]
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=specials)
     tok.train_from_iterator(SENTENCES * 3, trainer=trainer)
+    if bos:
+        tok.post_processor = processors.TemplateProcessing(single="<s> $A",
+                                                           special_tokens=[("<s>", tok.token_to_id("<s>"))])
     folder.mkdir(parents=True, exist_ok=True)
     tok.save(str(folder / "tokenizer.json"))
     return folder
@@ -58,7 +63,7 @@ def word_tokenizer(path: Path, words: int) -> Path:
 
 @pytest.fixture(scope="module")
 def tokenizer(tmp_path_factory) -> Path:
-    return train_bpe(tmp_path_factory.mktemp("tok"))
+    return train_bpe(tmp_path_factory.mktemp("tok"), bos=True)
 
 
 @pytest.fixture(scope="module")
@@ -110,6 +115,9 @@ def test_each_document_is_the_tokenizers_ids_then_eos_in_the_splits_order(tmp_pa
     assert train and val and any(p.endswith(".jsonl") for p, _, _ in train + val)
     for segments, d in ((train, train_dir), (val, val_dir)):
         assert stored_ids(d) == expected_ids(tokenizer, documents_of(segments))
+    # The tokenizer's post-processor adds a BOS to an encoding; the cache holds none (documents are split by EOS).
+    bos = dm.tokenizer.token_to_id("<s>")
+    assert dm.tokenizer.encode(SENTENCES[0]).ids[0] == bos and bos not in stored_ids(train_dir) + stored_ids(val_dir)
     assert data_format(train_dir).endswith(f"tensor:{corpus_dtype_index(torch.uint8)}")  # 120 tokens fit a byte
     # Batches are (B, block + 1) LongTensors of those ids; the tokenizer and its vocabulary are the module's.
     dm.setup("fit")
@@ -216,6 +224,61 @@ def test_prepare_writes_what_data_path_takes_as_it_is(tmp_path, tokenizer, mixed
     # A prepared folder read with another tokenizer is refused.
     with pytest.raises(ValueError, match="tokenized with another tokenizer"):
         TextDataModule(data_path=str(out), tokenizer=str(train_bpe(tmp_path / "t2", vocab_size=90))).optimized_dirs()
+
+
+def test_prepare_never_deletes_an_input_corpus_inside_its_output(tmp_path, tokenizer):
+    from lightning_async_pp.data.prepare import prepare
+
+    corpus_file = tmp_path / "data" / "train" / "a.txt"
+    corpus_file.parent.mkdir(parents=True)
+    corpus_file.write_text(SENTENCES[0])
+    with pytest.raises(ValueError, match=r"input .*a\.txt.* inside the output folder .*data"):
+        prepare([tmp_path / "data" / "train"], tokenizer, tmp_path / "data")
+    # A train/ folder holding anything but litdata's files is not prepare's, so not removed either.
+    other = tmp_path / "out" / "val" / "notes.txt"
+    other.parent.mkdir(parents=True)
+    other.write_text("mine")
+    with pytest.raises(FileExistsError, match="not empty"):
+        prepare([corpus_file], tokenizer, tmp_path / "out")
+    assert corpus_file.read_text() == SENTENCES[0] and other.read_text() == "mine"
+    # What an interrupted build leaves (litdata's files only) is redone.
+    other.unlink()
+    for name in ("chunk-0-0.bin", "0.index.json", "index.json.tmp"):
+        (other.parent / name).write_text("")
+    prepare([corpus_file], tokenizer, tmp_path / "out", val_fraction=0)
+    assert corpus.cache_info(tmp_path / "out")["train_tokens"] > 0
+
+
+def test_a_tokenizer_file_under_another_name_hashes_as_its_prepared_copy(tmp_path, tokenizer):
+    from lightning_async_pp.data.tokenized import copy_tokenizer, tokenizer_hash
+
+    renamed = tmp_path / "mytok.json"
+    renamed.write_bytes((tokenizer / "tokenizer.json").read_bytes())
+    copy_tokenizer(renamed, tmp_path / "prepared" / "tokenizer")  # what prepare --tokenizer mytok.json keeps
+    assert tokenizer_hash(renamed) == tokenizer_hash(tmp_path / "prepared" / "tokenizer") == tokenizer_hash(tokenizer)
+    # Every file of a tokenizer folder is hashed and kept with the tokens, so consolidate exports it from there.
+    (tmp_path / "chat_template.jinja").write_text("{{ messages }}")
+    copy_tokenizer(renamed, tmp_path / "again")
+    assert (tmp_path / "again" / "chat_template.jinja").read_text() == "{{ messages }}"
+    assert tokenizer_hash(renamed) == tokenizer_hash(tmp_path / "again") != tokenizer_hash(tokenizer)
+
+
+def test_an_unparsable_completion_marker_is_no_marker_and_the_cache_is_rebuilt(tmp_path, mixed_corpus):
+    train, val = split_corpus([mixed_corpus / "notes0.txt", mixed_corpus / "notes1.txt"], 0.5, None, 0)
+    cache = corpus.build_token_cache(train, val, tmp_path / "c")
+    assert sorted(p.name for p in cache.iterdir()) == ["COMPLETE.json", "train", "val"]  # no temporary left
+    (cache / "COMPLETE.json").write_text('{"vocab_size": 2')  # as a crash while writing it would leave
+    assert corpus.cache_info(cache) is None and not corpus.is_complete(cache)
+    corpus.build_token_cache(train, val, cache)
+    assert corpus.cache_info(cache)["vocab_size"] == 256
+
+
+def test_a_tokenizer_given_over_tokens_prepared_without_one_is_refused(tmp_path, tokenizer, mixed_corpus):
+    train, val = split_corpus([mixed_corpus / "notes0.txt", mixed_corpus / "notes1.txt"], 0.5, None, 0)
+    cache = corpus.build_token_cache(train, val, tmp_path / "bytes")
+    with pytest.raises(ValueError, match=r"bytes.* prepared without a tokenizer \(vocabulary 256\).* tokenizer"):
+        TextDataModule(data_path=str(cache), tokenizer=str(tokenizer)).optimized_dirs()
+    assert TextDataModule(data_path=str(cache)).vocab_size == 256  # without tokenizer=: read as it is
 
 
 # ---- refusals ---------------------------------------------------------------------------------------------------

@@ -156,13 +156,18 @@ def corpus_key(train: Sequence[Segment], val: Sequence[Segment], tokens: Optiona
 
 # ---- one-time tokenization ---------------------------------------------------------------------------------------
 def is_complete(cache: Union[str, Path]) -> bool:
-    return (Path(cache) / _COMPLETE_MARKER).is_file()
+    return cache_info(cache) is not None
 
 
 def cache_info(cache: Union[str, Path]) -> Optional[dict[str, Any]]:
-    """The completion marker of a cache (``vocab_size``, ``dtype``, sizes, ...), or ``None`` if it has none."""
+    """The completion marker of a cache (``vocab_size``, ``dtype``, sizes, ...), or ``None`` if it has none (or
+    one that does not parse: a cache is not complete until its marker is)."""
     marker = Path(cache) / _COMPLETE_MARKER
-    return json.loads(marker.read_text()) if marker.is_file() else None
+    try:
+        info = json.loads(marker.read_text())
+    except (OSError, ValueError):
+        return None
+    return info if isinstance(info, dict) else None
 
 
 def build_token_cache(
@@ -203,7 +208,10 @@ def build_token_cache(
                   "train_tokens": _tokens(cache / "train"), "val_tokens": _tokens(cache / "val"),
                   "train_bytes": sum(s[2] - s[1] for s in train), "val_bytes": sum(s[2] - s[1] for s in val),
                   "seconds": round(time.perf_counter() - t0, 2)}
-        (cache / _COMPLETE_MARKER).write_text(json.dumps(marker))
+        # Written beside it and renamed: prepare, the vocabulary checks and consolidate trust a marker that exists.
+        tmp = cache / (_COMPLETE_MARKER + ".tmp")
+        tmp.write_text(json.dumps(marker))
+        os.replace(tmp, cache / _COMPLETE_MARKER)
     return cache
 
 

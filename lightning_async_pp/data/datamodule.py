@@ -34,6 +34,8 @@ from lightning_async_pp.data.tokenized import (
     build_tokenized_cache,
     is_record_file,
     load_tokenizer,
+    prepared_root,
+    prepared_tokenizer,
     tokenized_key,
     tokenizer_file,
     tokenizer_hash,
@@ -177,19 +179,19 @@ class TextDataModule(L.LightningDataModule):
     # ---- vocabulary ----------------------------------------------------------------------------------------------
     def _prepared_root(self) -> Optional[Path]:
         """The folder holding a prepared ``data_path``'s marker and tokenizer (itself, or the parent of a split)."""
-        prepared = self.prepared_dirs()
-        if prepared is None:
+        if self.prepared_dirs() is None:
             return None
-        path = Path(self.data_path)  # type: ignore[arg-type]
-        if prepared[1] is None and cache_info(path) is None and cache_info(path.parent) is not None:
-            return path.parent  # data_path is the train/ (or val/) folder of a prepared directory
-        return path
+        return prepared_root(self.data_path) or Path(self.data_path)  # type: ignore[arg-type]
 
     def _check_prepared_tokenizer(self) -> None:
         root = self._prepared_root()
         info = cache_info(root) if root is not None else None
-        if self.tokenizer_path is None or info is None or "tokenizer_sha256" not in info:
+        if self.tokenizer_path is None or info is None:
             return
+        if "tokenizer_sha256" not in info:
+            raise ValueError(f"data_path {self.data_path!r} holds tokens prepared without a tokenizer (vocabulary "
+                             f"{info.get('vocab_size')}), but tokenizer {self.tokenizer_path!r} was given: leave "
+                             f"tokenizer unset to read it as it is, or prepare the corpus with this tokenizer")
         if info["tokenizer_sha256"] != tokenizer_hash(self.tokenizer_path):
             raise ValueError(f"data_path {self.data_path!r} was tokenized with another tokenizer than "
                              f"{self.tokenizer_path!r} (its files differ from {root / TOKENIZER_DIR}); leave tokenizer "
@@ -201,9 +203,8 @@ class TextDataModule(L.LightningDataModule):
         for bytes."""
         if self._tokenizer is None:
             path: Optional[Path] = Path(self.tokenizer_path) if self.tokenizer_path is not None else None
-            root = self._prepared_root() if path is None else None
-            if root is not None and (root / TOKENIZER_DIR).is_dir():
-                path = root / TOKENIZER_DIR
+            if path is None and self.prepared_dirs() is not None:
+                path = prepared_tokenizer(self.data_path)  # type: ignore[arg-type]
             self._tokenizer = load_tokenizer(path) if path is not None else None
         return self._tokenizer
 

@@ -5,12 +5,13 @@
 INPUTs are text files, ``.jsonl`` or ``.parquet`` files, or folders of them. The output holds ``train/`` and
 ``val/`` (ordered litdata chunks, see docs/design.md, 'Data'), ``tokenizer/`` (the tokenizer's files) and
 ``COMPLETE.json`` (vocabulary, end-of-text id, dtype, token counts). Running it again with the same inputs and
-tokenizer does nothing; other inputs into the same output are refused.
+tokenizer does nothing; other inputs into the same output, and an output holding an input, are refused.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 from pathlib import Path
 from typing import Optional, Sequence, Union
@@ -37,17 +38,36 @@ def prepare(
     train, val = split_corpus(files, val_fraction, max_bytes, seed)
     key = tokenized_key(train, val, tokenizer, text_field)
     output = Path(output)
+    inside = [f for f in files if _is_under(Path(f), output)]
+    if inside:  # an unfinished build is removed before it is redone: never with the user's corpus in it
+        raise ValueError(f"prepare: input {str(inside[0])!r} lies inside the output folder {str(output)!r}; give an "
+                         f"--output outside the inputs")
     info = cache_info(output)
     if info is not None and info.get("key") != key:
         raise FileExistsError(f"prepare: {output} already holds a corpus prepared from other inputs, tokenizer or "
                               f"options; choose another --output or remove it")
-    others = sorted(p.name for p in output.iterdir() if p.name not in ("train", "val", "tokenizer")) if (
+    others = sorted(p.name for p in output.iterdir() if not _written_by_prepare(p)) if (
         info is None and output.is_dir()) else []
     if others:  # an unfinished build is redone from scratch: never delete what prepare did not write
         raise FileExistsError(f"prepare: {output} is not empty ({', '.join(others[:5])}); give a new folder as "
                               f"--output")
     build_tokenized_cache(train, val, tokenizer, output, text_field, num_workers, key=key)
     return output
+
+
+def _is_under(path: Path, folder: Path) -> bool:
+    return path.resolve().is_relative_to(folder.resolve())
+
+
+def _written_by_prepare(path: Path) -> bool:
+    """Whether ``path`` (in an output without a completion marker) is what an unfinished prepare leaves: its
+    ``tokenizer/`` folder, or a ``train/``/``val/`` folder of nothing but litdata's files."""
+    if path.name == "tokenizer" and path.is_dir():
+        return True
+    if path.name in ("train", "val") and path.is_dir():
+        # litdata writes chunk-*.bin, index.json and, while it works, {rank}.index.json and *.tmp files.
+        return all(f.is_file() and re.fullmatch(r".*(\.bin|index\.json)(\.tmp.*)?", f.name) for f in path.iterdir())
+    return False
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:

@@ -25,8 +25,10 @@ import torch
 from lightning_async_pp.data.corpus import Segment, build_token_cache, cache_info, corpus_key
 
 TOKENIZER_FILE = "tokenizer.json"
-#: Files of a Hugging Face tokenizer folder copied next to the tokens (so the tokens say how to read them).
-TOKENIZER_FILES = (TOKENIZER_FILE, "tokenizer_config.json", "special_tokens_map.json")
+#: The files a Hugging Face tokenizer folder may hold (what ``save_pretrained`` of a tokenizer writes): hashed,
+#: copied next to the tokens (so the tokens say how to read them) and exported beside a trained model.
+TOKENIZER_FILES = (TOKENIZER_FILE, "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+                   "tokenizer.model", "vocab.json", "merges.txt", "chat_template.jinja")
 #: Where a cache or a prepared directory keeps its tokenizer's files.
 TOKENIZER_DIR = "tokenizer"
 #: End-of-text tokens looked for when the folder has no ``tokenizer_config.json`` naming its ``eos_token``.
@@ -56,8 +58,10 @@ def load_tokenizer(path: Union[str, Path]) -> Any:
 def tokenizer_hash(path: Union[str, Path]) -> str:
     """sha256 of the tokenizer's files: a changed vocabulary, merge or end-of-text token names another cache."""
     digest = hashlib.sha256()
-    for f in _tokenizer_files(path):
-        digest.update(f.name.encode() + b"\0" + f.read_bytes())
+    tokenizer_file(path)  # a clear error if there is none
+    for name, f in tokenizer_files(path).items():
+        # Under the names a copy gives them, so a prepared folder's copy of mytok.json hashes the same.
+        digest.update(name.encode() + b"\0" + f.read_bytes())
     return digest.hexdigest()
 
 
@@ -98,25 +102,34 @@ def tokenizer_info(path: Union[str, Path]) -> dict[str, Any]:
             "tokenizer_sha256": tokenizer_hash(path)}
 
 
+def prepared_root(data_path: Union[str, Path]) -> Optional[Path]:
+    """The folder holding a prepared ``data_path``'s completion marker (and tokenizer): ``data_path`` itself, or the
+    parent of its ``train/``/``val/`` folder; ``None`` if neither has a marker."""
+    path = Path(data_path)
+    return next((root for root in (path, path.parent) if cache_info(root) is not None), None)
+
+
 def prepared_tokenizer(data_path: Union[str, Path]) -> Optional[Path]:
     """The tokenizer folder a prepared ``data_path`` carries (``prepare``'s output, or its ``train/``/``val/``
     folder), or ``None``."""
-    path = Path(data_path)
-    for root in (path, path.parent):
-        if cache_info(root) is not None and (root / TOKENIZER_DIR).is_dir():
-            return root / TOKENIZER_DIR
-    return None
+    root = prepared_root(data_path)
+    return root / TOKENIZER_DIR if root is not None and (root / TOKENIZER_DIR).is_dir() else None
+
+
+def tokenizer_files(path: Union[str, Path]) -> dict[str, Path]:
+    """The tokenizer files at ``path`` (a folder, or a ``tokenizer.json`` under any name and the other files beside
+    it) by the name a copy gives them (the main file: ``tokenizer.json``); empty if there are none."""
+    path = Path(path)
+    main = path if path.is_file() else path / TOKENIZER_FILE
+    files = {TOKENIZER_FILE: main} if main.is_file() else {}
+    files.update({name: main.parent / name for name in TOKENIZER_FILES[1:] if (main.parent / name).is_file()})
+    return files
 
 
 def copy_tokenizer(path: Union[str, Path], dest: Path) -> None:
     dest.mkdir(parents=True, exist_ok=True)
-    for f in _tokenizer_files(path):
-        shutil.copyfile(f, dest / (TOKENIZER_FILE if f == tokenizer_file(path) else f.name))
-
-
-def _tokenizer_files(path: Union[str, Path]) -> list[Path]:
-    main = tokenizer_file(path)
-    return [main, *(main.parent / name for name in TOKENIZER_FILES[1:] if (main.parent / name).is_file())]
+    for name, f in tokenizer_files(path).items():
+        shutil.copyfile(f, dest / name)
 
 
 # ---- documents -------------------------------------------------------------------------------------------------
