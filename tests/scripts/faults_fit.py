@@ -23,6 +23,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from helpers import script_main  # noqa: E402
 from scale_fit import ConfiguredMLP, build_loader  # noqa: E402
 
 from lightning_async_pp import AsyncPipelineStrategy  # noqa: E402
@@ -77,21 +78,5 @@ def run(cfg: dict, devices: int = 1) -> tuple[dict, Any, L.Trainer]:
     return result, model, trainer
 
 
-def main() -> None:
-    import argparse
-    import json
-
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--config", required=True)
-    parser.add_argument("--out", required=True)
-    args = parser.parse_args()
-    cfg = json.loads(args.config)
-    torch.set_num_threads(1)
-    result, _, trainer = run(cfg, devices=cfg.get("devices", 2))
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    torch.save(result, out / f"rank{trainer.global_rank}.pt")
-
-
 if __name__ == "__main__":
-    main()
+    script_main(run)
