@@ -35,8 +35,10 @@ test-hf5: $(STAMP_HF5)
 test-quick: $(STAMP)
 	$(PY) -m pytest -q -m "not multiprocess and not slow" tests
 
+# Throughput against torch's schedules, then eager vs compiled layers (BENCHMARKS.md).
 bench: $(STAMP)
 	$(PY) benchmarks/pipeline_throughput.py
+	$(PY) benchmarks/pipeline_throughput.py --compile
 
 clean:
 	rm -rf $(VENV) $(VENV_HF5) lightning_logs .cache
