@@ -32,7 +32,7 @@ from lightning_async_pp.lookahead import FetchedBatch, LookaheadLoader, transfer
 from lightning_async_pp.module import PipelineModule
 from lightning_async_pp.optim.checks import check_corrections
 from lightning_async_pp.pipeline import checkpoint as ckpt
-from lightning_async_pp.pipeline.comm import PipelineFailure
+from lightning_async_pp.pipeline.comm import PipelineFailure, elastic_attempt_store
 from lightning_async_pp.pipeline.config import CheckpointingSpec, CompileSpec, DelaySpec, PipelineConfig
 from lightning_async_pp.pipeline.engine import PipelineEngine
 from lightning_async_pp.pipeline.partition import PartitionSpec
@@ -253,6 +253,13 @@ class AsyncPipelineStrategy(PipelineStateHooks, DDPStrategy):
         # script, so their RNGs already agree; keeping them as they are makes a seeded run draw (sampler
         # permutations, dropout) as on one device.
         states = _rng_states()
+        store = elastic_attempt_store(self._timeout)
+        if store is not None and not torch.distributed.is_initialized():
+            # Under torchrun: the process group on this restart attempt's own keys (comm.elastic_attempt_store);
+            # Lightning's setup then finds it initialized and goes on.
+            self.set_world_ranks()
+            torch.distributed.init_process_group(self._get_process_group_backend(), store=store, rank=self.global_rank,
+                                                 world_size=self.world_size, timeout=self._timeout)
         super().setup_distributed()
         _set_rng_states(states)
 

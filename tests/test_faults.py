@@ -152,6 +152,30 @@ def test_a_stage_killed_mid_training_under_torchrun_restarts_from_last_to_the_un
     assert max_difference(result["state_dict"], expected) <= 1e-5
 
 
+def test_under_torchrun_each_restart_attempt_has_its_own_store_keys(monkeypatch):
+    """torchrun's agent keeps its store (and its keys) across restarts; a restarted rank reading the killed rank's
+    gloo address from the previous attempt failed to connect. Each attempt's process group gets its own keys."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from lightning_async_pp.pipeline.comm import elastic_attempt_store
+
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=10))  # the agent's store
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(server.port))
+    monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE", raising=False)
+    assert elastic_attempt_store(timedelta(seconds=10)) is None  # not under torchrun: Lightning's own rendezvous
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
+    elastic_attempt_store(timedelta(seconds=10)).set("rank_1_address", "the killed process")
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    restarted = elastic_attempt_store(timedelta(seconds=10))
+    assert not restarted.check(["rank_1_address"])  # the stale address is not read by the restarted attempt
+    restarted.set("rank_1_address", "the restarted process")
+    assert restarted.get("rank_1_address") == b"the restarted process"
+
+
 # ---- SLURM requeue ------------------------------------------------------------------------------------------------
 def slurm_tasks(cfg: dict, tmp_path: Path, restart: int, tasks: int = 2) -> list[subprocess.CompletedProcess]:
     """The job's tasks as srun starts them (SLURM's variables), with a fake ``scontrol`` on PATH that records its

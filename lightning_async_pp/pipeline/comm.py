@@ -8,6 +8,7 @@ shared failure board, so a stage that raised or died stops its neighbours (namin
 """
 from __future__ import annotations
 
+import os
 import time
 from collections import deque
 from datetime import timedelta
@@ -63,6 +64,19 @@ class FailureBoard:
             return cls(dist.distributed_c10d._get_default_store())
         except Exception:
             return cls(None)
+
+
+def elastic_attempt_store(timeout: timedelta) -> Optional[dist.Store]:
+    """Under torchrun, a client of the agent's store whose keys belong to this restart attempt only; else ``None``.
+
+    torchrun's agent keeps one store, on one port, across restarts (``TORCHELASTIC_USE_AGENT_STORE``), and the
+    ``env://`` rendezvous does not prefix its keys per attempt: a restarted rank could read the gloo address a
+    killed rank of the previous attempt published and fail to connect ("Connection refused"), depending on which
+    rank gets there first. See docs/design.md, "Faults"."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    client = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timeout)
+    return dist.PrefixStore(f"lightning_async_pp/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", client)
 
 
 class StepAgreement:
