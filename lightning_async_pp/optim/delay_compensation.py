@@ -79,7 +79,7 @@ class DelayCompensation(OptimizerWrapper):
             with torch.enable_grad():
                 loss = closure()
         originals = []  # (param, its own gradient) to put back after the wrapped step
-        buffers = []  # (state, new buffers): written after the wrapped step, which initializes an empty state itself
+        buffers = []  # (param, its new buffers): written after the wrapped step, which initializes an empty state itself
         self.last_square_norms = {}
         for index, group in enumerate(self.param_groups):
             c = self.group_coefficient(group, index)
