@@ -296,3 +296,57 @@ def test_one_device_trace_is_a_chrome_trace_of_the_traced_steps(tmp_path):
     spans.sort(key=lambda e: e["ts"])
     for a, b in zip(spans, spans[1:]):
         assert a["ts"] + a["dur"] <= b["ts"] + 1e-3  # microseconds: no overlap within the track
+
+
+# ---- StalenessMonitor per parameter group ---------------------------------------------------------------------
+
+class GroupedCorrectionsTinyLM(TinyLM):
+    """Two parameter groups with their own correction coefficient, learning rate and NAdam momentum, under every
+    correction at once: ErrorFeedback(DelayCompensation(AsyncNesterov)) and PipeMareLR (delay 2)."""
+
+    SETTINGS = [  # per group: the first is named, the second is not
+        {"name": "matrices", "coefficient": 0.5, "lr": 0.01, "betas": (0.9, 0.999), "momentum_decay": 0.004},
+        {"coefficient": 2.0, "lr": 0.02, "betas": (0.95, 0.999), "momentum_decay": 0.3},
+    ]
+    DELAY, WARMUP = 2, 4
+
+    def configure_optimizers(self):
+        from functools import partial
+
+        from lightning_async_pp.optim import AsyncNesterov, DelayCompensation, ErrorFeedback, PipeMareLR
+
+        matrices = [p for p in self.parameters() if p.dim() >= 2]
+        vectors = [p for p in self.parameters() if p.dim() < 2]
+        groups = [dict(settings, params=params) for settings, params in zip(self.SETTINGS, (matrices, vectors))]
+        opt = ErrorFeedback(groups, optimizer=partial(DelayCompensation, optimizer=partial(AsyncNesterov, lr=0.01),
+                                                      delay=self.DELAY))
+        schedule = PipeMareLR(opt, delay=self.DELAY, warmup_steps=self.WARMUP)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
+
+
+GROUP_TAGS = {f"staleness/opt0/{group}/{metric}" for group in ("matrices", "group1")
+              for metric in ("correction_norm", "compensation_ratio", "lr_factor", "nesterov_momentum")}
+
+
+class OptimizerRecorder(Callback):
+    """Per update k: each parameter's weights W_k (batch start), gradient and group learning rate as the optimizer
+    receives them, and ErrorFeedback's u_k from the optimizer's state after the update."""
+
+    def __init__(self) -> None:
+        self.weights, self.grads, self.lrs, self.updates = {}, {}, {}, {}
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        k = trainer.strategy.engine.stats.batch_index
+        self.weights[k] = {p: p.detach().clone() for p in pl_module.parameters()}
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+        k = trainer.strategy.engine.stats.batch_index
+        self.grads[k] = {p: p.grad.detach().clone() for p in pl_module.parameters()}
+        self.lrs[k] = [group["lr"] for group in optimizer.param_groups]
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        from lightning_async_pp.optim import PREV_UPDATE
+
+        k = trainer.strategy.engine.stats.batch_index
+        opt = trainer.optimizers[0]
+        self.updates[k] = {p: opt.state[p][PREV_UPDATE].clone() for p in pl_module.parameters()}
