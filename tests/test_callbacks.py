@@ -336,17 +336,70 @@ class OptimizerRecorder(Callback):
         self.weights, self.grads, self.lrs, self.updates = {}, {}, {}, {}
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
-        k = trainer.strategy.engine.stats.batch_index
+        self.k = k = trainer.strategy.engine.stats.batch_index
         self.weights[k] = {p: p.detach().clone() for p in pl_module.parameters()}
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
-        k = trainer.strategy.engine.stats.batch_index
+        k = self.k
         self.grads[k] = {p: p.grad.detach().clone() for p in pl_module.parameters()}
         self.lrs[k] = [group["lr"] for group in optimizer.param_groups]
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         from lightning_async_pp.optim import PREV_UPDATE
 
-        k = trainer.strategy.engine.stats.batch_index
         opt = trainer.optimizers[0]
-        self.updates[k] = {p: opt.state[p][PREV_UPDATE].clone() for p in pl_module.parameters()}
+        self.updates[self.k] = {p: opt.state[p][PREV_UPDATE].clone() for p in pl_module.parameters()}
+
+
+def test_each_correction_per_group_matches_its_formula_on_the_optimizers_state_and_gradients(tmp_path):
+    """Per group G with coefficient c_G (ErrorFeedback and DelayCompensation), learning rate lr_G, NAdam beta1_G and
+    momentum_decay psi_G, at update k (delay 2):
+      correction_norm    = c_G ||u_k - u_{k-1}||_G                    (0 at k = 0), u from ErrorFeedback's state
+      compensation_ratio = ||c_G g g (W_k - W_{max(k-2,0)})||_G / ||g||_G, g the gradient the optimizer received
+      lr_factor          = the group's learning rate in update k / lr_G
+      nesterov_momentum  = beta1_G (1 - 0.5 * 0.96 ** ((k + 2) psi_G))  (NAdam's mu_{t+1} with t = k + 1 updates)
+    and the groups' squared norms add up to the whole model's."""
+    recorder = OptimizerRecorder()
+    model = GroupedCorrectionsTinyLM()
+    _, trainer = fit(tmp_path, AsyncPipelineStrategy("2bw", MICROBATCHES, num_stages=2, delay=2),
+                     [recorder, StalenessMonitor()], model=model)
+    logged = scalars(trainer)
+    groups = [[p for p in model.parameters() if p.dim() >= 2], [p for p in model.parameters() if p.dim() < 2]]
+    sq = lambda ts: sum(float((t.double() ** 2).sum()) for t in ts)  # noqa: E731
+    correction_sq_total = 0.0
+    for k in range(STEPS):
+        correction_sq_total = 0.0
+        for settings, params, label in zip(GroupedCorrectionsTinyLM.SETTINGS, groups, ("matrices", "group1")):
+            c, tag = settings["coefficient"], f"staleness/opt0/{label}/"
+            correction = [c * (recorder.updates[k][p] - recorder.updates[k - 1][p]) for p in params] if k else []
+            assert close(logged[tag + "correction_norm"][k], math.sqrt(sq(correction)), rel=1e-4, abs_=1e-7)
+            correction_sq_total += sq(correction)
+            g = [recorder.grads[k][p].double() for p in params]
+            drift = [recorder.weights[k][p].double() - recorder.weights[max(k - 2, 0)][p].double() for p in params]
+            terms = [c * x * x * d for x, d in zip(g, drift)]
+            assert close(logged[tag + "compensation_ratio"][k], math.sqrt(sq(terms) / sq(g)), rel=1e-4, abs_=1e-9)
+            assert close(logged[tag + "lr_factor"][k], recorder.lrs[k][label != "matrices"] / settings["lr"], rel=1e-6)
+            beta1, psi = settings["betas"][0], settings["momentum_decay"]
+            assert close(logged[tag + "nesterov_momentum"][k], beta1 * (1 - 0.5 * 0.96 ** ((k + 2) * psi)), rel=1e-6)
+        assert close(logged["staleness/correction_norm"][k], math.sqrt(correction_sq_total), rel=1e-4, abs_=1e-7)
+    # The groups really differ, and every correction acted.
+    for metric in ("correction_norm", "compensation_ratio", "nesterov_momentum"):
+        a, b = logged[f"staleness/opt0/matrices/{metric}"], logged[f"staleness/opt0/group1/{metric}"]
+        assert all(a[k] > 0 and b[k] > 0 and not close(a[k], b[k], rel=1e-2) for k in range(1, STEPS)), metric
+    assert logged["staleness/opt0/group1/lr_factor"][0] < 0.6  # 2 ** -(1 - 1/4) = 0.59: PipeMare acting
+
+
+def test_per_group_tags_are_the_documented_names_at_every_logging_step_and_leave_the_other_figures_unchanged(tmp_path):
+    def run(path, **options):
+        _, trainer = fit(path, AsyncPipelineStrategy("2bw", MICROBATCHES, num_stages=2, delay=2),
+                         [StalenessMonitor(**options)], model=GroupedCorrectionsTinyLM(), log_every_n_steps=2)
+        return scalars(trainer)
+
+    with_groups, without = run(tmp_path / "groups"), run(tmp_path / "no_groups", per_group=False)
+    assert {tag for tag in with_groups if tag.startswith("staleness/opt")} == GROUP_TAGS
+    assert all(sorted(with_groups[tag]) == [1, 3, 5] for tag in GROUP_TAGS)
+    assert not any(tag.startswith("staleness/opt") for tag in without)
+    assert set(without) == set(with_groups) - GROUP_TAGS
+    for tag in without:  # the whole-model and per-stage figures (and training) are the same with or without
+        if tag.startswith("staleness/") or tag == "train_loss":
+            assert with_groups[tag] == without[tag], tag
