@@ -101,6 +101,8 @@ def make_optimizer_factory(name: str):
         return muon_with_correction
     if name == "adamw_ef":
         return adamw_with_correction
+    if name == "grouped_corrections":
+        return grouped_corrections
     raise ValueError(name)
 
 
@@ -165,6 +167,19 @@ def muon_with_correction(params):
     from lightning_async_pp.optim import ErrorFeedback, Muon
 
     return ErrorFeedback(params, optimizer=lambda p: Muon(p, lr=0.02), coefficient=1.0)
+
+
+def grouped_corrections(params):
+    """Two parameter groups (matrices, named; vectors) with their own coefficients and NAdam momenta, under
+    ErrorFeedback(DelayCompensation(AsyncNesterov)) for 2BW (delay 1)."""
+    from functools import partial
+
+    from lightning_async_pp.optim import AsyncNesterov, DelayCompensation, ErrorFeedback
+
+    params = list(params)
+    groups = [{"params": [p for p in params if p.dim() >= 2], "name": "matrices", "coefficient": 0.5},
+              {"params": [p for p in params if p.dim() < 2], "coefficient": 2.0, "betas": (0.95, 0.999)}]
+    return ErrorFeedback(groups, optimizer=partial(DelayCompensation, optimizer=partial(AsyncNesterov, lr=0.01), delay=1))
 
 
 def delayed_loop(model, batches, delay: int = 1, version_of=None) -> dict:
