@@ -403,3 +403,26 @@ def test_per_group_tags_are_the_documented_names_at_every_logging_step_and_leave
     for tag in without:  # the whole-model and per-stage figures (and training) are the same with or without
         if tag.startswith("staleness/") or tag == "train_loss":
             assert with_groups[tag] == without[tag], tag
+
+
+def test_a_position_labelled_group_that_differs_between_processes_is_left_out_and_named_groups_are_kept():
+    """Each stage's optimizer is built over its own parameters: optim.Muon holds a given group as its Muon and AdamW
+    halves on a stage with both, as the AdamW half alone on a stage without matrices, so ``group0`` is not the same
+    group on both processes. The agreed layout (taken once, from every rank's groups) drops it, and keeps the union
+    of the rest."""
+    from lightning_async_pp.callbacks.staleness import _agreed_layout, _group_corrections, _group_settings
+    from lightning_async_pp.optim import ErrorFeedback, Muon
+
+    def muon_ef(params):
+        groups = [{"params": params, "coefficient": 1.0}, {"params": [nn.Parameter(torch.zeros(3))], "name": "gains"}]
+        return [ErrorFeedback(groups, optimizer=lambda g: Muon(g, lr=0.02))]
+
+    stage0 = muon_ef([nn.Parameter(torch.zeros(4, 4)), nn.Parameter(torch.zeros(4))])  # Muon half, AdamW half
+    stage1 = muon_ef([nn.Parameter(torch.zeros(4))])  # the AdamW half only
+    ranks = [(_group_corrections(opts, []), _group_settings(opts)) for opts in (stage0, stage1)]
+    assert ranks[0][0] == {"opt0/group0": {"correction_norm"}, "opt0/group1": {"correction_norm"},
+                           "opt0/gains": {"correction_norm"}}
+    layout, mixed = _agreed_layout(ranks)
+    assert mixed == ["opt0/group0"]  # the Muon half on stage 0, the AdamW half on stage 1
+    assert layout == {"opt0/group1": {"correction_norm"}, "opt0/gains": {"correction_norm"}}
+    assert _agreed_layout([ranks[0], ranks[0]]) == (ranks[0][0], [])  # the same groups everywhere: all kept

@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 
 from lightning_async_pp.callbacks.figures import (
@@ -74,7 +75,8 @@ class StalenessMonitor(Callback):
 
     Groups sharing a ``name`` are reported together. Across processes the per-group squared norms travel in the
     same reduction as the stage figures (a group's norm is the square root of the sum over stages); the set of
-    groups is agreed once at the start of training (one ``all_gather_object``).
+    groups is agreed once at the start of training (one ``all_gather_object``), leaving out, with a warning, a
+    ``group{j}`` whose settings differ between processes (each stage's optimizer is built over its own parameters).
 
     Probe (``probe_every=n``, off by default; every ``n``-th step, ``k = n-1, 2n-1, ...``, written at that step
     whatever ``log_every_n_steps`` is): on the first microbatch of batch ``k`` it takes the stale gradient (at
@@ -138,14 +140,19 @@ class StalenessMonitor(Callback):
         if self.per_group:
             layout = _group_corrections(trainer.optimizers, trainer.lr_scheduler_configs)
             if strategy.is_multiprocess and dist.is_initialized():
-                # Every rank must reduce the same table; a stage may lack a group that another has (its optimizer
-                # was built over its own parameters): take the union, once.
-                layouts: list[Any] = [None] * dist.get_world_size()
-                dist.all_gather_object(layouts, layout)
-                layout = {}
-                for other in layouts:
-                    for label, metrics in other.items():
-                        layout[label] = layout.get(label, set()) | set(metrics)
+                # Every rank must reduce the same table, and a label must mean the same group on every rank: agree
+                # once, before the first step.
+                mine = (layout, _group_settings(trainer.optimizers))
+                everyone: list[Any] = [None] * dist.get_world_size()
+                dist.all_gather_object(everyone, mine)
+                layout, mixed = _agreed_layout(everyone)
+                if mixed:
+                    rank_zero_warn(
+                        f"{type(self).__name__}: the parameter group(s) {mixed} have different settings on different "
+                        f"processes (each stage's optimizer is built over its own parameters, and e.g. optim.Muon "
+                        f"holds a group as one or two groups depending on the stage), so their per-group figures would "
+                        f"mix groups; they are not logged. Give the parameter groups a 'name' key to log them"
+                    )
             self._group_metrics = {label: tuple(sorted(layout[label])) for label in sorted(layout)}
         sums = [_group_field(label, f) for label, metrics in self._group_metrics.items() for m in metrics
                 for f in _GROUP_SUMS.get(m, ())]
@@ -394,6 +401,31 @@ def _group_corrections(optimizers: Sequence[Any], scheduler_configs: Sequence[An
             if metrics:
                 layout[label] = layout.get(label, set()) | metrics
     return layout
+
+
+def _group_settings(optimizers: Sequence[Any]) -> dict[str, set[str]]:
+    """``{label: the settings of its groups}`` for the groups labelled by their position (no ``name``)."""
+    settings: dict[str, set[str]] = {}
+    for opt, labels in _group_labels(optimizers):
+        for group, label in zip(opt.param_groups, labels):
+            if "name" not in group:
+                items = sorted((k, v.tolist() if isinstance(v, Tensor) else v)  # a tensor's repr names its device
+                               for k, v in group.items() if k not in ("params", "param_names"))
+                settings.setdefault(label, set()).add(repr(items))
+    return settings
+
+
+def _agreed_layout(everyone: Sequence[tuple[dict[str, set[str]], dict[str, set[str]]]]) -> tuple[dict[str, set[str]], list[str]]:
+    """The per-group layout every rank uses, from each rank's ``(layout, settings)``: the union of the layouts (a
+    stage may lack a group's correction that another has) without the position-labelled groups whose settings
+    differ between ranks (the same position holds another group there); and those labels."""
+    layout: dict[str, set[str]] = {}
+    for mine, _ in everyone:
+        for label, metrics in mine.items():
+            layout[label] = layout.get(label, set()) | set(metrics)
+    mixed = sorted(label for label in layout
+                   if len({frozenset(settings[label]) for _, settings in everyone if label in settings}) > 1)
+    return {label: metrics for label, metrics in layout.items() if label not in mixed}, mixed
 
 
 def _parameter_groups(optimizers: Sequence[Any]) -> dict[Any, tuple[str, dict, Any]]:
