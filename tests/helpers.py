@@ -170,15 +170,18 @@ def muon_with_correction(params):
 
 
 def grouped_corrections(params):
-    """Two parameter groups (matrices, named; vectors) with their own coefficients and NAdam momenta, under
-    ErrorFeedback(DelayCompensation(AsyncNesterov)) for 2BW (delay 1)."""
+    """ErrorFeedback(DelayCompensation(AsyncNesterov)) for 2BW (delay 1) over three parameter groups: the large
+    matrices (named, coefficient 0: no correction, so the corrections cost next to nothing at width 1024), the
+    vectors (coefficient 2, their own NAdam beta1) and the small matrices (coefficient 0.5)."""
     from functools import partial
 
     from lightning_async_pp.optim import AsyncNesterov, DelayCompensation, ErrorFeedback
 
     params = list(params)
-    groups = [{"params": [p for p in params if p.dim() >= 2], "name": "matrices", "coefficient": 0.5},
-              {"params": [p for p in params if p.dim() < 2], "coefficient": 2.0, "betas": (0.95, 0.999)}]
+    large = [p for p in params if p.dim() >= 2 and p.numel() > 4096]
+    groups = [{"params": large, "name": "matrices", "coefficient": 0.0},
+              {"params": [p for p in params if p.dim() < 2], "coefficient": 2.0, "betas": (0.95, 0.999)},
+              {"params": [p for p in params if p.dim() >= 2 and p.numel() <= 4096], "coefficient": 0.5}]
     return ErrorFeedback(groups, optimizer=partial(DelayCompensation, optimizer=partial(AsyncNesterov, lr=0.01), delay=1))
 
 

@@ -28,8 +28,9 @@ BASE = dict(stages=2, microbatches=2, steps=STEPS, batch=1024, samples=1024 * (S
 MONITORS = {"staleness": {}, "pipeline": {"trace_steps": list(TRACE)}}
 # 2BW runs under every correction with two parameter groups (tests/helpers.py), for the per-group figures.
 OPTIMIZERS = {"2bw": "grouped_corrections", "gpipe": "adamw"}
-GROUP_TAGS = {f"staleness/opt0/{group}/{metric}" for group in ("matrices", "group1")
+GROUP_TAGS = {f"staleness/opt0/{group}/{metric}" for group in ("group1", "group2")
               for metric in ("correction_norm", "compensation_ratio", "nesterov_momentum")}
+GROUP_TAGS.add("staleness/opt0/matrices/nesterov_momentum")  # coefficient 0: no correction to log
 
 
 def scalars(log_dir: str) -> dict[str, dict[int, float]]:
