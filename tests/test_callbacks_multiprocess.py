@@ -103,7 +103,8 @@ def test_two_stage_staleness_equals_the_one_device_run_and_is_zero_under_gpipe(r
     assert {tag for tag in multi if tag.startswith("staleness/opt")} == GROUP_TAGS
     for tag in GROUP_TAGS:
         for k in LOGGED_STEPS:
-            assert abs(multi[tag][k] - local[tag][k]) <= 1e-4 * abs(local[tag][k]), (tag, k, multi[tag][k], local[tag][k])
+            assert abs(multi[tag][k] - local[tag][k]) <= 1e-4 * abs(local[tag][k]), (tag, k, multi[tag][k],
+                                                                                      local[tag][k])
             assert multi[tag][k] > 0
     assert all(multi[f"staleness/stage{s}/delay"][k] == 1 for s in (0, 1) for k in LOGGED_STEPS)
     gpipe = runs["gpipe"]["scalars"]

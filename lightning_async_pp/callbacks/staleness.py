@@ -61,9 +61,9 @@ class StalenessMonitor(Callback):
 
     Per parameter group (``per_group=True``), under ``staleness/opt{i}/<group>/<metric>``: ``<group>`` is the
     group's ``name`` key if it has one (as Lightning's ``LearningRateMonitor`` names groups), else ``group{j}``;
-    ``i`` and ``j`` count from 0 in the order ``configure_optimizers`` returns optimizers and groups. For every group
-    with a correction at the start of training (the set of tags is fixed then), over the group's parameters in all
-    stages:
+    ``i`` counts the optimizers of ``configure_optimizers`` and ``j`` the optimizer's ``param_groups``, from 0.
+    For every group with a correction at the start of training (the set of tags is fixed then), over the group's
+    parameters in all stages:
 
     - ``correction_norm``: as above, in ``ErrorFeedback`` groups with a coefficient > 0;
     - ``compensation_ratio``: as above, in ``DelayCompensation`` groups with a coefficient > 0 (and ``delay`` > 0);
@@ -361,7 +361,8 @@ def _pipemare_schedulers(trainer: Trainer) -> list[PipeMareLR]:
 # ---- per parameter group ------------------------------------------------------------------------------------------
 
 def _group_labels(optimizers: Sequence[Any]) -> list[tuple[Any, list[str]]]:
-    """``(optimizer, [label of each group])``: ``opt{i}/<name>`` for a group with a ``name`` key, else ``opt{i}/group{j}``."""
+    """``(optimizer, [label of each group])``: ``opt{i}/<name>`` for a group with a ``name`` key, else
+    ``opt{i}/group{j}``."""
     out = []
     for i, opt in enumerate(optimizers):
         opt = getattr(opt, "optimizer", opt)  # a LightningOptimizer wraps the real one
@@ -392,7 +393,8 @@ def _group_corrections(optimizers: Sequence[Any], scheduler_configs: Sequence[An
             metrics = set()
             if isinstance(opt, ErrorFeedback) and opt.group_coefficient(group, j) > 0:
                 metrics.add("correction_norm")
-            if any(isinstance(o, DelayCompensation) and o.delay > 0 and o.group_coefficient(group, j) > 0 for o in chain):
+            if any(isinstance(o, DelayCompensation) and o.delay > 0 and o.group_coefficient(group, j) > 0
+                   for o in chain):
                 metrics.add("compensation_ratio")
             if any(isinstance(o, AsyncNesterov) for o in chain):
                 metrics.add("nesterov_momentum")
@@ -415,7 +417,10 @@ def _group_settings(optimizers: Sequence[Any]) -> dict[str, set[str]]:
     return settings
 
 
-def _agreed_layout(everyone: Sequence[tuple[dict[str, set[str]], dict[str, set[str]]]]) -> tuple[dict[str, set[str]], list[str]]:
+_Layout = dict[str, set[str]]  # group label -> metrics (or -> the settings of its groups)
+
+
+def _agreed_layout(everyone: Sequence[tuple[_Layout, _Layout]]) -> tuple[_Layout, list[str]]:
     """The per-group layout every rank uses, from each rank's ``(layout, settings)``: the union of the layouts (a
     stage may lack a group's correction that another has) without the position-labelled groups whose settings
     differ between ranks (the same position holds another group there); and those labels."""
