@@ -103,6 +103,8 @@ def make_optimizer_factory(name: str):
         return adamw_with_correction
     if name == "adamw_wp":
         return adamw_with_prediction
+    if name == "grouped_corrections":
+        return grouped_corrections
     raise ValueError(name)
 
 
@@ -173,6 +175,22 @@ def muon_with_correction(params):
     from lightning_async_pp.optim import ErrorFeedback, Muon
 
     return ErrorFeedback(params, optimizer=lambda p: Muon(p, lr=0.02), coefficient=1.0)
+
+
+def grouped_corrections(params):
+    """ErrorFeedback(DelayCompensation(AsyncNesterov)) for 2BW (delay 1) over three parameter groups: the large
+    matrices (named, coefficient 0: no correction, so the corrections cost next to nothing at width 1024), the
+    vectors (coefficient 2, their own NAdam beta1) and the small matrices (coefficient 0.5)."""
+    from functools import partial
+
+    from lightning_async_pp.optim import AsyncNesterov, DelayCompensation, ErrorFeedback
+
+    params = list(params)
+    large = [p for p in params if p.dim() >= 2 and p.numel() > 4096]
+    groups = [{"params": large, "name": "matrices", "coefficient": 0.0},
+              {"params": [p for p in params if p.dim() < 2], "coefficient": 2.0, "betas": (0.95, 0.999)},
+              {"params": [p for p in params if p.dim() >= 2 and p.numel() <= 4096], "coefficient": 0.5}]
+    return ErrorFeedback(groups, optimizer=partial(DelayCompensation, optimizer=partial(AsyncNesterov, lr=0.01), delay=1))
 
 
 def delayed_loop(model, batches, delay: int = 1, version_of=None) -> dict:

@@ -296,3 +296,133 @@ def test_one_device_trace_is_a_chrome_trace_of_the_traced_steps(tmp_path):
     spans.sort(key=lambda e: e["ts"])
     for a, b in zip(spans, spans[1:]):
         assert a["ts"] + a["dur"] <= b["ts"] + 1e-3  # microseconds: no overlap within the track
+
+
+# ---- StalenessMonitor per parameter group ---------------------------------------------------------------------
+
+class GroupedCorrectionsTinyLM(TinyLM):
+    """Two parameter groups with their own correction coefficient, learning rate and NAdam momentum, under every
+    correction at once: ErrorFeedback(DelayCompensation(AsyncNesterov)) and PipeMareLR (delay 2)."""
+
+    SETTINGS = [  # per group: the first is named, the second is not
+        {"name": "matrices", "coefficient": 0.5, "lr": 0.01, "betas": (0.9, 0.999), "momentum_decay": 0.004},
+        {"coefficient": 2.0, "lr": 0.02, "betas": (0.95, 0.999), "momentum_decay": 0.3},
+    ]
+    DELAY, WARMUP = 2, 4
+
+    def configure_optimizers(self):
+        from functools import partial
+
+        from lightning_async_pp.optim import AsyncNesterov, DelayCompensation, ErrorFeedback, PipeMareLR
+
+        matrices = [p for p in self.parameters() if p.dim() >= 2]
+        vectors = [p for p in self.parameters() if p.dim() < 2]
+        groups = [dict(settings, params=params) for settings, params in zip(self.SETTINGS, (matrices, vectors))]
+        opt = ErrorFeedback(groups, optimizer=partial(DelayCompensation, optimizer=partial(AsyncNesterov, lr=0.01),
+                                                      delay=self.DELAY))
+        schedule = PipeMareLR(opt, delay=self.DELAY, warmup_steps=self.WARMUP)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
+
+
+GROUP_TAGS = {f"staleness/opt0/{group}/{metric}" for group in ("matrices", "group1")
+              for metric in ("correction_norm", "compensation_ratio", "lr_factor", "nesterov_momentum")}
+
+
+class OptimizerRecorder(Callback):
+    """Per update k: each parameter's weights W_k (batch start), gradient and group learning rate as the optimizer
+    receives them, and ErrorFeedback's u_k from the optimizer's state after the update."""
+
+    def __init__(self) -> None:
+        self.weights, self.grads, self.lrs, self.updates = {}, {}, {}, {}
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        self.k = k = trainer.strategy.engine.stats.batch_index
+        self.weights[k] = {p: p.detach().clone() for p in pl_module.parameters()}
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+        k = self.k
+        self.grads[k] = {p: p.grad.detach().clone() for p in pl_module.parameters()}
+        self.lrs[k] = [group["lr"] for group in optimizer.param_groups]
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        from lightning_async_pp.optim import PREV_UPDATE
+
+        opt = trainer.optimizers[0]
+        self.updates[self.k] = {p: opt.state[p][PREV_UPDATE].clone() for p in pl_module.parameters()}
+
+
+def test_each_correction_per_group_matches_its_formula_on_the_optimizers_state_and_gradients(tmp_path):
+    """Per group G with coefficient c_G (ErrorFeedback and DelayCompensation), learning rate lr_G, NAdam beta1_G and
+    momentum_decay psi_G, at update k (delay 2):
+      correction_norm    = c_G ||u_k - u_{k-1}||_G                    (0 at k = 0), u from ErrorFeedback's state
+      compensation_ratio = ||c_G g g (W_k - W_{max(k-2,0)})||_G / ||g||_G, g the gradient the optimizer received
+      lr_factor          = the group's learning rate in update k / lr_G
+      nesterov_momentum  = beta1_G (1 - 0.5 * 0.96 ** ((k + 2) psi_G))  (NAdam's mu_{t+1} with t = k + 1 updates)
+    and the groups' squared norms add up to the whole model's."""
+    recorder = OptimizerRecorder()
+    model = GroupedCorrectionsTinyLM()
+    _, trainer = fit(tmp_path, AsyncPipelineStrategy("2bw", MICROBATCHES, num_stages=2, delay=2),
+                     [recorder, StalenessMonitor()], model=model)
+    logged = scalars(trainer)
+    groups = [[p for p in model.parameters() if p.dim() >= 2], [p for p in model.parameters() if p.dim() < 2]]
+    sq = lambda ts: sum(float((t.double() ** 2).sum()) for t in ts)  # noqa: E731
+    correction_sq_total = 0.0
+    for k in range(STEPS):
+        correction_sq_total = 0.0
+        for settings, params, label in zip(GroupedCorrectionsTinyLM.SETTINGS, groups, ("matrices", "group1")):
+            c, tag = settings["coefficient"], f"staleness/opt0/{label}/"
+            correction = [c * (recorder.updates[k][p] - recorder.updates[k - 1][p]) for p in params] if k else []
+            assert close(logged[tag + "correction_norm"][k], math.sqrt(sq(correction)), rel=1e-4, abs_=1e-7)
+            correction_sq_total += sq(correction)
+            g = [recorder.grads[k][p].double() for p in params]
+            drift = [recorder.weights[k][p].double() - recorder.weights[max(k - 2, 0)][p].double() for p in params]
+            terms = [c * x * x * d for x, d in zip(g, drift)]
+            assert close(logged[tag + "compensation_ratio"][k], math.sqrt(sq(terms) / sq(g)), rel=1e-4, abs_=1e-9)
+            assert close(logged[tag + "lr_factor"][k], recorder.lrs[k][label != "matrices"] / settings["lr"], rel=1e-6)
+            beta1, psi = settings["betas"][0], settings["momentum_decay"]
+            assert close(logged[tag + "nesterov_momentum"][k], beta1 * (1 - 0.5 * 0.96 ** ((k + 2) * psi)), rel=1e-6)
+        assert close(logged["staleness/correction_norm"][k], math.sqrt(correction_sq_total), rel=1e-4, abs_=1e-7)
+    # The groups really differ, and every correction acted.
+    for metric in ("correction_norm", "compensation_ratio", "nesterov_momentum"):
+        a, b = logged[f"staleness/opt0/matrices/{metric}"], logged[f"staleness/opt0/group1/{metric}"]
+        assert all(a[k] > 0 and b[k] > 0 and not close(a[k], b[k], rel=1e-2) for k in range(1, STEPS)), metric
+    assert logged["staleness/opt0/group1/lr_factor"][0] < 0.6  # 2 ** -(1 - 1/4) = 0.59: PipeMare acting
+
+
+def test_per_group_tags_are_the_documented_names_at_every_logging_step_and_leave_the_other_figures_unchanged(tmp_path):
+    def run(path, **options):
+        _, trainer = fit(path, AsyncPipelineStrategy("2bw", MICROBATCHES, num_stages=2, delay=2),
+                         [StalenessMonitor(**options)], model=GroupedCorrectionsTinyLM(), log_every_n_steps=2)
+        return scalars(trainer)
+
+    with_groups, without = run(tmp_path / "groups"), run(tmp_path / "no_groups", per_group=False)
+    assert {tag for tag in with_groups if tag.startswith("staleness/opt")} == GROUP_TAGS
+    assert all(sorted(with_groups[tag]) == [1, 3, 5] for tag in GROUP_TAGS)
+    assert not any(tag.startswith("staleness/opt") for tag in without)
+    assert set(without) == set(with_groups) - GROUP_TAGS
+    for tag in without:  # the whole-model and per-stage figures (and training) are the same with or without
+        if tag.startswith("staleness/") or tag == "train_loss":
+            assert with_groups[tag] == without[tag], tag
+
+
+def test_a_position_labelled_group_that_differs_between_processes_is_left_out_and_named_groups_are_kept():
+    """Each stage's optimizer is built over its own parameters: optim.Muon holds a given group as its Muon and AdamW
+    halves on a stage with both, as the AdamW half alone on a stage without matrices, so ``group0`` is not the same
+    group on both processes. The agreed layout (taken once, from every rank's groups) drops it, and keeps the union
+    of the rest."""
+    from lightning_async_pp.callbacks.staleness import _agreed_layout, _group_corrections, _group_settings
+    from lightning_async_pp.optim import ErrorFeedback, Muon
+
+    def muon_ef(params):
+        groups = [{"params": params, "coefficient": 1.0}, {"params": [nn.Parameter(torch.zeros(3))], "name": "gains"}]
+        return [ErrorFeedback(groups, optimizer=lambda g: Muon(g, lr=0.02))]
+
+    stage0 = muon_ef([nn.Parameter(torch.zeros(4, 4)), nn.Parameter(torch.zeros(4))])  # Muon half, AdamW half
+    stage1 = muon_ef([nn.Parameter(torch.zeros(4))])  # the AdamW half only
+    ranks = [(_group_corrections(opts, []), _group_settings(opts)) for opts in (stage0, stage1)]
+    assert ranks[0][0] == {"opt0/group0": {"correction_norm"}, "opt0/group1": {"correction_norm"},
+                           "opt0/gains": {"correction_norm"}}
+    layout, mixed = _agreed_layout(ranks)
+    assert mixed == ["opt0/group0"]  # the Muon half on stage 0, the AdamW half on stage 1
+    assert layout == {"opt0/group1": {"correction_norm"}, "opt0/gains": {"correction_norm"}}
+    assert _agreed_layout([ranks[0], ranks[0]]) == (ranks[0][0], [])  # the same groups everywhere: all kept

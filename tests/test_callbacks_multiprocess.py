@@ -26,6 +26,11 @@ STEPS, EVERY, TRACE = 20, 4, (6, 7)
 BASE = dict(stages=2, microbatches=2, steps=STEPS, batch=1024, samples=1024 * (STEPS + 1), optimizer="adamw",
             model={"width": 1024, "depth": 4}, log_every_n_steps=EVERY)
 MONITORS = {"staleness": {}, "pipeline": {"trace_steps": list(TRACE)}}
+# 2BW runs under every correction with two parameter groups (tests/helpers.py), for the per-group figures.
+OPTIMIZERS = {"2bw": "grouped_corrections", "gpipe": "adamw"}
+GROUP_TAGS = {f"staleness/opt0/{group}/{metric}" for group in ("group1", "group2")
+              for metric in ("correction_norm", "compensation_ratio", "nesterov_momentum")}
+GROUP_TAGS.add("staleness/opt0/matrices/nesterov_momentum")  # coefficient 0: no correction to log
 
 
 def scalars(log_dir: str) -> dict[str, dict[int, float]]:
@@ -45,7 +50,7 @@ def runs(tmp_path_factory) -> dict[str, dict]:
     out = {}
     for schedule in ("2bw", "gpipe"):
         tmp = tmp_path_factory.mktemp(schedule)
-        proc = run_multiprocess(dict(BASE, schedule=schedule, monitors=MONITORS), tmp)
+        proc = run_multiprocess(dict(BASE, schedule=schedule, monitors=MONITORS, optimizer=OPTIMIZERS[schedule]), tmp)
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
         out[schedule] = {"scalars": scalars(printed(proc.stdout, "LOG_DIR")),
                          "trace": json.loads(Path(printed(proc.stdout, "TRACE_FILE")).read_text())}
@@ -80,7 +85,7 @@ def test_two_stage_staleness_equals_the_one_device_run_and_is_zero_under_gpipe(r
     multi = runs["2bw"]["scalars"]
     # The same training on one device (both stages in this process, same partition): the same weights, so the
     # same per-stage figures, computed there without any cross-process reduction.
-    model = TinyLM(**BASE["model"], optimizer=BASE["optimizer"])
+    model = TinyLM(**BASE["model"], optimizer=OPTIMIZERS["2bw"])
     trainer = L.Trainer(
         accelerator="cpu", devices=1, max_steps=STEPS, strategy=AsyncPipelineStrategy("2bw", 2, num_stages=2),
         callbacks=[StalenessMonitor()], logger=TensorBoardLogger(str(tmp_path)), log_every_n_steps=EVERY,
@@ -88,9 +93,18 @@ def test_two_stage_staleness_equals_the_one_device_run_and_is_zero_under_gpipe(r
     )
     trainer.fit(model, DataLoader(make_dataset(BASE["samples"]), batch_size=BASE["batch"], shuffle=False, drop_last=True))
     local = scalars(trainer.logger.log_dir)
-    for tag in [f"staleness/stage{s}/{n}" for s in (0, 1) for n in ("drift", "update_norm")] + ["staleness/drift"]:
+    for tag in [f"staleness/stage{s}/{n}" for s in (0, 1) for n in ("drift", "update_norm", "correction_norm",
+                                                                    "compensation_ratio")] + ["staleness/drift"]:
         for k in LOGGED_STEPS:
             assert abs(multi[tag][k] - local[tag][k]) <= 1e-4 * abs(local[tag][k]), (tag, k, multi[tag][k], local[tag][k])
+            assert multi[tag][k] > 0
+    # Per parameter group (each group has parameters on both stages): the squared norms summed over the two
+    # processes before the square root, the momentum the largest reported, equal to the one-device figures.
+    assert {tag for tag in multi if tag.startswith("staleness/opt")} == GROUP_TAGS
+    for tag in GROUP_TAGS:
+        for k in LOGGED_STEPS:
+            assert abs(multi[tag][k] - local[tag][k]) <= 1e-4 * abs(local[tag][k]), (tag, k, multi[tag][k],
+                                                                                      local[tag][k])
             assert multi[tag][k] > 0
     assert all(multi[f"staleness/stage{s}/delay"][k] == 1 for s in (0, 1) for k in LOGGED_STEPS)
     gpipe = runs["gpipe"]["scalars"]

@@ -7,12 +7,15 @@ the configured value under the delay variants) and the update is applied to ``W_
 from __future__ import annotations
 
 import math
+from collections import defaultdict
 from collections.abc import Sequence
 from typing import Any, Optional
 
 import torch
+import torch.distributed as dist
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 
 from lightning_async_pp.callbacks.figures import (
@@ -21,12 +24,17 @@ from lightning_async_pp.callbacks.figures import (
     logging_step_due,
     pipeline_strategy,
 )
+from lightning_async_pp.optim.async_nesterov import AsyncNesterov
 from lightning_async_pp.optim.delay_compensation import DelayCompensation
 from lightning_async_pp.optim.error_feedback import PREV_UPDATE, ErrorFeedback
 from lightning_async_pp.optim.pipemare import PipeMareLR
 from lightning_async_pp.pipeline.microbatch import split_microbatches
 
 _FIELDS = ("drift_sq", "weight_sq", "delay", "update_sq", "correction_sq", "compensation_sq", "stale_grad_sq")
+# Per parameter group (``staleness/<group>/<metric>``): the squared norms summed per stage (reduced like the stage
+# figures, square root taken after the sum over stages), and the figures that are not sums (largest reported).
+_GROUP_SUMS = {"correction_norm": ("correction_sq",), "compensation_ratio": ("compensation_sq", "stale_grad_sq")}
+_GROUP_MAXIMA = {"nesterov_momentum": ("nesterov_momentum",)}
 
 
 class StalenessMonitor(Callback):
@@ -50,6 +58,25 @@ class StalenessMonitor(Callback):
 
     Whole-model figures combine the stages' squared norms (``drift = sqrt(sum_s ||dW_s||^2 / sum_s ||W_s||^2)``),
     not their ratios.
+
+    Per parameter group (``per_group=True``), under ``staleness/opt{i}/<group>/<metric>``: ``<group>`` is the
+    group's ``name`` key if it has one (as Lightning's ``LearningRateMonitor`` names groups), else ``group{j}``;
+    ``i`` counts the optimizers of ``configure_optimizers`` and ``j`` the optimizer's ``param_groups``, from 0.
+    For every group with a correction at the start of training (the set of tags is fixed then), over the group's
+    parameters in all stages:
+
+    - ``correction_norm``: as above, in ``ErrorFeedback`` groups with a coefficient > 0;
+    - ``compensation_ratio``: as above, in ``DelayCompensation`` groups with a coefficient > 0 (and ``delay`` > 0);
+    - ``lr_factor``: ``PipeMareLR``'s factor for update ``k`` (the same for all groups of one optimizer);
+    - ``nesterov_momentum`` (under :class:`~lightning_async_pp.optim.AsyncNesterov`, also inside a correction):
+      NAdam's ``mu_{t+1} = beta1 (1 - 0.5 * 0.96 ** ((t + 1) psi))``, the weight of the momentum look-ahead in
+      update ``k``, with the group's ``beta1`` and ``momentum_decay`` ``psi`` and ``t`` its step count after the
+      update.
+
+    Groups sharing a ``name`` are reported together. Across processes the per-group squared norms travel in the
+    same reduction as the stage figures (a group's norm is the square root of the sum over stages); the set of
+    groups is agreed once at the start of training (one ``all_gather_object``), leaving out, with a warning, a
+    ``group{j}`` whose settings differ between processes (each stage's optimizer is built over its own parameters).
 
     Probe (``probe_every=n``, off by default; every ``n``-th step, ``k = n-1, 2n-1, ...``, written at that step
     whatever ``log_every_n_steps`` is): on the first microbatch of batch ``k`` it takes the stale gradient (at
@@ -75,13 +102,16 @@ class StalenessMonitor(Callback):
     Args:
         probe_every: run the probe every this many steps (``None``: never).
         per_stage: also log the per-stage figures (``staleness/stage{s}/...``).
+        per_group: also log each correction per parameter group (``staleness/opt{i}/<group>/...``).
     """
 
-    def __init__(self, probe_every: Optional[int] = None, per_stage: bool = True) -> None:
+    def __init__(self, probe_every: Optional[int] = None, per_stage: bool = True, per_group: bool = True) -> None:
         if probe_every is not None and (isinstance(probe_every, bool) or not isinstance(probe_every, int) or probe_every < 1):
             raise ValueError(f"probe_every must be a positive integer or None, got {probe_every!r}")
         self.probe_every = probe_every
         self.per_stage = per_stage
+        self.per_group = per_group
+        self._group_metrics: dict[str, tuple[str, ...]] = {}  # group label -> its metrics, fixed at the start
         self.metrics: dict[str, float] = {}  # the figures of the last logging step (and probe), as logged
         self._figures: Optional[StageFigures] = None
         self._due = False
@@ -106,7 +136,29 @@ class StalenessMonitor(Callback):
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         strategy = pipeline_strategy(trainer, type(self).__name__)
-        self._figures = StageFigures(strategy.num_stages, _FIELDS).to(strategy.root_device)
+        self._group_metrics = {}
+        if self.per_group:
+            layout = _group_corrections(trainer.optimizers, trainer.lr_scheduler_configs)
+            if strategy.is_multiprocess and dist.is_initialized():
+                # Every rank must reduce the same table, and a label must mean the same group on every rank: agree
+                # once, before the first step.
+                mine = (layout, _group_settings(trainer.optimizers))
+                everyone: list[Any] = [None] * dist.get_world_size()
+                dist.all_gather_object(everyone, mine)
+                layout, mixed = _agreed_layout(everyone)
+                if mixed:
+                    rank_zero_warn(
+                        f"{type(self).__name__}: the parameter group(s) {mixed} have different settings on different "
+                        f"processes (each stage's optimizer is built over its own parameters, and e.g. optim.Muon "
+                        f"holds a group as one or two groups depending on the stage), so their per-group figures would "
+                        f"mix groups; they are not logged. Give the parameter groups a 'name' key to log them"
+                    )
+            self._group_metrics = {label: tuple(sorted(layout[label])) for label in sorted(layout)}
+        sums = [_group_field(label, f) for label, metrics in self._group_metrics.items() for m in metrics
+                for f in _GROUP_SUMS.get(m, ())]
+        maxima = [_group_field(label, f) for label, metrics in self._group_metrics.items() for m in metrics
+                  for f in _GROUP_MAXIMA.get(m, ())]
+        self._figures = StageFigures(strategy.num_stages, list(_FIELDS) + sums, maxima).to(strategy.root_device)
 
     # ---- per batch ----------------------------------------------------------------------------------------
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
@@ -147,6 +199,7 @@ class StalenessMonitor(Callback):
         k = self._batch
         corrected = _error_feedback_states(trainer.optimizers)
         compensated = _compensation_norms(trainer.optimizers)
+        groups = _parameter_groups(trainer.optimizers) if self._group_metrics else {}
         assert self._figures is not None
         for stage in trainer.strategy.engine.stats.stages:
             before = self._snapshots.pop(stage.index, None)
@@ -154,28 +207,44 @@ class StalenessMonitor(Callback):
                 before = stage.version(k)  # W_k, held when the delay is >= 1
             update_sq, correction_sq = [], []  # accumulated on the device: one host sync per stage
             compensation_sq, stale_grad_sq = [], []
+            group_sq: dict[str, list[Tensor]] = defaultdict(list)  # per-group field -> squared norms
+            group_max: dict[str, float] = {}
             for p, w_k in zip(stage.params, before):
+                label, group, state_of = groups.get(p, (None, None, None))
+                metrics_of_group = self._group_metrics.get(label, ()) if label is not None else ()
                 change = _wide(w_k) - _wide(p.detach())  # W_k - W_{k+1}, one tensor at a time
                 state = corrected.get(p)
                 if state is not None and PREV_UPDATE in state:
                     u = _wide(state[PREV_UPDATE])  # u_k
                     update_sq.append(_sq(u))
                     correction_sq.append(_sq(change - u))  # c (u_k - u_{k-1}) = (W_k - W_{k+1}) - u_k
+                    if "correction_norm" in metrics_of_group:
+                        group_sq[_group_field(label, "correction_sq")].append(correction_sq[-1])
                 else:
                     update_sq.append(_sq(change))
                 norms = compensated.get(p)
                 if norms is not None:
                     compensation_sq.append(norms[0])
                     stale_grad_sq.append(norms[1])
+                    if "compensation_ratio" in metrics_of_group:
+                        group_sq[_group_field(label, "compensation_sq")].append(norms[0])
+                        group_sq[_group_field(label, "stale_grad_sq")].append(norms[1])
+                if "nesterov_momentum" in metrics_of_group:
+                    mu = _nesterov_momentum(group, state_of.get(p))
+                    field = _group_field(label, "nesterov_momentum")
+                    if mu is not None and mu > group_max.get(field, -math.inf):
+                        group_max[field] = mu
             figures = dict(self._pending.get(stage.index, {}), update_sq=_total(update_sq),
                            correction_sq=_total(correction_sq), compensation_sq=_total(compensation_sq),
                            stale_grad_sq=_total(stale_grad_sq))
-            self._figures.update(stage.index, figures)
+            figures.update(_totals(group_sq, self._figures.mean_fields[len(_FIELDS):]))
+            self._figures.update(stage.index, figures, group_max)
         table = self._figures.reduce()  # across processes: every rank calls this at the same step
         metrics = self._metrics(table, has_correction=bool(corrected), has_compensation=bool(compensated))
         factors = [s.factor(k) for s in _pipemare_schedulers(trainer)]
         if factors:
             metrics["staleness/lr_factor"] = min(factors)
+        metrics.update(self._group_figures(table, _group_lr_factors(trainer, k)))
         self.metrics.update(metrics)
         log_to_loggers(trainer, metrics)
 
@@ -195,6 +264,29 @@ class StalenessMonitor(Callback):
                                total["update_sq"], total["correction_sq"], total["compensation_sq"],
                                total["stale_grad_sq"])
         out.update({f"staleness/{n}": values[n] for n in names})
+        return out
+
+    def _group_figures(self, table: dict[int, dict[str, float]], lr_factors: dict[str, float]) -> dict[str, float]:
+        """``staleness/<group>/<metric>`` from the reduced table: sums over stages before the square root."""
+        out: dict[str, float] = {}
+
+        def total(label: str, field: str) -> float:
+            return sum(row[_group_field(label, field)] for row in table.values())
+
+        for label, metrics in self._group_metrics.items():
+            if "correction_norm" in metrics:
+                out[f"staleness/{label}/correction_norm"] = math.sqrt(total(label, "correction_sq"))
+            if "compensation_ratio" in metrics:
+                grad_sq = total(label, "stale_grad_sq")
+                ratio = math.sqrt(total(label, "compensation_sq") / grad_sq) if grad_sq > 0 else 0.0
+                out[f"staleness/{label}/compensation_ratio"] = ratio
+            if "nesterov_momentum" in metrics:
+                reported = [row[_group_field(label, "nesterov_momentum")] for row in table.values()]
+                reported = [v for v in reported if math.isfinite(v)]  # -inf: no stage holds its state yet
+                if reported:
+                    out[f"staleness/{label}/nesterov_momentum"] = max(reported)
+            if "lr_factor" in metrics and label in lr_factors:
+                out[f"staleness/{label}/lr_factor"] = lr_factors[label]
         return out
 
     # ---- the probe ------------------------------------------------------------------------------------------
@@ -265,6 +357,125 @@ def _compensation_norms(optimizers: Sequence[Any]) -> dict[Any, tuple[Tensor, Te
 
 def _pipemare_schedulers(trainer: Trainer) -> list[PipeMareLR]:
     return [c.scheduler for c in trainer.lr_scheduler_configs if isinstance(c.scheduler, PipeMareLR)]
+
+
+# ---- per parameter group ------------------------------------------------------------------------------------------
+
+def _group_labels(optimizers: Sequence[Any]) -> list[tuple[Any, list[str]]]:
+    """``(optimizer, [label of each group])``: ``opt{i}/<name>`` for a group with a ``name`` key, else
+    ``opt{i}/group{j}``."""
+    out = []
+    for i, opt in enumerate(optimizers):
+        opt = getattr(opt, "optimizer", opt)  # a LightningOptimizer wraps the real one
+        out.append((opt, [f"opt{i}/{group['name']}" if "name" in group else f"opt{i}/group{j}"
+                          for j, group in enumerate(opt.param_groups)]))
+    return out
+
+
+def _chain(opt: Any) -> list[Any]:
+    """``opt`` and the optimizers it wraps (``ErrorFeedback(DelayCompensation(...))``), outermost first."""
+    chain = []
+    while opt is not None:
+        chain.append(opt)
+        opt = getattr(opt, "wrapped", None)
+    return chain
+
+
+def _group_corrections(optimizers: Sequence[Any], scheduler_configs: Sequence[Any]) -> dict[str, set[str]]:
+    """``{group label: the per-group metrics of its corrections}`` for the groups with a correction now.
+
+    Error feedback is found where the stage figures find it (the outermost optimizer); the others anywhere in the
+    chain of wrappers."""
+    pipemare = {id(c.scheduler.optimizer) for c in scheduler_configs if isinstance(c.scheduler, PipeMareLR)}
+    layout: dict[str, set[str]] = {}
+    for opt, labels in _group_labels(optimizers):
+        chain = _chain(opt)
+        for j, (group, label) in enumerate(zip(opt.param_groups, labels)):
+            metrics = set()
+            if isinstance(opt, ErrorFeedback) and opt.group_coefficient(group, j) > 0:
+                metrics.add("correction_norm")
+            if any(isinstance(o, DelayCompensation) and o.delay > 0 and o.group_coefficient(group, j) > 0
+                   for o in chain):
+                metrics.add("compensation_ratio")
+            if any(isinstance(o, AsyncNesterov) for o in chain):
+                metrics.add("nesterov_momentum")
+            if any(id(o) in pipemare for o in chain):
+                metrics.add("lr_factor")
+            if metrics:
+                layout[label] = layout.get(label, set()) | metrics
+    return layout
+
+
+def _group_settings(optimizers: Sequence[Any]) -> dict[str, set[str]]:
+    """``{label: the settings of its groups}`` for the groups labelled by their position (no ``name``)."""
+    settings: dict[str, set[str]] = {}
+    for opt, labels in _group_labels(optimizers):
+        for group, label in zip(opt.param_groups, labels):
+            if "name" not in group:
+                items = sorted((k, v.tolist() if isinstance(v, Tensor) else v)  # a tensor's repr names its device
+                               for k, v in group.items() if k not in ("params", "param_names"))
+                settings.setdefault(label, set()).add(repr(items))
+    return settings
+
+
+_Layout = dict[str, set[str]]  # group label -> metrics (or -> the settings of its groups)
+
+
+def _agreed_layout(everyone: Sequence[tuple[_Layout, _Layout]]) -> tuple[_Layout, list[str]]:
+    """The per-group layout every rank uses, from each rank's ``(layout, settings)``: the union of the layouts (a
+    stage may lack a group's correction that another has) without the position-labelled groups whose settings
+    differ between ranks (the same position holds another group there); and those labels."""
+    layout: dict[str, set[str]] = {}
+    for mine, _ in everyone:
+        for label, metrics in mine.items():
+            layout[label] = layout.get(label, set()) | set(metrics)
+    mixed = sorted(label for label in layout
+                   if len({frozenset(settings[label]) for _, settings in everyone if label in settings}) > 1)
+    return {label: metrics for label, metrics in layout.items() if label not in mixed}, mixed
+
+
+def _parameter_groups(optimizers: Sequence[Any]) -> dict[Any, tuple[str, dict, Any]]:
+    """``{parameter: (its group's label, the group, the optimizer's state)}``; the first optimizer holding it wins."""
+    out: dict[Any, tuple[str, dict, Any]] = {}
+    for opt, labels in _group_labels(optimizers):
+        for group, label in zip(opt.param_groups, labels):
+            for p in group["params"]:
+                out.setdefault(p, (label, group, opt.state))
+    return out
+
+
+def _group_lr_factors(trainer: Trainer, k: int) -> dict[str, float]:
+    """``{group label: PipeMareLR's factor of update k}`` (the smallest, for an optimizer with several)."""
+    factors: dict[str, float] = {}
+    schedulers = _pipemare_schedulers(trainer)
+    for opt, labels in _group_labels(trainer.optimizers):
+        mine = [s.factor(k) for s in schedulers if any(s.optimizer is o for o in _chain(opt))]
+        for label in labels if mine else ():
+            factors[label] = min(mine + ([factors[label]] if label in factors else []))
+    return factors
+
+
+def _nesterov_momentum(group: dict, state: Optional[dict]) -> Optional[float]:
+    """NAdam's look-ahead momentum of the update just taken, ``beta1 (1 - 0.5 * 0.96 ** ((t + 1) psi))`` (torch's
+    ``mu_next``, ``t`` the parameter's step count); ``None`` before the parameter's first update."""
+    if not state or "step" not in state:
+        return None
+    t = float(state["step"])
+    return group["betas"][0] * (1.0 - 0.5 * 0.96 ** ((t + 1.0) * group["momentum_decay"]))
+
+
+def _group_field(label: str, field: str) -> str:
+    return f"{label}:{field}"
+
+
+def _totals(squares: dict[str, list[Tensor]], fields: Sequence[str]) -> dict[str, float]:
+    """``{field: sum of its squares}`` for every field (0 where none), with one host sync for all."""
+    present = [f for f in fields if squares.get(f)]
+    out = dict.fromkeys(fields, 0.0)
+    if present:
+        sums = torch.stack([torch.stack(squares[f]).sum() for f in present]).tolist()
+        out.update(zip(present, sums))
+    return out
 
 
 def _wide(t: Tensor) -> Tensor:
