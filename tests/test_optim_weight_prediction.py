@@ -215,3 +215,25 @@ def test_staleness_monitor_measures_drift_to_the_prediction_and_the_true_update(
         assert close(logged["staleness/drift"][k], float((w[k] - predicted).norm() / w[k].norm()), rel=1e-4, abs_=1e-9)
         assert close(logged["staleness/update_norm"][k], float((w[k + 1] - w[k]).norm()), rel=1e-4, abs_=1e-9)
     assert logged["staleness/drift"][3] > 0
+
+
+def test_staleness_monitor_logs_the_prediction_step_per_group(tmp_path):
+    """prediction_norm of a group = s d ||W_{k+1} - W_k|| over its parameters, with each group's own scale; a group
+    with scale 0 gets no tag."""
+    from test_callbacks import WeightRecorder, close, fit, scalars
+
+    from lightning_async_pp.callbacks import StalenessMonitor
+
+    steps = 4
+    recorder = WeightRecorder()
+    model = PredictedTinyLM(partial(WeightPrediction, optimizer=adamw, scale=SCALE), second_scale=0.0)
+    _, trainer = fit(tmp_path, AsyncPipelineStrategy("2bw", 4, num_stages=2), [recorder, StalenessMonitor()],
+                     model=model, steps=steps)
+    logged = scalars(trainer)
+    first = len(model.groups()[0]["params"])
+    w = {k: [t.double() for stage in recorder.weights[k] for t in stage] for k in recorder.weights}
+    for k in range(steps):
+        step_sq = sum(float(((a - b) ** 2).sum()) for a, b in zip(w[k + 1][:first], w[k][:first]))
+        assert close(logged["staleness/opt0/group0/prediction_norm"][k], SCALE * step_sq**0.5, rel=1e-4, abs_=1e-9)
+    assert logged["staleness/opt0/group0/prediction_norm"][2] > 0
+    assert not any(tag.startswith("staleness/opt0/group1/") for tag in logged)

@@ -28,12 +28,14 @@ from lightning_async_pp.optim.async_nesterov import AsyncNesterov
 from lightning_async_pp.optim.delay_compensation import DelayCompensation
 from lightning_async_pp.optim.error_feedback import PREV_UPDATE, ErrorFeedback
 from lightning_async_pp.optim.pipemare import PipeMareLR
+from lightning_async_pp.optim.weight_prediction import WeightPrediction, prediction_scales
 from lightning_async_pp.pipeline.microbatch import split_microbatches
 
 _FIELDS = ("drift_sq", "weight_sq", "delay", "update_sq", "correction_sq", "compensation_sq", "stale_grad_sq")
 # Per parameter group (``staleness/<group>/<metric>``): the squared norms summed per stage (reduced like the stage
 # figures, square root taken after the sum over stages), and the figures that are not sums (largest reported).
-_GROUP_SUMS = {"correction_norm": ("correction_sq",), "compensation_ratio": ("compensation_sq", "stale_grad_sq")}
+_GROUP_SUMS = {"correction_norm": ("correction_sq",), "compensation_ratio": ("compensation_sq", "stale_grad_sq"),
+               "prediction_norm": ("prediction_sq",)}
 _GROUP_MAXIMA = {"nesterov_momentum": ("nesterov_momentum",)}
 
 
@@ -68,6 +70,9 @@ class StalenessMonitor(Callback):
     - ``correction_norm``: as above, in ``ErrorFeedback`` groups with a coefficient > 0;
     - ``compensation_ratio``: as above, in ``DelayCompensation`` groups with a coefficient > 0 (and ``delay`` > 0);
     - ``lr_factor``: ``PipeMareLR``'s factor for update ``k`` (the same for all groups of one optimizer);
+    - ``prediction_norm`` (under :class:`~lightning_async_pp.optim.WeightPrediction`, scale ``s > 0``):
+      ``s d ||W_{k+1} - W_k||``, how far the prediction the next delayed batch runs on lies beyond ``W_{k+1}``
+      (``d`` each stage's delay);
     - ``nesterov_momentum`` (under :class:`~lightning_async_pp.optim.AsyncNesterov`, also inside a correction):
       NAdam's ``mu_{t+1} = beta1 (1 - 0.5 * 0.96 ** ((t + 1) psi))``, the weight of the momentum look-ahead in
       update ``k``, with the group's ``beta1`` and ``momentum_decay`` ``psi`` and ``t`` its step count after the
@@ -200,6 +205,7 @@ class StalenessMonitor(Callback):
         corrected = _error_feedback_states(trainer.optimizers)
         compensated = _compensation_norms(trainer.optimizers)
         groups = _parameter_groups(trainer.optimizers) if self._group_metrics else {}
+        scales = prediction_scales(trainer.optimizers) if self._group_metrics else {}
         assert self._figures is not None
         for stage in trainer.strategy.engine.stats.stages:
             before = self._snapshots.pop(stage.index, None)
@@ -213,6 +219,9 @@ class StalenessMonitor(Callback):
                 label, group, state_of = groups.get(p, (None, None, None))
                 metrics_of_group = self._group_metrics.get(label, ()) if label is not None else ()
                 change = _wide(w_k) - _wide(p.detach())  # W_k - W_{k+1}, one tensor at a time
+                if "prediction_norm" in metrics_of_group and id(p) in scales:
+                    extrapolation = scales[id(p)] * stage.delay  # the next prediction adds s d (W_{k+1} - W_k)
+                    group_sq[_group_field(label, "prediction_sq")].append(_sq(change) * extrapolation**2)
                 state = corrected.get(p)
                 if state is not None and PREV_UPDATE in state:
                     u = _wide(state[PREV_UPDATE])  # u_k
@@ -280,6 +289,8 @@ class StalenessMonitor(Callback):
                 grad_sq = total(label, "stale_grad_sq")
                 ratio = math.sqrt(total(label, "compensation_sq") / grad_sq) if grad_sq > 0 else 0.0
                 out[f"staleness/{label}/compensation_ratio"] = ratio
+            if "prediction_norm" in metrics:
+                out[f"staleness/{label}/prediction_norm"] = math.sqrt(total(label, "prediction_sq"))
             if "nesterov_momentum" in metrics:
                 reported = [row[_group_field(label, "nesterov_momentum")] for row in table.values()]
                 reported = [v for v in reported if math.isfinite(v)]  # -inf: no stage holds its state yet
@@ -399,6 +410,8 @@ def _group_corrections(optimizers: Sequence[Any], scheduler_configs: Sequence[An
                 metrics.add("compensation_ratio")
             if any(isinstance(o, AsyncNesterov) for o in chain):
                 metrics.add("nesterov_momentum")
+            if any(isinstance(o, WeightPrediction) and o.group_coefficient(group, j) > 0 for o in chain):
+                metrics.add("prediction_norm")
             if any(id(o) in pipemare for o in chain):
                 metrics.add("lr_factor")
             if metrics:
