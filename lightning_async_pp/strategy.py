@@ -30,7 +30,7 @@ from torch import Tensor
 from lightning_async_pp import _lightning
 from lightning_async_pp.lookahead import FetchedBatch, LookaheadLoader, transfer_early
 from lightning_async_pp.module import PipelineModule
-from lightning_async_pp.optim.checks import check_corrections
+from lightning_async_pp.optim.checks import check_corrections, set_step_delay
 from lightning_async_pp.optim.weight_prediction import prediction_scales
 from lightning_async_pp.pipeline import checkpoint as ckpt
 from lightning_async_pp.pipeline.comm import PipelineFailure, elastic_attempt_store
@@ -43,7 +43,7 @@ from lightning_async_pp.pipeline.placement import (
     refusing_loads_onto_meta,
     replace_meta_tensors,
 )
-from lightning_async_pp.pipeline.sharding import shard_optimizers
+from lightning_async_pp.pipeline.sharding import local_optimizer, shard_optimizers
 from lightning_async_pp.pipeline.topology import PipelineTopology
 from lightning_async_pp.requeue import RequeueAtStepBoundary
 from lightning_async_pp.strategy_state import PipelineStateHooks
@@ -468,6 +468,8 @@ class AsyncPipelineStrategy(PipelineStateHooks, DDPStrategy):
             p.grad = g
         # Clipping is Lightning's to call, after this (configure_gradient_clipping, self.clip_gradients); by norm
         # it reaches _clip_grad_by_norm, which takes the norm over every stage.
+        # A synchronous batch's update (sync_steps, sync_from_step) is not compensated as a stale one.
+        set_step_delay([local_optimizer(o) for o in self.optimizers], engine.stats.realized_delay())
         # From here the optimizer writes W_{k+1} into the other slot; the stash W_k stays for batch k+1.
         engine.prepare_update()
         self._update_started = time.perf_counter()

@@ -124,13 +124,14 @@ class CompensatedTinyLM(TinyLM):
                                  coefficient=self.coefficient, delay=self.dc_delay)
 
 
-def pipeline_written_out(model: TinyLM, batches, steps: int, delay: int, c: float) -> list[torch.Tensor]:
+def pipeline_written_out(model: TinyLM, batches, steps: int, delay: int, c: float,
+                         synchronous=lambda k: False) -> list[torch.Tensor]:
     """docs/design.md's version rule with DC-ASGD's SGD step written out: g = grad f(W_b; B_k),
-    W_b = W_{max(k-d,0)}, W_{k+1} = W_k - lr (g + c g g (W_k - W_b))."""
+    W_b = W_{max(k-d,0)} (W_k for a synchronous batch), W_{k+1} = W_k - lr (g + c g g (W_k - W_b))."""
     params = list(model.parameters())
     history = [[p.detach().clone() for p in params]]
     for k in range(steps):
-        stale = history[max(k - delay, 0)]
+        stale = history[k if synchronous(k) else max(k - delay, 0)]
         with torch.no_grad():
             for p, w in zip(params, stale):
                 p.copy_(w)
@@ -153,6 +154,33 @@ def test_under_the_pipeline_on_one_device_with_three_stages_it_follows_the_writt
     assert max_param_difference(model, reference) < 1e-6
     uncorrected = pipeline_written_out(CompensatedTinyLM(coefficient=0.0), list(loader()), steps, delay, c=0.0)
     assert max_param_difference(model, uncorrected) > 1e-5
+
+
+@pytest.mark.parametrize("delay", [1, 2])
+def test_synchronous_updates_of_sync_steps_and_sync_from_step_are_not_compensated(delay):
+    """sync_steps=2, sync_from_step=5: batches 0, 1, 5, 6 take their gradient on W_k, and W_b = W_k leaves no
+    term; the strategy tells the wrapper each update's realized delay (step_delay)."""
+    steps = 7
+    model = CompensatedTinyLM(coefficient=2.0, delay=delay)
+    synchronous = lambda k: k < 2 or k >= 5  # noqa: E731
+    reference = pipeline_written_out(copy.deepcopy(model), list(loader()), steps, delay, c=2.0, synchronous=synchronous)
+    strategy = AsyncPipelineStrategy("2bw", num_microbatches=4, num_stages=2, delay=delay, sync_steps=2, sync_from_step=5)
+    trainer(strategy, steps=steps).fit(model, loader())
+    assert max_param_difference(model, reference) < 1e-6
+
+
+def test_step_delay_picks_the_version_of_this_step_and_zero_is_no_term():
+    w = nn.Parameter(W0.clone())
+    opt = DelayCompensation([w], optimizer=partial(torch.optim.SGD, lr=LR), coefficient=C, delay=2)
+    weights = [W0.clone()]
+    for k, r in enumerate([0, 1, 2, 0, 1]):  # the realized delay of each step
+        opt.step_delay = r
+        stale = weights[k - r]
+        g = grad_at(stale)
+        w.grad = g
+        opt.step()
+        weights.append(weights[k] - LR * (g + C * g * g * (weights[k] - stale)))
+        assert torch.allclose(w.detach(), weights[-1], rtol=0, atol=1e-12), k
 
 
 def test_checkpoint_round_trip_through_torch_save_continues_exactly_and_the_history_matters():

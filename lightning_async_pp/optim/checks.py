@@ -5,16 +5,27 @@ work without one); a value that is not the pipeline's would compensate against t
 learning rate by the wrong ``tau``, silently. ``PipeMareLR`` counts its steps as updates, so it must be stepped once
 per update (Lightning's ``interval: "step"``). ``WeightPrediction`` needs a delayed stage to act on and is not defined
 together with ``DelayCompensation`` (which compensates against the version it records, not the predicted one the
-gradient was taken on). The strategy calls :func:`check_corrections` in ``setup``.
+gradient was taken on). The strategy calls :func:`check_corrections` in ``setup``, and :func:`set_step_delay` before
+every update, so that a synchronous update (``sync_steps``, ``sync_from_step``) is not compensated as a stale one.
 """
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import Any, Optional
 
 from lightning_async_pp.optim.delay_compensation import DelayCompensation
 from lightning_async_pp.optim.pipemare import PipeMareLR
 from lightning_async_pp.optim.weight_prediction import WeightPrediction, prediction_scales
+
+
+def set_step_delay(optimizers: Iterable[Any], delay: Optional[int]) -> None:
+    """Tell every ``DelayCompensation`` in the optimizers' chains the realized delay of the coming update (``None``:
+    unknown, e.g. stages with different delays: each uses its own ``delay``)."""
+    for optimizer in optimizers:
+        while optimizer is not None:
+            if isinstance(optimizer, DelayCompensation):
+                optimizer.step_delay = delay
+            optimizer = getattr(optimizer, "wrapped", None)
 
 
 def check_corrections(optimizers: Iterable[Any], scheduler_configs: Iterable[Any], delays: Sequence[int]) -> None:

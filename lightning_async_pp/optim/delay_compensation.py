@@ -47,8 +47,11 @@ class DelayCompensation(OptimizerWrapper):
       unchanged.
     - The buffers live in the wrapped optimizer's per-parameter state, so checkpoints, device moves and
       ``shard_optimizer=True`` carry them like moments.
-    - The delay is this constructor's, not the engine's: a synchronous step (``sync_steps``, ``sync_from_step``)
-      is still compensated as if it were stale. Use ``delay=0`` (no correction) for synchronous schedules.
+    - ``delay`` is the pipeline's; :attr:`step_delay`, when set, is the delay of the next step only (at most
+      ``delay``): ``AsyncPipelineStrategy`` sets it before every update to the realized delay of the batch, so a
+      synchronous step (``sync_steps``, ``sync_from_step``: 0) is not compensated and ``W_b = W_{k - step_delay}``.
+      Unset (``None``, e.g. without the strategy), every step is taken as ``delay`` stale. Use ``delay=0`` (no
+      correction, no buffers) for synchronous schedules.
     - After each step, :attr:`last_square_norms` maps every parameter it compensated (``c > 0``) to two 0-dim
       float64 tensors on its device, ``(||c s (W_k - W_b)||^2, ||g||^2)``: the squared norms of the compensation
       term and of the stale gradient, for ``StalenessMonitor``'s ``compensation_ratio`` (no parameter-sized buffer;
@@ -66,6 +69,7 @@ class DelayCompensation(OptimizerWrapper):
         self.delay = delay
         self.ema = None if ema is None else float(ema)
         super().__init__(params, optimizer)  # checks every group's coefficient
+        self.step_delay: Optional[int] = None  # the realized delay of the next step (set by the strategy)
         self.last_square_norms: dict[torch.Tensor, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def group_coefficient(self, group: dict[str, Any], index: Optional[int] = None) -> float:
@@ -101,8 +105,10 @@ class DelayCompensation(OptimizerWrapper):
                 if history is None:  # W_{k-d} .. W_{k-1} are all W_0 = W_k: no correction yet
                     history = p.detach().unsqueeze(0).repeat(self.delay, *([1] * p.dim()))
                     corrected, term_sq = g, g.new_zeros((), dtype=torch.float64)
+                elif self._stale_index() is None:  # a synchronous step: W_b = W_k
+                    corrected, term_sq = g, g.new_zeros((), dtype=torch.float64)
                 else:
-                    term = c * square * (p - history[0])  # c s (W_k - W_b)
+                    term = c * square * (p - history[self._stale_index()])  # c s (W_k - W_b)
                     term_sq = _square_norm(term)
                     corrected = term.add_(g)
                 self.last_square_norms[p] = (term_sq, _square_norm(g))
@@ -118,6 +124,12 @@ class DelayCompensation(OptimizerWrapper):
         for p, new in buffers:
             self.state[p].update(new)
         return loss
+
+    def _stale_index(self) -> Optional[int]:
+        """Where ``W_b`` sits in the history ``W_{k-d} .. W_{k-1}``: ``d - r`` for this step's delay ``r``; None
+        for ``r = 0``."""
+        r = self.delay if self.step_delay is None else min(self.step_delay, self.delay)
+        return None if r == 0 else self.delay - r
 
     def rewrap(self, params: Iterable[Any], optimizer: OptimizerCallable) -> "DelayCompensation":
         return type(self)(params, optimizer=optimizer, coefficient=self.coefficient, delay=self.delay, ema=self.ema)

@@ -105,6 +105,13 @@ class PipelineStats:
     def last_times(self) -> StepTimes:
         return self._engine.runtime.last_times
 
+    def realized_delay(self) -> Optional[int]:
+        """The delay of the batch being trained (``batch_index``'s gradient): 0 for a synchronous one, less than the
+        configured delay for the first batches; ``None`` when this process's stages differ."""
+        k = self.batch_index
+        delays = {k - stage.version_for_batch(k) for stage in self.stages}
+        return delays.pop() if len(delays) == 1 else None
+
     @property
     def stash_nbytes(self) -> int:
         return sum(stage.versions.stash_nbytes() for stage in self._engine.stages)
