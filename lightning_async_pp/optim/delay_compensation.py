@@ -78,10 +78,7 @@ class DelayCompensation(OptimizerWrapper):
     @torch.no_grad()
     def step(self, closure=None):  # type: ignore[override]
         """Evaluate ``closure`` once, then step the wrapped optimizer on the compensated gradients."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = self.evaluate_closure(closure)
         originals = []  # (param, its own gradient) to put back after the wrapped step
         buffers = []  # (param, its new buffers): written after the wrapped step, which initializes an empty state itself
         self.last_square_norms = {}

@@ -65,10 +65,7 @@ class ErrorFeedback(OptimizerWrapper):
     @torch.no_grad()
     def step(self, closure=None):  # type: ignore[override]
         """Evaluate ``closure`` once, step the wrapped optimizer, then add ``-c (u_k - u_{k-1})``."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = self.evaluate_closure(closure)
         corrected = []  # (param, c) of the parameters with a gradient in groups with c > 0
         for index, group in enumerate(self.param_groups):
             c = self.group_coefficient(group, index)

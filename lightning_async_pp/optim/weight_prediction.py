@@ -66,10 +66,7 @@ class WeightPrediction(OptimizerWrapper):
     @torch.no_grad()
     def step(self, closure=None):  # type: ignore[override]
         """Evaluate ``closure`` once, then step the wrapped optimizer (the prediction is the engine's)."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = self.evaluate_closure(closure)
         self.wrapped.step()
         return loss
 

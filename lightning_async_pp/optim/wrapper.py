@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any, Optional
 
+import torch
 from lightning.pytorch.cli import OptimizerCallable
 from torch.optim import Optimizer
 
@@ -61,6 +62,14 @@ class OptimizerWrapper(Optimizer):
         """The same correction around ``optimizer(params)``, e.g. over one replica's share of the parameters
         (``shard_optimizer=True``): the buffers then exist only for those parameters."""
         raise NotImplementedError
+
+    @staticmethod
+    def evaluate_closure(closure: Any) -> Any:
+        """``closure()`` with gradients enabled (steps run under ``no_grad``), or None: what ``step`` returns."""
+        if closure is None:
+            return None
+        with torch.enable_grad():
+            return closure()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.wrapped.zero_grad(set_to_none=set_to_none)
