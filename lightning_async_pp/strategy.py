@@ -31,6 +31,7 @@ from lightning_async_pp import _lightning
 from lightning_async_pp.lookahead import FetchedBatch, LookaheadLoader, transfer_early
 from lightning_async_pp.module import PipelineModule
 from lightning_async_pp.optim.checks import check_corrections
+from lightning_async_pp.optim.weight_prediction import prediction_scales
 from lightning_async_pp.pipeline import checkpoint as ckpt
 from lightning_async_pp.pipeline.comm import PipelineFailure, elastic_attempt_store
 from lightning_async_pp.pipeline.config import CheckpointingSpec, CompileSpec, DelaySpec, PipelineConfig
@@ -314,6 +315,7 @@ class AsyncPipelineStrategy(PipelineStateHooks, DDPStrategy):
             self.setup_optimizers(trainer)
             self.engine.check_tied_hyperparameters(self.optimizers)
             check_corrections(self.optimizers, self.lr_scheduler_configs, self.config.stage_delays(self.engine.num_stages))
+            self.engine.set_weight_prediction(prediction_scales(self.optimizers))  # before sharding or a restore
             if self.config.shard_optimizer and self.engine.dp_group is not None:
                 self.optimizers = shard_optimizers(self.optimizers, self.engine.dp_group)  # ZeRO-1 per stage
             _optimizers_to_device(self.optimizers, self.root_device)

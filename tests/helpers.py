@@ -101,6 +101,8 @@ def make_optimizer_factory(name: str):
         return muon_with_correction
     if name == "adamw_ef":
         return adamw_with_correction
+    if name == "adamw_wp":
+        return adamw_with_prediction
     raise ValueError(name)
 
 
@@ -159,6 +161,12 @@ def adamw_with_correction(params):
     from lightning_async_pp.optim import ErrorFeedback
 
     return ErrorFeedback(params, optimizer=lambda p: torch.optim.AdamW(p, lr=0.01, weight_decay=0.1), coefficient=1.0)
+
+
+def adamw_with_prediction(params):
+    from lightning_async_pp.optim import WeightPrediction
+
+    return WeightPrediction(params, optimizer=lambda p: torch.optim.AdamW(p, lr=0.01, weight_decay=0.1), scale=0.7)
 
 
 def muon_with_correction(params):

@@ -113,3 +113,22 @@ def test_async_nesterov_with_pipemare_around_exponential_lr_from_yaml(tmp_path, 
     sched = cli.trainer.lr_scheduler_configs[0].scheduler
     assert isinstance(sched, PipeMareLR) and isinstance(sched.inner, ExponentialLR) and cli.trainer.global_step == 2
     assert opt.param_groups[0]["lr"] == pytest.approx(0.01 * 0.5**2 / 2 ** (1 - 3 / 4))
+
+
+def test_weight_prediction_inside_error_feedback_around_muon_from_yaml_turns_the_engine_prediction_on(tmp_path,
+                                                                                                    monkeypatch):
+    """ErrorFeedback(WeightPrediction(Muon)) with a scale from YAML: every stage predicts with that scale, and holds
+    the predictions besides the parameters (2BW: two slots beyond them)."""
+    from lightning_async_pp.optim import WeightPrediction
+
+    monkeypatch.chdir(tmp_path)
+    optimizer = {"class_path": "lightning_async_pp.optim.ErrorFeedback", "init_args": {"coefficient": 0.5, "optimizer": {
+        "class_path": "lightning_async_pp.optim.WeightPrediction", "init_args": {"scale": 0.8, "optimizer": {
+            "class_path": "lightning_async_pp.optim.Muon", "init_args": {"lr": 0.02}}}}}}
+    cli = AsyncPipelineCLI(args=["fit", "--config", str(with_optimizer(tmp_path, optimizer))])
+    opt = cli.trainer.optimizers[0]
+    assert isinstance(opt.wrapped, WeightPrediction) and opt.wrapped.scale == 0.8 and isinstance(opt.wrapped.wrapped, Muon)
+    stats = cli.trainer.strategy.engine.stats
+    assert stats.stages and all(view.predicts for view in stats.stages) and cli.trainer.global_step == 2
+    param_bytes = sum(p.numel() * p.element_size() for p in cli.model.parameters())
+    assert stats.stash_nbytes == 2 * param_bytes

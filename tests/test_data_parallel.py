@@ -126,6 +126,32 @@ def test_sharded_checkpoints_resume_exactly_across_layouts_and_consolidate(tmp_p
             assert tensors[f"optim.0/{name}/{key}"].shape == p.shape, (name, key)
 
 
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_weight_prediction_on_two_stages_by_two_sharded_replicas_equals_one_device_and_resumes_there(tmp_path):
+    """WeightPrediction(AdamW): 2 stages x 2 replicas with ZeRO-1 (2BW's lookahead runs batch k+1's forwards on
+    its prediction before update k) equal one device and the rule written out; the step-2 checkpoint (the predicted
+    versions, the newest one's included) resumes on one device to the same weights."""
+    from test_optim_weight_prediction import SCALE, written_out
+
+    cfg = dict(schedule="2bw", stages=2, dp=2, microbatches=2, batch=4, samples=16, optimizer="adamw_wp")
+    reference = concatenated_run(cfg, steps=4)
+    run = tmp_path / "run"
+    run.mkdir()
+    multi = run_ok(dict(cfg, steps=4, shard_optimizer=True, save_every=2, checkpoint_dir=str(run / "ckpt"),
+                        keep_checkpoints=True), run)
+    assert max_difference(multi, reference) < 1e-5
+    batches = list(DataLoader(Subset(make_dataset(16), [0, 2, 4, 6, 1, 3, 5, 7, 8, 10, 12, 14, 9, 11, 13, 15]),
+                              batch_size=8)) * 2
+    model = TinyLM(optimizer="adamw_wp")
+    scales = [SCALE] * len(list(model.parameters()))
+    by_hand = written_out(model, batches, 4, 1, scales)
+    assert max((multi[n] - p).abs().max().item() for n, p in zip(dict(model.named_parameters()), by_hand)) < 1e-5
+    assert max_difference(multi, delayed_loop(TinyLM(optimizer="adamw"), batches[:4], delay=1)) > 1e-5  # stashing
+    resumed_here = concatenated_run(cfg, steps=4, ckpt_path=str(run / "ckpt" / "epoch=0-step=2.ckpt"))
+    assert max_difference(resumed_here, reference) < 1e-5
+
+
 # ---- parameters that some replica did not use (MoE experts, data-dependent branches) ---------------------------------
 @pytest.mark.multiprocess
 @pytest.mark.slow

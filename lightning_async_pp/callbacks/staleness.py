@@ -131,11 +131,12 @@ class StalenessMonitor(Callback):
 
     def on_before_optimizer_step(self, trainer: Trainer, pl_module: LightningModule, optimizer: Any) -> None:
         # The strategy has already moved the parameters onto the slot of W_{k+1}, holding a copy of W_k that the
-        # optimizer is about to overwrite. With delay 0 no other copy of W_k survives the update: keep one.
+        # optimizer is about to overwrite. With delay 0 no other copy of W_k survives the update, nor with weight
+        # prediction (the older slots hold predictions): keep one.
         if not self._due:
             return
         for stage in trainer.strategy.engine.stats.stages:
-            if stage.delay == 0:
+            if stage.delay == 0 or stage.predicts:
                 self._snapshots[stage.index] = [p.detach().clone() for p in stage.params]
 
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any,

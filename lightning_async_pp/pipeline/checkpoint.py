@@ -43,6 +43,8 @@ def engine_tensors(engine: Any, module_state: Mapping[str, Tensor], optimizers: 
         k = engine.stats.batch_index
         for o in range(1, min(view.delay, k) + 1):
             flat.update({f"{STASH}{o}.{n}": t for n, t in zip(view.param_names, view.version(k - o))})
+        if view.predicts:  # "stash.0": what the batches due the newest version will run on (its prediction)
+            flat.update({f"{STASH}0.{n}": t for n, t in zip(view.param_names, view.predicted_newest())})
     for i, optimizer in enumerate(optimizers):
         flat.update(_optimizer_by_name(optimizer, engine.global_names, f"{OPTIM}{i}/"))
     return flat
@@ -164,7 +166,7 @@ def needed_keys(engine: Any, module_state_names: Iterable[str], source: TensorSo
     optimizer's names: only those parameters' state, and every parameter's group settings)."""
     keys = {model_key(engine, n) for n in module_state_names}
     for view in engine.stats.stages:
-        for o in range(1, view.delay + 1):
+        for o in range(0 if view.predicts else 1, view.delay + 1):
             keys.update(f"{STASH}{o}.{n}" for n in view.param_names)
     own = {n for view in engine.stats.stages for n in view.param_names}
     keys.update(k for k in source.shapes if k.startswith(OPTIM) and k.split("/", 2)[1] in own
@@ -191,6 +193,8 @@ def load_engine(engine: Any, module: nn.Module, tensors: Mapping[str, Any], num_
         for o in range(1, min(view.delay, num_updates) + 1):
             versions[num_updates - o] = {n: tensors.get(f"{STASH}{o}.{n}", newest[n]) for n in view.param_names}
         stages[str(view.index)] = {"num_updates": num_updates, "delay": view.delay, "versions": versions}
+        if view.predicts and all(f"{STASH}0.{n}" in tensors for n in view.param_names):
+            stages[str(view.index)]["predicted_newest"] = {n: tensors[f"{STASH}0.{n}"] for n in view.param_names}
     engine.load_state_dict({"stages": stages})
 
 

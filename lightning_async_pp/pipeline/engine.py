@@ -62,6 +62,16 @@ class StageView:
     def version_for_batch(self, k: int) -> int:
         return self._stage.versions.version_for_batch(k)
 
+    @property
+    def predicts(self) -> bool:
+        """Weight prediction is on: older versions are the predictions delayed batches run on, and the
+        parameters are the only copy of the newest (an update overwrites it in place)."""
+        return self._stage.versions.predicts
+
+    def predicted_newest(self) -> list[Tensor]:
+        """Prediction on: what the batches due the newest version will run on."""
+        return self._stage.versions.predicted_newest()
+
 
 class PipelineStats:
     """What callbacks may read about the running pipeline (never the engine's internals)."""
@@ -280,6 +290,15 @@ class PipelineEngine:
             stages.append(stage)
         return stages
 
+    def set_weight_prediction(self, scales: dict[int, float]) -> None:
+        """Delayed batches run on predicted versions (see docs/design.md, 'Weight prediction'): ``scales`` maps
+        ``id(parameter)`` to its scale ``s``; a parameter not in it is not extrapolated (``s = 0``). A stage
+        with delay 0, or none of whose parameters is in ``scales``, is left as it is."""
+        for stage in self.stages:
+            mine = [scales.get(id(p), 0.0) for p in stage.params]
+            if stage.versions.delay > 0 and any(s != 0 for s in mine):
+                stage.versions.enable_prediction(mine)
+
     def check_tied_hyperparameters(self, optimizers: Sequence[torch.optim.Optimizer]) -> None:
         """Copies of a parameter tied across processes must be updated alike: refuse (on every process, before
         training) optimizer groups whose hyperparameters differ between the copies. Collective over all ranks."""
@@ -455,6 +474,9 @@ class PipelineEngine:
                 "delay": versions.delay,
                 "versions": {j: {n: t.detach().clone() for n, t in zip(view.param_names, versions.version(j))} for j in held},
             }
+            if versions.predicts:
+                out[str(stage.index)]["predicted_newest"] = {
+                    n: t.detach().clone() for n, t in zip(view.param_names, versions.predicted_newest())}
         return {"stages": out}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -473,6 +495,10 @@ class PipelineEngine:
                                        f"weight version W_{j} of stage {stage.index}")
             converted = dict(saved, versions={j: [tensors[n] for n in view.param_names]
                                               for j, tensors in saved["versions"].items()})
+            if saved.get("predicted_newest") is not None:
+                check_names_and_shapes(expected, {n: tuple(t.shape) for n, t in saved["predicted_newest"].items()},
+                                       f"the predicted newest version of stage {stage.index}")
+                converted["predicted_newest"] = [saved["predicted_newest"][n] for n in view.param_names]
             stage.versions.load_state_dict(converted)
 
     # ---- the whole model on one process -----------------------------------------------------------------------

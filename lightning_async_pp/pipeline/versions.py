@@ -5,6 +5,12 @@ the optimizer updates the newest version in place. Before an update the newest v
 of the version that just went out of use and the parameters are re-pointed there: microbatches still in flight
 keep reading the old slot untouched, which is what weight stashing means. With ``delay=1`` (PipeDream-2BW) that
 is exactly two versions: the parameters and one stash.
+
+Weight prediction (:meth:`enable_prediction`, see docs/design.md, 'Weight prediction') changes what the slots
+hold: a delayed batch due version ``W_v`` runs on the predicted ``W_v + s * delay * (W_v - W_{v-1})`` (``s`` per
+parameter) instead of ``W_v`` itself. The parameters then get their own tensors (the true newest version, which the
+optimizer updates and evaluation reads), and slot ``v % (delay + 1)`` holds the prediction for ``v``: the versions
+plus one, i.e. with ``delay=1`` two versions and one update's worth of memory.
 """
 from __future__ import annotations
 
@@ -40,6 +46,53 @@ class WeightVersions:
                 slot.append(p.detach().clone())
             p.data = self.slots[0][-1]
         self._leaves: dict[int, list[Tensor]] = {}
+        self.scales: Optional[list[float]] = None  # weight prediction: ``s`` per parameter, None when off
+        self._predicted = 0  # the newest version whose prediction its slot holds (prediction on)
+
+    # ---- weight prediction ---------------------------------------------------------------------------------
+    @torch.no_grad()
+    def enable_prediction(self, scales: Sequence[float]) -> None:
+        """Run delayed batches on predicted versions, parameter ``i`` extrapolated with scale ``scales[i]``.
+
+        Call before training (or before loading a checkpoint). The parameters move to tensors of their own; the
+        slots keep the versions held now, which serve as their own predictions (no update to extrapolate yet).
+        """
+        if len(scales) != len(self.params):
+            raise ValueError(f"enable_prediction needs one scale per parameter ({len(self.params)}), got {len(scales)}")
+        if self.delay == 0:
+            raise ValueError("weight prediction needs a delay >= 1 (with delay 0 no batch runs on an older version)")
+        if self.scales is not None:
+            self.scales = [float(s) for s in scales]
+            return
+        self.scales = [float(s) for s in scales]
+        newest = self.slots[self.num_updates % len(self.slots)]
+        for p, t in zip(self.params, newest):
+            p.data = t.clone()
+        self._predicted = self.num_updates
+
+    @property
+    def predicts(self) -> bool:
+        return self.scales is not None
+
+    @torch.no_grad()
+    def _form_prediction(self) -> None:
+        """Turn the slot of the newest version ``k`` (holding a copy of ``W_{k-1}``) into the prediction
+        ``W_k + s d (W_k - W_{k-1})``; a no-op once done. Runs while the parameters hold ``W_k``: before the next
+        update moves them on, and before any batch due ``k`` first reads its slot."""
+        if self.scales is None or self._predicted == self.num_updates:
+            return
+        slot = self.slots[self.num_updates % len(self.slots)]
+        for t, p, s in zip(slot, self.params, self.scales):
+            factor = s * self.delay
+            t.mul_(-factor).add_(p.detach(), alpha=1.0 + factor)  # W_k + f (W_k - W_{k-1})
+        self._predicted = self.num_updates
+
+    def predicted_newest(self) -> list[Tensor]:
+        """Prediction on: the tensors batches due the newest version will run on (a checkpoint saves them)."""
+        if self.scales is None:
+            raise RuntimeError("weight prediction is off")
+        self._form_prediction()
+        return self.slots[self.num_updates % len(self.slots)]
 
     # ---- which version a batch uses ----------------------------------------------------------------------
     def delay_for_batch(self, batch_index: int) -> int:
@@ -65,7 +118,11 @@ class WeightVersions:
                     f"batch {batch_index} needs weight version {version}, but only versions "
                     f"{max(0, self.num_updates - self.delay)}..{self.num_updates} are held"
                 )
-            slot = self.slots[version % len(self.slots)]
+            if self.scales is not None and self.delay_for_batch(batch_index) == 0:
+                slot = [p.data for p in self.params]  # a synchronous batch: the true W_k, before its update
+            else:
+                self._form_prediction()
+                slot = self.slots[version % len(self.slots)]
             leaves = [t.detach().requires_grad_(p.requires_grad) for t, p in zip(slot, self.params)]
             self._leaves[batch_index] = leaves
         return leaves
@@ -85,7 +142,16 @@ class WeightVersions:
         """Make the parameters point at the slot that will hold ``W_{k+1}``, holding a copy of ``W_k``.
 
         Call this after the gradient of batch k is complete and before the optimizer writes the parameters.
+        Prediction on: the slot freed by batch k (that of ``W_{k-delay}``) receives the copy of ``W_k`` instead, and
+        becomes the prediction for ``W_{k+1}`` once the optimizer has written it.
         """
+        if self.scales is not None:
+            self._form_prediction()  # the one for W_k, while the parameters still hold W_k
+            target = (self.num_updates + 1) % len(self.slots)
+            for dst, p in zip(self.slots[target], self.params):
+                dst.copy_(p.detach())
+            self.num_updates += 1
+            return
         current = (self.num_updates) % len(self.slots)
         target = (self.num_updates + 1) % len(self.slots)
         if target != current:
@@ -100,30 +166,48 @@ class WeightVersions:
 
     # ---- introspection and checkpoints -------------------------------------------------------------------
     def stash_nbytes(self) -> int:
-        """Bytes held beyond the parameters themselves (the stashed versions)."""
-        return sum(t.numel() * t.element_size() for slot in self.slots[1:] for t in slot)
+        """Bytes held beyond the parameters themselves (the stashed or predicted versions)."""
+        slots = self.slots if self.scales is not None else self.slots[1:]
+        return sum(t.numel() * t.element_size() for slot in slots for t in slot)
 
     def version(self, j: int) -> list[Tensor]:
-        """The tensors of version ``W_j`` (one of the held ones)."""
+        """The tensors of version ``W_j`` (one of the held ones). Prediction on: the newest is the parameters'
+        own tensors and an older one is the prediction its delayed batches run on."""
         if not max(0, self.num_updates - self.delay) <= j <= self.num_updates:
             raise IndexError(f"version {j} is not held (held: {max(0, self.num_updates - self.delay)}..{self.num_updates})")
+        if self.scales is not None and j == self.num_updates:
+            return [p.data for p in self.params]
         return self.slots[j % len(self.slots)]
 
     def state_dict(self) -> dict[str, Any]:
         held = range(max(0, self.num_updates - self.delay), self.num_updates + 1)
-        return {
+        state = {
             "num_updates": self.num_updates,
             "delay": self.delay,
             "versions": {j: [t.clone() for t in self.version(j)] for j in held},
         }
+        if self.scales is not None:
+            state["predicted_newest"] = [t.clone() for t in self.predicted_newest()]
+        return state
 
     @torch.no_grad()
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Load what :meth:`state_dict` saved. Prediction on and no ``predicted_newest`` (a checkpoint saved
+        without prediction): the newest version's prediction is formed from the two newest versions saved."""
         if state["delay"] != self.delay:
             raise ValueError(f"checkpoint was saved with delay {state['delay']}, this run uses delay {self.delay}")
-        self.num_updates = int(state["num_updates"])
-        for j, tensors in state["versions"].items():
-            for dst, src in zip(self.slots[int(j) % len(self.slots)], tensors):
+        self.num_updates = k = int(state["num_updates"])
+        versions = {int(j): tensors for j, tensors in state["versions"].items()}
+        for j, tensors in versions.items():
+            for dst, src in zip(self.slots[j % len(self.slots)], tensors):
                 dst.copy_(src)
-        self._point_params_at(self.num_updates % len(self.slots))
         self._leaves.clear()
+        if self.scales is None:
+            self._point_params_at(k % len(self.slots))
+            return
+        for p, src in zip(self.params, versions[k]):
+            p.data.copy_(src)
+        predicted = state.get("predicted_newest")
+        for dst, src in zip(self.slots[k % len(self.slots)], predicted or versions.get(k - 1, versions[k])):
+            dst.copy_(src)
+        self._predicted = k if predicted is not None or k - 1 not in versions else k - 1
