@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import shutil
 import sys
 import time
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
@@ -67,7 +68,8 @@ def _s(tag: str, **values: object) -> tuple[str, tuple[tuple[str, object], ...]]
 
 CORRECTIONS = {
     "ef": Correction("ef", "ErrorFeedback", {"adamw": "adamw_2bw_ef", "muon": "muon_2bw_ef"},
-                     (_s("c0.5", coefficient=0.5), _s("c1", coefficient=1.0), _s("c2", coefficient=2.0))),
+                     (_s("c0.5", coefficient=0.5), _s("c1", coefficient=1.0), _s("c2", coefficient=2.0),
+                      _s("c4", coefficient=4.0))),  # 4: AdamW's best was 2, the edge of {0.5, 1, 2}
     # the term is c * g * g * (W_k - W_b): with clipped gradients (|g| <= 1 over 136 K weights) and AdamW steps of
     # about lr per weight it is ~1e-6 c of g per weight, so c spans 1e2..1e5 to reach a term that matters
     "dc": Correction("dc", "DelayCompensation", {"adamw": "corrections/adamw_dc", "muon": "corrections/muon_dc"},
@@ -88,7 +90,8 @@ CORRECTIONS = {
 }
 #: Parameter-sized buffers per parameter beyond the base optimizer's (docs: "extra memory").
 def extra_buffers(key: str, delay: int = 1, ema: bool = False) -> int:
-    return {"sync": 0, "2bw": 0, "ef": 1, "dc": delay + (1 if ema else 0), "nesterov": 0, "wp": 1, "pipemare": 0}[key]
+    return {"sync": 0, "2bw": 0, "ef": 1, "dc": delay + (1 if ema else 0), "nesterov": 0, "nesterov_sync": 0, "wp": 1,
+            "pipemare": 0}[key]
 
 
 def available(key: str) -> bool:
@@ -164,6 +167,14 @@ def final_loss(spec: Spec, out: Path) -> float:
     return curve[-1][1] if curve else math.nan
 
 
+def token_overhead(sync_curve: Sequence[tuple[int, float]], final: float, total: int) -> float:
+    """study2's overhead read off the synchronous curve, and 0 where the run ends at or below the synchronous final
+    loss (it needs no extra tokens; how many it saves is not read here)."""
+    if sync_curve and final <= sync_curve[-1][1]:
+        return 0.0
+    return study2.overhead_from_sync_curve(sync_curve, final, total)
+
+
 def pick_best(losses: Mapping[str, float]) -> Optional[str]:
     """The key of the lowest loss, if every value is known (a diverged run, NaN, counts as known and loses);
     ``None`` while any is missing (``None`` values)."""
@@ -210,6 +221,12 @@ def cell_spec(experiment: str, opt: str, key: str, best: Mapping, seed: int, d: 
     lr = LR[opt]
     name = name or f"{opt}_{key}{f'_d{d}' if experiment == 'delays' else ''}_s{seed}"
     delay = _delay_args(key, d) if experiment == "delays" else ()
+    if key == "nesterov_sync":  # the tuned AsyncNesterov without a delay: what the base optimizer alone is worth
+        if (opt, "nesterov") not in best:
+            return None
+        return Spec(experiment, name, CORRECTIONS["nesterov"].cells[opt], lr, seed,
+                    (*overrides("optimizer", best[(opt, "nesterov")][1]), "--trainer.strategy.init_args.schedule=1f1b"),
+                    long)
     if key in ("sync", "2bw"):
         if seed == 0 and d == 1 and not long:
             return Spec("tune", f"{opt}_{key}_s0", f"{opt}_{key}", lr, 0)
@@ -244,9 +261,10 @@ def combination(best: Mapping, opt: str) -> Optional[str]:
 
 
 def compare_cells(best: Mapping, opt: str) -> list[str]:
+    """sync, 2BW, each tuned correction, EF + the best other, and AsyncNesterov without a delay (its reference)."""
     cells = ["sync", "2bw", *[k for k in CORRECTIONS if (opt, k) in best]]
     combo = combination(best, opt)
-    return cells + ([combo] if combo else [])
+    return cells + ([combo] if combo else []) + (["nesterov_sync"] if (opt, "nesterov") in best else [])
 
 
 def long_cells(best: Mapping, opt: str) -> list[str]:
@@ -342,13 +360,16 @@ def _run_figures(spec: Spec, out: Path) -> Optional[dict]:
 def _setting_text(opt: str, key: str, best: Mapping) -> str:
     if key in ("sync", "2bw"):
         return "-"
+    if key == "nesterov_sync":
+        key = "nesterov"
     if key.startswith("ef+"):
         return f"EF {best[(opt, 'ef')][0]}, {CORRECTIONS[key[3:]].label} {best[(opt, key[3:])][0]}"
     return best[(opt, key)][0] if (opt, key) in best else "-"
 
 
 def _label(key: str) -> str:
-    names = {"sync": "sync (1F1B)", "2bw": "async (2BW)", "pipemare": "PipeMareLR"}
+    names = {"sync": "sync (1F1B)", "2bw": "async (2BW)", "pipemare": "PipeMareLR",
+             "nesterov_sync": "AsyncNesterov, sync (1F1B): no delay"}
     if key.startswith("ef+"):
         return f"ErrorFeedback + {CORRECTIONS[key[3:]].label}"
     return names.get(key) or CORRECTIONS[key].label
@@ -408,16 +429,17 @@ def compare_tables(out: Path, best: Mapping, seeds: Sequence[int],
         sync_mean = stats.get("sync", {}).get("mean", math.nan)
         for k in [c for c in cells if c in stats]:
             st, fs = stats[k], figures[k]
-            overheads = ([study2.overhead_from_sync_curve(figures["sync"][s]["curve"], fs[s]["final"], BASE_STEPS)
-                          for s in st["seeds"]] if k != "sync" else [])
+            synchronous = k in ("sync", "nesterov_sync")
+            overheads = ([token_overhead(figures["sync"][s]["curve"], fs[s]["final"], BASE_STEPS)
+                          for s in st["seeds"]] if not synchronous else [])
             mean_over = study.mean_std(overheads)[0] if overheads else math.nan
-            speed = "".join(f"| {study2._f(study2.net_speedup(r, mean_over), 2) if k != 'sync' else '1 (reference)'} "
+            speed = "".join(f"| {study2._f(study2.net_speedup(r, mean_over), 2) if not synchronous else '-'} "
                             for r in ratios.values())
             step = study.mean_std([fs[s]["step_s"] for s in st["seeds"]])[0]
             opt_s = study.mean_std([fs[s]["opt_s"] for s in st["seeds"]])[0]
             wall = study.mean_std([fs[s]["wall"] / BASE_STEPS for s in st["seeds"]])[0]
-            closed = "-" if k in ("sync", "2bw") else study._pct(st["closed"])
-            per_seed = "-" if k in ("sync", "2bw") else ", ".join(study._pct(x) for x in st["closed_per_seed"])
+            closed = "-" if k in ("sync", "2bw", "nesterov_sync") else study._pct(st["closed"])
+            per_seed = "-" if k in ("sync", "2bw", "nesterov_sync") else ", ".join(study._pct(x) for x in st["closed_per_seed"])
             loss.append(f"| {study.OPTIMIZER_LABELS[opt]} ({lr:g}) | {_label(k)} | {_setting_text(opt, k, best)} "
                         f"| {', '.join(map(str, st['seeds']))} | {study2._f(st['mean'])} ± {study2._f(st['std'])} "
                         f"| {study2._f(st['mean'] - sync_mean)} | {closed} | {per_seed} "
@@ -445,7 +467,7 @@ def long_table(out: Path, best: Mapping, seeds: Sequence[int],
         stats = summarize({k: {s: f["final"] for s, f in v.items()} for k, v in figures.items()}, seeds)
         for k in [c for c in cells if c in stats]:
             st, fs = stats[k], figures[k]
-            over = [study2.overhead_from_sync_curve(figures["sync"][s]["curve"], fs[s]["final"], LONG_STEPS)
+            over = [token_overhead(figures["sync"][s]["curve"], fs[s]["final"], LONG_STEPS)
                     for s in st["seeds"]] if k != "sync" else []
             mean_over = study.mean_std(over)[0] if over else math.nan
             speed = "".join(f"| {study2._f(study2.net_speedup(r, mean_over), 2) if k != 'sync' else '1 (reference)'} "
@@ -509,6 +531,8 @@ WALL = "WALL_S"  # written into a run's folder beside DONE: the run's wall secon
 
 
 def _execute(spec: Spec, out: Path) -> tuple[bool, float]:
+    if spec.log_dir(out).exists():  # an interrupted run: its events would mix with the new run's
+        shutil.rmtree(spec.log_dir(out))
     ok, seconds = study2.execute(spec, out)
     if ok:
         (spec.log_dir(out) / WALL).write_text(f"{seconds:.1f}\n")

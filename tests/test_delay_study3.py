@@ -32,6 +32,12 @@ def test_gap_closed_per_seed_and_from_the_means():
     assert math.isnan(study3.gap_closed(2.5, 2.4, 2.3))  # no gap to close
 
 
+def test_token_overhead_is_zero_at_or_below_the_sync_final_loss():
+    sync = [(100, 2.6), (300, 2.5)]
+    assert study3.token_overhead(sync, 2.55, 300) == pytest.approx(0.5)  # sync reaches 2.55 at update 200
+    assert study3.token_overhead(sync, 2.5, 300) == 0.0 and study3.token_overhead(sync, 2.4, 300) == 0.0
+
+
 def test_pick_best_waits_for_the_whole_sweep_and_lets_a_diverged_run_lose():
     assert study3.pick_best({"c1": 2.5, "c2": None}) is None
     assert study3.pick_best({"c1": 2.5, "c2": 2.4, "c3": math.nan}) == "c2"
@@ -88,6 +94,8 @@ def test_plans_follow_the_tune_results(monkeypatch, tmp_path):
      lambda c: c["optimizer"]["init_args"]["delay"] == c["trainer"]["strategy"]["init_args"]["delay"] == 2),
     ("corrections/adamw_nesterov", ("--optimizer.init_args.adaptive_momentum=[1, 2]",),
      lambda c: c["optimizer"]["init_args"]["adaptive_momentum"] == [1, 2] and c["optimizer"]["init_args"]["lr"] == 0.5),
+    ("corrections/muon_ef_wp", ("--optimizer.init_args.optimizer.init_args.scale=2.0",),
+     lambda c: c["optimizer"]["init_args"]["optimizer"]["init_args"]["scale"] == 2.0),
     ("corrections/muon_pipemare", ("--lr_scheduler.init_args.delay=4",),
      lambda c: c["lr_scheduler"]["init_args"]["delay"] == 4
      and c["lr_scheduler"]["init_args"]["scheduler"]["init_args"]["total_steps"] == 300),
