@@ -85,7 +85,8 @@ CORRECTIONS = {
                             _s("m0.9_adaptive", momentum=0.9, adaptive_momentum=[1, 2])),
                            {"adamw": "corrections/adamw_ef_nesterov", "muon": None}),
     "wp": Correction("wp", "WeightPrediction", {"adamw": "corrections/adamw_wp", "muon": "corrections/muon_wp"},
-                     (_s("s0.5", scale=0.5), _s("s1", scale=1.0), _s("s2", scale=2.0)),
+                     (_s("s0.5", scale=0.5), _s("s1", scale=1.0), _s("s2", scale=2.0),
+                      _s("s4", scale=4.0)),  # 4: AdamW's best was 2, the edge of {0.5, 1, 2}
                      {"adamw": "corrections/adamw_ef_wp", "muon": "corrections/muon_ef_wp"}),
 }
 #: Parameter-sized buffers per parameter beyond the base optimizer's (docs: "extra memory").
