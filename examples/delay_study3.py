@@ -262,10 +262,13 @@ def combination(best: Mapping, opt: str) -> Optional[str]:
 
 
 def compare_cells(best: Mapping, opt: str) -> list[str]:
-    """sync, 2BW, each tuned correction, EF + the best other, and AsyncNesterov without a delay (its reference)."""
+    """sync, 2BW, each tuned correction, EF + the best other, AsyncNesterov without a delay (its reference), then EF
+    + each other correction where defined."""
     cells = ["sync", "2bw", *[k for k in CORRECTIONS if (opt, k) in best]]
     combo = combination(best, opt)
-    return cells + ([combo] if combo else []) + (["nesterov_sync"] if (opt, "nesterov") in best else [])
+    cells += ([combo] if combo else []) + (["nesterov_sync"] if (opt, "nesterov") in best else [])
+    return cells + [f"ef+{k}" for k in ranking(best, opt, exclude=("ef",))
+                    if CORRECTIONS[k].with_ef[opt] is not None and f"ef+{k}" not in cells]
 
 
 def long_cells(best: Mapping, opt: str) -> list[str]:
