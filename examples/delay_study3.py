@@ -276,6 +276,13 @@ def long_cells(best: Mapping, opt: str) -> list[str]:
     return ["sync", "2bw", "ef", *ranking(best, opt, exclude=("ef",))[:2]]
 
 
+def second_new(out: Path) -> tuple[str, ...]:
+    """Run-name prefixes of the second-best new correction of each optimizer at 2000 updates (the last of
+    ``long_cells``)."""
+    best = tuned(out)
+    return tuple(f"{opt}_{cells[4]}_" for opt in OPTIMIZERS if len(cells := long_cells(best, opt)) > 4)
+
+
 def delay_cells(best: Mapping, opt: str) -> list[str]:
     """plain, PipeMareLR, and the two best corrections (by the tune runs)."""
     return ["2bw", "pipemare", *ranking(best, opt)[:2]]
@@ -308,9 +315,12 @@ def plan(experiment: str, out: Path, seeds: Sequence[int] = (0,), long_seeds: Se
                         continue  # the identity at delay 1: that is the plain 2BW run
                     specs.append(cell_spec("delays", opt, key, best, 0, d))
     elif experiment == "all":
-        # the long runs' extra seeds last: they cost 7 delay runs each
-        return (plan("tune", out) + plan("compare", out, seeds) + plan("long", out, long_seeds=long_seeds[:1])
-                + plan("delays", out) + plan("long", out, long_seeds=long_seeds[1:]))
+        # a 2000-update run costs 10-13 minutes here, the whole delay sweep about as much: the delays go before the
+        # long runs of the second-best new correction, the long runs' extra seeds last
+        first = plan("long", out, long_seeds=long_seeds[:1])
+        core = [s for s in first if not s.name.startswith(second_new(out))]
+        return (plan("tune", out) + plan("compare", out, seeds) + core + plan("delays", out)
+                + [s for s in first if s not in core] + plan("long", out, long_seeds=long_seeds[1:]))
     else:
         raise ValueError(f"unknown experiment {experiment!r}; use one of {', '.join(EXPERIMENTS)}")
     seen, result = set(), []
