@@ -484,7 +484,7 @@ def long_table(out: Path, best: Mapping, seeds: Sequence[int],
             over = [token_overhead(figures["sync"][s]["curve"], fs[s]["final"], LONG_STEPS)
                     for s in st["seeds"]] if k != "sync" else []
             mean_over = study.mean_std(over)[0] if over else math.nan
-            speed = "".join(f"| {study2._f(study2.net_speedup(r, mean_over), 2) if k != 'sync' else '1 (reference)'} "
+            speed = "".join(f"| {study2._f(study2.net_speedup(r, mean_over), 2) if k != 'sync' else '-'} "
                             for r in ratios.values())
             wall = study.mean_std([fs[s]["wall"] / 60 for s in st["seeds"]])[0]
             lines.append(f"| {study.OPTIMIZER_LABELS[opt]} ({lr:g}) | {_label(k)} | {_setting_text(opt, k, best)} "
@@ -500,7 +500,7 @@ def delays_table(out: Path, best: Mapping) -> str:
              "|---|---|---|---|---|---|---|---|"]
     for opt, lr in LR.items():
         sync = _run_figures(Spec("tune", f"{opt}_sync_s0", f"{opt}_sync", lr), out)
-        keys = ["2bw", "pipemare", *[k for k in CORRECTIONS]]
+        keys = delay_cells(best, opt)
         for d in DELAYS:
             plain = (_run_figures(sp, out) if (sp := cell_spec("delays", opt, "2bw", best, 0, d)) else None)
             for k in keys:
