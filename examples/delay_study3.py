@@ -351,7 +351,7 @@ def summarize(finals: Mapping[str, Mapping[int, float]], seeds: Sequence[int]) -
             continue
         s, a, c = ([finals[x][k] for k in done] for x in ("sync", "2bw", cell))
         (sm, _), (am, _), (cm, cs) = study.mean_std(s), study.mean_std(a), study.mean_std(c)
-        result[cell] = {"seeds": done, "mean": cm, "std": cs, "closed": gap_closed(sm, am, cm),
+        result[cell] = {"seeds": done, "mean": cm, "std": cs, "sync_mean": sm, "closed": gap_closed(sm, am, cm),
                         "closed_per_seed": [gap_closed(*v) for v in zip(s, a, c)]}
     return result
 
@@ -440,7 +440,6 @@ def compare_tables(out: Path, best: Mapping, seeds: Sequence[int],
                        and (f := _run_figures(sp, out))} for k in cells}
         figures = {k: v for k, v in figures.items() if v}
         stats = summarize({k: {s: f["final"] for s, f in v.items()} for k, v in figures.items()}, seeds)
-        sync_mean = stats.get("sync", {}).get("mean", math.nan)
         for k in [c for c in cells if c in stats]:
             st, fs = stats[k], figures[k]
             synchronous = k in ("sync", "nesterov_sync")
@@ -456,7 +455,7 @@ def compare_tables(out: Path, best: Mapping, seeds: Sequence[int],
             per_seed = "-" if k in ("sync", "2bw", "nesterov_sync") else ", ".join(study._pct(x) for x in st["closed_per_seed"])
             loss.append(f"| {study.OPTIMIZER_LABELS[opt]} ({lr:g}) | {_label(k)} | {_setting_text(opt, k, best)} "
                         f"| {', '.join(map(str, st['seeds']))} | {study2._f(st['mean'])} ± {study2._f(st['std'])} "
-                        f"| {study2._f(st['mean'] - sync_mean)} | {closed} | {per_seed} "
+                        f"| {study2._f(st['mean'] - st['sync_mean'])} | {closed} | {per_seed} "
                         f"| {', '.join(study._pct(o) for o in overheads) or '-'} | {_buffers(k, opt, best)} "
                         f"| {study2._f(1e3 * step, 0)} | {study2._f(1e3 * opt_s, 1)} | {study2._f(wall, 3)} {speed}|")
         if CORRECTIONS["nesterov"].cells[opt] is None:
@@ -489,7 +488,7 @@ def long_table(out: Path, best: Mapping, seeds: Sequence[int],
             wall = study.mean_std([fs[s]["wall"] / 60 for s in st["seeds"]])[0]
             lines.append(f"| {study.OPTIMIZER_LABELS[opt]} ({lr:g}) | {_label(k)} | {_setting_text(opt, k, best)} "
                          f"| {', '.join(map(str, st['seeds']))} | {study2._f(st['mean'])} ± {study2._f(st['std'])} "
-                         f"| {study2._f(st['mean'] - stats['sync']['mean'])} "
+                         f"| {study2._f(st['mean'] - st['sync_mean'])} "
                          f"| {'-' if k in ('sync', '2bw') else study._pct(st['closed'])} "
                          f"| {', '.join(study._pct(o) for o in over) or '-'} | {study2._f(wall, 1)} {speed}|")
     return "\n".join(lines)

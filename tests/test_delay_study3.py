@@ -27,6 +27,7 @@ def test_gap_closed_per_seed_and_from_the_means():
     assert s["ef"]["mean"] == pytest.approx(2.2) and s["ef"]["std"] == pytest.approx(math.sqrt(0.02))
     # (2.5 - 2.2) / (2.5 - 2.1) = 75%; per seed (2.4 - 2.1) / 0.4 = 75%, (2.6 - 2.3) / 0.4 = 75%
     assert s["ef"]["closed"] == pytest.approx(0.75)
+    assert s["ef"]["sync_mean"] == pytest.approx(2.1)  # sync over the row's own seeds, for its gap
     assert s["ef"]["closed_per_seed"] == pytest.approx([0.75, 0.75])
     assert s["2bw"]["closed"] == pytest.approx(0.0) and s["sync"]["closed"] == pytest.approx(1.0)
     assert math.isnan(study3.gap_closed(2.5, 2.4, 2.3))  # no gap to close
