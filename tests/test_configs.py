@@ -35,7 +35,7 @@ def config_sets() -> list[list[Path]]:
     """Each runnable combination: a study cell goes after the study's base.yaml (its header says so)."""
     sets = []
     for path in sorted(CONFIGS.rglob("*.yaml")):
-        if path.parent.name == "study" and path != STUDY_BASE:
+        if path.parent.name == "study" and path != STUDY_BASE or path.parent == CONFIGS / "study" / "corrections":
             sets.append([STUDY_BASE, path])
         else:
             sets.append([path])
