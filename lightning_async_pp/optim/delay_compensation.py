@@ -82,6 +82,7 @@ class DelayCompensation(OptimizerWrapper):
         originals = []  # (param, its own gradient) to put back after the wrapped step
         buffers = []  # (param, its new buffers): written after the wrapped step, which initializes an empty state itself
         self.last_square_norms = {}
+        stale = self._stale_index()  # where W_b sits in the history this step (None: a synchronous step)
         for index, group in enumerate(self.param_groups):
             c = self.group_coefficient(group, index)
             for p in group["params"]:
@@ -102,10 +103,10 @@ class DelayCompensation(OptimizerWrapper):
                 if history is None:  # W_{k-d} .. W_{k-1} are all W_0 = W_k: no correction yet
                     history = p.detach().unsqueeze(0).repeat(self.delay, *([1] * p.dim()))
                     corrected, term_sq = g, g.new_zeros((), dtype=torch.float64)
-                elif self._stale_index() is None:  # a synchronous step: W_b = W_k
+                elif stale is None:  # a synchronous step: W_b = W_k
                     corrected, term_sq = g, g.new_zeros((), dtype=torch.float64)
                 else:
-                    term = c * square * (p - history[self._stale_index()])  # c s (W_k - W_b)
+                    term = c * square * (p - history[stale])  # c s (W_k - W_b)
                     term_sq = _square_norm(term)
                     corrected = term.add_(g)
                 self.last_square_norms[p] = (term_sq, _square_norm(g))
