@@ -144,20 +144,26 @@ def _delay_args(corr: Optional[str], d: int, combo: bool = False) -> tuple[str, 
 
 
 # ---- planning -----------------------------------------------------------------------------------------------------
+def sweep_cells():
+    """``(key, correction, optimizer, lr)`` for every correction the package has, with each optimizer it is
+    defined for (AsyncNesterov has no Muon cell)."""
+    for key, corr in CORRECTIONS.items():
+        if not available(key):
+            continue
+        for opt, lr in LR.items():
+            if corr.cells[opt] is not None:
+                yield key, corr, opt, lr
+
+
 def tune_specs(seed: int = 0) -> list[Spec]:
     specs = []
     for opt, lr in LR.items():
         specs += [Spec("tune", f"{opt}_sync_s{seed}", f"{opt}_sync", lr, seed),
                   Spec("tune", f"{opt}_2bw_s{seed}", f"{opt}_2bw", lr, seed)]
-    for key, corr in CORRECTIONS.items():
-        if not available(key):
-            continue
-        for opt, lr in LR.items():
-            if corr.cells[opt] is None:
-                continue
-            for tag, values in corr.settings:
-                specs.append(Spec("tune", f"{opt}_{key}_{tag}_s{seed}", corr.cells[opt], lr, seed,
-                                  overrides("optimizer", values)))
+    for key, corr, opt, lr in sweep_cells():
+        for tag, values in corr.settings:
+            specs.append(Spec("tune", f"{opt}_{key}_{tag}_s{seed}", corr.cells[opt], lr, seed,
+                              overrides("optimizer", values)))
     return specs
 
 
@@ -188,20 +194,15 @@ def pick_best(losses: Mapping[str, float]) -> Optional[str]:
 def tuned(out: Path, seed: int = 0) -> dict[tuple[str, str], tuple[str, tuple[tuple[str, object], ...], float]]:
     """``(optimizer, correction) -> (tag, settings, final loss)`` for each correction whose whole sweep finished."""
     result = {}
-    for key, corr in CORRECTIONS.items():
-        if not available(key):
-            continue
-        for opt, lr in LR.items():
-            if corr.cells[opt] is None:
-                continue
-            losses = {}
-            for tag, values in corr.settings:
-                spec = Spec("tune", f"{opt}_{key}_{tag}_s{seed}", corr.cells[opt], lr, seed)
-                done = (spec.log_dir(out) / study.DONE).exists()
-                losses[tag] = final_loss(spec, out) if done else None
-            best = pick_best(losses)
-            if best is not None:
-                result[(opt, key)] = (best, dict(corr.settings)[best], losses[best])
+    for key, corr, opt, lr in sweep_cells():
+        losses = {}
+        for tag, values in corr.settings:
+            spec = Spec("tune", f"{opt}_{key}_{tag}_s{seed}", corr.cells[opt], lr, seed)
+            done = (spec.log_dir(out) / study.DONE).exists()
+            losses[tag] = final_loss(spec, out) if done else None
+        best = pick_best(losses)
+        if best is not None:
+            result[(opt, key)] = (best, dict(corr.settings)[best], losses[best])
     return result
 
 
