@@ -33,7 +33,7 @@ from lightning_async_pp.module import PipelineModule
 from lightning_async_pp.optim.checks import check_corrections, set_step_delay
 from lightning_async_pp.optim.weight_prediction import prediction_scales
 from lightning_async_pp.pipeline import checkpoint as ckpt
-from lightning_async_pp.pipeline.comm import PipelineFailure, elastic_attempt_store
+from lightning_async_pp.pipeline.comm import elastic_attempt_store, is_lost_connection
 from lightning_async_pp.pipeline.config import CheckpointingSpec, CompileSpec, DelaySpec, PipelineConfig
 from lightning_async_pp.pipeline.engine import PipelineEngine
 from lightning_async_pp.pipeline.partition import PartitionSpec
@@ -512,7 +512,9 @@ class AsyncPipelineStrategy(PipelineStateHooks, DDPStrategy):
         if err is self._reported:
             return  # reported where it was raised; on_exception sees it again
         self._reported = err
-        if self.is_multiprocess and self.engine is not None and not isinstance(err, PipelineFailure):
+        # A lost connection (a collective whose peer died, say) is another process's failure: reporting it would
+        # name this survivor as the stage that failed.
+        if self.is_multiprocess and self.engine is not None and not is_lost_connection(err):
             message = f"stage {self.topology.stage} (rank {self.global_rank}) failed: {type(err).__name__}: {err}"
             self.engine.board.report(message)
             # Said here too: Lightning's launcher may stop the other processes before they can repeat it.

@@ -1,6 +1,7 @@
 """The real pipeline: one process per stage (gloo on CPU), compared with the one-device semantics."""
 from __future__ import annotations
 
+import json
 import time
 
 import lightning as L
@@ -55,16 +56,26 @@ def test_clipping_uses_the_norm_over_all_stages(tmp_path):
     assert max_difference(multi, one_device_weights(dict(cfg, clip=None))) > 1e-4
 
 
-def test_reused_receive_buffers_keep_2bw_equal_to_the_one_device_run(tmp_path):
+def test_reused_receive_buffers_keep_2bw_equal_to_the_one_device_run_with_no_host_read_in_the_steady_state(tmp_path):
     """The receive-buffer pools (on by default on CUDA only) run here with gloo. The middle of three stages passes
     its input through as its output, so its activation buffer is still being sent on, and the gradient it
-    receives may become its input's gradient: neither may be overwritten by the next receive."""
+    receives may become its input's gradient: neither may be overwritten by the next receive.
+
+    The same run counts the host reads of tensors inside each training step (on CUDA each waits for the device
+    and stalls the host's queueing): the first step reads each layout once; later steps read nothing but the
+    deferred fingerprint comparison, every ``CHECK_EVERY_ON_CUDA`` steps (here at none of them)."""
     cfg = dict(BASE, schedule="2bw", stages=3, reuse_buffers=True, model={"depth": 4, "passthrough_at": 2},
-               partition=[2, 1, 2])
+               partition=[2, 1, 2], count_host_reads=True)
     proc = run_multiprocess(cfg, tmp_path)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     reused = [int((tmp_path / f"buffers_reused_{rank}.txt").read_text()) for rank in range(3)]
     assert reused[0] > 0 and reused[2] > 0, reused  # stage 0 reuses gradient buffers, stage 2 activation buffers
+    for rank in range(3):
+        steps = json.loads((tmp_path / f"host_reads_{rank}.json").read_text())
+        assert [k for k, _, _ in steps] == list(range(cfg["steps"])), steps
+        assert all(count == 0 for k, count, _ in steps if k > 0), (rank, steps)
+        if rank > 0:  # the activation layout (its length, then its bytes), once; batch 0's fingerprint, compared
+            assert 1 <= steps[0][1] <= 4, (rank, steps[0])
     one = one_device_weights(cfg)
     assert max_difference(torch.load(tmp_path / "final.pt"), one) < 1e-5
 

@@ -1,10 +1,10 @@
-"""Point-to-point transfers between neighbouring stages over ``torch.distributed`` (gloo or NCCL).
+"""Point-to-point transfers between the stages of a pipeline over ``torch.distributed`` (gloo or NCCL).
 
-Activations go forward and gradients backward as non-blocking sends and receives. What crosses a boundary is
-any nesting of tuples, lists and dicts of tensors (:mod:`.structure`); its layout (nesting, shapes, dtypes)
-travels once, in a header before the first microbatch, and is reused after that (training), or travels with
-every transfer (evaluation and prediction, whose batch shapes may differ). Every wait is bounded by the process group's timeout and, when it breaks, reads a
-shared failure board, so a stage that raised or died stops its neighbours (naming it) instead of hanging them.
+Activations go forward and gradients backward as non-blocking sends and receives, issued in the order of each
+stage's program (:mod:`.messages`), so that they pair up by position as NCCL pairs them. What crosses a boundary
+is any nesting of tuples, lists and dicts of tensors (:mod:`.structure`); its layout (nesting, shapes, dtypes) is
+agreed once per layout. Every wait is bounded by the process group's timeout and, when it breaks, reads a shared
+failure board, so a stage that raised or died stops its neighbours (naming it) instead of hanging them.
 """
 from __future__ import annotations
 
@@ -18,17 +18,23 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lightning_async_pp.pipeline.structure import Layout, flatten, input_gradient, unflatten
+from lightning_async_pp.pipeline.structure import Layout, flatten, unflatten
 
 _MAX_LEAVES = 1000
-# Tags keep independent message streams apart; gloo matches by (source, tag) in posting order. A stream's leaves
-# use consecutive tags from its base.
-_STREAMS = ("header", "act", "grad", "loss", "eval", "predict", "check")
-TAG_HEADER, TAG_ACT, TAG_GRAD, TAG_LOSS, TAG_EVAL, TAG_PREDICT, TAG_CHECK = (i * 1024 for i in range(len(_STREAMS)))
 
 
 class PipelineFailure(RuntimeError):
     """Another stage failed or stopped answering; the message names it."""
+
+
+# What gloo and NCCL say when the process at the other end is gone: a survivor sees these, not its own failure.
+_LOST_CONNECTION = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "Connection refused",
+                    "communicator was aborted", "NCCL communicator", "remote process exited")
+
+
+def is_lost_connection(err: BaseException) -> bool:
+    """Whether ``err`` says that another process went away (so it is not this process's own failure)."""
+    return isinstance(err, PipelineFailure) or any(s in str(err) for s in _LOST_CONNECTION)
 
 
 class FailureBoard:
@@ -128,15 +134,39 @@ class StepAgreement:
                     pass
 
 
+class _Posted:
+    """A receive issued in a batch of point-to-point operations: its buffers, and the works to wait for (its own
+    where the backend returns one per operation, the whole batch's where it coalesces them, as NCCL does)."""
+
+    __slots__ = ("tensors", "works", "peer", "positions", "layout")
+
+    def __init__(self, tensors: list[Optional[Tensor]], peer: int, positions: list[int]) -> None:
+        self.tensors, self.peer = tensors, peer
+        self.positions = positions  # of its operations in the batch they are issued in
+        self.works: list[Any] = []
+        self.layout: Optional[Layout] = None  # an evaluation value's
+
+
 class StageLink:
-    """The links of one stage to its previous and next stage (global ranks).
+    """The point-to-point operations of one stage with the other stages of its pipeline (global ranks).
 
-    On CUDA (NCCL) two things differ, both behind ``device.type == "cuda"`` (docs/design.md, "The runtime"):
+    The runtime calls it in the order of the stage's program (:mod:`.messages`): every message is sent and
+    received by both sides at the same place of one global order, so the k-th send of a pair of ranks meets its
+    k-th receive whatever the tags (NCCL ignores them; every message here has tag 0, which makes gloo match by
+    position too). Operations are queued and issued together, as one ``batch_isend_irecv``, before the next
+    computation or wait (``flush``): NCCL then runs a stage's send forward and receive backward at once.
 
-    - **Waits do not block the host.** NCCL runs each transfer on its own CUDA stream; ``work.wait()`` without a
-      timeout only makes the compute stream wait for it, so the host keeps queueing kernels and transfers overlap
-      compute. (A wait *with* a timeout blocks the host thread until the transfer is done.) NCCL's watchdog
-      bounds a hang by the process group's timeout, which is ``pipeline_timeout``.
+    Layouts (nesting, shapes, dtypes of what crosses) are agreed once: in training the first activation of the
+    run is preceded by its layout, which fixes it; in evaluation each distinct microbatch shape's layout travels
+    once (both sides see the same batch, so both know when a shape is new). Reading a layout is the only host
+    read of a received tensor; a step's steady state has none.
+
+    On CUDA two things differ, both behind ``device.type == "cuda"`` (docs/design.md, "The runtime"):
+
+    - **Waits do not block the host.** ``work.wait()`` without a timeout makes the compute stream wait for the
+      transfer, so the host keeps queueing kernels and transfers overlap compute. (A wait *with* a timeout blocks
+      the host thread until the transfer is done.) NCCL's watchdog bounds a hang by the process group's timeout,
+      which is ``pipeline_timeout``.
     - **Receive buffers are reused** (``reuse_buffers``): a training activation's buffers go back to a pool once
       its microbatch's backward has sent the input gradients, a gradient's once the backward that took it ran,
       so steady-state training allocates none. Buffers still shared with something in flight (a stage that
@@ -146,6 +176,7 @@ class StageLink:
     """
 
     REUSE_BUFFERS_ON_CPU = False  # tests turn this on to check the pools with gloo on CPU
+    TAG = 0  # one tag for every message: matching is by position, as under NCCL
 
     def __init__(
         self,
@@ -167,12 +198,13 @@ class StageLink:
         self.rank_to_stage = rank_to_stage
         self.out_layout: Optional[Layout] = None  # what this stage sends forward in training
         self.in_layout: Optional[Layout] = None  # what this stage receives in training
-        # Sends whose receives are posted in the same step (or evaluation call) as the send, and sends of the
-        # next batch's forwards (2BW lookahead) whose receives may be posted only in the next step.
-        self._pending_sends: deque = deque()
-        self._carried_sends: deque = deque()
-        self._posted_act: deque = deque()  # pre-posted activation receives, oldest first
-        self._posted_grad: deque = deque()
+        # Evaluation layouts agreed so far, by (peer, key): the key names the microbatch's shape on both sides.
+        self._sent_layouts: dict[tuple[int, Any], Layout] = {}
+        self._received_layouts: dict[tuple[int, Any], Layout] = {}
+        self._queued: list[dist.P2POp] = []  # operations not issued yet, in program order
+        self._queued_recvs: list[_Posted] = []
+        self._sends: deque = deque()  # (works, tensor, peer) of sends issued and not yet waited for
+        self._posted: dict[tuple, _Posted] = {}  # receives issued, by message key, until the runtime takes them
         self.wait_seconds = 0.0  # time spent blocked waiting for a neighbour (communication wait)
         self.on_cuda = device.type == "cuda"
         self.reuse_buffers = self.on_cuda or self.REUSE_BUFFERS_ON_CPU
@@ -182,9 +214,24 @@ class StageLink:
         # Called with (name, start, end, args) for every wait, when a trace is being recorded.
         self.recorder: Optional[Callable[[str, float, float, dict], None]] = None
 
-    # ---- waiting ------------------------------------------------------------------------------------------
+    # ---- failures -------------------------------------------------------------------------------------------
     def _describe(self, rank: Optional[int]) -> str:
         return f"stage {self.rank_to_stage.get(rank, '?')} (rank {rank})"
+
+    def _lost(self, err: BaseException, waited: float, peer: Optional[int], what: str) -> PipelineFailure:
+        """What a failed issue or wait means: the board names the stage that failed first, if it said so; else
+        the peer this stage was talking to is the one that failed, died or hangs (never this stage itself)."""
+        time.sleep(0.2)  # give the failing stage a moment to post its report
+        self.board.check()
+        if waited >= 0.9 * self.timeout:
+            return PipelineFailure(
+                f"stage {self.stage} (rank {self.rank}) waited {waited:.0f}s for {what} from "
+                f"{self._describe(peer)}, which did not answer: it failed, died or hangs"
+            )
+        return PipelineFailure(
+            f"{self._describe(peer)} failed or died: stage {self.stage} (rank {self.rank}) lost it while "
+            f"{what}: {err}"
+        )
 
     def wait(self, work: Any, peer: Optional[int], what: str) -> None:
         """Block until ``work`` completes (gloo marks completion only inside ``wait``, so there is no polling).
@@ -199,132 +246,164 @@ class StageLink:
             else:
                 work.wait(timedelta(seconds=self.timeout))
         except Exception as err:
-            waited = time.perf_counter() - start
-            time.sleep(0.2)  # give the failing stage a moment to post its report
-            self.board.check()
-            if waited >= 0.9 * self.timeout:
-                raise PipelineFailure(
-                    f"stage {self.stage} (rank {self.rank}) waited {waited:.0f}s for {what} from "
-                    f"{self._describe(peer)}, which did not answer: it failed, died or hangs"
-                ) from err
-            raise PipelineFailure(
-                f"stage {self.stage} (rank {self.rank}) lost {self._describe(peer)} while waiting for {what}: {err}"
-            ) from err
+            raise self._lost(err, time.perf_counter() - start, peer, f"waiting for {what}") from err
         finally:
             end = time.perf_counter()
             self.wait_seconds += end - start
             if self.recorder is not None:
                 self.recorder("send" if what.startswith("a send") else "recv", start, end, {"what": what, "peer": peer})
 
-    def _isend(self, tensor: Tensor, dst: int, tag: int, carried: bool = False) -> None:
-        # A gloo send completes only once the receiver has posted its receive. Waiting on a send is therefore
-        # safe only where that receive is sure to come without this stage doing anything more: in the same
-        # step for ordinary sends, in the next step for the lookahead's (which stay in ``_carried_sends``).
-        tensor = tensor.contiguous()
-        queue = self._carried_sends if carried else self._pending_sends
-        queue.append((dist.isend(tensor, dst=dst, tag=tag), tensor, dst))
-        while len(self._pending_sends) > 64:  # the receiver takes them in order: the oldest completes first
-            self._complete_oldest(self._pending_sends)
+    def _wait_posted(self, posted: _Posted, what: str) -> None:
+        if not posted.works:
+            self.flush()  # still queued: issue it first
+        for work in posted.works:
+            self.wait(work, posted.peer, what)
+        posted.works = []
 
-    def _complete_oldest(self, queue: deque) -> None:
-        work, _, dst = queue.popleft()
-        self.wait(work, dst, "a send to be taken")
+    # ---- queueing and issuing -------------------------------------------------------------------------------
+    def _send(self, tensor: Tensor, dst: int) -> None:
+        self._queued.append(dist.P2POp(dist.isend, tensor.detach().contiguous(), dst, tag=self.TAG))
 
-    def begin_step(self) -> None:
-        """The lookahead's sends of the previous step are received during this one: wait for them with it."""
-        self._carried_sends.extend(self._pending_sends)
-        self._pending_sends, self._carried_sends = self._carried_sends, deque()
+    def _recv(self, metas: list, src: int, bufs: Optional[list[Optional[Tensor]]] = None) -> _Posted:
+        """Queue the receive of one tensor per meta (``None`` metas: nothing to receive in that place)."""
+        tensors: list[Optional[Tensor]] = []
+        positions: list[int] = []
+        for i, m in enumerate(metas):
+            if m is None:
+                tensors.append(None)
+                continue
+            buf = bufs[i] if bufs is not None and bufs[i] is not None else torch.empty(m.shape, dtype=m.dtype, device=self.device)
+            tensors.append(buf)
+            positions.append(len(self._queued))
+            self._queued.append(dist.P2POp(dist.irecv, buf, src, tag=self.TAG))
+        posted = _Posted(tensors, src, positions)
+        self._queued_recvs.append(posted)
+        return posted
 
-    def flush_sends(self) -> None:
-        """Complete the sends whose receives are posted in this step or evaluation call."""
-        while self._pending_sends:
-            self._complete_oldest(self._pending_sends)
+    def flush(self) -> None:
+        """Issue the queued operations as one batch (before a computation, a wait or the end of a step)."""
+        if not self._queued:
+            return
+        ops, recvs = self._queued, self._queued_recvs
+        self._queued, self._queued_recvs = [], []
+        peer = ops[0].peer
+        try:
+            works = dist.batch_isend_irecv(ops)
+        except Exception as err:
+            raise self._lost(err, 0.0, peer, "exchanging tensors") from err
+        if len(works) == len(ops):  # one work per operation (gloo): a receive waits for its own only
+            for posted in recvs:
+                posted.works = [works[i] for i in posted.positions]
+            sent = [(w, op) for w, op in zip(works, ops) if op.op is dist.isend]
+            self._sends.extend(([w], op.tensor, op.peer) for w, op in sent)
+        else:  # coalesced (NCCL): the batch completes as one
+            for posted in recvs:
+                posted.works = list(works)
+            self._sends.append((list(works), [op.tensor for op in ops], peer))
 
-    def _irecv(self, shape: tuple[int, ...], dtype: torch.dtype, src: int, tag: int,
-               buf: Optional[Tensor] = None) -> tuple[Any, Tensor]:
-        if buf is None:
-            buf = torch.empty(shape, dtype=dtype, device=self.device)
-        return dist.irecv(buf, src=src, tag=tag), buf
+    def complete_sends(self) -> None:
+        """Wait for every send issued so far (each step's receives are all posted in the same step)."""
+        self.flush()
+        while self._sends:
+            works, _, dst = self._sends.popleft()
+            for work in works:
+                self.wait(work, dst, "a send to be taken")
 
-    # ---- layouts (what a value looks like) travel as a length, then JSON bytes -----------------------------------
-    def _send_layout(self, layout: Layout, dst: int, tag: int, carried: bool = False) -> None:
+    def take(self, key: tuple) -> _Posted:
+        return self._posted.pop(key)
+
+    def drop_posted(self) -> None:
+        """Wait for the receives posted and not taken (the lookahead's, when it is cancelled) and forget them."""
+        self.flush()
+        for key in list(self._posted):
+            self._wait_posted(self._posted.pop(key), "an activation that will not be used")
+
+    # ---- layouts (what a value looks like) travel as a length, then JSON bytes ----------------------------------
+    def _send_layout(self, layout: Layout, dst: int) -> None:
         if len(layout.metas) > _MAX_LEAVES:
             raise ValueError(f"{len(layout.metas)} tensors cross one stage boundary; at most {_MAX_LEAVES} can")
         data = layout.encode().to(self.device)
-        self._isend(torch.tensor([data.numel()], dtype=torch.int64, device=self.device), dst, tag, carried)
-        self._isend(data, dst, tag + 1, carried)
+        self._send(torch.tensor([data.numel()], dtype=torch.int64, device=self.device), dst)
+        self._send(data, dst)
 
-    def _recv_layout(self, src: int, tag: int, what: str) -> Layout:
-        work, length = self._irecv((1,), torch.int64, src, tag)
-        self.wait(work, src, what)
-        work, data = self._irecv((int(length.item()),), torch.uint8, src, tag + 1)
-        self.wait(work, src, what)
-        return Layout.decode(data)
+    def _recv_layout(self, src: int, what: str) -> Layout:
+        """Issued at once and read on the host: the only host read of a received tensor (once per layout)."""
+        self.flush()
+        length = self._recv([_Meta((1,), torch.int64)], src)
+        self.flush()
+        self._wait_posted(length, what)
+        assert length.tensors[0] is not None
+        data = self._recv([_Meta((int(length.tensors[0].item()),), torch.uint8)], src)
+        self.flush()
+        self._wait_posted(data, what)
+        assert data.tensors[0] is not None
+        return Layout.decode(data.tensors[0])
 
-    def _send_leaves(self, leaves: list[Tensor], dst: int, tag: int, carried: bool = False) -> None:
-        for i, t in enumerate(leaves):
-            self._isend(t.detach(), dst, tag + 2 + i, carried)
-
-    def _recv_leaves(self, layout: Layout, src: int, tag: int,
-                     bufs: Optional[list[Tensor]] = None) -> list[tuple[Any, Tensor]]:
-        return [self._irecv(m.shape, m.dtype, src, tag + 2 + i, bufs[i] if bufs else None)
-                for i, m in enumerate(layout.metas)]
-
-    # ---- training: activations forward ----------------------------------------------------------------------
-    def send_activations(self, outputs: Any, carried: bool = False, check: Optional[Tensor] = None) -> None:
-        """Send a forward's output; ``check`` (a batch fingerprint) goes along with a batch's first microbatch."""
+    # ---- training: activations forward, gradients backward ---------------------------------------------------
+    def send_activations(self, outputs: Any, check: Optional[Tensor] = None) -> None:
+        """Send a forward's output; ``check`` (a batch fingerprint) goes before a batch's first microbatch."""
         leaves, spec = flatten(outputs, f"stage {self.stage}'s output")
         layout = Layout.of(leaves, spec)
+        assert self.next_rank is not None
         if self.out_layout is None:
             self.out_layout = layout
-            self._send_layout(layout, self.next_rank, TAG_HEADER)
+            self._send_layout(layout, self.next_rank)
         elif not layout.same_shapes(self.out_layout):
             raise ValueError(
                 f"stage {self.stage} output shapes changed from {self.out_layout.describe()} to {layout.describe()}; "
                 f"training needs equal microbatch shapes (use drop_last=True)"
             )
-        if check is not None:
-            self._isend(check.reshape(1).to(torch.float64), self.next_rank, TAG_CHECK, carried)
-        self._send_leaves(leaves, self.next_rank, TAG_ACT, carried)
+        for t in leaves:
+            self._send(t, self.next_rank)
 
-    def post_activation_recv(self, with_check: bool = False) -> None:
-        """Post the receive of the next activation in advance so it overlaps compute."""
+    def send_check(self, check: Tensor) -> None:
+        assert self.next_rank is not None
+        self._send(check.reshape(1).to(torch.float64), self.next_rank)
+
+    def post_check(self, key: tuple) -> None:
+        assert self.prev_rank is not None
+        self._posted[key] = self._recv([_Meta((1,), torch.float64)], self.prev_rank)
+
+    def post_activations(self, key: tuple) -> None:
+        """Post the receive of an activation, to be taken by :meth:`take_activations`."""
+        assert self.prev_rank is not None
         if self.in_layout is None:
-            self.in_layout = self._recv_layout(self.prev_rank, TAG_HEADER, "the activation header")
-        check = self._irecv((1,), torch.float64, self.prev_rank, TAG_CHECK) if with_check else None
-        bufs = self._take(self._act_pool)
-        self._posted_act.append((check, self._recv_leaves(self.in_layout, self.prev_rank, TAG_ACT, bufs)))
+            self.in_layout = self._recv_layout(self.prev_rank, "the activation layout")
+        bufs = self._take_buffers(self._act_pool)
+        self._posted[key] = self._recv(list(self.in_layout.metas), self.prev_rank, bufs)
 
-    def recv_activations(self, with_check: bool = False) -> tuple[list[Tensor], Optional[Tensor]]:
-        """The next activation's leaves (as autograd leaves where a gradient flows back) and its fingerprint."""
-        if not self._posted_act:
-            self.post_activation_recv(with_check)
-        check, received = self._posted_act.popleft()
-        if check is not None:
-            self.wait(check[0], self.prev_rank, "a batch fingerprint")
-        for work, _ in received:
-            self.wait(work, self.prev_rank, "an activation")
+    def take_activations(self, key: tuple, check_key: Optional[tuple]) -> tuple[list[Tensor], Optional[Tensor]]:
+        """The activation's leaves (as autograd leaves where a gradient flows back) and its fingerprint."""
+        check = None
+        if check_key is not None:
+            posted_check = self.take(check_key)
+            self._wait_posted(posted_check, "a batch fingerprint")
+            check = posted_check.tensors[0]
+        posted = self.take(key)
+        self._wait_posted(posted, "an activation")
         assert self.in_layout is not None
-        leaves = [buf.requires_grad_(m.needs_grad) for (_, buf), m in zip(received, self.in_layout.metas)]
-        return leaves, (check[1][0] if check is not None else None)
+        leaves = [buf.requires_grad_(m.needs_grad) for buf, m in zip(posted.tensors, self.in_layout.metas)]
+        return leaves, (check[0] if check is not None else None)
 
-    # ---- training: gradients backward -------------------------------------------------------------------------
-    def send_gradients(self, inputs: list[Tensor]) -> None:
-        assert self.in_layout is not None
-        for i, (t, m) in enumerate(zip(inputs, self.in_layout.metas)):
-            if m.needs_grad:
-                self._isend(input_gradient(t), self.prev_rank, TAG_GRAD + i)
+    def send_gradients(self, gradients: list[Tensor]) -> None:
+        """The input gradients of a microbatch, one per received leaf that needs one, in order."""
+        assert self.prev_rank is not None
+        for g in gradients:
+            self._send(g, self.prev_rank)
 
-    def post_gradient_recv(self) -> None:
-        assert self.out_layout is not None, "gradients are received only after activations were sent"
-        bufs = self._take(self._grad_pool) or [None] * len(self.out_layout.metas)
-        self._posted_grad.append(
-            [self._irecv(m.shape, m.dtype, self.next_rank, TAG_GRAD + i, buf) if m.needs_grad else None
-             for i, (m, buf) in enumerate(zip(self.out_layout.metas, bufs))]
-        )
+    def post_gradients(self, key: tuple) -> None:
+        assert self.out_layout is not None and self.next_rank is not None, "gradients come after activations"
+        bufs = self._take_buffers(self._grad_pool)
+        metas = [m if m.needs_grad else None for m in self.out_layout.metas]
+        self._posted[key] = self._recv(metas, self.next_rank, bufs)
+
+    def take_gradients(self, key: tuple) -> list[Optional[Tensor]]:
+        posted = self.take(key)
+        self._wait_posted(posted, "a gradient")
+        return list(posted.tensors)
 
     # ---- reusing receive buffers --------------------------------------------------------------------------------
-    def _take(self, pool: list) -> Optional[list]:
+    def _take_buffers(self, pool: list) -> Optional[list]:
         if not pool:
             return None
         self.buffers_reused += 1
@@ -352,40 +431,55 @@ class StageLink:
                                              for g in gradients):
             self._grad_pool.append(list(gradients))
 
-    def recv_gradients(self) -> list[Optional[Tensor]]:
-        if not self._posted_grad:
-            self.post_gradient_recv()
-        received = self._posted_grad.popleft()
-        grads = []
-        for item in received:
-            if item is None:
-                grads.append(None)
-            else:
-                self.wait(item[0], self.next_rank, "a gradient")
-                grads.append(item[1])
-        return grads
-
-    # ---- small scalars, evaluation and prediction (layout sent with every value: shapes may vary) ---------------
-    def send_scalar(self, value: Tensor, dst: int, tag: int) -> None:
+    # ---- the loss and metrics (a float64 vector), evaluation values (any layout, agreed once per shape) ---------
+    def send_scalar(self, value: Tensor, dst: int) -> None:
         """A scalar, or a 1-D vector of them (the loss and the module's metrics)."""
-        self._isend(value.detach().reshape(-1).to(torch.float64), dst, tag)
+        self._send(value.detach().reshape(-1).to(torch.float64), dst)
 
-    def recv_scalar(self, src: int, tag: int) -> Tensor:
-        work, buf = self._irecv((1,), torch.float64, src, tag)
-        self.wait(work, src, "the loss")
-        return buf[0]
+    def post_scalar(self, key: tuple, src: int, size: int = 1) -> None:
+        self._posted[key] = self._recv([_Meta((size,), torch.float64)], src)
 
-    def post_scalar_recv(self, src: int, tag: int, size: int = 1) -> tuple[Any, Tensor]:
-        return self._irecv((size,), torch.float64, src, tag)
+    def take_scalar(self, key: tuple, what: str = "the loss") -> Tensor:
+        posted = self.take(key)
+        self._wait_posted(posted, what)
+        assert posted.tensors[0] is not None
+        return posted.tensors[0]
 
-    def send_value(self, value: Any, dst: int, tag: int = TAG_EVAL) -> None:
+    def send_value(self, value: Any, dst: int, shape_key: Any) -> None:
+        """An evaluation activation or result; its layout travels the first time ``shape_key`` is seen."""
         leaves, spec = flatten(value, f"stage {self.stage}'s output")
-        self._send_layout(Layout.of(leaves, spec, with_grad=False), dst, tag)
-        self._send_leaves(leaves, dst, tag)
+        layout = Layout.of(leaves, spec, with_grad=False)
+        agreed = self._sent_layouts.get((dst, shape_key))
+        if agreed is None:
+            self._sent_layouts[(dst, shape_key)] = layout
+            self._send_layout(layout, dst)
+        elif layout != agreed:
+            raise ValueError(
+                f"stage {self.stage}'s evaluation output for microbatches of shape {shape_key} changed from "
+                f"{agreed.describe()} to {layout.describe()}; a stage's output must depend only on its input's shapes"
+            )
+        for t in leaves:
+            self._send(t, dst)
 
-    def recv_value(self, src: int, tag: int = TAG_EVAL, what: str = "an evaluation activation") -> Any:
-        layout = self._recv_layout(src, tag, what)
-        received = self._recv_leaves(layout, src, tag)
-        for work, _ in received:
-            self.wait(work, src, what)
-        return unflatten([buf for _, buf in received], layout.spec)
+    def post_value(self, key: tuple, src: int, shape_key: Any, what: str) -> None:
+        layout = self._received_layouts.get((src, shape_key))
+        if layout is None:
+            layout = self._received_layouts[(src, shape_key)] = self._recv_layout(src, what)
+        posted = self._recv(list(layout.metas), src)
+        posted.layout = layout
+        self._posted[key] = posted
+
+    def take_value(self, key: tuple, what: str) -> Any:
+        posted = self.take(key)
+        self._wait_posted(posted, what)
+        assert posted.layout is not None
+        return unflatten(list(posted.tensors), posted.layout.spec)
+
+
+class _Meta:
+    """The shape and dtype of a receive buffer."""
+
+    __slots__ = ("shape", "dtype")
+
+    def __init__(self, shape: tuple[int, ...], dtype: torch.dtype) -> None:
+        self.shape, self.dtype = shape, dtype

@@ -26,16 +26,14 @@ import torch.distributed as dist
 from torch import Tensor
 
 from lightning_async_pp.pipeline.backward import PendingWeightGradient, backward_input, backward_weight
-from lightning_async_pp.pipeline.comm import TAG_EVAL, TAG_LOSS, TAG_PREDICT, StageLink
+from lightning_async_pp.pipeline.comm import StageLink
 from lightning_async_pp.pipeline.data_parallel import GradientReducer
-from lightning_async_pp.pipeline.microbatch import batch_size_of, fingerprint, split_microbatches, split_ragged
+from lightning_async_pp.pipeline.messages import Message, evaluation_programs, step_programs
+from lightning_async_pp.pipeline.microbatch import batch_size_of, fingerprint, split_microbatches, split_ragged, tensors_of
 from lightning_async_pp.pipeline.randomness import EVAL, ForwardRandomness
-from lightning_async_pp.pipeline.schedule import Action, lookahead_forwards, step_actions
+from lightning_async_pp.pipeline.schedule import Action, step_actions
 from lightning_async_pp.pipeline.stage import Stage
 from lightning_async_pp.pipeline.structure import as_received, flatten, input_gradient, unflatten
-
-TAG_EVAL_LOSS = TAG_LOSS + 1  # the evaluation loss, last stage -> the others
-TAG_PREDICT_RESULT = TAG_PREDICT + 512  # the prediction, last stage -> first stage
 
 InputFn = Callable[[Any], Any]
 LossFn = Callable[[Any, Any], Tensor]
@@ -69,18 +67,6 @@ class StepTimes:
         return max(0.0, self.total - self.compute - self.comm_wait - self.optimizer - self.dp_comm_exposed)
 
 
-@dataclass
-class _Receives:
-    """One step's receives from other processes: how many to expect, and how many were posted and used."""
-
-    checked: list[bool]  # per forward to receive: whether it carries a batch fingerprint
-    gradients: int  # gradients to receive
-    posted_f: int = 0
-    used_f: int = 0
-    posted_b: int = 0
-    used_b: int = 0
-
-
 class BatchMismatch(RuntimeError):
     """Two stages of one pipeline were given different batches."""
 
@@ -101,7 +87,10 @@ class PipelineRuntime:
     ``link`` connects the first/last local stage to stages in other processes (``None`` when every stage is here).
     """
 
-    RECV_DEPTH = 2  # receives posted ahead of the action that consumes them
+    # Batch fingerprints are compared on the host. On CUDA that is a device synchronization, so there they are
+    # compared every this many steps (a mismatch is still found, a few steps later); on CPU at every step.
+    CHECK_EVERY_ON_CUDA = 16
+    DEFER_CHECKS_ON_CPU = False  # tests turn this on to count host reads as on CUDA
 
     def __init__(
         self,
@@ -149,6 +138,9 @@ class PipelineRuntime:
         self._weight_due: dict[tuple[int, int, int], tuple[PendingWeightGradient, list[Tensor], Any, Any]] = {}
         self._losses: dict[int, Tensor] = {}  # running loss sum of batches in flight (last stage)
         self._checks_due: list[tuple] = []  # (received fingerprint, own, stage, batch) to compare after the step
+        # What this process sends, from the computation that produced it to its place in the program.
+        self._outbox: dict[tuple[str, int, int], Any] = {}
+        self._loss_vectors: dict[int, Tensor] = {}  # batch -> [loss, metrics...] (last stage)
         # Per stage, its persistent buffers and their values before the lookahead's first forward of the next
         # batch (BatchNorm statistics, say): what they are for the batches trained so far.
         self._trained_buffers: dict[int, list[tuple[torch.nn.Module, str, Tensor]]] = {}
@@ -220,61 +212,56 @@ class PipelineRuntime:
             checks[0] = self._next_check if self._carried_in and self._next_check is not None else fingerprint(batch)
             checks[1] = fingerprint(next_batch) if lookahead else None
             self._next_check = checks[1]
-        queues = {
-            s.index: deque(step_actions(self.schedule, s.index, self.num_stages, m,
-                                        carried_in=self._carried_in, lookahead=lookahead))
-            for s in self.stages
-        }
+        lists = {s.index: step_actions(self.schedule, s.index, self.num_stages, m, carried_in=self._carried_in,
+                                       lookahead=lookahead) for s in self.stages}
         first, last = self.stages[0], self.stages[-1]
-        loss_recv = None
-        wait_before = 0.0
-        if link is not None:
-            link.begin_step()
-            wait_before = link.wait_seconds
-            if not last.is_last:
-                loss_recv = link.post_scalar_recv(self.pipeline_ranks[-1], TAG_LOSS, size=1 + len(self.metric_names))
-        # Receives from other processes are posted a little ahead of the actions that consume them. Of the
-        # forwards received, a batch's first microbatch carries the batch fingerprint.
-        self._receives = _Receives(
-            checked=[] if first.is_first else [a.microbatch == 0 for a in queues[first.index] if a.op == "F"],
-            gradients=0 if last.is_last else sum(a.op in ("B", "I") for a in queues[last.index]),
-        )
         if self.reducer is not None:
             # The actions that add to this batch's weight gradients: whole backwards, and a split one's weight pass.
-            self._backwards_left = sum(a.op in ("B", "W") and a.batch == 0 for a in queues[first.index])
+            self._backwards_left = sum(a.op in ("B", "W") and a.batch == 0 for a in lists[first.index])
             self.reducer.attach(first.versions.leaves_for_batch(k))
         acts: dict[tuple[int, int, int], tuple[list[Tensor], Any]] = {}  # in-process hand-overs, by receiver
         grads: dict[tuple[int, int, int], list[Optional[Tensor]]] = {}
         compute = 0.0
+        wait_before = link.wait_seconds if link is not None else 0.0
         step_start = time.perf_counter()
-        while any(queues.values()):
-            progressed = False
-            for stage in self.stages:
-                queue = queues[stage.index]
-                while queue and self._ready(stage, queue[0], k, acts, grads):
-                    action = queue.popleft()
-                    compute += self._run(stage, action, k, microbatches, checks, acts, grads)
-                    progressed = True
-            if not progressed:
-                waiting = {s: str(q[0]) for s, q in queues.items() if q}
-                raise RuntimeError(f"the schedule cannot make progress: stages wait on each other at {waiting}")
+        if link is None:
+            # Every stage is here: each runs its list in order, yielding to the others while it waits for them.
+            queues = {index: deque(actions) for index, actions in lists.items()}
+            while any(queues.values()):
+                progressed = False
+                for stage in self.stages:
+                    queue = queues[stage.index]
+                    while queue and self._ready(stage, queue[0], k, acts, grads):
+                        compute += self._run(stage, queue.popleft(), k, microbatches, checks, acts, grads)
+                        progressed = True
+                if not progressed:
+                    waiting = {s: str(q[0]) for s, q in queues.items() if q}
+                    raise RuntimeError(f"the schedule cannot make progress: stages wait on each other at {waiting}")
+        else:
+            # One stage here: its program (pipeline/messages.py) puts every send and receive at its place in the
+            # order all stages agree on; operations are issued in one batch before each computation.
+            program = step_programs(self.schedule, self.num_stages, m, carried_in=self._carried_in,
+                                    lookahead=lookahead, checks=self.check_batches)[first.index]
+            for entry in program:
+                if entry.op == "compute":
+                    link.flush()
+                    assert entry.action is not None
+                    compute += self._run(first, entry.action, k, microbatches, checks, acts, grads)
+                elif entry.op == "recv":
+                    self._post(entry.message, k)
+                else:
+                    self._send(entry.message, k)
+            link.flush()
         self._carried_in = lookahead
-        # Compared once the step's work is queued: on CUDA a comparison waits for the device.
-        while self._checks_due:
-            self._compare(*self._checks_due.pop(0))
+        self._compare_checks()
 
         if last.is_last:
-            total = self._losses.pop(k)
-            loss = torch.cat([total.reshape(1), self._batch_metrics(total.device)]) if self.metric_names else total.reshape(1)
-            if link is not None:
-                for rank in self.pipeline_ranks[:-1]:
-                    link.send_scalar(loss, rank, TAG_LOSS)
+            loss = self._loss_vectors.pop(k) if k in self._loss_vectors else self._loss_vector(k)
         else:
-            assert link is not None and loss_recv is not None
-            link.wait(loss_recv[0], self.pipeline_ranks[-1], "the batch loss")
-            loss = loss_recv[1]
+            assert link is not None
+            loss = link.take_scalar(("loss", k, 0), "the batch loss")
         if link is not None:
-            link.flush_sends()  # all but the lookahead's sends: their receives were posted during this step
+            link.complete_sends()  # every receive of this step's sends was posted in this step
         self.gradients = [g for stage in self.stages for g in stage.take_gradients(k)]
         if self.reducer is not None:
             self.reducer.launch_rest()
@@ -291,6 +278,46 @@ class PipelineRuntime:
         if self.reducer is not None and not self.reducer.OVERLAP:
             self.last_times.dp_comm = self.last_times.dp_comm_exposed = self.reducer.exposed_s
         return loss.to(torch.float32)
+
+    def _loss_vector(self, b: int) -> Tensor:
+        """Batch ``b``'s loss and the module's declared metrics, one float64 vector (last stage, once the batch's
+        last loss is computed)."""
+        total = self._losses.pop(b)
+        if not self.metric_names:
+            return total.reshape(1)
+        return torch.cat([total.reshape(1), self._batch_metrics(total.device)])
+
+    # ---- the program's sends and receives (one stage in this process) ----------------------------------------
+    def _post(self, message: Optional[Message], k: int) -> None:
+        link = self.link
+        assert message is not None and link is not None
+        key = (message.kind, k + message.batch, message.microbatch)
+        if message.kind == "act":
+            link.post_activations(key)
+        elif message.kind == "check":
+            link.post_check(key)
+        elif message.kind == "grad":
+            link.post_gradients(key)
+        elif message.kind == "loss":
+            link.post_scalar(key, self.pipeline_ranks[message.src], size=1 + len(self.metric_names))
+        else:
+            raise AssertionError(f"a training step has no {message.kind} message")
+
+    def _send(self, message: Optional[Message], k: int) -> None:
+        link = self.link
+        assert message is not None and link is not None
+        if message.kind == "loss":  # one vector to every other stage
+            link.send_scalar(self._loss_vectors[k + message.batch], self.pipeline_ranks[message.dst])
+            return
+        payload = self._outbox.pop((message.kind, k + message.batch, message.microbatch))
+        if message.kind == "act":
+            link.send_activations(payload)
+        elif message.kind == "check":
+            link.send_check(payload)
+        elif message.kind == "grad":
+            link.send_gradients(payload)
+        else:
+            raise AssertionError(f"a training step has no {message.kind} message")
 
     def _batch_metrics(self, device: torch.device) -> Tensor:
         """The module's declared metrics of this batch, on ``device`` (where the loss is: no host sync per step)."""
@@ -338,14 +365,12 @@ class PipelineRuntime:
         mb = microbatches[action.batch][j]
         remote_in = self.link is not None and stage is self.stages[0] and not stage.is_first
         remote_out = self.link is not None and stage is self.stages[-1] and not stage.is_last
-        if self.link is not None:
-            self._post_receives()
         if action.op == "F":
             inputs: list[Tensor] = []
             x = None  # the first stage's input is computed in the forward's seeded stream, below
             if remote_in:
-                inputs, check = self.link.recv_activations(with_check=self.check_batches and j == 0)
-                self._receives.used_f += 1
+                check_key = ("check", b, j) if self.check_batches and j == 0 else None
+                inputs, check = self.link.take_activations(("act", b, j), check_key)
                 if check is not None:
                     self._checks_due.append((check, checks[action.batch], stage, b))
                 x = unflatten(inputs, self.link.in_layout.spec)
@@ -362,13 +387,16 @@ class PipelineRuntime:
             if stage.is_last:
                 self._losses[b] = self._losses.get(b, 0.0) + out.detach().to(torch.float64)
                 out_leaves: Any = out
+                if self.link is not None and action.batch == 0 and j == self.num_microbatches - 1:
+                    self._loss_vectors[b] = self._loss_vector(b)  # sent to the other stages next
             else:
                 out_leaves, spec = flatten(out, f"stage {stage.index}'s output")
             elapsed = self._span(stage.index, "forward", start, batch=b, microbatch=j)
             if not stage.is_last:
                 if remote_out:
-                    self.link.send_activations(out, carried=action.batch == 1,
-                                               check=checks[action.batch] if j == 0 else None)
+                    self._outbox[("act", b, j)] = out
+                    if self.check_batches and j == 0:
+                        self._outbox[("check", b, 0)] = checks[action.batch]
                 else:
                     acts[(stage.index + 1, b, j)] = (as_received(out_leaves), spec)
             self._inflight[(stage.index, b, j)] = (inputs, out_leaves)
@@ -391,8 +419,7 @@ class PipelineRuntime:
             outputs, seeds = [out_leaves], [None]
         else:
             if remote_out:
-                received = self.link.recv_gradients()
-                self._receives.used_b += 1
+                received = self.link.take_gradients(("grad", b, j))
             else:
                 received = grads.pop((stage.index, b, j))
             pairs = [(o, g) for o, g in zip(out_leaves, received) if g is not None and o.requires_grad]
@@ -409,7 +436,9 @@ class PipelineRuntime:
             elapsed = self._span(stage.index, "backward", start, batch=b, microbatch=j, part="input")
         if not stage.is_first:
             if remote_in:
-                self.link.send_gradients(inputs)
+                # Taken now: releasing the microbatch below clears the inputs' .grad before the send is issued.
+                metas = self.link.in_layout.metas
+                self._outbox[("grad", b, j)] = [input_gradient(t) for t, m in zip(inputs, metas) if m.needs_grad]
             else:
                 grads[(stage.index - 1, b, j)] = [input_gradient(t) if t.requires_grad else None for t in inputs]
         if action.op == "B":
@@ -434,16 +463,30 @@ class PipelineRuntime:
             self.link.release_microbatch(inputs if remote_in else [], [] if stage.is_last else out_leaves,
                                          received if remote_out else None)
 
-    def _compare(self, received: Tensor, own: Optional[Tensor], stage: Stage, b: int) -> None:
-        if own is None:
+    def _compare_checks(self, now: bool = False) -> None:
+        """Compare the fingerprints received with this process's own (once the step's work is queued). On CUDA
+        reading the comparison waits for the device, so it is read every ``CHECK_EVERY_ON_CUDA`` steps."""
+        due = [(r, own, stage, b) for r, own, stage, b in self._checks_due if own is not None]
+        if not due:
+            self._checks_due = []
             return
-        if not math.isclose(received.item(), own.item(), rel_tol=1e-9, abs_tol=0.0):
-            raise BatchMismatch(
-                f"stage {stage.index} was given another batch than stage {stage.index - 1} for training batch {b} "
-                f"(fingerprints {own.item():.6g} and {received.item():.6g}). Every stage of a pipeline must see the "
-                f"same batches: use the same loader, sampler and seed on every process (with one pipeline the "
-                f"strategy keeps your sampler and seeds a shuffling one identically on every stage)"
-            )
+        deferred = self.link is not None and (self.link.on_cuda or self.DEFER_CHECKS_ON_CPU)
+        if deferred and not now and self.batch_index % self.CHECK_EVERY_ON_CUDA:
+            return
+        self._checks_due = []
+        received = torch.stack([r.reshape(()).to(own.device) for r, own, _, _ in due])
+        own = torch.stack([o.reshape(()) for _, o, _, _ in due])
+        same = torch.isclose(received, own, rtol=1e-9, atol=0.0)
+        if bool(same.all()):
+            return
+        n = int((~same).nonzero()[0, 0])
+        _, _, stage, b = due[n]
+        raise BatchMismatch(
+            f"stage {stage.index} was given another batch than stage {stage.index - 1} for training batch {b} "
+            f"(fingerprints {own[n].item():.6g} and {received[n].item():.6g}). Every stage of a pipeline must see "
+            f"the same batches: use the same loader, sampler and seed on every process (with one pipeline the "
+            f"strategy keeps your sampler and seeds a shuffling one identically on every stage)"
+        )
 
     def trained_buffers(self) -> dict[int, Tensor]:
         """``id(buffer) -> value`` for each buffer the lookahead's forwards changed, as the trained batches left
@@ -468,8 +511,8 @@ class PipelineRuntime:
 
     def cancel_lookahead(self) -> None:
         """Drop the next batch's forwards that already ran: Lightning will not train that batch (an epoch was cut
-        short, or training stopped). Each stage takes the activations still in transit from its predecessor
-        and drops them, so nothing crosses into the next step."""
+        short, or training stopped). Each stage drops the activations it received for them (in the step that
+        sent them: nothing crosses into the next step)."""
         if not self._carried_in:
             return
         k = self.batch_index
@@ -486,40 +529,58 @@ class PipelineRuntime:
         link = self.link
         if link is None:
             return
-        link.begin_step()
-        stage = self.stages[0]
-        if not stage.is_first:
-            sent = lookahead_forwards(self.schedule, stage.index - 1, self.num_stages, self.num_microbatches)
-            received = lookahead_forwards(self.schedule, stage.index, self.num_stages, self.num_microbatches)
-            for nth in range(received, sent):
-                link.recv_activations(with_check=self.check_batches and nth == 0)
-        link.flush_sends()
+        # The lookahead's activations were received in the step that sent them: drop them.
+        link.drop_posted()
 
     # ---- evaluation and prediction (newest weights, forward only, batches of any size) -------------------------
     @torch.no_grad()
-    def _forward_all(self, batch: Any, tag: int, on_last: Callable[[Any, Any], None]) -> None:
-        """Every microbatch of ``batch`` forward through this process's stages; ``on_last(output, microbatch)``."""
+    def _forward_all(self, batch: Any, kind: str, on_last: Callable[[Any, Any], None]) -> int:
+        """Every microbatch of ``batch`` forward through this process's stages; ``on_last(output, microbatch)``.
+        Returns the call's number (evaluations are counted: each keys its random streams and its messages)."""
         with self.buffers_as_trained():
-            self._forward_microbatches(batch, tag, on_last)
+            return self._forward_microbatches(batch, kind, on_last)
 
-    def _forward_microbatches(self, batch: Any, tag: int, on_last: Callable[[Any, Any], None]) -> None:
+    def _forward_microbatches(self, batch: Any, kind: str, on_last: Callable[[Any, Any], None]) -> int:
         link = self.link
         call, self._evaluations = self._evaluations, self._evaluations + 1
-        for j, mb in enumerate(split_ragged(batch, self.num_microbatches)):
-            x = None  # the first stage's input is computed in the forward's seeded stream, below
-            if not self.stages[0].is_first:
-                assert link is not None
-                x = link.recv_value(link.prev_rank, tag)
-            for stage in self.stages:
-                with self.randomness.forward(stage.index, call, j, phase=EVAL):
-                    x = stage.forward_newest(self.input_fn(mb) if stage.is_first else x)
-                    if stage.is_last:
-                        on_last(x, mb)
-                if not stage.is_last:
-                    flatten(x, f"stage {stage.index}'s output")  # the same rules as across processes
-            if not self.stages[-1].is_last:
-                assert link is not None
-                link.send_value(x, link.next_rank, tag)
+        microbatches = split_ragged(batch, self.num_microbatches)
+        if link is None:
+            for j, mb in enumerate(microbatches):
+                x = None
+                for stage in self.stages:
+                    x = self._forward_newest(stage, call, j, mb, x, on_last)
+            return call
+        # One stage here: its part of the evaluation's plan (pipeline/messages.py); the result messages that end
+        # it are the caller's. Each microbatch's shape keys its layout, agreed once per shape.
+        stage = self.stages[0]
+        keys = [(kind, shape_signature(mb)) for mb in microbatches]
+        what = f"an {kind} activation"
+        outputs: dict[int, Any] = {}
+        for entry in evaluation_programs(self.num_stages, len(microbatches), "result_to_all")[stage.index]:
+            m = entry.message
+            if entry.op == "compute":
+                assert entry.action is not None
+                j = entry.action.microbatch
+                x = None if stage.is_first else link.take_value(("value", call, j), what)
+                outputs[j] = self._forward_newest(stage, call, j, microbatches[j], x, on_last)
+            elif m is not None and m.kind == "value" and entry.op == "recv":
+                assert link.prev_rank is not None
+                link.post_value(("value", call, m.microbatch), link.prev_rank, keys[m.microbatch], what)
+            elif m is not None and m.kind == "value":
+                assert link.next_rank is not None
+                link.send_value(outputs.pop(m.microbatch), link.next_rank, keys[m.microbatch])
+        return call
+
+    def _forward_newest(self, stage: Stage, call: int, j: int, mb: Any, x: Any, on_last: Callable[[Any, Any], None]) -> Any:
+        """Microbatch ``j`` of evaluation ``call`` through ``stage`` with the newest weights, in its seeded stream
+        (the first stage's input is computed inside it)."""
+        with self.randomness.forward(stage.index, call, j, phase=EVAL):
+            x = stage.forward_newest(self.input_fn(mb) if stage.is_first else x)
+            if stage.is_last:
+                on_last(x, mb)
+        if not stage.is_last:
+            flatten(x, f"stage {stage.index}'s output")  # the same rules as across processes
+        return x
 
     @torch.no_grad()
     def eval_loss(self, batch: Any) -> Tensor:
@@ -532,37 +593,46 @@ class PipelineRuntime:
             rows.append(batch_size_of(mb))
             weighted.append(scalar_loss(self.loss_fn(output, mb)).to(torch.float64) * rows[-1])
 
-        self._forward_all(batch, TAG_EVAL, accumulate)
+        call = self._forward_all(batch, "evaluation", accumulate)
         if self.stages[-1].is_last:
             total = torch.stack(weighted).sum() / sum(rows)
             if link is not None:
                 for rank in self.pipeline_ranks[:-1]:
-                    link.send_scalar(total, rank, TAG_EVAL_LOSS)
+                    link.send_scalar(total, rank)
         else:
             assert link is not None
-            total = link.recv_scalar(self.pipeline_ranks[-1], TAG_EVAL_LOSS)
+            link.post_scalar(("result", call, 0), self.pipeline_ranks[-1])
+            total = link.take_scalar(("result", call, 0), "the evaluation loss")[0]
         if link is not None:
-            link.flush_sends()
+            link.complete_sends()
         return total.to(torch.float32)
 
     @torch.no_grad()
     def predict(self, batch: Any) -> Any:
         """The last layer's output for ``batch`` on the pipeline's first stage (``None`` on the others)."""
         outputs: list[Any] = []
-        self._forward_all(batch, TAG_PREDICT, lambda output, mb: outputs.append(output))
+        call = self._forward_all(batch, "prediction", lambda output, mb: outputs.append(output))
         link = self.link
         result = None
+        shape_key = ("result", shape_signature(batch))
         if self.stages[-1].is_last:
             result = concatenate(outputs)
             if link is not None and not self.stages[0].is_first:
-                link.send_value(result, self.pipeline_ranks[0], TAG_PREDICT_RESULT)
+                link.send_value(result, self.pipeline_ranks[0], shape_key)
                 result = None
         elif self.stages[0].is_first:
             assert link is not None
-            result = link.recv_value(self.pipeline_ranks[-1], TAG_PREDICT_RESULT, "the prediction")
+            link.post_value(("result", call, 0), self.pipeline_ranks[-1], shape_key, "the prediction")
+            result = link.take_value(("result", call, 0), "the prediction")
         if link is not None:
-            link.flush_sends()
+            link.complete_sends()
         return result
+
+
+def shape_signature(value: Any) -> tuple:
+    """The shapes and dtypes of ``value``'s tensors: what both sides of a boundary know of a microbatch, and all a
+    stage's output layout depends on."""
+    return tuple((tuple(t.shape), str(t.dtype)) for t in tensors_of(value))
 
 
 def concatenate(outputs: list[Any]) -> Any:

@@ -32,6 +32,7 @@ def main() -> None:
         from lightning_async_pp.pipeline.comm import StageLink
 
         StageLink.REUSE_BUFFERS_ON_CPU = True  # what CUDA does: the pools, checked here with gloo
+    host_reads = _count_host_reads() if cfg.get("count_host_reads") else None
     model = TinyLM(**cfg.get("model", {}), optimizer=cfg.get("optimizer", "sgd"), fail_at=cfg.get("fail_at"))
     if cfg.get("perturb_replicas") and int(os.environ.get("LOCAL_RANK", 0)) >= cfg["stages"]:
         with torch.no_grad():  # a replica that initialized differently: setup must give it the first replica's
@@ -72,6 +73,9 @@ def main() -> None:
         link = trainer.strategy.engine.runtime.link
         with open(f"buffers_reused_{trainer.global_rank}.txt", "w") as f:  # in the test's tmp_path (the cwd)
             f.write(str(link.buffers_reused))
+    if host_reads is not None:
+        with open(f"host_reads_{trainer.global_rank}.json", "w") as f:  # in the test's tmp_path (the cwd)
+            json.dump(host_reads, f)
     if cfg.get("report_optimizer_state"):
         from lightning_async_pp.pipeline.sharding import state_nbytes
 
@@ -87,6 +91,43 @@ def main() -> None:
         for callback in monitors:
             if getattr(callback, "trace_file", None):
                 print("TRACE_FILE", callback.trace_file)
+
+
+def _count_host_reads() -> list:
+    """Per training step, the reads of a tensor's value on the host inside the runtime's step (on CUDA each one
+    waits for the device): ``[[step, count, [callers]], ...]``. Fingerprint checks are deferred as on CUDA."""
+    import traceback
+
+    from lightning_async_pp.pipeline.runtime import PipelineRuntime
+
+    PipelineRuntime.DEFER_CHECKS_ON_CPU = True
+    steps: list = []
+    inside = [False]
+
+    def counting(name):
+        original = getattr(torch.Tensor, name)
+
+        def read(self, *args, **kwargs):
+            if inside[0]:
+                steps[-1][1] += 1
+                frame = traceback.extract_stack(limit=3)[0]
+                steps[-1][2].append(f"{name} at {os.path.basename(frame.filename)}:{frame.lineno}")
+            return original(self, *args, **kwargs)
+        setattr(torch.Tensor, name, read)
+
+    for name in ("item", "tolist", "__bool__", "__int__", "__float__", "numpy", "cpu"):
+        counting(name)
+    train_batch = PipelineRuntime.train_batch
+
+    def counted(self, *args, **kwargs):
+        steps.append([self.batch_index, 0, []])
+        inside[0] = True
+        try:
+            return train_batch(self, *args, **kwargs)
+        finally:
+            inside[0] = False
+    PipelineRuntime.train_batch = counted
+    return steps
 
 
 def _monitoring(cfg: dict) -> tuple:
