@@ -13,7 +13,6 @@ onto the slot that will hold ``W_{k+1}`` before the optimizer writes them (weigh
 """
 from __future__ import annotations
 
-import math
 import time
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
@@ -348,16 +347,6 @@ class PipelineRuntime:
         if action.op == "W":  # after its I on this stage (schedule.validate_actions)
             return True
         return stage.is_last or stage is self.stages[-1] and self.link is not None or key in grads
-
-    def _post_receives(self) -> None:
-        link, r = self.link, self._receives
-        assert link is not None
-        while r.posted_f < min(len(r.checked), r.used_f + self.RECV_DEPTH):
-            link.post_activation_recv(with_check=self.check_batches and r.checked[r.posted_f])
-            r.posted_f += 1
-        while r.posted_b < min(r.gradients, r.used_b + self.RECV_DEPTH) and link.out_layout is not None:
-            link.post_gradient_recv()
-            r.posted_b += 1
 
     def _run(self, stage: Stage, action: Action, k: int, microbatches: dict, checks: dict,
              acts: dict, grads: dict) -> float:
