@@ -202,6 +202,14 @@ def test_unmatched_messages_and_incomplete_jobs(tmp_path):
     analysis = traffic.analyze(tmp_path / "killed")
     assert analysis.violations == [] and analysis.complete_jobs == []
     assert "rank 1: killed" in analysis.jobs[0].why_incomplete()
+    assert traffic.check_prefix(analysis.jobs[0]) == []  # what both sides issued matches
+    c, d = Rank(0, 2), Rank(1, 2)
+    c.isend(1, (4, 8)), c.isend(1, (1,), "float64")
+    d.irecv(0, (1,), "float64")  # then killed: the first message already pairs the wrong tensors
+    c.write(tmp_path / "mismatch", clean=False)
+    d.write(tmp_path / "mismatch", clean=False)
+    found = traffic.check_prefix(traffic.load(tmp_path / "mismatch")[0])
+    assert len(found) == 1 and "sent as [4, 8] float32 but received as [1] float64" in found[0], found
 
 
 def free_port() -> int:

@@ -595,9 +595,9 @@ def _signature(op: Op) -> tuple:
     return (op.call, op.shape, op.dtype, op.root)
 
 
-def _pairs(job: Job) -> tuple[dict[tuple, Optional[tuple]], list[str]]:
+def _pairs(job: Job, prefix: bool = False) -> tuple[dict[tuple, Optional[tuple]], list[str]]:
     """Rule 1: per group and ordered pair of ranks, the k-th send meets the k-th receive. Returns each P2P op's
-    partner (None: unmatched) and the violations."""
+    partner (None: unmatched) and the violations; ``prefix``: only of the messages both sides issued."""
     sends: dict[tuple, list[Op]] = defaultdict(list)
     recvs: dict[tuple, list[Op]] = defaultdict(list)
     violations = []
@@ -627,7 +627,7 @@ def _pairs(job: Job) -> tuple[dict[tuple, Optional[tuple]], list[str]]:
                     f"receive in its place has tag {b.tag}; NCCL ignores tags and pairs them: send {a.describe()}; "
                     f"receive {b.describe()}")
                 break
-        if len(s) != len(r):
+        if len(s) != len(r) and not prefix:
             more, fewer = (s, "sends") if len(s) > len(r) else (r, "receives")
             extra = more[min(len(s), len(r))]
             violations.append(
@@ -638,9 +638,9 @@ def _pairs(job: Job) -> tuple[dict[tuple, Optional[tuple]], list[str]]:
     return partner, violations
 
 
-def _collectives(job: Job) -> tuple[dict[tuple, tuple], dict[tuple, int], list[str]]:
+def _collectives(job: Job, prefix: bool = False) -> tuple[dict[tuple, tuple], dict[tuple, int], list[str]]:
     """Rule 2: every member issues the same collectives in the same order. Returns each collective's instance
-    (group, k), how many members it needs, and the violations."""
+    (group, k), how many members it needs, and the violations; ``prefix``: only of those both members issued."""
     per_group: dict[str, dict[int, list[Op]]] = defaultdict(lambda: defaultdict(list))
     members: dict[str, list[int]] = {}
     for proc in job.ranks.values():
@@ -666,7 +666,7 @@ def _collectives(job: Job) -> tuple[dict[tuple, tuple], dict[tuple, int], list[s
                                       f"{x.describe()}; {y.describe()}")
                     break
             else:
-                if len(a) != len(b):
+                if len(a) != len(b) and not prefix:
                     longer = a if len(a) > len(b) else b
                     violations.append(
                         f"group {group}: rank {first} issues {len(a)} collectives, rank {r} {len(b)}; the first "
@@ -674,7 +674,7 @@ def _collectives(job: Job) -> tuple[dict[tuple, tuple], dict[tuple, int], list[s
     return instance, needed, violations
 
 
-def _streams(op: Op, model: str) -> tuple:
+def _stream(op: Op, model: str) -> tuple:
     if model == "group":  # NCCL with device_id: one stream per process group
         return (op.rank, op.group)
     if op.kind == "coll":  # NCCL without device_id: one per group for collectives, one per pair for P2P
@@ -682,132 +682,153 @@ def _streams(op: Op, model: str) -> tuple:
     return (op.rank, op.group, frozenset((op.rank, op.peer)))
 
 
-def _deadlock(job: Job, model: str, partner: dict, instance: dict, needed: dict) -> Optional[str]:
-    """Rule 3: replay every rank's ops in issue order on the streams of ``model``; None, or the blocked heads."""
-    ops: dict[tuple, Op] = {}
-    units: dict[tuple, list[tuple]] = {}  # unit -> its ops, in issue order
-    unit_of: dict[tuple, tuple] = {}
-    queues: dict[tuple, list[tuple]] = defaultdict(list)  # stream -> its units, in issue order
-    unit_streams: dict[tuple, list[tuple]] = {}
-    for proc in job.ranks.values():
-        for op in proc.ops:
-            key = (op.rank, op.id)
-            ops[key] = op
-            unit = (op.rank, "u", op.unit) if op.unit is not None else key
-            unit_of[key] = unit
-            if unit not in units:
-                units[unit], unit_streams[unit] = [], []
-            units[unit].append(key)
-            stream = _streams(op, model)
-            if stream not in unit_streams[unit]:
-                unit_streams[unit].append(stream)
-                queues[stream].append(unit)
-    waits = {(proc.rank, th): w for proc in job.ranks.values() for th, w in proc.waits.items()}
-    head = {s: 0 for s in queues}
-    frontier = {k: 0 for k in waits}  # per (rank, thread): how many of its waits are satisfied, in order
-    blocked: dict[tuple, list[tuple]] = defaultdict(list)  # per (rank, thread): units waiting for the frontier
-    started, completed, done = set(), set(), set()
-    inst_started: Counter = Counter()
-    inst_ops: dict[tuple, list[tuple]] = defaultdict(list)
-    for key, inst in instance.items():
-        inst_ops[inst].append(key)
-
-    def first_op(unit: tuple) -> Op:
-        return ops[units[unit][0]]
-
-    def thread_key(unit: tuple) -> tuple:
-        op = first_op(unit)
-        return (op.rank, op.thread)
-
-    work = deque(q[0] for q in queues.values())
-    while work:
-        unit = work.popleft()
-        if unit in started or any(queues[s][head[s]] != unit for s in unit_streams[unit]):
-            continue
-        tk = thread_key(unit)
-        if frontier.get(tk, 0) < first_op(unit).waits_before:
-            blocked[tk].append(unit)
-            continue
-        started.add(unit)
-        newly_done = []
-        for key in units[unit]:
-            op = ops[key]
-            if op.kind == "coll":
-                inst = instance.get(key)
-                if inst is not None:
-                    inst_started[inst] += 1
-                    if inst_started[inst] == needed[inst]:
-                        newly_done.extend(inst_ops[inst])
-            else:
-                other = partner.get(key)
-                if other is not None and unit_of[other] in started:
-                    newly_done.extend((key, other))
-        touched = []
-        for key in newly_done:
-            done.add(key)
-            touched.append(unit_of[key])
-        for u in touched:
-            if u in completed or not all(k in done for k in units[u]):
-                continue
-            completed.add(u)
-            for s in unit_streams[u]:
-                head[s] += 1
-                if head[s] < len(queues[s]):
-                    work.append(queues[s][head[s]])
-            # Any thread of this rank may have waited on these ops: advance the frontiers that reach them.
-            rank = first_op(u).rank
-            for wk in [k for k in waits if k[0] == rank]:
-                w, f = waits[wk], frontier[wk]
-                while f < len(w) and ((rank, w[f]) in done or (rank, w[f]) not in ops):
-                    f += 1
-                if f != frontier[wk]:
-                    frontier[wk] = f
-                    work.extend(blocked.pop(wk, []))
-    if len(completed) == len(units):
-        return None
-    lines = []
-    for proc in sorted(job.ranks.values(), key=lambda p: p.rank):
-        for op in proc.ops:
-            key = (op.rank, op.id)
-            if unit_of[key] in completed:
-                continue
-            lines.append(f"rank {op.rank}: {op.describe()}: " + _why_blocked(
-                key, ops, unit_of, units, unit_streams, queues, head, started, frontier, waits, partner, instance,
-                inst_started, needed))
-            break
-    return f"deadlock under NCCL {_MODELS[model]}:\n    " + "\n    ".join(lines)
-
-
 _MODELS = {"pair": "without device_id (a stream per pair of ranks, one for collectives)",
            "group": "with device_id (one stream per process group)"}
 
 
-def _why_blocked(key, ops, unit_of, units, unit_streams, queues, head, started, frontier, waits, partner, instance,
-                 inst_started, needed, depth: int = 0) -> str:
-    op, unit = ops[key], unit_of[key]
-    if unit in started:
-        if op.kind == "coll":
-            inst = instance.get(key)
+class _Replay:
+    """Rule 3: every rank's ops run in issue order on the streams of a model (ops and units as integers: records
+    hold tens of thousands of ops)."""
+
+    def __init__(self, job: Job, model: str, partner: dict, instance: dict, needed: dict) -> None:
+        self.ops = [op for proc in sorted(job.ranks.values(), key=lambda p: p.rank) for op in proc.ops]
+        index = {(op.rank, op.id): i for i, op in enumerate(self.ops)}
+        self.partner = [index[partner[k]] if partner.get(k) is not None else -1
+                        for k in ((op.rank, op.id) for op in self.ops)]
+        instances: dict[tuple, int] = {}
+        self.instance, self.inst_needed, self.inst_ops = [], [], []
+        for op in self.ops:
+            inst = instance.get((op.rank, op.id))
             if inst is None:
-                return "started; no other member issues it"
-            return f"started; waits for {needed[inst] - inst_started[inst]} more members of group {op.group}"
-        pending = [k for k in units[unit] if partner.get(k) is None or unit_of[partner[k]] not in started]
-        if not pending:
-            return "started"
-        k = pending[0]
-        if partner.get(k) is None:
-            return f"started; {ops[k].describe()} has no matching op on its peer"
-        other = partner[k]
-        why = "" if depth else " (" + _why_blocked(other, ops, unit_of, units, unit_streams, queues, head, started,
-                                                   frontier, waits, partner, instance, inst_started, needed, 1) + ")"
-        return f"started; waits for its peer's {ops[other].describe()}, which has not started{why}"
-    for s in unit_streams[unit]:
-        h = queues[s][head[s]]
-        if h != unit:
-            return f"not started: behind {ops[units[h][0]].describe()} on the same stream"
-    tk = (op.rank, op.thread)
-    w = waits[tk][frontier[tk]]
-    return f"not started: its rank waited before issuing it for {ops[(op.rank, w)].describe()}"
+                self.instance.append(-1)
+                continue
+            if inst not in instances:
+                instances[inst] = len(self.inst_needed)
+                self.inst_needed.append(needed[inst])
+                self.inst_ops.append([])
+            self.instance.append(instances[inst])
+            self.inst_ops[instances[inst]].append(len(self.instance) - 1)
+        self.inst_started = [0] * len(self.inst_needed)
+        # units (a batch_isend_irecv, or a single op), the streams they occupy, the waits they come after
+        unit_ids: dict[tuple, int] = {}
+        stream_ids: dict[tuple, int] = {}
+        thread_ids: dict[tuple, int] = {}
+        self.unit_of, self.units, self.unit_streams, self.unit_thread, self.unit_need = [], [], [], [], []
+        self.queues: list[list[int]] = []
+        for i, op in enumerate(self.ops):
+            key = (op.rank, "unit", op.unit) if op.unit is not None else (op.rank, op.id)
+            u = unit_ids.setdefault(key, len(unit_ids))
+            if u == len(self.units):
+                tk = thread_ids.setdefault((op.rank, op.thread), len(thread_ids))
+                self.units.append([]), self.unit_streams.append([]), self.unit_thread.append(tk)
+                self.unit_need.append(op.waits_before)
+            self.unit_of.append(u)
+            self.units[u].append(i)
+            s = stream_ids.setdefault(_stream(op, model), len(stream_ids))
+            if s == len(self.queues):
+                self.queues.append([])
+            if s not in self.unit_streams[u]:
+                self.unit_streams[u].append(s)
+                self.queues[s].append(u)
+        self.head = [0] * len(self.queues)
+        self.threads = list(thread_ids)
+        self.waits = [[index.get((rank, w), -1) for w in job.ranks[rank].waits.get(th, [])] for rank, th in self.threads]
+        self.rank_threads: dict[int, list[int]] = defaultdict(list)
+        for tk, (rank, _) in enumerate(self.threads):
+            self.rank_threads[rank].append(tk)
+        self.frontier = [0] * len(self.threads)  # per thread: how many of its waits completed, in order
+        self.blocked: list[list[int]] = [[] for _ in self.threads]  # units waiting for the frontier
+        self.started = bytearray(len(self.units))
+        self.remaining = [len(u) for u in self.units]  # ops of the unit not done yet
+        self.done = bytearray(len(self.ops))
+
+    def run(self) -> bool:
+        """Whether every op completes."""
+        queues, head, work = self.queues, self.head, deque(q[0] for q in self.queues)
+        completed = 0
+        while work:
+            u = work.popleft()
+            if self.started[u] or any(queues[s][head[s]] != u for s in self.unit_streams[u]):
+                continue
+            tk = self.unit_thread[u]
+            if self.frontier[tk] < self.unit_need[u]:
+                self.blocked[tk].append(u)
+                continue
+            self.started[u] = 1
+            newly_done = []
+            for i in self.units[u]:
+                inst = self.instance[i]
+                if inst >= 0:
+                    self.inst_started[inst] += 1
+                    if self.inst_started[inst] == self.inst_needed[inst]:
+                        newly_done += self.inst_ops[inst]
+                else:
+                    other = self.partner[i]
+                    if other >= 0 and self.started[self.unit_of[other]]:
+                        newly_done += (i, other)
+            for i in newly_done:
+                self.done[i] = 1
+                v = self.unit_of[i]
+                self.remaining[v] -= 1
+                if self.remaining[v]:
+                    continue
+                completed += 1
+                for s in self.unit_streams[v]:
+                    head[s] += 1
+                    if head[s] < len(queues[s]):
+                        work.append(queues[s][head[s]])
+                for t in self.rank_threads[self.ops[i].rank]:  # any thread of the rank may have waited on it
+                    w, f = self.waits[t], self.frontier[t]
+                    while f < len(w) and (w[f] < 0 or self.done[w[f]]):
+                        f += 1
+                    if f != self.frontier[t]:
+                        self.frontier[t] = f
+                        work.extend(self.blocked[t])
+                        self.blocked[t] = []
+        return completed == len(self.units)
+
+    def blocked_heads(self) -> list[str]:
+        """Each rank's first op that did not complete, and what it waits for."""
+        lines, seen = [], set()
+        for i, op in enumerate(self.ops):
+            if op.rank in seen or not self.remaining[self.unit_of[i]]:
+                continue
+            seen.add(op.rank)
+            lines.append(f"rank {op.rank}: {op.describe()}: {self.why(i)}")
+        return lines
+
+    def why(self, i: int, depth: int = 0) -> str:
+        op, u = self.ops[i], self.unit_of[i]
+        if self.started[u]:
+            if op.kind == "coll":
+                inst = self.instance[i]
+                if inst < 0:
+                    return "started; no other member issues it"
+                return f"started; waits for {self.inst_needed[inst] - self.inst_started[inst]} more members of group {op.group}"
+            pending = [k for k in self.units[u] if not self.done[k]]
+            if not pending:
+                return "started"
+            k = pending[0]
+            other = self.partner[k]
+            if other < 0:
+                return f"started; {self.ops[k].describe()} has no matching op on its peer"
+            why = "" if depth else f" ({self.why(other, 1)})"
+            return f"started; waits for its peer's {self.ops[other].describe()}, which has not started{why}"
+        for s in self.unit_streams[u]:
+            h = self.queues[s][self.head[s]]
+            if h != u:
+                return f"not started: behind {self.ops[self.units[h][0]].describe()} on the same stream"
+        t = self.unit_thread[u]
+        w = self.waits[t][self.frontier[t]]
+        return f"not started: its rank waited before issuing it for {self.ops[w].describe()}"
+
+
+def _deadlock(job: Job, model: str, partner: dict, instance: dict, needed: dict) -> Optional[str]:
+    """Rule 3 in one stream model: None, or each rank's blocked op."""
+    replay = _Replay(job, model, partner, instance, needed)
+    if replay.run():
+        return None
+    return f"deadlock under NCCL {_MODELS[model]}:\n    " + "\n    ".join(replay.blocked_heads())
 
 
 def check_job(job: Job) -> list[str]:
@@ -820,6 +841,12 @@ def check_job(job: Job) -> list[str]:
         if stuck:
             violations.append(stuck)
     return violations
+
+
+def check_prefix(job: Job) -> list[str]:
+    """Rules 1 and 2 on what every rank issued before it stopped: for a job that failed or was killed, the first
+    mismatch often is why (with strict tags, gloo fails where NCCL would pair the wrong tensors)."""
+    return _pairs(job, prefix=True)[1] + _collectives(job, prefix=True)[2]
 
 
 @dataclass
