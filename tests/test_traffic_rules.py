@@ -230,7 +230,11 @@ def test_recording_a_real_gloo_exchange_with_strict_tags(tmp_path):
                **{traffic.TRAFFIC_ENV: str(directory), traffic.STRICT_TAGS_ENV: "1"})
     procs = [subprocess.Popen([sys.executable, str(SCRIPT), str(tmp_path / f"rank{r}.json")], env={**env, "RANK": str(r)},
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(2)]
-    outputs = [p.communicate(timeout=120)[0] for p in procs]
+    try:
+        outputs = [p.communicate(timeout=300)[0] for p in procs]
+    finally:
+        for p in procs:
+            p.kill()  # a no-op when it has exited
     assert [p.returncode for p in procs] == [0, 0], outputs
     for r in range(2):
         assert json.loads((tmp_path / f"rank{r}.json").read_text())["ok"], outputs[r]
