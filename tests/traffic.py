@@ -49,7 +49,6 @@ from __future__ import annotations
 import atexit
 import functools
 import importlib.abc
-import importlib.util
 import inspect
 import json
 import os
@@ -60,7 +59,7 @@ import uuid
 from collections import Counter, defaultdict, deque
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Optional
+from typing import Any, Optional
 
 TRAFFIC_ENV = "LIGHTNING_ASYNC_PP_TRAFFIC"
 STRICT_TAGS_ENV = "LIGHTNING_ASYNC_PP_STRICT_TAGS"

@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 def main(out: str) -> None:
     dist.init_process_group("gloo", init_method="env://")
-    rank, peer = dist.get_rank(), 1 - dist.get_rank()
+    rank = dist.get_rank()
     ok = True
     x1, x2 = torch.arange(32, dtype=torch.float32).reshape(4, 8), torch.tensor([1.0, 2.0, 3.0])
     y, z, w, v = torch.full((2, 3), 4.0), torch.full((5,), 6.0, dtype=torch.float64), torch.ones(3), torch.zeros(2)
