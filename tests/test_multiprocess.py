@@ -141,6 +141,7 @@ def test_validation_between_2bw_steps_does_not_stall_the_lookahead(tmp_path):
     assert max_difference(multiprocess_weights(cfg, tmp_path), one_device_weights(cfg)) < 1e-5
 
 
+@pytest.mark.traffic_unchecked("a stage fails on purpose: no run ends cleanly")
 def test_a_stage_that_raises_stops_every_process_within_the_timeout(tmp_path):
     cfg = dict(BASE, schedule="2bw", stages=2, steps=8, timeout=30, fail_at={"stage": 1, "step": 3})
     start = time.monotonic()
@@ -154,6 +155,7 @@ def test_a_stage_that_raises_stops_every_process_within_the_timeout(tmp_path):
     assert elapsed < 30 + 60  # the timeout plus start-up; in practice a few seconds after the failure
 
 
+@pytest.mark.traffic_unchecked("the run is refused on purpose: no run ends cleanly")
 def test_too_few_layers_for_the_stages_is_a_clear_error_before_training(tmp_path):
     cfg = dict(BASE, schedule="2bw", stages=4, model={"depth": 3})  # 3 layers, 4 stages
     proc = run_multiprocess(cfg, tmp_path, timeout=120)
@@ -161,16 +163,19 @@ def test_too_few_layers_for_the_stages_is_a_clear_error_before_training(tmp_path
     assert "returned 3 layer(s), fewer than the 4 pipeline stages" in proc.stderr
 
 
+@pytest.mark.traffic_unchecked("refused before any process starts")
 def test_fewer_microbatches_than_stages_under_2bw_is_a_clear_error_before_any_process_starts():
     with pytest.raises(ValueError, match=r"num_microbatches >= the number of pipeline stages.*num_microbatches=2 for 4 stages"):
         L.Trainer(strategy=AsyncPipelineStrategy("2bw", num_microbatches=2), accelerator="cpu", devices=4)
 
 
+@pytest.mark.traffic_unchecked("refused before any process starts")
 def test_devices_not_divisible_by_data_parallel_size_is_a_clear_error_before_any_process_starts():
     with pytest.raises(ValueError, match=r"3 process\(es\) cannot be split into data_parallel_size=2"):
         L.Trainer(strategy=AsyncPipelineStrategy("2bw", num_microbatches=4, data_parallel_size=2), accelerator="cpu", devices=3)
 
 
+@pytest.mark.traffic_unchecked("refused before any process starts")
 def test_delay_variants_are_refused_across_processes():
     with pytest.raises(ValueError, match=r"delay=2 is a one-device research variant"):
         L.Trainer(strategy=AsyncPipelineStrategy("2bw", num_microbatches=4, delay=2), accelerator="cpu", devices=2)

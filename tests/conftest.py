@@ -1,0 +1,104 @@
+"""Every test marked ``multiprocess`` records its processes' traffic and fails where it breaks NCCL's rules.
+
+The processes a test starts inherit ``LIGHTNING_ASYNC_PP_TRAFFIC`` (a fresh directory per test) and ``PYTHONPATH``
+with ``tests/traffic_hook`` first, whose ``sitecustomize`` installs the recorder (tests/traffic.py) in each of
+them; ``LIGHTNING_ASYNC_PP_STRICT_TAGS=1`` (unless set otherwise) replaces tags by per-pair sequence numbers, so
+gloo pairs messages by position as NCCL does. After the test, every job whose ranks all exited cleanly is replayed
+under NCCL's rules (``traffic.check``).
+
+``LIGHTNING_ASYNC_PP_TRAFFIC_CHECK``: ``fail`` (default) fails the test with the violations, ``report`` prints
+them at the end of the session instead, ``off`` records nothing. A test whose runs all end in deliberate failures
+(no job with every rank exiting cleanly) needs ``@pytest.mark.traffic_unchecked("why")``.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+import traffic
+
+CHECK_ENV = "LIGHTNING_ASYNC_PP_TRAFFIC_CHECK"
+_MODES = ("fail", "report", "off")
+_HOOK = Path(__file__).parent / "traffic_hook"
+_DIRECTORY = pytest.StashKey[Path]()
+_REPORTS = pytest.StashKey[list]()
+
+
+def _mode() -> str:
+    mode = os.environ.get(CHECK_ENV, "fail")
+    if mode not in _MODES:
+        raise pytest.UsageError(f"{CHECK_ENV}={mode!r}; use one of {', '.join(_MODES)}")
+    return mode
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    _mode()
+    config.stash[_REPORTS] = []
+
+
+@pytest.fixture(autouse=True)
+def _record_traffic(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch, tmp_path_factory) -> None:
+    if request.node.get_closest_marker("multiprocess") is None or _mode() == "off":
+        yield
+        return
+    directory = tmp_path_factory.mktemp("traffic")
+    monkeypatch.setenv(traffic.TRAFFIC_ENV, str(directory))
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(_HOOK), os.environ.get("PYTHONPATH")])))
+    monkeypatch.setenv(traffic.STRICT_TAGS_ENV, os.environ.get(traffic.STRICT_TAGS_ENV, "1"))
+    request.node.stash[_DIRECTORY] = directory
+    yield
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item: pytest.Item):
+    directory = item.stash.get(_DIRECTORY, None)
+    try:
+        result = yield
+    except BaseException:  # the test failed by itself: what its traffic shows goes beside its own error
+        if directory is not None:
+            _explain(item, directory)
+        raise
+    if directory is not None:
+        _check(item, directory)
+    return result
+
+
+def _explain(item: pytest.Item, directory: Path) -> None:
+    lines = []
+    for job in traffic.load(directory):
+        if job.complete:
+            found = traffic.check_job(job)
+        else:
+            found = traffic.check_prefix(job)
+            lines.append(f"{job.describe()} did not end cleanly ({job.why_incomplete()}); what its ranks issued:")
+        lines += [f"- {v}" for v in found]
+    if lines:
+        item.add_report_section("call", "traffic under NCCL's rules", "\n".join(lines))
+
+
+def _check(item: pytest.Item, directory: Path) -> None:
+    analysis = traffic.analyze(directory)
+    problems = list(analysis.violations)
+    unchecked = item.get_closest_marker("traffic_unchecked")
+    if not analysis.complete_jobs and unchecked is None:
+        seen = "; ".join(f"{j.describe()}: {j.why_incomplete()}" for j in analysis.jobs) or "no process recorded"
+        problems.append(f"no complete job recorded ({seen}); a test whose runs all fail on purpose needs "
+                        f"@pytest.mark.traffic_unchecked(\"why\")")
+    text = (f"{len(problems)} problem(s) in the recorded traffic under NCCL's rules ({directory}):\n"
+            + "\n".join(f"- {p}" for p in problems))
+    if _mode() == "report" and (problems or analysis.host_reads):
+        reads = ", ".join(f"{n} at {at}" for at, n in analysis.host_reads.most_common(5))
+        item.config.stash[_REPORTS].append((item.nodeid, text + (
+            f"\nhost reads of received tensors ({sum(analysis.host_reads.values())}): {reads}" if reads else "")))
+    elif problems:
+        pytest.fail(text, pytrace=False)
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config: pytest.Config) -> None:
+    reports = config.stash.get(_REPORTS, [])
+    if reports:
+        terminalreporter.section("traffic under NCCL's rules (LIGHTNING_ASYNC_PP_TRAFFIC_CHECK=report)")
+        for nodeid, text in reports:
+            terminalreporter.write_line(f"{nodeid}: {text}")
