@@ -77,16 +77,26 @@ def mixed_corpus(tmp_path_factory) -> Path:
     return root
 
 
-def documents_of(segments) -> list[str]:
-    """The documents of a split, read here: a whole text file, or each record of a .jsonl file."""
+def lines_starting_in(data: bytes, start: int, stop: int) -> list[bytes]:
+    """The lines (with their newline) whose first byte lies in ``[start, stop)``."""
+    lines, at = [], 0
+    for line in data.splitlines(keepends=True):
+        if start <= at < stop:
+            lines.append(line)
+        at += len(line)
+    return lines
+
+
+def documents_of(segments, encoding: str = "utf-8") -> list[str]:
+    """The documents of a split, read here: the lines of a text file that start in the segment, or each record of
+    a .jsonl file whose line does."""
     docs = []
     for path, start, stop in segments:
-        data = Path(path).read_bytes()
-        assert (start, stop) == (0, len(data))  # whole files in these tests
-        if path.endswith(".jsonl"):
-            docs += [json.loads(line)["text"] for line in data.decode().splitlines()]
-        else:
-            docs.append(data.decode())
+        lines = lines_starting_in(Path(path).read_bytes(), start, stop)
+        if path.lower().endswith(".jsonl"):
+            docs += [json.loads(line.decode(encoding))["text"] for line in lines]
+        elif lines:
+            docs.append(b"".join(lines).decode(encoding))
     return docs
 
 
@@ -353,3 +363,42 @@ def test_bad_tokenizers_are_named(tmp_path):
         dm.optimized_dirs()
     (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "a"}))  # the config names it
     assert stored_ids(dm.optimized_dirs()[0]) == [0, 0, 0, 0]
+
+
+def test_prepare_holds_out_val_fraction_of_the_tokens_whatever_the_file_sizes_and_seed(tmp_path):
+    from lightning_async_pp.data.prepare import prepare
+
+    # One 0.5 MB file and two small ones (validation got 99% or 1% of the tokens by seed when it took whole files).
+    # Every line is 16 bytes and 3 tokens of a word-level tokenizer, so tokens are proportional to bytes.
+    tok = word_tokenizer(tmp_path / "words.json", words=1000)
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    line = lambda i: f"w{100 + i % 900} w{100 + 7 * i % 900} w{100 + 13 * i % 900}\n"  # noqa: E731
+    for name, lines in (("big.txt", 2 ** 19 // 16), ("a.txt", 120), ("b.txt", 90)):
+        (corpus / name).write_text("".join(line(i) for i in range(lines)))
+    files = sorted(corpus.glob("*.txt"))
+    total = sum(len(f.read_text().splitlines()) * 3 + 1 for f in files)  # 3 ids a line, an EOS a document
+    for seed in (0, 1, 2):
+        out = prepare([corpus], tok, tmp_path / f"out{seed}", val_fraction=0.05, seed=seed, num_workers=1)
+        info = json.loads((out / "COMPLETE.json").read_text())
+        # Validation holds floor(0.05 * bytes) bytes; a piece of a file is read from line starts (one line more or
+        # less, 3 ids) and each piece adds an EOS: at most 4 ids per file off 5% of the tokens.
+        assert abs(info["val_tokens"] - 0.05 * total) <= 4 * len(files)
+        train, val = split_corpus(files, 0.05, None, seed)
+        for segments, split in ((train, "train"), (val, "val")):
+            assert chunk_ids(out / split, info["dtype"]) == expected_word_ids(documents_of(segments))
+    assert chunk_ids(out / "val", info["dtype"]) == stored_ids(str(out / "val"))  # the chunk reader reads litdata's
+
+
+def chunk_ids(optimized_dir: Path, dtype: str) -> list[int]:
+    """The ids of an optimized folder, read from its chunk files (TokensLoader's layout: a uint32 item count and
+    item offsets, then the ids); ``stored_ids`` reads one id per item, a minute for 0.5 MB."""
+    import numpy as np
+
+    index = json.loads((optimized_dir / "index.json").read_text())
+    return [i for c in index["chunks"] for i in np.fromfile(optimized_dir / c["filename"], dtype=np.dtype(dtype),
+                                                             offset=(c["chunk_size"] + 2) * 4).tolist()]
+
+
+def expected_word_ids(docs: list[str]) -> list[int]:
+    return [i for doc in docs for i in [int(w[1:]) + 2 for w in doc.split()] + [1]]
