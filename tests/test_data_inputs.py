@@ -141,7 +141,8 @@ def test_an_upper_case_jsonl_suffix_is_read_as_records(tmp_path, tokenizer):
     records = [{"text": SENTENCES[i % 5], "id": i} for i in range(12)]
     corpus = tmp_path / "corpus"
     corpus.mkdir()
-    (corpus / "RECORDS.JSONL").write_text("".join(json.dumps(r) + "\n" for r in records))
+    # With a byte-order mark, as some editors write UTF-8.
+    (corpus / "RECORDS.JSONL").write_text("\ufeff" + "".join(json.dumps(r) + "\n" for r in records))
     dm = TextDataModule(data_path=str(corpus), tokenizer=str(tokenizer), cache_dir=str(tmp_path / "c"),
                         val_fraction=0.0)
     assert stored_ids(dm.optimized_dirs()[0]) == expected_ids(tokenizer, [r["text"] for r in records])

@@ -25,7 +25,7 @@ from typing import Any, Optional, Union
 import torch
 
 from lightning_async_pp.data.corpus import Segment, build_token_cache, cache_info, corpus_key, segment_lines
-from lightning_async_pp.data.inputs import DEFAULT_ENCODING, suffix
+from lightning_async_pp.data.inputs import DEFAULT_ENCODING, is_utf8, suffix
 
 TOKENIZER_FILE = "tokenizer.json"
 #: The files a Hugging Face tokenizer folder may hold (what ``save_pretrained`` of a tokenizer writes): hashed,
@@ -150,6 +150,8 @@ def documents(segment: Segment, text_field: str, encoding: str = DEFAULT_ENCODIN
 
 
 def _jsonl_documents(path: str, start: int, stop: int, text_field: str, encoding: str) -> Iterator[str]:
+    # A UTF-8 file may begin with a byte-order mark, which json.loads refuses in text (and skipped in bytes).
+    encoding = "utf-8-sig" if is_utf8(encoding) else encoding
     with open(path, "rb") as f:
         if start > 0:  # a line that began before `start` belongs to the previous segment
             f.seek(start - 1)
