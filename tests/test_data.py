@@ -181,7 +181,8 @@ def stream(optimized_dir: str) -> bytes:
     """Every byte token of an optimized folder, in order, read from its chunk files (litdata's TokensLoader layout: a
     uint32 item count and item offsets, then the tokens); reading one token per item takes a minute for 0.5 MB."""
     index = json.loads((Path(optimized_dir) / "index.json").read_text())
-    return b"".join((Path(optimized_dir) / c["filename"]).read_bytes()[(c["chunk_size"] + 2) * 4:] for c in index["chunks"])
+    return b"".join((Path(optimized_dir) / c["filename"]).read_bytes()[(c["chunk_size"] + 2) * 4:]
+                    for c in index["chunks"])
 
 
 def test_the_cached_splits_hold_val_fraction_of_the_tokens_and_together_the_whole_corpus(tmp_path, one_big_two_small):
