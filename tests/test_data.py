@@ -122,6 +122,17 @@ def test_max_bytes_caps_the_corpus_before_the_split():
                for p in pieces)  # each file's head, in disjoint pieces
 
 
+def test_pieces_of_a_text_cut_at_any_byte_decode_and_together_are_the_text(tmp_path):
+    for encoding, text in (("utf-8", "aé€𝄞 b\n" * 2), ("utf-8-sig", "é€ x"), ("cp1252", "café € ok\n")):
+        path = tmp_path / f"{encoding}.txt"
+        path.write_bytes(text.encode(encoding))
+        size = path.stat().st_size
+        for cut in range(size + 1):
+            head, tail = corpus.segment_text(str(path), 0, cut, encoding), corpus.segment_text(str(path), cut, size,
+                                                                                                 encoding)
+            assert head + tail == text, (encoding, cut)
+
+
 def test_val_fraction_outside_zero_one_is_refused_at_construction():
     for bad in (1.0, -0.1, 2):
         with pytest.raises(ValueError, match=rf"val_fraction must be in \[0, 1\).*got {bad}"):

@@ -107,14 +107,18 @@ def test_encoding_reaches_prepare_through_its_command_line_flag(tmp_path, tokeni
     assert stored_ids(str(tmp_path / "out" / "train")) == expected_ids(tokenizer, [LATIN1_TEXT])
 
 
-def test_an_encoding_that_is_unknown_or_not_ascii_compatible_is_refused_at_construction():
+def test_an_encoding_a_piece_cannot_be_decoded_in_is_refused_at_construction():
     with pytest.raises(ValueError, match=r"encoding 'latin-9x' is not a text encoding Python knows.*'latin-1'"):
         TextDataModule(encoding="latin-9x")
-    with pytest.raises(ValueError, match=r"encoding 'utf-16' is not ASCII-compatible.*convert the corpus to UTF-8"):
-        TextDataModule(encoding="utf-16")
+    for bad in ("utf-16", "shift_jis"):
+        with pytest.raises(ValueError, match=rf"encoding '{bad}' is neither UTF-8 nor an ASCII-compatible one-byte "
+                                             rf"encoding.*convert the corpus to UTF-8"):
+            TextDataModule(encoding=bad)
+    for good in ("utf-8", "UTF8", "utf-8-sig", "latin-1", "cp1252", "iso8859_15"):
+        assert TextDataModule(encoding=good).encoding == good
     from lightning_async_pp.data.prepare import prepare
 
-    with pytest.raises(ValueError, match=r"encoding 'utf-32' is not ASCII-compatible"):
+    with pytest.raises(ValueError, match=r"encoding 'utf-32' is neither UTF-8"):
         prepare(["x"], "t", "o", encoding="utf-32")
 
 
@@ -132,7 +136,7 @@ def test_encoding_is_a_data_option_of_the_lightning_cli(tmp_path, monkeypatch):
     }))
     cli = AsyncPipelineCLI(args=["--config", str(config)], run=False)
     assert cli.datamodule.encoding == "latin-1"
-    with pytest.raises(ValueError, match="encoding 'utf-16' is not ASCII-compatible"):
+    with pytest.raises(ValueError, match="encoding 'utf-16' is neither UTF-8"):
         AsyncPipelineCLI(args=["--config", str(config), "--data.encoding=utf-16"], run=False)
 
 

@@ -87,16 +87,28 @@ def lines_starting_in(data: bytes, start: int, stop: int) -> list[bytes]:
     return lines
 
 
+def characters_starting_in(text: str, start: int, stop: int, encoding: str = "utf-8") -> str:
+    """The characters of ``text`` whose first byte (in ``encoding``) lies in ``[start, stop)``."""
+    if text.isascii():  # one byte a character
+        return text[start:stop]
+    kept, at = [], 0
+    for char in text:
+        if start <= at < stop:
+            kept.append(char)
+        at += len(char.encode(encoding))
+    return "".join(kept)
+
+
 def documents_of(segments, encoding: str = "utf-8") -> list[str]:
-    """The documents of a split, read here: the lines of a text file that start in the segment, or each record of
-    a .jsonl file whose line does."""
+    """The documents of a split, read here: the characters of a text file that start in the segment, or each record
+    of a .jsonl file whose line does."""
     docs = []
     for path, start, stop in segments:
-        lines = lines_starting_in(Path(path).read_bytes(), start, stop)
+        data = Path(path).read_bytes()
         if path.lower().endswith(".jsonl"):
-            docs += [json.loads(line.decode(encoding))["text"] for line in lines]
-        elif lines:
-            docs.append(b"".join(lines).decode(encoding))
+            docs += [json.loads(line.decode(encoding))["text"] for line in lines_starting_in(data, start, stop)]
+        elif text := characters_starting_in(data.decode(encoding), start, stop, encoding):
+            docs.append(text)
     return docs
 
 
@@ -381,12 +393,12 @@ def test_prepare_holds_out_val_fraction_of_the_tokens_whatever_the_file_sizes_an
     for seed in (0, 1, 2):
         out = prepare([corpus], tok, tmp_path / f"out{seed}", val_fraction=0.05, seed=seed, num_workers=1)
         info = json.loads((out / "COMPLETE.json").read_text())
-        # Validation holds floor(0.05 * bytes) bytes; a piece of a file is read from line starts (one line more or
-        # less, 3 ids) and each piece adds an EOS: at most 4 ids per file off 5% of the tokens.
+        # Validation holds floor(0.05 * bytes) bytes; a cut can split a word in two (one id more) or leave a piece
+        # part of a line (one id fewer) and each piece adds an EOS: at most 4 ids per file off 5% of the tokens.
         assert abs(info["val_tokens"] - 0.05 * total) <= 4 * len(files)
         train, val = split_corpus(files, 0.05, None, seed)
         for segments, split in ((train, "train"), (val, "val")):
-            assert chunk_ids(out / split, info["dtype"]) == expected_word_ids(documents_of(segments))
+            assert chunk_ids(out / split, info["dtype"]) == expected_word_ids(tok, documents_of(segments))
     assert chunk_ids(out / "val", info["dtype"]) == stored_ids(str(out / "val"))  # the chunk reader reads litdata's
 
 
@@ -400,5 +412,29 @@ def chunk_ids(optimized_dir: Path, dtype: str) -> list[int]:
                                                              offset=(c["chunk_size"] + 2) * 4).tolist()]
 
 
-def expected_word_ids(docs: list[str]) -> list[int]:
-    return [i for doc in docs for i in [int(w[1:]) + 2 for w in doc.split()] + [1]]
+def expected_word_ids(tokenizer_file: Path, docs: list[str]) -> list[int]:
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(tokenizer_file))
+    return [i for doc in docs for i in tok.encode(doc, add_special_tokens=False).ids + [tok.token_to_id(EOS)]]
+
+
+def test_a_corpus_of_one_line_is_split_at_a_character_and_a_split_without_tokens_is_refused(tmp_path, tokenizer):
+    # text8-like: one line, no newline; multi-byte characters around the cut (validation is its last 20%).
+    text = " ".join(SENTENCES) * 6 + " héhé ñ" * 50
+    (tmp_path / "one.txt").write_text(text)
+    dm = TextDataModule(data_path=str(tmp_path / "one.txt"), tokenizer=str(tokenizer), cache_dir=str(tmp_path / "c"),
+                        val_fraction=0.2)
+    train_dir, val_dir = dm.optimized_dirs()
+    size = len(text.encode())
+    cut = size - int(0.2 * size)
+    head, tail = characters_starting_in(text, 0, cut), characters_starting_in(text, cut, size)
+    assert head + tail == text and tail  # a character the cut crosses is the head's
+    assert stored_ids(train_dir) == expected_ids(tokenizer, [head])
+    assert stored_ids(val_dir) == expected_ids(tokenizer, [tail])
+    # One record: no record starts in validation's bytes. Refused, not an empty split litdata fails on later.
+    (tmp_path / "records" / "one.jsonl").parent.mkdir()
+    (tmp_path / "records" / "one.jsonl").write_text(json.dumps({"text": text}) + "\n")
+    with pytest.raises(ValueError, match=r"the val split holds no tokens: its \d+ bytes .*one\.jsonl.*val_fraction"):
+        TextDataModule(data_path=str(tmp_path / "records"), tokenizer=str(tokenizer), cache_dir=str(tmp_path / "c"),
+                       val_fraction=0.2).optimized_dirs()

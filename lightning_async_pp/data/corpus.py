@@ -30,7 +30,7 @@ from typing import Any, Callable, Optional, Union
 import numpy as np
 import torch
 
-from lightning_async_pp.data.inputs import DEFAULT_ENCODING, content_sha256, is_utf8
+from lightning_async_pp.data.inputs import DEFAULT_ENCODING, content_sha256, is_utf8, is_utf8_family
 
 #: ``(path, start, stop)``: the bytes ``[start, stop)`` of a file.
 Segment = tuple[str, int, int]
@@ -38,7 +38,7 @@ Segment = tuple[str, int, int]
 VOCAB_SIZE = 256
 #: Bump when the on-disk layout or the tokenization changes, so old caches are not reused.
 # 2: the token order is the split's at any number of workers (see _optimize); 3: keyed by content hash and encoding,
-# text read from line starts (segment_lines)
+# a text piece is the characters that start in it (segment_text)
 _CACHE_FORMAT = 3
 _COMPLETE_MARKER = "COMPLETE.json"
 _SKIP_DIRS = {"site-packages", "dist-packages", "__pycache__", "test", "tests", "idle_test"}
@@ -61,14 +61,14 @@ def decode(tokens: Union[torch.Tensor, Sequence[int]]) -> bytes:
 
 def tokenize_segment(segment: Segment, encoding: str = DEFAULT_ENCODING) -> Iterator[torch.Tensor]:
     """``litdata.optimize`` worker function: one segment -> one uint8 tensor of its bytes (one byte per token). Text
-    in another encoding than UTF-8 is transcoded to UTF-8 (read from line starts, see :func:`segment_lines`)."""
+    in another encoding than UTF-8 is transcoded to UTF-8 (see :func:`segment_text`)."""
     path, start, stop = segment
     if is_utf8(encoding):
         with open(path, "rb") as f:
             f.seek(start)
             data = f.read(stop - start)
     else:
-        data = segment_lines(path, start, stop).decode(encoding).encode("utf-8")
+        data = segment_text(path, start, stop, encoding).encode("utf-8")
     if data:  # litdata cannot store empty items
         yield torch.frombuffer(bytearray(data), dtype=torch.uint8)
 
@@ -78,22 +78,22 @@ def byte_tokenizer(encoding: str = DEFAULT_ENCODING) -> Callable[[Segment], Iter
     return functools.partial(tokenize_segment, encoding=encoding)
 
 
-def segment_lines(path: str, start: int, stop: int) -> bytes:
-    """The lines of a file that start in ``[start, stop)``, whole: a line a cut crosses belongs to the segment its
-    first byte is in, so text pieces decode (no character is cut) and every line is read once. Needs an
-    ASCII-compatible encoding (``inputs.check_encoding``)."""
+def segment_text(path: str, start: int, stop: int, encoding: str = DEFAULT_ENCODING) -> str:
+    """The characters of a file that start in ``[start, stop)``, decoded: a character a cut crosses belongs to the
+    piece its first byte is in, so pieces decode on their own and together are the file's text once. In UTF-8 a
+    cut moves past continuation bytes (``10xxxxxx``); in a one-byte encoding it stays (``inputs.check_encoding``)."""
     with open(path, "rb") as f:
-        if start > 0:  # a line that began before `start` belongs to the previous segment
-            f.seek(start - 1)
-            if f.read(1) != b"\n":
-                f.readline()
-        begin = f.tell()
-        if begin >= stop:
-            return b""
-        data = f.read(stop - begin)
-        if not data.endswith(b"\n"):
-            data += f.readline()
-    return data
+        if is_utf8_family(encoding):
+            start, stop = _char_start(f, start), _char_start(f, stop)
+        f.seek(start)
+        return f.read(max(0, stop - start)).decode(encoding)
+
+
+def _char_start(f: Any, at: int) -> int:
+    """The first byte at or after ``at`` that is not a UTF-8 continuation byte (a character starts there)."""
+    f.seek(at)
+    data = f.read(4)  # a character has at most 3 continuation bytes
+    return at + next((i for i, byte in enumerate(data) if byte & 0xC0 != 0x80), len(data))
 
 
 # ---- finding files -----------------------------------------------------------------------------------------------
@@ -251,6 +251,13 @@ def build_token_cache(
         for split, segments in (("train", train), ("val", val)):
             if segments:
                 _optimize(segments, cache / split, num_workers, chunk_bytes, fn)
+        for split, segments in (("train", train), ("val", val)):
+            if segments and _tokens(cache / split) == 0:  # litdata would fail to read it, later and obscurely
+                raise ValueError(f"the {split} split holds no tokens: its {sum(b - a for _, a, b in segments)} bytes "
+                                 f"({', '.join(f'{p}[{a}:{b}]' for p, a, b in segments[:3])}) hold no document that "
+                                 f"starts in them (a .jsonl record or .parquet row a cut crosses belongs to the "
+                                 f"piece its start is in); give a larger val_fraction or max_bytes, or "
+                                 f"val_fraction=0 for no validation")
         if before_marker is not None:
             before_marker(cache)
         marker = {**(info or {"vocab_size": VOCAB_SIZE, "dtype": "uint8"}),

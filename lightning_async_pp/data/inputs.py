@@ -39,25 +39,33 @@ def is_record_file(path: Union[str, Path]) -> bool:
 
 
 def check_encoding(encoding: str) -> str:
-    """``encoding`` if Python has a codec by that name and it is ASCII-compatible, else a clear error.
+    """``encoding`` if Python has a codec by that name that is UTF-8 or one byte a character and ASCII-compatible,
+    else a clear error.
 
-    ASCII-compatible: a split may cut a file anywhere, and its pieces are read from line starts (see
-    ``corpus.segment_lines``), which needs the byte ``\\n`` to be a newline and nothing else (UTF-16/32 fail that).
+    A split may cut a file anywhere, and a piece is the characters that start in it (``corpus.segment_text``): in
+    UTF-8 a character's first byte is known by its bits, in a one-byte encoding every byte is one; in UTF-16/32,
+    Shift-JIS or GBK it takes decoding from the start of the file. ASCII-compatible: ``.jsonl`` records are lines.
     """
     try:
         codecs.lookup(encoding)
     except (LookupError, TypeError):
         raise ValueError(f"encoding {encoding!r} is not a text encoding Python knows; give one such as 'utf-8', "
                          f"'latin-1' or 'cp1252'") from None
+    if not (is_utf8_family(encoding) or _one_byte_ascii_compatible(encoding)):
+        raise ValueError(f"encoding {encoding!r} is neither UTF-8 nor an ASCII-compatible one-byte encoding (UTF-16/32, "
+                         f"Shift-JIS, GBK and the like: a piece cut inside a file cannot be decoded on its own): "
+                         f"convert the corpus to UTF-8 (e.g. iconv -f {encoding} -t utf-8), or give 'utf-8', "
+                         f"'latin-1', 'cp1252', ...")
+    return encoding
+
+
+def _one_byte_ascii_compatible(encoding: str) -> bool:
     try:
         ascii_compatible = b"a\nb".decode(encoding) == "a\nb"
     except (UnicodeDecodeError, ValueError):
-        ascii_compatible = False
-    if not ascii_compatible:
-        raise ValueError(f"encoding {encoding!r} is not ASCII-compatible (UTF-16/32 and the like): convert the corpus "
-                         f"to UTF-8 (e.g. iconv -f {encoding} -t utf-8), or give an ASCII-compatible encoding such as "
-                         f"'utf-8', 'latin-1' or 'cp1252'")
-    return encoding
+        return False
+    # One character a byte: every byte decodes alone, to one character (or is undefined, as 0x81 in cp1252).
+    return ascii_compatible and len(bytes(range(256)).decode(encoding, errors="replace")) == 256
 
 
 def is_utf8(encoding: str) -> bool:
@@ -65,8 +73,13 @@ def is_utf8(encoding: str) -> bool:
     return codecs.lookup(encoding).name == "utf-8"
 
 
+def is_utf8_family(encoding: str) -> bool:
+    """UTF-8, with or without a byte-order mark (``utf-8-sig``)."""
+    return codecs.lookup(encoding).name in ("utf-8", "utf-8-sig")
+
+
 def looks_binary(path: Union[str, Path]) -> bool:
-    """A NUL byte in the first :data:`SNIFF_BYTES`: not text in any ASCII-compatible encoding."""
+    """A NUL byte in the first :data:`SNIFF_BYTES`: not text in any encoding :func:`check_encoding` accepts."""
     if suffix(path) in _BINARY_FORMATS:
         return False
     with open(path, "rb") as f:

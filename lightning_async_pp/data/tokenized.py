@@ -5,7 +5,7 @@ by size), and the cache is built by the same ordered ``litdata.optimize`` (see d
 changes is what a segment yields: the ids of its documents, each followed by the tokenizer's end-of-text id, in
 the smallest dtype that holds the vocabulary. A document is
 
-- a text file's segment (a whole file, or the part of it a split or ``max_bytes`` cut: the lines that start
+- a text file's segment (a whole file, or the part of it a split or ``max_bytes`` cut: the characters that start
   inside the segment's bytes, decoded in the corpus's ``encoding``; the text was checked to decode before);
 - a record of a ``.jsonl`` file (its ``text_field``): the records whose line starts inside the segment's bytes;
 - a row of a ``.parquet`` file (its ``text_field`` column, read with pyarrow): the rows whose proportional
@@ -24,7 +24,7 @@ from typing import Any, Optional, Union
 
 import torch
 
-from lightning_async_pp.data.corpus import Segment, build_token_cache, cache_info, corpus_key, segment_lines
+from lightning_async_pp.data.corpus import Segment, build_token_cache, cache_info, corpus_key, segment_text
 from lightning_async_pp.data.inputs import DEFAULT_ENCODING, is_utf8, suffix
 
 TOKENIZER_FILE = "tokenizer.json"
@@ -144,7 +144,7 @@ def documents(segment: Segment, text_field: str, encoding: str = DEFAULT_ENCODIN
     elif kind == ".parquet":
         yield from _parquet_documents(path, start, stop, text_field)
     else:
-        text = segment_lines(path, start, stop).decode(encoding)
+        text = segment_text(path, start, stop, encoding)
         if text:
             yield text
 
