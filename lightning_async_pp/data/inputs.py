@@ -52,8 +52,9 @@ def check_encoding(encoding: str) -> str:
         raise ValueError(f"encoding {encoding!r} is not a text encoding Python knows; give one such as 'utf-8', "
                          f"'latin-1' or 'cp1252'") from None
     if not (is_utf8_family(encoding) or _one_byte_ascii_compatible(encoding)):
-        raise ValueError(f"encoding {encoding!r} is neither UTF-8 nor an ASCII-compatible one-byte encoding (UTF-16/32, "
-                         f"Shift-JIS, GBK and the like: a piece cut inside a file cannot be decoded on its own): "
+        raise ValueError(f"encoding {encoding!r} is neither UTF-8 nor an ASCII-compatible one-byte encoding "
+                         f"(UTF-16/32, Shift-JIS, GBK and the like: a piece cut inside a file cannot be decoded on its "
+                         f"own): "
                          f"convert the corpus to UTF-8 (e.g. iconv -f {encoding} -t utf-8), or give 'utf-8', "
                          f"'latin-1', 'cp1252', ...")
     return encoding
