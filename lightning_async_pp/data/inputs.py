@@ -91,7 +91,8 @@ def text_inputs(files: Iterable[Union[str, Path]]) -> list[Path]:
     """``files`` without the ones that are not text (see :func:`looks_binary`), with a warning that lists them; a
     clear error if nothing is left."""
     files = [Path(f) for f in files]
-    binary = [f for f in files if looks_binary(f)]
+    flags = [looks_binary(f) for f in files]
+    binary = [f for f, flag in zip(files, flags) if flag]
     if not binary:
         return files
     listed = ", ".join(str(f) for f in binary[:_LISTED]) + (f" and {len(binary) - _LISTED} more"
@@ -102,7 +103,7 @@ def text_inputs(files: Iterable[Union[str, Path]]) -> list[Path]:
                          f".parquet files")
     warnings.warn(f"skipping {len(binary)} input file(s) that are not text (a NUL byte in the first {SNIFF_BYTES} "
                   f"bytes: images, archives, event files, ...): {listed}", UserWarning, stacklevel=2)
-    return [f for f in files if f not in set(binary)]
+    return [f for f, flag in zip(files, flags) if not flag]
 
 
 def content_sha256(path: Union[str, Path], encoding: str = DEFAULT_ENCODING) -> str:
