@@ -69,17 +69,85 @@ def test_encode_decode_round_trip_bytes():
     assert len(encode(b"")) == 0
 
 
-def test_split_holds_out_whole_files_and_respects_max_bytes():
+def pieces_by_file(train, val) -> dict[str, list[tuple[int, int]]]:
+    pieces: dict[str, list[tuple[int, int]]] = {}
+    for path, start, stop in (*train, *val):
+        pieces.setdefault(path, []).append((start, stop))
+    return {path: sorted(p) for path, p in pieces.items()}
+
+
+def tiles(pieces: list[tuple[int, int]], size: int) -> bool:
+    """Whether byte ranges cover ``[0, size)`` exactly once."""
+    return [a for a, _ in pieces] == [0] + [b for _, b in pieces[:-1]] and pieces[-1][1] == size
+
+
+@pytest.fixture(scope="module")
+def one_big_two_small(tmp_path_factory) -> Path:
+    """The corpus that gave validation 1% or 99% of the tokens by seed: one 0.5 MB file and two small ones, every
+    line unique."""
+    root = tmp_path_factory.mktemp("big_small")
+    (root / "big.txt").write_text("".join(f"big line {i:07d}\n" for i in range(2 ** 19 // 17)))
+    for name in ("a", "b"):
+        (root / f"{name}.txt").write_text("".join(f"{name} line {i:05d}\n" for i in range(150)))
+    return root
+
+
+def test_validation_holds_val_fraction_of_the_bytes_whatever_the_file_sizes_and_seed(one_big_two_small):
+    files = sorted(one_big_two_small.glob("*.txt"))
+    sizes = {str(f): f.stat().st_size for f in files}
+    total = sum(sizes.values())
+    cut_in = set()
+    for val_fraction in (0.002, 0.05, 0.3):
+        for seed in range(8):
+            train, val = split_corpus(files, val_fraction, None, seed)
+            assert split_corpus(files, val_fraction, None, seed) == (train, val)  # deterministic
+            # Exactly floor(val_fraction * total) bytes: the byte-token share is val_fraction to within 1 / total.
+            assert sum(b - a for _, a, b in val) == int(val_fraction * total)
+            assert train and sum(b - a for _, a, b in train) == total - int(val_fraction * total)
+            # Disjoint and together the whole corpus: each file's pieces tile it.
+            pieces = pieces_by_file(train, val)
+            assert pieces.keys() == sizes.keys() and all(tiles(pieces[p], sizes[p]) for p in sizes)
+            cut_in |= {Path(p).name for p, a, b in val if (a, b) != (0, sizes[p])}
+    assert "big.txt" in cut_in and cut_in & {"a.txt", "b.txt"}  # the seeds cut the big file and small ones
+
+
+def test_max_bytes_caps_the_corpus_before_the_split():
     files = stdlib_files()
     train, val = split_corpus(files, val_fraction=0.1, max_bytes=300_000, seed=3)
-    assert split_corpus(files, 0.1, 300_000, 3) == (train, val)  # deterministic
     assert split_corpus(files, 0.1, 300_000, 4) != (train, val)  # the seed picks the files
     sizes = lambda segs: sum(stop - start for _, start, stop in segs)  # noqa: E731
-    assert sizes(train) + sizes(val) == 300_000
-    assert sizes(val) >= 30_000
-    assert not {p for p, _, _ in train} & {p for p, _, _ in val}
+    assert sizes(train) + sizes(val) == 300_000 and sizes(val) == 30_000
+    pieces = pieces_by_file(train, val)
+    assert all(pieces[p][0][0] == 0 and [a for a, _ in pieces[p][1:]] == [b for _, b in pieces[p][:-1]]
+               for p in pieces)  # each file's head, in disjoint pieces
 
 
+def test_pieces_of_a_text_cut_at_any_byte_decode_and_together_are_the_text(tmp_path):
+    for encoding, text in (("utf-8", "aé€𝄞 b\n" * 2), ("utf-8-sig", "é€ x"), ("cp1252", "café € ok\n")):
+        path = tmp_path / f"{encoding}.txt"
+        path.write_bytes(text.encode(encoding))
+        size = path.stat().st_size
+        for cut in range(size + 1):
+            head, tail = corpus.segment_text(str(path), 0, cut, encoding), corpus.segment_text(str(path), cut, size,
+                                                                                                 encoding)
+            assert head + tail == text, (encoding, cut)
+
+
+def test_val_fraction_outside_zero_one_is_refused_at_construction():
+    for bad in (1.0, -0.1, 2):
+        with pytest.raises(ValueError, match=rf"val_fraction must be in \[0, 1\).*got {bad}"):
+            TextDataModule(val_fraction=bad)
+
+
+def test_prepare_and_the_data_module_share_one_default_val_fraction():
+    import inspect
+
+    from lightning_async_pp.data.corpus import DEFAULT_VAL_FRACTION
+    from lightning_async_pp.data.prepare import argument_parser, prepare
+
+    assert TextDataModule().val_fraction == DEFAULT_VAL_FRACTION
+    assert inspect.signature(prepare).parameters["val_fraction"].default == DEFAULT_VAL_FRACTION
+    assert argument_parser().parse_args(["x", "--tokenizer", "t", "--output", "o"]).val_fraction == DEFAULT_VAL_FRACTION
 def test_single_file_split_holds_out_its_tail(tmp_path):
     f = tmp_path / "one.txt"
     f.write_bytes(b"x" * 1000)
@@ -118,6 +186,37 @@ def test_the_cache_holds_the_split_in_its_order_so_two_builds_give_the_same_batc
     blocks = [decode(x) for x in StreamingDataset(str(tmp_path / "c" / "train"), item_loader=TokensLoader(block_size=33))]
     offsets = [source.find(b) for b in blocks]  # every 33-byte window of these files is unique
     assert -1 not in offsets and offsets == sorted(offsets) and len(blocks) >= len(source) // 33 - len(train) * 2
+
+
+def stream(optimized_dir: str) -> bytes:
+    """Every byte token of an optimized folder, in order, read from its chunk files (litdata's TokensLoader layout: a
+    uint32 item count and item offsets, then the tokens); reading one token per item takes a minute for 0.5 MB."""
+    index = json.loads((Path(optimized_dir) / "index.json").read_text())
+    return b"".join((Path(optimized_dir) / c["filename"]).read_bytes()[(c["chunk_size"] + 2) * 4:]
+                    for c in index["chunks"])
+
+
+def test_the_cached_splits_hold_val_fraction_of_the_tokens_and_together_the_whole_corpus(tmp_path, one_big_two_small):
+    files = sorted(one_big_two_small.glob("*.txt"))
+    contents = [f.read_bytes() for f in files]
+    total = sum(map(len, contents))
+    seeds = {}
+    for seed in range(16):
+        _, val = split_corpus(files, 0.05, None, seed)
+        seeds.setdefault(len(val), seed)  # 1: the tail of the big file; more: whole small files too
+    assert 1 in seeds and len(seeds) > 1
+    for seed in (seeds[1], seeds[max(seeds)]):
+        dm = TextDataModule(data_path=str(one_big_two_small), cache_dir=str(tmp_path), val_fraction=0.05, seed=seed)
+        train_dir, val_dir = dm.optimized_dirs()
+        info = corpus.cache_info(Path(train_dir).parent)
+        assert info["val_tokens"] == int(0.05 * total) and info["train_tokens"] + info["val_tokens"] == total
+        # Training then validation is the files one after another (in the seeded order): nothing twice, nothing left.
+        both = stream(train_dir) + stream(val_dir)
+        offsets = sorted((both.find(c), len(c)) for c in contents)
+        assert offsets[0][0] == 0 and all(a + n == b for (a, n), (b, _) in zip(offsets, offsets[1:]))
+        assert offsets[-1][0] + offsets[-1][1] == total
+    # The chunk reader reads what litdata serves.
+    assert stream(val_dir) == decode(torch.cat(list(StreamingDataset(val_dir, item_loader=TokensLoader(block_size=1)))))
 
 
 def test_second_setup_reuses_the_cache(tmp_path, count_optimize):

@@ -77,16 +77,38 @@ def mixed_corpus(tmp_path_factory) -> Path:
     return root
 
 
-def documents_of(segments) -> list[str]:
-    """The documents of a split, read here: a whole text file, or each record of a .jsonl file."""
+def lines_starting_in(data: bytes, start: int, stop: int) -> list[bytes]:
+    """The lines (with their newline) whose first byte lies in ``[start, stop)``."""
+    lines, at = [], 0
+    for line in data.splitlines(keepends=True):
+        if start <= at < stop:
+            lines.append(line)
+        at += len(line)
+    return lines
+
+
+def characters_starting_in(text: str, start: int, stop: int, encoding: str = "utf-8") -> str:
+    """The characters of ``text`` whose first byte (in ``encoding``) lies in ``[start, stop)``."""
+    if text.isascii():  # one byte a character
+        return text[start:stop]
+    kept, at = [], 0
+    for char in text:
+        if start <= at < stop:
+            kept.append(char)
+        at += len(char.encode(encoding))
+    return "".join(kept)
+
+
+def documents_of(segments, encoding: str = "utf-8") -> list[str]:
+    """The documents of a split, read here: the characters of a text file that start in the segment, or each record
+    of a .jsonl file whose line does."""
     docs = []
     for path, start, stop in segments:
         data = Path(path).read_bytes()
-        assert (start, stop) == (0, len(data))  # whole files in these tests
-        if path.endswith(".jsonl"):
-            docs += [json.loads(line)["text"] for line in data.decode().splitlines()]
-        else:
-            docs.append(data.decode())
+        if path.lower().endswith(".jsonl"):
+            docs += [json.loads(line.decode(encoding))["text"] for line in lines_starting_in(data, start, stop)]
+        elif text := characters_starting_in(data.decode(encoding), start, stop, encoding):
+            docs.append(text)
     return docs
 
 
@@ -353,3 +375,66 @@ def test_bad_tokenizers_are_named(tmp_path):
         dm.optimized_dirs()
     (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "a"}))  # the config names it
     assert stored_ids(dm.optimized_dirs()[0]) == [0, 0, 0, 0]
+
+
+def test_prepare_holds_out_val_fraction_of_the_tokens_whatever_the_file_sizes_and_seed(tmp_path):
+    from lightning_async_pp.data.prepare import prepare
+
+    # One 0.5 MB file and two small ones (validation got 99% or 1% of the tokens by seed when it took whole files).
+    # Every line is 16 bytes and 3 tokens of a word-level tokenizer, so tokens are proportional to bytes.
+    tok = word_tokenizer(tmp_path / "words.json", words=1000)
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    line = lambda i: f"w{100 + i % 900} w{100 + 7 * i % 900} w{100 + 13 * i % 900}\n"  # noqa: E731
+    for name, lines in (("big.txt", 2 ** 19 // 16), ("a.txt", 120), ("b.txt", 90)):
+        (corpus / name).write_text("".join(line(i) for i in range(lines)))
+    files = sorted(corpus.glob("*.txt"))
+    total = sum(len(f.read_text().splitlines()) * 3 + 1 for f in files)  # 3 ids a line, an EOS a document
+    for seed in (0, 1, 2):
+        out = prepare([corpus], tok, tmp_path / f"out{seed}", val_fraction=0.05, seed=seed, num_workers=1)
+        info = json.loads((out / "COMPLETE.json").read_text())
+        # Validation holds floor(0.05 * bytes) bytes; a cut can split a word in two (one id more) or leave a piece
+        # part of a line (one id fewer) and each piece adds an EOS: at most 4 ids per file off 5% of the tokens.
+        assert abs(info["val_tokens"] - 0.05 * total) <= 4 * len(files)
+        train, val = split_corpus(files, 0.05, None, seed)
+        for segments, split in ((train, "train"), (val, "val")):
+            assert chunk_ids(out / split, info["dtype"]) == expected_word_ids(tok, documents_of(segments))
+    assert chunk_ids(out / "val", info["dtype"]) == stored_ids(str(out / "val"))  # the chunk reader reads litdata's
+
+
+def chunk_ids(optimized_dir: Path, dtype: str) -> list[int]:
+    """The ids of an optimized folder, read from its chunk files (TokensLoader's layout: a uint32 item count and
+    item offsets, then the ids); ``stored_ids`` reads one id per item, a minute for 0.5 MB."""
+    import numpy as np
+
+    index = json.loads((optimized_dir / "index.json").read_text())
+    return [i for c in index["chunks"] for i in np.fromfile(optimized_dir / c["filename"], dtype=np.dtype(dtype),
+                                                             offset=(c["chunk_size"] + 2) * 4).tolist()]
+
+
+def expected_word_ids(tokenizer_file: Path, docs: list[str]) -> list[int]:
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(tokenizer_file))
+    return [i for doc in docs for i in tok.encode(doc, add_special_tokens=False).ids + [tok.token_to_id(EOS)]]
+
+
+def test_a_corpus_of_one_line_is_split_at_a_character_and_a_split_without_tokens_is_refused(tmp_path, tokenizer):
+    # text8-like: one line, no newline; multi-byte characters around the cut (validation is its last 20%).
+    text = " ".join(SENTENCES) * 6 + " héhé ñ" * 50
+    (tmp_path / "one.txt").write_text(text)
+    dm = TextDataModule(data_path=str(tmp_path / "one.txt"), tokenizer=str(tokenizer), cache_dir=str(tmp_path / "c"),
+                        val_fraction=0.2)
+    train_dir, val_dir = dm.optimized_dirs()
+    size = len(text.encode())
+    cut = size - int(0.2 * size)
+    head, tail = characters_starting_in(text, 0, cut), characters_starting_in(text, cut, size)
+    assert head + tail == text and tail  # a character the cut crosses is the head's
+    assert stored_ids(train_dir) == expected_ids(tokenizer, [head])
+    assert stored_ids(val_dir) == expected_ids(tokenizer, [tail])
+    # One record: no record starts in validation's bytes. Refused, not an empty split litdata fails on later.
+    (tmp_path / "records" / "one.jsonl").parent.mkdir()
+    (tmp_path / "records" / "one.jsonl").write_text(json.dumps({"text": text}) + "\n")
+    with pytest.raises(ValueError, match=r"the val split holds no tokens: its \d+ bytes .*one\.jsonl.*val_fraction"):
+        TextDataModule(data_path=str(tmp_path / "records"), tokenizer=str(tokenizer), cache_dir=str(tmp_path / "c"),
+                       val_fraction=0.2).optimized_dirs()

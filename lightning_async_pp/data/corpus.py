@@ -4,13 +4,17 @@ Tokens are bytes (vocabulary 256), so tokenizing is reading a file. The default 
 library's own sources (about 12 MB of ``.py`` files, ``pydoc_data/topics.py`` among them), found at run time
 through ``sysconfig``: every Python installation carries it, so the demo needs no download.
 
-A corpus is cut into *segments* ``(path, start, stop)``: byte ranges of files. The held-out validation split is a
-deterministic set of whole files (or, for a single file, its tail), so validation text never appears in training.
+A corpus is cut into *segments* ``(path, start, stop)``: byte ranges of files. The files are concatenated in a seeded
+shuffle and validation is the last ``val_fraction`` of those bytes (whole files, then the tail of one more): about
+that share of the tokens for any file sizes, and validation text never appears in training. Which files are text,
+in which encoding, and their content hashes: ``data/inputs.py``.
 """
 from __future__ import annotations
 
+import codecs
 import contextlib
 import fcntl
+import functools
 import hashlib
 import json
 import multiprocessing
@@ -26,14 +30,20 @@ from typing import Any, Callable, Optional, Union
 import numpy as np
 import torch
 
+from lightning_async_pp.data.inputs import DEFAULT_ENCODING, content_sha256, is_utf8, is_utf8_family
+
 #: ``(path, start, stop)``: the bytes ``[start, stop)`` of a file.
 Segment = tuple[str, int, int]
 
 VOCAB_SIZE = 256
 #: Bump when the on-disk layout or the tokenization changes, so old caches are not reused.
-_CACHE_FORMAT = 2  # 2: the token order is the split's at any number of workers (see _optimize)
+# 2: the token order is the split's at any number of workers (see _optimize); 3: keyed by content hash and encoding,
+# a text piece is the characters that start in it (segment_text)
+_CACHE_FORMAT = 3
 _COMPLETE_MARKER = "COMPLETE.json"
 _SKIP_DIRS = {"site-packages", "dist-packages", "__pycache__", "test", "tests", "idle_test"}
+#: The share of the corpus held out for validation, for ``TextDataModule`` and ``prepare`` alike.
+DEFAULT_VAL_FRACTION = 0.01
 
 
 # ---- tokens ------------------------------------------------------------------------------------------------------
@@ -49,14 +59,41 @@ def decode(tokens: Union[torch.Tensor, Sequence[int]]) -> bytes:
     return bytes(values)
 
 
-def tokenize_segment(segment: Segment) -> Iterator[torch.Tensor]:
-    """``litdata.optimize`` worker function: one segment -> one uint8 tensor of its bytes (one byte per token)."""
+def tokenize_segment(segment: Segment, encoding: str = DEFAULT_ENCODING) -> Iterator[torch.Tensor]:
+    """``litdata.optimize`` worker function: one segment -> one uint8 tensor of its bytes (one byte per token). Text
+    in another encoding than UTF-8 is transcoded to UTF-8 (see :func:`segment_text`)."""
     path, start, stop = segment
-    with open(path, "rb") as f:
-        f.seek(start)
-        data = f.read(stop - start)
+    if is_utf8(encoding):
+        with open(path, "rb") as f:
+            f.seek(start)
+            data = f.read(stop - start)
+    else:
+        data = segment_text(path, start, stop, encoding).encode("utf-8")
     if data:  # litdata cannot store empty items
         yield torch.frombuffer(bytearray(data), dtype=torch.uint8)
+
+
+def byte_tokenizer(encoding: str = DEFAULT_ENCODING) -> Callable[[Segment], Iterator[torch.Tensor]]:
+    """:func:`tokenize_segment` for text in ``encoding`` (picklable, for litdata's workers)."""
+    return functools.partial(tokenize_segment, encoding=encoding)
+
+
+def segment_text(path: str, start: int, stop: int, encoding: str = DEFAULT_ENCODING) -> str:
+    """The characters of a file that start in ``[start, stop)``, decoded: a character a cut crosses belongs to the
+    piece its first byte is in, so pieces decode on their own and together are the file's text once. In UTF-8 a
+    cut moves past continuation bytes (``10xxxxxx``); in a one-byte encoding it stays (``inputs.check_encoding``)."""
+    with open(path, "rb") as f:
+        if is_utf8_family(encoding):
+            start, stop = _char_start(f, start), _char_start(f, stop)
+        f.seek(start)
+        return f.read(max(0, stop - start)).decode(encoding)
+
+
+def _char_start(f: Any, at: int) -> int:
+    """The first byte at or after ``at`` that is not a UTF-8 continuation byte (a character starts there)."""
+    f.seek(at)
+    data = f.read(4)  # a character has at most 3 continuation bytes
+    return at + next((i for i, byte in enumerate(data) if byte & 0xC0 != 0x80), len(data))
 
 
 # ---- finding files -----------------------------------------------------------------------------------------------
@@ -95,17 +132,25 @@ def text_files(path: Union[str, Path]) -> list[Path]:
 
 
 # ---- splitting ---------------------------------------------------------------------------------------------------
+def check_val_fraction(val_fraction: float) -> float:
+    if not (isinstance(val_fraction, (int, float)) and 0.0 <= val_fraction < 1.0):
+        raise ValueError(f"val_fraction must be in [0, 1) (the share of the corpus held out for validation; default "
+                         f"{DEFAULT_VAL_FRACTION}), got {val_fraction!r}")
+    return float(val_fraction)
+
+
 def split_corpus(
-    files: Sequence[Union[str, Path]], val_fraction: float, max_bytes: Optional[int] = None, seed: int = 42
+    files: Sequence[Union[str, Path]], val_fraction: float = DEFAULT_VAL_FRACTION, max_bytes: Optional[int] = None,
+    seed: int = 42,
 ) -> tuple[list[Segment], list[Segment]]:
     """Cut ``files`` into training and held-out validation segments, deterministically for a given ``seed``.
 
-    Files are visited in a seeded shuffle of their sorted order (so that a ``max_bytes`` cap still samples the
-    whole corpus); the cap truncates the last file taken. Validation takes whole files until it holds
-    ``val_fraction`` of the bytes; with a single file, the file's tail is held out instead.
+    Files are concatenated in a seeded shuffle of their sorted order (so that a ``max_bytes`` cap still samples the
+    whole corpus; the cap truncates the last file taken). Validation is the last ``floor(val_fraction * total)``
+    bytes of that concatenation: whole files, and the tail of the file before them (a single file: its tail). So
+    it holds ``val_fraction`` of the bytes whatever the file sizes, and training is never empty.
     """
-    if not 0.0 <= val_fraction < 1.0:
-        raise ValueError(f"val_fraction must be in [0, 1), got {val_fraction}")
+    check_val_fraction(val_fraction)
     if max_bytes is not None and max_bytes <= 0:
         raise ValueError(f"max_bytes must be positive, got {max_bytes}")
     order = sorted(str(f) for f in files)
@@ -125,30 +170,34 @@ def split_corpus(
     if not segments:
         raise ValueError("The corpus is empty")
 
-    val_target = int(total * val_fraction)
-    if val_target == 0:
-        return segments, []
-    if len(segments) == 1:
-        path, start, stop = segments[0]
-        cut = stop - val_target
-        return [(path, start, cut)], [(path, cut, stop)]
+    need = int(total * val_fraction)  # < total, as val_fraction < 1: training keeps at least a byte
     val: list[Segment] = []
-    val_bytes = 0
-    # Take from the end of the shuffled order; always leave at least one file for training.
-    while segments[1:] and val_bytes < val_target:
-        seg = segments.pop()
-        val.append(seg)
-        val_bytes += seg[2] - seg[1]
+    while need > 0:
+        path, start, stop = segments.pop()
+        if stop - start <= need:  # the whole file
+            val.append((path, start, stop))
+            need -= stop - start
+        else:  # its tail; the rest stays in training
+            segments.append((path, start, stop - need))
+            val.append((path, stop - need, stop))
+            need = 0
+    val.reverse()  # in the concatenation's order
     return segments, val
 
 
-def corpus_key(train: Sequence[Segment], val: Sequence[Segment], tokens: Optional[dict[str, Any]] = None) -> str:
-    """A short hash naming the cache of this exact split (paths, byte ranges, file sizes and mtimes) and, for a
-    tokenized corpus, of its tokenization (``tokens``: the tokenizer's hash, the text field, ...)."""
-    stats = {p: (s.st_size, s.st_mtime_ns) for p in {seg[0] for seg in (*train, *val)} for s in [os.stat(p)]}
+def corpus_key(train: Sequence[Segment], val: Sequence[Segment], tokens: Optional[dict[str, Any]] = None,
+               encoding: str = DEFAULT_ENCODING) -> str:
+    """A short hash naming the cache of this exact split (paths, byte ranges, the files' contents and ``encoding``)
+    and, for a tokenized corpus, of its tokenization (``tokens``: the tokenizer's hash, the text field, ...).
+
+    Reads every file of the split once (``inputs.content_sha256``): the content hash, not size and mtime, so a file
+    rewritten with both kept names another cache; text that is not valid ``encoding`` is refused here, before
+    anything is tokenized."""
+    paths = sorted({seg[0] for seg in (*train, *val)})
     content: dict[str, Any] = {"format": _CACHE_FORMAT, "train": list(train), "val": list(val),
-                               "stats": sorted(stats.items())}
-    if tokens is not None:  # absent for bytes, so byte caches keep their keys
+                               "sha256": [(p, content_sha256(p, encoding)) for p in paths],
+                               "encoding": codecs.lookup(encoding).name}
+    if tokens is not None:
         content["tokens"] = tokens
     blob = json.dumps(content, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
@@ -202,6 +251,13 @@ def build_token_cache(
         for split, segments in (("train", train), ("val", val)):
             if segments:
                 _optimize(segments, cache / split, num_workers, chunk_bytes, fn)
+        for split, segments in (("train", train), ("val", val)):
+            if segments and _tokens(cache / split) == 0:  # litdata would fail to read it, later and obscurely
+                raise ValueError(f"the {split} split holds no tokens: its {sum(b - a for _, a, b in segments)} bytes "
+                                 f"({', '.join(f'{p}[{a}:{b}]' for p, a, b in segments[:3])}) hold no document that "
+                                 f"starts in them (a .jsonl record or .parquet row a cut crosses belongs to the "
+                                 f"piece its start is in); give a larger val_fraction or max_bytes, or "
+                                 f"val_fraction=0 for no validation")
         if before_marker is not None:
             before_marker(cache)
         marker = {**(info or {"vocab_size": VOCAB_SIZE, "dtype": "uint8"}),

@@ -21,18 +21,21 @@ from litdata.utilities.env import _DistributedEnv
 from litdata.utilities.train_test_split import train_test_split
 
 from lightning_async_pp.data.corpus import (
+    DEFAULT_VAL_FRACTION,
     VOCAB_SIZE,
     build_token_cache,
+    byte_tokenizer,
     cache_info,
+    check_val_fraction,
     corpus_key,
     split_corpus,
     stdlib_files,
     text_files,
 )
+from lightning_async_pp.data.inputs import DEFAULT_ENCODING, check_encoding, is_record_file, text_inputs
 from lightning_async_pp.data.tokenized import (
     TOKENIZER_DIR,
     build_tokenized_cache,
-    is_record_file,
     load_tokenizer,
     prepared_root,
     prepared_tokenizer,
@@ -88,14 +91,18 @@ class TextDataModule(L.LightningDataModule):
             folder of text files (tokenized once into ``cache_dir``; with a tokenizer also ``.jsonl`` and
             ``.parquet`` files, one document per record); or a litdata-optimized folder, either with ``train/`` and
             ``val/`` subfolders (what ``python -m lightning_async_pp.data.prepare`` writes) or a single one (then
-            ``val_fraction`` of it is held out).
+            ``val_fraction`` of it is held out). Files that are not text (a NUL byte near their start: images,
+            archives, event files) are skipped with a warning; suffixes match in any case (``.JSONL``).
         tokenizer: a local Hugging Face tokenizer: a ``tokenizer.json`` file or a folder holding one (nothing is
             downloaded). ``None``: bytes, or the tokenizer a prepared ``data_path`` was tokenized with.
         text_field: the field of ``.jsonl`` records and the column of ``.parquet`` files that holds the text.
+        encoding: the text's encoding (text files and ``.jsonl``). Text that does not decode is refused before
+            tokenizing, naming the file; bytes are the text's UTF-8 (transcoded from another encoding).
         block_size: tokens the model sees per row; each row holds ``block_size + 1`` (inputs and shifted targets).
         batch_size: rows per batch (per data-parallel replica); every batch has exactly this many.
         num_workers: DataLoader worker processes.
-        val_fraction: share of the corpus held out for validation (whole files where there are several).
+        val_fraction: share of the corpus held out for validation: the last ``val_fraction`` of its bytes in a
+            seeded shuffle of the files (whole files and the tail of one), so about that share of the tokens.
         max_bytes: cap on the corpus size, for tests and quick runs.
         cache_dir: where tokenized corpora are kept, one subfolder per corpus hash.
         seed: seeds the split, the shuffle and ``max_bytes``'s choice of files.
@@ -107,23 +114,27 @@ class TextDataModule(L.LightningDataModule):
         block_size: int = 128,
         batch_size: int = 8,
         num_workers: int = 0,
-        val_fraction: float = 0.05,
+        val_fraction: float = DEFAULT_VAL_FRACTION,
         max_bytes: Optional[int] = None,
         cache_dir: Optional[str] = None,
         seed: int = 42,
         tokenizer: Optional[str] = None,
         text_field: str = "text",
+        encoding: str = DEFAULT_ENCODING,
     ) -> None:
         super().__init__()
         if data_path is not None and not os.path.exists(data_path):
             raise FileNotFoundError(f"data_path {data_path!r} does not exist")
         if tokenizer is not None:
             tokenizer_file(tokenizer)  # exists, or a clear error now
+        check_val_fraction(val_fraction)
+        check_encoding(encoding)
         # In checkpoints as ``datamodule_hyper_parameters``: ``consolidate --hf`` copies the tokenizer from there.
         self.save_hyperparameters()
         self.data_path = data_path
         self.tokenizer_path = tokenizer
         self.text_field = text_field
+        self.encoding = encoding
         self._tokenizer: Any = None
         self.block_size = block_size
         self.batch_size = batch_size
@@ -154,7 +165,7 @@ class TextDataModule(L.LightningDataModule):
         if prepared is not None:
             self._check_prepared_tokenizer()
             return prepared
-        files = stdlib_files() if self.data_path is None else text_files(self.data_path)
+        files = stdlib_files() if self.data_path is None else text_inputs(text_files(self.data_path))
         if self.tokenizer_path is None:
             records = [str(f) for f in files if is_record_file(f)]
             if records:
@@ -163,11 +174,12 @@ class TextDataModule(L.LightningDataModule):
                                  f"tokenizer.json or its folder)")
         train, val = split_corpus(files, self.val_fraction, self.max_bytes, self.seed)
         if self.tokenizer_path is None:
-            cache = build_token_cache(train, val, Path(self.cache_dir) / corpus_key(train, val))
+            key = corpus_key(train, val, encoding=self.encoding)
+            cache = build_token_cache(train, val, Path(self.cache_dir) / key, fn=byte_tokenizer(self.encoding))
         else:
-            key = tokenized_key(train, val, self.tokenizer_path, self.text_field)
+            key = tokenized_key(train, val, self.tokenizer_path, self.text_field, self.encoding)
             cache = build_tokenized_cache(train, val, self.tokenizer_path, Path(self.cache_dir) / key, self.text_field,
-                                          key=key)
+                                          key=key, encoding=self.encoding)
         return str(cache / "train"), (str(cache / "val") if val else None)
 
     def prepare_data(self) -> None:

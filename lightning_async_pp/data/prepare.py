@@ -2,7 +2,9 @@
 
     python -m lightning_async_pp.data.prepare --tokenizer path/to/tokenizer --output data/tokens corpus/ more.jsonl
 
-INPUTs are text files, ``.jsonl`` or ``.parquet`` files, or folders of them. The output holds ``train/`` and
+INPUTs are text files, ``.jsonl`` or ``.parquet`` files, or folders of them (files that are not text are skipped
+with a warning; text is decoded in ``--encoding``, strictly). Validation is ``--val-fraction`` of the corpus, as in
+``TextDataModule``. The output holds ``train/`` and
 ``val/`` (ordered litdata chunks, see docs/design.md, 'Data'), ``tokenizer/`` (the tokenizer's files) and
 ``COMPLETE.json`` (vocabulary, end-of-text id, dtype, token counts). Running it again with the same inputs and
 tokenizer does nothing; other inputs into the same output, and an output holding an input, are refused.
@@ -16,7 +18,8 @@ import sys
 from pathlib import Path
 from typing import Optional, Sequence, Union
 
-from lightning_async_pp.data.corpus import cache_info, split_corpus, text_files
+from lightning_async_pp.data.corpus import DEFAULT_VAL_FRACTION, cache_info, split_corpus, text_files
+from lightning_async_pp.data.inputs import DEFAULT_ENCODING, check_encoding, text_inputs
 from lightning_async_pp.data.tokenized import build_tokenized_cache, tokenized_key
 
 
@@ -25,18 +28,20 @@ def prepare(
     tokenizer: Union[str, Path],
     output: Union[str, Path],
     text_field: str = "text",
-    val_fraction: float = 0.01,
+    val_fraction: float = DEFAULT_VAL_FRACTION,
     max_bytes: Optional[int] = None,
     seed: int = 42,
     num_workers: Optional[int] = None,
+    encoding: str = DEFAULT_ENCODING,
 ) -> Path:
-    """Split ``inputs`` (as ``TextDataModule`` does: whole files held out for validation) and tokenize both
-    splits into ``output``; returns ``output``."""
+    """Split ``inputs`` (as ``TextDataModule`` does: ``val_fraction`` of the corpus held out for validation) and
+    tokenize both splits into ``output``; returns ``output``."""
     if not inputs:
         raise ValueError("prepare: give at least one input (a text, .jsonl or .parquet file, or a folder)")
-    files = sorted({f for path in inputs for f in text_files(path)})
+    check_encoding(encoding)
+    files = text_inputs(sorted({f for path in inputs for f in text_files(path)}))
     train, val = split_corpus(files, val_fraction, max_bytes, seed)
-    key = tokenized_key(train, val, tokenizer, text_field)
+    key = tokenized_key(train, val, tokenizer, text_field, encoding)
     output = Path(output)
     inside = [f for f in files if _is_under(Path(f), output)]
     if inside:  # an unfinished build is removed before it is redone: never with the user's corpus in it
@@ -51,7 +56,7 @@ def prepare(
     if others:  # an unfinished build is redone from scratch: never delete what prepare did not write
         raise FileExistsError(f"prepare: {output} is not empty ({', '.join(others[:5])}); give a new folder as "
                               f"--output")
-    build_tokenized_cache(train, val, tokenizer, output, text_field, num_workers, key=key)
+    build_tokenized_cache(train, val, tokenizer, output, text_field, num_workers, key=key, encoding=encoding)
     return output
 
 
@@ -70,20 +75,27 @@ def _written_by_prepare(path: Path) -> bool:
     return False
 
 
-def main(argv: Optional[Sequence[str]] = None) -> None:
+def argument_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m lightning_async_pp.data.prepare",
                                      description=__doc__.split("\n")[0])
     parser.add_argument("inputs", nargs="+", metavar="INPUT", help="text, .jsonl or .parquet files, or folders")
     parser.add_argument("--tokenizer", required=True, help="a local tokenizer.json or a folder holding one")
     parser.add_argument("--output", required=True, help="the folder to write (give it to TextDataModule's data_path)")
     parser.add_argument("--text-field", default="text", help="field of .jsonl records / column of .parquet files")
-    parser.add_argument("--val-fraction", type=float, default=0.01, help="share held out for validation (whole files)")
+    parser.add_argument("--val-fraction", type=float, default=DEFAULT_VAL_FRACTION,
+                        help="share of the corpus held out for validation (default: %(default)s)")
+    parser.add_argument("--encoding", default=DEFAULT_ENCODING,
+                        help="encoding of text and .jsonl files, e.g. latin-1 (default: %(default)s)")
     parser.add_argument("--max-bytes", type=int, default=None, help="cap on the corpus size")
     parser.add_argument("--seed", type=int, default=42, help="seeds the split")
     parser.add_argument("--num-workers", type=int, default=None, help="tokenizing processes (default: up to 4)")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: Optional[Sequence[str]] = None) -> None:
+    args = argument_parser().parse_args(argv)
     output = prepare(args.inputs, args.tokenizer, args.output, args.text_field, args.val_fraction, args.max_bytes,
-                     args.seed, args.num_workers)
+                     args.seed, args.num_workers, args.encoding)
     info = cache_info(output) or {}
     print(json.dumps({k: info.get(k) for k in ("vocab_size", "dtype", "eos_id", "train_tokens", "val_tokens")}))
     print(f"data_path: {output}")

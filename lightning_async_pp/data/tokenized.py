@@ -5,11 +5,13 @@ by size), and the cache is built by the same ordered ``litdata.optimize`` (see d
 changes is what a segment yields: the ids of its documents, each followed by the tokenizer's end-of-text id, in
 the smallest dtype that holds the vocabulary. A document is
 
-- a text file's segment (a whole file, or the part of it a split or ``max_bytes`` cut: bytes decoded as UTF-8,
-  a character cut at the boundary replaced);
+- a text file's segment (a whole file, or the part of it a split or ``max_bytes`` cut: the characters that start
+  inside the segment's bytes, decoded in the corpus's ``encoding``; the text was checked to decode before);
 - a record of a ``.jsonl`` file (its ``text_field``): the records whose line starts inside the segment's bytes;
 - a row of a ``.parquet`` file (its ``text_field`` column, read with pyarrow): the rows whose proportional
   position ``row * file_size / num_rows`` falls inside the segment's bytes.
+
+Suffixes are matched in any case (``.JSONL``), see ``data/inputs.py``.
 """
 from __future__ import annotations
 
@@ -22,7 +24,8 @@ from typing import Any, Optional, Union
 
 import torch
 
-from lightning_async_pp.data.corpus import Segment, build_token_cache, cache_info, corpus_key
+from lightning_async_pp.data.corpus import Segment, build_token_cache, cache_info, corpus_key, segment_text
+from lightning_async_pp.data.inputs import DEFAULT_ENCODING, is_utf8, suffix
 
 TOKENIZER_FILE = "tokenizer.json"
 #: The files a Hugging Face tokenizer folder may hold (what ``save_pretrained`` of a tokenizer writes): hashed,
@@ -33,7 +36,6 @@ TOKENIZER_FILES = (TOKENIZER_FILE, "tokenizer_config.json", "special_tokens_map.
 TOKENIZER_DIR = "tokenizer"
 #: End-of-text tokens looked for when the folder has no ``tokenizer_config.json`` naming its ``eos_token``.
 EOS_CANDIDATES = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>", "<|eos|>", "[SEP]")
-RECORD_SUFFIXES = (".jsonl", ".parquet")
 
 
 def tokenizer_file(path: Union[str, Path]) -> Path:
@@ -133,20 +135,23 @@ def copy_tokenizer(path: Union[str, Path], dest: Path) -> None:
 
 
 # ---- documents -------------------------------------------------------------------------------------------------
-def documents(segment: Segment, text_field: str) -> Iterator[str]:
+def documents(segment: Segment, text_field: str, encoding: str = DEFAULT_ENCODING) -> Iterator[str]:
     """The documents of one segment (see the module's docstring)."""
     path, start, stop = segment
-    if path.endswith(".jsonl"):
-        yield from _jsonl_documents(path, start, stop, text_field)
-    elif path.endswith(".parquet"):
+    kind = suffix(path)
+    if kind == ".jsonl":
+        yield from _jsonl_documents(path, start, stop, text_field, encoding)
+    elif kind == ".parquet":
         yield from _parquet_documents(path, start, stop, text_field)
     else:
-        with open(path, "rb") as f:
-            f.seek(start)
-            yield f.read(stop - start).decode("utf-8", errors="replace")
+        text = segment_text(path, start, stop, encoding)
+        if text:
+            yield text
 
 
-def _jsonl_documents(path: str, start: int, stop: int, text_field: str) -> Iterator[str]:
+def _jsonl_documents(path: str, start: int, stop: int, text_field: str, encoding: str) -> Iterator[str]:
+    # A UTF-8 file may begin with a byte-order mark, which json.loads refuses in text (and skipped in bytes).
+    encoding = "utf-8-sig" if is_utf8(encoding) else encoding
     with open(path, "rb") as f:
         if start > 0:  # a line that began before `start` belongs to the previous segment
             f.seek(start - 1)
@@ -157,7 +162,8 @@ def _jsonl_documents(path: str, start: int, stop: int, text_field: str) -> Itera
             if not line:
                 break
             if line.strip():
-                yield _field(json.loads(line), text_field, f"{path} (line starting at byte {f.tell() - len(line)})")
+                yield _field(json.loads(line.decode(encoding)), text_field,
+                             f"{path} (line starting at byte {f.tell() - len(line)})")
 
 
 def _parquet_documents(path: str, start: int, stop: int, text_field: str) -> Iterator[str]:
@@ -189,8 +195,10 @@ class TokenizeSegment:
     """``litdata.optimize`` worker function: one segment -> one tensor of its documents' ids, each document
     followed by the end-of-text id. Picklable (it holds paths); each worker loads the tokenizer once."""
 
-    def __init__(self, tokenizer: str, text_field: str, eos: int, dtype: torch.dtype) -> None:
+    def __init__(self, tokenizer: str, text_field: str, eos: int, dtype: torch.dtype,
+                 encoding: str = DEFAULT_ENCODING) -> None:
         self.tokenizer_path, self.text_field, self.eos, self.dtype = tokenizer, text_field, eos, dtype
+        self.encoding = encoding
         self._tokenizer: Any = None
 
     def __getstate__(self) -> dict[str, Any]:
@@ -199,7 +207,7 @@ class TokenizeSegment:
     def __call__(self, segment: Segment) -> Iterator[torch.Tensor]:
         if self._tokenizer is None:
             self._tokenizer = load_tokenizer(self.tokenizer_path)
-        docs = list(documents(segment, self.text_field))
+        docs = list(documents(segment, self.text_field, self.encoding))
         ids: list[int] = []
         # No special tokens of the tokenizer's post-processor (a BOS, say): documents are separated by EOS only.
         for encoding in self._tokenizer.encode_batch(docs, add_special_tokens=False):
@@ -207,11 +215,6 @@ class TokenizeSegment:
             ids.append(self.eos)
         if ids:  # litdata cannot store empty items
             yield torch.tensor(ids, dtype=torch.int64).to(self.dtype)
-
-
-def is_record_file(path: Union[str, Path]) -> bool:
-    return str(path).endswith(RECORD_SUFFIXES)
-
 
 
 # ---- building ------------------------------------------------------------------------------------------------------
@@ -223,17 +226,21 @@ def build_tokenized_cache(
     text_field: str = "text",
     num_workers: Optional[int] = None,
     key: Optional[str] = None,
+    encoding: str = DEFAULT_ENCODING,
 ) -> Path:
     """Tokenize ``train`` and ``val`` with ``tokenizer`` into ``cache/train`` and ``cache/val`` (ordered litdata
     chunks, as :func:`~lightning_async_pp.data.corpus.build_token_cache`), once, with the tokenizer's files in
-    ``cache/tokenizer`` and what the tokens are (vocabulary, EOS id, dtype, tokenizer hash, ``key``) in its marker."""
+    ``cache/tokenizer`` and what the tokens are (vocabulary, EOS id, dtype, tokenizer hash, ``key``) in its marker.
+    Text is decoded in ``encoding``."""
     info = {**tokenizer_info(tokenizer), "text_field": text_field, "key": key}
-    fn = TokenizeSegment(str(tokenizer), text_field, info["eos_id"], getattr(torch, info["dtype"]))
+    fn = TokenizeSegment(str(tokenizer), text_field, info["eos_id"], getattr(torch, info["dtype"]), encoding)
     return build_token_cache(train, val, cache, num_workers=num_workers, fn=fn, info=info,
                              before_marker=lambda c: copy_tokenizer(tokenizer, Path(c) / TOKENIZER_DIR))
 
 
 def tokenized_key(train: Sequence[Segment], val: Sequence[Segment], tokenizer: Union[str, Path],
-                  text_field: str) -> str:
-    """The cache key of this split tokenized with this tokenizer (its files' hash) and text field."""
-    return corpus_key(train, val, tokens={"tokenizer_sha256": tokenizer_hash(tokenizer), "text_field": text_field})
+                  text_field: str, encoding: str = DEFAULT_ENCODING) -> str:
+    """The cache key of this split (the files' contents in ``encoding``) tokenized with this tokenizer (its files'
+    hash) and text field."""
+    return corpus_key(train, val, tokens={"tokenizer_sha256": tokenizer_hash(tokenizer), "text_field": text_field},
+                      encoding=encoding)
