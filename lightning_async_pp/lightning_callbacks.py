@@ -85,3 +85,15 @@ def summarize_whole_model(callbacks: Iterable[Any]) -> None:
                     hook(trainer, pl_module)
 
             callback.on_fit_start = on_fit_start  # type: ignore[method-assign]
+
+
+def check_resume(callbacks: Iterable[Any]) -> None:
+    """Refuse to resume a fit with a ``WeightAveraging`` callback (``EMAWeightAveraging``): Lightning's callback
+    saves the averaged weights as the model's ``state_dict`` and the current ones under ``current_model_state``,
+    and on loading reads ``state_dict`` back to restore its average, which the strategy's checkpoints keep with the
+    weight versions instead; the load stopped with a KeyError, after the model had taken the averaged weights."""
+    names = sorted({type(c).__name__ for c in callbacks if isinstance(c, WeightAveraging)})
+    if names:
+        raise ValueError(f"AsyncPipelineStrategy cannot resume a fit with {', '.join(names)}: the strategy restores "
+                         f"the weights itself and the callback could not restore its average nor the current "
+                         f"weights. Resume without it (a new average starts)")

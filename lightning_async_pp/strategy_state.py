@@ -16,6 +16,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
 
 from lightning_async_pp import _lightning
+from lightning_async_pp.lightning_callbacks import check_resume
 from lightning_async_pp.pipeline import checkpoint as ckpt
 from lightning_async_pp.pipeline.engine import check_names_and_shapes
 
@@ -115,6 +116,8 @@ class PipelineStateHooks:
         return out
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
+        if self.lightning_module.trainer.state.fn == TrainerFn.FITTING:
+            check_resume(self.lightning_module.trainer.callbacks)  # before anything is loaded
         self.finish_pending_save()
         path = ckpt.resolve(os.fspath(checkpoint_path))
         if ckpt.is_sharded(path):

@@ -62,8 +62,10 @@ SWEEP: dict[str, Row] = {
     "BackboneFinetuning": Row(("BackboneFinetuning",), True, True, "the backbone unfrozen at epoch 1, its lr schedule"),
     "ModelPruning": Row(("ModelPruning",), False, False, ""),
     "StochasticWeightAveraging": Row(("StochasticWeightAveraging",), True, False, "the averaged weights at the end"),
-    "EMAWeightAveraging": Row(("EMAWeightAveraging",), True, False, "the averaged weights at the end"),
-    "WeightAveraging": Row(("WeightAveraging",), True, False, "the averaged weights at the end"),
+    "EMAWeightAveraging": Row(("EMAWeightAveraging",), True, False,
+                              "the averaged weights at the end; resuming a fit with it is refused"),
+    "WeightAveraging": Row(("WeightAveraging",), True, False,
+                           "the averaged weights at the end; resuming a fit with it is refused"),
     "GradientAccumulationScheduler": Row(("GradientAccumulationScheduler", "GradientAccumulationScheduler(factor 2)"),
                                          True, True, "factor 1 at every epoch (the weights)"),
     "LearningRateMonitor": Row(("LearningRateMonitor",), True, True, "the learning rate logged at every step"),
@@ -199,6 +201,26 @@ def test_a_refusal_surfaces_as_itself_when_an_on_exception_checkpoint_would_save
         trainer.fit(model, torch.utils.data.DataLoader(callback_fit.make_dataset(8), batch_size=4))
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
     assert not list(tmp_path.iterdir())
+
+
+def test_resuming_with_a_weight_averaging_callback_is_refused_before_loading_naming_it(tmp_path):
+    """EMAWeightAveraging restores its average from the checkpoint's state_dict, which the strategy's checkpoints
+    keep with the weight versions: the resume stopped with a KeyError after loading the averaged weights."""
+    import lightning as L
+
+    from lightning_async_pp import AsyncPipelineStrategy
+
+    def trainer(callbacks):
+        return L.Trainer(accelerator="cpu", devices=1, max_steps=4, logger=False, enable_progress_bar=False,
+                         enable_model_summary=False, callbacks=callbacks,
+                         strategy=AsyncPipelineStrategy("2bw", num_microbatches=2, num_stages=2, partition=[2, 2]))
+
+    loader = torch.utils.data.DataLoader(callback_fit.make_dataset(16), batch_size=4)
+    trainer([lightning_callbacks.EMAWeightAveraging(),
+             lightning_callbacks.ModelCheckpoint(tmp_path, every_n_train_steps=4)]).fit(callback_fit.SweepLM(), loader)
+    (saved,) = tmp_path.glob("*.ckpt")
+    with pytest.raises(ValueError, match="cannot resume a fit with EMAWeightAveraging"):
+        trainer([lightning_callbacks.EMAWeightAveraging()]).fit(callback_fit.SweepLM(), loader, ckpt_path=str(saved))
 
 
 def launch_two_processes(cfg: dict, tmp_path: Path, timeout: float = 900) -> list[dict]:
