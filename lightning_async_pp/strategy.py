@@ -28,6 +28,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
 
 from lightning_async_pp import _lightning
+from lightning_async_pp.lightning_callbacks import check_callbacks, summarize_whole_model
 from lightning_async_pp.lookahead import FetchedBatch, LookaheadLoader, transfer_early
 from lightning_async_pp.module import PipelineModule
 from lightning_async_pp.optim.checks import check_corrections, set_step_delay
@@ -237,6 +238,10 @@ class AsyncPipelineStrategy(PipelineStateHooks, DDPStrategy):
         super()._configure_launcher()
 
     def setup_environment(self) -> None:
+        trainer = self.lightning_module.trainer
+        if trainer.state.fn == TrainerFn.FITTING:
+            # Before the callbacks' own setup (weight averaging copies the model there) and any process group.
+            check_callbacks(trainer.callbacks, processes=self.world_size_total, num_stages=self.num_stages)
         if self.is_multiprocess and self.root_device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
             # Stages on one host share its cores: give each process its share instead of letting every process
             # start a thread per core and oversubscribe them (torchrun does the same with OMP_NUM_THREADS=1).
@@ -311,6 +316,8 @@ class AsyncPipelineStrategy(PipelineStateHooks, DDPStrategy):
         self.model_to_device()
         self.engine.start()
         module._pipeline_executor = self
+        if self.is_multiprocess:
+            summarize_whole_model(trainer.callbacks)
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
             self.engine.check_tied_hyperparameters(self.optimizers)

@@ -12,9 +12,11 @@ from typing import Any, Optional
 import torch.distributed as dist
 from lightning.fabric.utilities.optimizer import _optimizer_to_device
 from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
 
 from lightning_async_pp import _lightning
+from lightning_async_pp.lightning_callbacks import check_resume
 from lightning_async_pp.pipeline import checkpoint as ckpt
 from lightning_async_pp.pipeline.engine import check_names_and_shapes
 
@@ -40,7 +42,15 @@ class PipelineStateHooks:
         return {}  # saved by parameter name with the weights (save_checkpoint), so any layout can load it
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
-        assert self.engine is not None
+        if self.engine is None:
+            if sys.exc_info()[0] is not None:
+                # A save on failure (OnExceptionCheckpoint) when setup failed before the engine existed: there is
+                # no training state to save, and the error that stopped setup must surface, not this one.
+                rank_zero_warn(f"no checkpoint written to {os.fspath(filepath)}: AsyncPipelineStrategy's setup did "
+                               f"not complete, so there is no training state to save")
+                return
+            raise RuntimeError("AsyncPipelineStrategy can save a checkpoint only once its setup has run (inside a "
+                               "trainer call, or after one)")
         path = os.fspath(filepath)
         own = self.not_a_replica
         module_state = checkpoint.pop("state_dict")
@@ -106,6 +116,8 @@ class PipelineStateHooks:
         return out
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
+        if self.lightning_module.trainer.state.fn == TrainerFn.FITTING:
+            check_resume(self.lightning_module.trainer.callbacks)  # before anything is loaded
         self.finish_pending_save()
         path = ckpt.resolve(os.fspath(checkpoint_path))
         if ckpt.is_sharded(path):

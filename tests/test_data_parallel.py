@@ -277,6 +277,30 @@ def test_a_bucket_ready_before_the_ones_ahead_of_it_waits_for_them(one_rank_grou
     assert gradients[1] is None
 
 
+def test_a_parameter_unfrozen_after_the_buckets_were_made_is_reduced_from_its_next_step_on(one_rank_group):
+    """Lightning's BaseFinetuning freezes a layer in setup and unfreezes it at an epoch start: the buckets follow
+    requires_grad at the next step (the frozen layer had none, and with it no gradient at all), and freezing again
+    drops it."""
+    frozen, trained = nn.Parameter(torch.ones(3)), nn.Parameter(torch.ones(3))
+    frozen.requires_grad_(False)
+    reducer = GradientReducer([frozen, trained], one_rank_group, size=2)
+    assert [b.indices for b in reducer.buckets] == [[1]]
+
+    def step(requires_grad: list[bool]) -> list:
+        leaves = [p.detach().clone().requires_grad_(r) for p, r in zip((frozen, trained), requires_grad)]
+        reducer.attach(leaves)
+        reducer.arm()
+        sum((leaf * (i + 2)).sum() for i, leaf in enumerate(leaves)).backward()
+        reducer.launch_rest()
+        return reducer.finish([leaf.grad for leaf in leaves])
+
+    assert step([False, True])[0] is None
+    unfrozen = step([True, True])  # the epoch start unfroze it
+    torch.testing.assert_close(unfrozen[0], torch.full((3,), 1.0))  # 2 / "2 replicas"
+    torch.testing.assert_close(unfrozen[1], torch.full((3,), 1.5))
+    assert step([False, True])[0] is None  # frozen again: out of the buckets, no gradient
+
+
 # ---- the planner's model of the reduction ---------------------------------------------------------------------------
 def test_planner_reduction_after_the_step_overlapped_from_the_last_backward_and_deferred_worked_by_hand():
     """p=2, m=4, forward 1, backward 2, the stage's reduction 3 s in 4 buckets. After the step: all 3 s exposed.

@@ -1,11 +1,12 @@
 """The data-parallel gradient reduction of one stage: bucketed, in place, and overlapped with the step's work.
 
 A stage's replicas average their batch gradients. The gradients accumulate, microbatch by microbatch, directly in
-a few flat bucket buffers allocated once (each leaf's ``.grad`` is a view into its bucket before the batch's
-first backward, and autograd adds into it in place), so the reduction needs no second copy of the gradient. A
+a few flat bucket buffers (each leaf's ``.grad`` is a view into its bucket before the batch's first backward, and
+autograd adds into it in place), so the reduction needs no second copy of the gradient. A
 bucket is all-reduced asynchronously as soon as its gradients are final: during the batch's last backward on
 this stage, once each of its leaves has taken its last microbatch's gradient (a post-accumulate hook), else
-right after that backward. Buckets are launched in one fixed order on every replica (as DDP: a bucket waits for the
+right after that backward. The buffers are allocated once, and again when the set of parameters that take
+gradients changes (a layer unfrozen mid-run). Buckets are launched in one fixed order on every replica (as DDP: a bucket waits for the
 ones before it), since collectives on a group are matched by their order: a parameter that one replica's data
 used and another's did not (an MoE expert, any data-dependent branch) must not reorder them. With the buckets
 goes one small all-reduce of which parameters each replica used, so that the decision "no gradient" is global:
@@ -53,6 +54,19 @@ class GradientReducer:
 
     def __init__(self, params: Sequence[Tensor], group: Any, size: int) -> None:
         self.group, self.size = group, size
+        self._build(params)
+        self._used_work: Any = None
+        self._leaves: list[Tensor] = []
+        self._hooks: list[Any] = []
+        self._touched: set[int] = set()
+        self._armed = False
+        self.started: Optional[float] = None  # when the first bucket of this step was launched
+        self.total_s = 0.0  # last step: first launch to the end of the wait
+        self.exposed_s = 0.0  # last step: time blocked waiting for it
+
+    def _build(self, params: Sequence[Tensor]) -> None:
+        """Buckets for the parameters that take gradients now (``requires_grad``)."""
+        self.trainable = tuple(p.requires_grad for p in params)
         self.buckets: list[_Bucket] = []
         # Buckets in reverse parameter order, as DDP: a stage's last layers get their gradients first in backward.
         order = [i for i in reversed(range(len(params))) if params[i].requires_grad]
@@ -67,17 +81,10 @@ class GradientReducer:
             self._add_bucket(params, current)
         self._bucket_of = {i: b for b in self.buckets for i in b.indices}
         self._next = 0  # the first bucket of this step not launched yet (they are launched in order)
-        # Which parameters each replica used this step, summed over the replicas (1 where this one did).
-        device = self.buckets[0].buffer.device if self.buckets else torch.device("cpu")
+        # Which parameters each replica used this step, summed over the replicas (1 where this one did). On the
+        # parameters' device even when none is trainable now (a later unfreeze must not move it).
+        device = params[0].device if len(params) else torch.device("cpu")
         self._used = torch.zeros(len(params), dtype=torch.int32, device=device)
-        self._used_work: Any = None
-        self._leaves: list[Tensor] = []
-        self._hooks: list[Any] = []
-        self._touched: set[int] = set()
-        self._armed = False
-        self.started: Optional[float] = None  # when the first bucket of this step was launched
-        self.total_s = 0.0  # last step: first launch to the end of the wait
-        self.exposed_s = 0.0  # last step: time blocked waiting for it
 
     def _add_bucket(self, params: Sequence[Tensor], indices: list[int]) -> None:
         numel = sum(params[i].numel() for i in indices)
@@ -99,6 +106,12 @@ class GradientReducer:
         """Make each leaf's ``.grad`` a zeroed view into its bucket, so that the batch's microbatch gradients
         accumulate there in place (the previous batch's gradient has been applied by now)."""
         self._leaves = list(leaves)
+        if tuple(leaf.requires_grad for leaf in self._leaves) != self.trainable:
+            # A layer was frozen or unfrozen since the buckets were made (Lightning's BaseFinetuning unfreezes at an
+            # epoch start): rebuild them here, at a step boundary, from the leaves' requires_grad (that of the
+            # parameters when the leaves were made). Every replica's callbacks change the same parameters, so
+            # every replica rebuilds at the same step and the buckets still pair up.
+            self._build(self._leaves)
         self._touched = set()
         self._armed = False
         self.started = None
