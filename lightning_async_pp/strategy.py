@@ -100,7 +100,9 @@ class AsyncPipelineStrategy(PipelineStateHooks, DDPStrategy):
         async_checkpoint: sharded checkpoints are written in the background
             (``torch.distributed.checkpoint.async_save``): a save stalls training only while the tensors are copied,
             and the checkpoint is put in place once every shard is written. A save still in flight is awaited before
-            the next save, a load, at teardown and when training fails. Needs ``save_distributed_checkpoint=True``.
+            the next save, a load, at teardown and when training fails. A save outside a trainer call
+            (``trainer.save_checkpoint()`` after ``fit``) is written before it returns. Needs
+            ``save_distributed_checkpoint=True``.
         compile: ``True`` or a dict of ``torch.compile`` keyword arguments (``backend``, ``mode``, ``dynamic``,
             ``options``, ...): each pipeline layer is compiled once per process (identical layers share a graph),
             and every weight version, microbatch and later trainer call reuses its graphs (evaluation adds its
@@ -167,6 +169,7 @@ class AsyncPipelineStrategy(PipelineStateHooks, DDPStrategy):
         )
         self.gather_final_weights = gather_final_weights
         self._pending_save: Optional[ckpt.PendingSave] = None  # an async_checkpoint save still being written
+        self._in_trainer_call = False  # between setup and teardown, where teardown awaits a background save
         self._checkpoint_group: Any = None  # async saves' own gloo group: their collectives run in a background thread
         self._source: Optional[ckpt.TensorSource] = None  # the checkpoint being restored, between its two loads
         self._tensors: dict[str, Any] = {}
@@ -311,6 +314,7 @@ class AsyncPipelineStrategy(PipelineStateHooks, DDPStrategy):
         self.model_to_device()
         self.engine.start()
         module._pipeline_executor = self
+        self._in_trainer_call = True
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
             self.engine.check_tied_hyperparameters(self.optimizers)
@@ -524,6 +528,7 @@ class AsyncPipelineStrategy(PipelineStateHooks, DDPStrategy):
         super().on_exception(exception)
 
     def teardown(self) -> None:
+        self._in_trainer_call = False  # a save from now on (trainer.save_checkpoint() after fit) is written at once
         module = self.lightning_module
         if isinstance(module, PipelineModule):
             module._pipeline_executor = None
