@@ -36,6 +36,7 @@ from lightning_async_pp.pipeline import checkpoint as ckpt
 from lightning_async_pp.pipeline.comm import PipelineFailure, elastic_attempt_store
 from lightning_async_pp.pipeline.config import CheckpointingSpec, CompileSpec, DelaySpec, PipelineConfig
 from lightning_async_pp.pipeline.engine import PipelineEngine
+from lightning_async_pp.pipeline.microbatch import check_splittable
 from lightning_async_pp.pipeline.partition import PartitionSpec
 from lightning_async_pp.pipeline.placement import (
     layer_paths,
@@ -379,6 +380,10 @@ class AsyncPipelineStrategy(PipelineStateHooks, DDPStrategy):
         trainer = self.lightning_module.trainer
         if not trainer.training:
             return dataloader
+        # Known here, before the first step: a batch the microbatches cannot split would stop training at once.
+        batch_size = loader_batch_size(dataloader)
+        if batch_size is not None:
+            check_splittable(batch_size, self.num_microbatches, "The training dataloader's batch_size={size}")
         on_epoch_start = None
         sampler = getattr(dataloader, "sampler", None)
         if (self.is_multiprocess and self.data_parallel_size == 1
@@ -542,6 +547,15 @@ class AsyncPipelineStrategy(PipelineStateHooks, DDPStrategy):
         self._requeue = None
         self.finish_pending_save()
         super().teardown()
+
+
+def loader_batch_size(dataloader: object) -> Optional[int]:
+    """The batch size a training loader yields, where it says (a ``DataLoader``'s ``batch_size``, or its batch
+    sampler's); ``None`` for loaders that do not (an iterable of ready batches, a custom batch sampler)."""
+    size = getattr(dataloader, "batch_size", None)
+    if size is None:
+        size = getattr(getattr(dataloader, "batch_sampler", None), "batch_size", None)
+    return size if isinstance(size, int) and not isinstance(size, bool) and size > 0 else None
 
 
 def _rng_states() -> tuple:
