@@ -317,6 +317,9 @@ class AsyncPipelineStrategy(PipelineStateHooks, DDPStrategy):
         module._pipeline_executor = self
         self._in_trainer_call = True
         if trainer.state.fn == TrainerFn.FITTING:
+            if self.is_multiprocess:
+                # Each process holds only its stage: the model summary counts the whole model's parameters.
+                _lightning.summarize_within(trainer, self.engine.whole_model)
             self.setup_optimizers(trainer)
             self.engine.check_tied_hyperparameters(self.optimizers)
             check_corrections(self.optimizers, self.lr_scheduler_configs, self.config.stage_delays(self.engine.num_stages))
