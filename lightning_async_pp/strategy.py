@@ -304,6 +304,7 @@ class AsyncPipelineStrategy(PipelineStateHooks, DDPStrategy):
                 raise ValueError(f"{type(module).__name__}.pipeline_layers() returned no layers; return at least one nn.Module")
             object.__setattr__(module, "_pipeline_all_layers", layers)
             object.__setattr__(module, "_pipeline_layer_paths", layer_paths(module, layers))
+        previous = self.engine  # the engine of this trainer's previous call, if any
         self.engine = PipelineEngine(
             module, module._pipeline_all_layers, module._pipeline_layer_paths, self.config,
             input_fn=module.pipeline_input, loss_fn=module.pipeline_loss,
@@ -314,6 +315,8 @@ class AsyncPipelineStrategy(PipelineStateHooks, DDPStrategy):
         self.engine.materialize(self.root_device, module.init_layer)
         self.model_to_device()
         self.engine.start()
+        if previous is not None and trainer.global_step > 0:
+            self.engine.load_state_dict(continued_state(previous, self.engine))
         module._pipeline_executor = self
         self._in_trainer_call = True
         if trainer.state.fn == TrainerFn.FITTING:
@@ -550,6 +553,22 @@ class AsyncPipelineStrategy(PipelineStateHooks, DDPStrategy):
         self._requeue = None
         self.finish_pending_save()
         super().teardown()
+
+
+def continued_state(previous: PipelineEngine, engine: PipelineEngine) -> dict[str, Any]:
+    """What a later call of the same Trainer (``fit`` then ``fit``) continues from: the previous call's update count
+    and the older weight versions it held, so that the update index (``sync_from_step``, the dropout seeds of each
+    batch) and 2BW's stash go on as in one call (a checkpoint resume does the same from the files). Where the
+    module's weights changed between the calls (a ``load_state_dict``), only the count goes on, every version the
+    present weights, as after loading a checkpoint that holds no stash."""
+    state, now = previous.state_dict(), engine.state_dict()
+    for index, stage in state["stages"].items():
+        k, current = stage["num_updates"], now["stages"][index]["versions"][0]
+        if all(torch.equal(stage["versions"][k][n], t) for n, t in current.items()):
+            continue
+        stage["versions"] = {j: current for j in stage["versions"]}
+        stage.pop("predicted_newest", None)
+    return state
 
 
 def loader_batch_size(dataloader: object) -> Optional[int]:
