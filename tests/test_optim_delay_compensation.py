@@ -329,16 +329,17 @@ def test_the_monitor_finds_the_compensation_inside_error_feedback_and_lightnings
 class ScheduledCompensatedTinyLM(CompensatedTinyLM):
     """DelayCompensation with a PipeMareLR at the given interval."""
 
-    def __init__(self, interval: str, pipemare_delay: int, **kwargs) -> None:
+    def __init__(self, interval: str, pipemare_delay: int, frequency: int = 1, **kwargs) -> None:
         super().__init__(**kwargs)
-        self.interval, self.pipemare_delay = interval, pipemare_delay
+        self.interval, self.pipemare_delay, self.frequency = interval, pipemare_delay, frequency
 
     def configure_optimizers(self):
         from lightning_async_pp.optim import PipeMareLR
 
         opt = super().configure_optimizers()
         sched = PipeMareLR(opt, delay=self.pipemare_delay, warmup_steps=4)
-        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": self.interval}}
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": self.interval,
+                                                   "frequency": self.frequency}}
 
 
 @pytest.mark.parametrize("schedule, strategy_delay, model, message", [
@@ -346,6 +347,9 @@ class ScheduledCompensatedTinyLM(CompensatedTinyLM):
     ("2bw", 2, CompensatedTinyLM(coefficient=1.0, delay=1), r"DelayCompensation\(delay=1\) .* 2 update\(s\) stale"),
     ("2bw", 2, ScheduledCompensatedTinyLM("epoch", 2, coefficient=1.0, delay=2), r"interval 'step' \(got 'epoch'\)"),
     ("2bw", 2, ScheduledCompensatedTinyLM("step", 3, coefficient=1.0, delay=2), r"PipeMareLR\(delay=3\) .* 2 update"),
+    # stepped every second update it would count half the updates (6 updates gave 3 steps)
+    ("2bw", 2, ScheduledCompensatedTinyLM("step", 2, frequency=2, coefficient=1.0, delay=2),
+     r"PipeMareLR counts updates: give it with frequency 1 \(got 2"),
 ])
 def test_a_correction_told_another_delay_than_the_pipelines_is_refused_before_training(schedule, strategy_delay, model,
                                                                                        message):
