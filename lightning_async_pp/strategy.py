@@ -315,8 +315,6 @@ class AsyncPipelineStrategy(PipelineStateHooks, DDPStrategy):
         self.engine.materialize(self.root_device, module.init_layer)
         self.model_to_device()
         self.engine.start()
-        if previous is not None and trainer.global_step > 0:
-            self.engine.load_state_dict(continued_state(previous, self.engine))
         module._pipeline_executor = self
         self._in_trainer_call = True
         if trainer.state.fn == TrainerFn.FITTING:
@@ -330,6 +328,10 @@ class AsyncPipelineStrategy(PipelineStateHooks, DDPStrategy):
             if self.config.shard_optimizer and self.engine.dp_group is not None:
                 self.optimizers = shard_optimizers(self.optimizers, self.engine.dp_group)  # ZeRO-1 per stage
             _optimizers_to_device(self.optimizers, self.root_device)
+        if previous is not None and trainer.global_step > 0:
+            # A later call of this Trainer goes on from the previous call's engine, as a restore would (after the
+            # weight prediction is set up, where a checkpoint's restore also comes).
+            self.engine.load_state_dict(continued_state(previous, self.engine))
         self.setup_precision_plugin()
         # Every clipping by norm that Lightning offers (Trainer(gradient_clip_val=...), configure_gradient_clipping,
         # self.clip_gradients, automatic or manual) ends in the precision plugin's clip_grad_by_norm, which would
