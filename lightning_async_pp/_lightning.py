@@ -9,7 +9,7 @@ helpers of ``lightning.fabric.utilities.optimizer``, ``LightningCLI._add_configu
 """
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, ContextManager
 
 import lightning as L
 
@@ -115,3 +115,24 @@ def undo_whole_model_compile(module: Any) -> bool:
 
     to_uncompiled(module)
     return True
+
+
+def summarize_within(trainer: Any, context: Callable[[], ContextManager[Any]]) -> None:
+    """Make Lightning's model summary callbacks (``ModelSummary``, ``RichModelSummary``) take their summary inside
+    ``context()``: across processes, the whole model assembled (other stages' layers as shapes without memory), so
+    the summary counts the whole model's parameters instead of rank 0's stage.
+
+    Relies on: ``ModelSummary.on_fit_start`` computing the summary of the module as it is then (after
+    ``strategy.setup``, before anything else trains it). The class's own hook is wrapped each time, so a later
+    ``fit`` replaces the wrapper instead of nesting it."""
+    from lightning.pytorch.callbacks import ModelSummary
+
+    for callback in trainer.callbacks:
+        if isinstance(callback, ModelSummary):
+            hook = type(callback).on_fit_start
+
+            def on_fit_start(trainer: Any, pl_module: Any, callback: Any = callback, hook: Any = hook) -> None:
+                with context():
+                    hook(callback, trainer, pl_module)
+
+            callback.on_fit_start = on_fit_start

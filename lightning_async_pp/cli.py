@@ -4,7 +4,14 @@
 """
 from __future__ import annotations
 
+import difflib
+import importlib
+import inspect
 import os
+import re
+import sys
+import textwrap
+from argparse import ArgumentError
 from typing import Any, Optional
 from unittest import mock
 
@@ -87,9 +94,110 @@ class _Deferred:
         self.init = init
 
 
+class ConfigurationError(Exception):
+    """A configuration the console script could not parse or instantiate; the message is its reason, one line."""
+
+
+class _ConsoleCLI(AsyncPipelineCLI):
+    """The console script's CLI: a configuration that cannot be parsed or whose classes refuse their arguments
+    raises :class:`ConfigurationError` with the reason on one line, instead of ending in the usage text or in a
+    chained traceback where jsonargparse's union errors bury it. Errors while training keep their traceback."""
+
+    def __init__(self, args: ArgsType = None, **kwargs: Any) -> None:
+        kwargs.setdefault("parser_kwargs", {"exit_on_error": False})  # parse errors raise instead of printing usage
+        super().__init__(args=args, **kwargs)
+
+    def parse_arguments(self, parser: Any, args: ArgsType) -> None:
+        try:
+            super().parse_arguments(parser, args)
+        except ArgumentError as err:
+            raise ConfigurationError(one_line_reason(str(err))) from err
+
+    def instantiate_classes(self) -> None:
+        try:
+            super().instantiate_classes()
+        except _REFUSALS as err:
+            raise ConfigurationError(one_line_reason(str(err))) from err
+
+
+#: What a class raises when it refuses its configuration (a bad value, a missing file, a class_path not found).
+_REFUSALS = (ValueError, TypeError, OSError, ImportError)
+
+
+def one_line_reason(message: str) -> str:
+    """The reason in a jsonargparse error message, on one line.
+
+    jsonargparse nests its messages: ``Parser key "k":`` over an indented message, a union's "Does not validate
+    against any of the Union subtypes" listing each alternative's error (one is usually only "Expected a <class
+    'str'>": the value was not the other type), ``Problem with given class_path 'C':`` over the class's own error.
+    This keeps the keys and the class, and the one error that is not a type mismatch (with a "did you mean" for an
+    option the class does not take); anything else is joined into one line."""
+    lines = [line for line in message.strip().splitlines() if line.strip()]
+    if not lines:
+        return message
+    head, body = lines[0].strip(), textwrap.dedent("\n".join(lines[1:]))
+    key = re.fullmatch(r'Parser key "([^"]+)":', head)
+    if key:
+        return f"{key.group(1)}: {one_line_reason(body)}"
+    class_path = re.fullmatch(r"Problem with given class_path '([^']+)':", head)
+    if class_path:
+        reason = one_line_reason(body)
+        option = re.fullmatch(r"Option '([^']+)' is not accepted", reason)
+        if option:
+            reason = f"{option.group(1)!r} is not one of its options{_did_you_mean(option.group(1), class_path.group(1))}"
+        return f"{class_path.group(1).rsplit('.', 1)[-1]}: {reason}"
+    if head.startswith("Does not validate against any of the Union subtypes") and "Errors:" in message:
+        return _union_reason(lines)
+    return " ".join(line.strip() for line in lines)
+
+
+def _union_reason(lines: list[str]) -> str:
+    start = next(i for i, line in enumerate(lines) if line.strip() == "Errors:") + 1
+    indent = len(lines[start]) - len(lines[start].lstrip())
+    errors: list[list[str]] = []
+    given = ""
+    for line in lines[start:]:
+        depth = len(line) - len(line.lstrip())
+        if depth < indent:  # past the list: "Given value type", "Given value"
+            if line.strip().startswith("Given value:"):
+                given = line.strip()[len("Given value:"):].strip()
+            continue
+        if depth == indent and line.lstrip().startswith("- "):
+            errors.append([line.lstrip()[2:]])
+        elif errors:
+            errors[-1].append(line)
+    mismatch = re.compile(r"Expected a <class '([^']+)'>(\. Got value: .*)?")
+    real = [e for e in errors if not mismatch.fullmatch(e[0].strip())]
+    if real:
+        return one_line_reason("\n".join([real[0][0], *real[0][1:]]))
+    expected = [mismatch.fullmatch(e[0].strip()).group(1) for e in errors]  # type: ignore[union-attr]
+    return f"expected {' or '.join(expected)}, got {given!r}" if given else f"expected {' or '.join(expected)}"
+
+
+def _did_you_mean(option: str, class_path: str) -> str:
+    try:
+        module, name = class_path.rsplit(".", 1)
+        options = list(inspect.signature(getattr(importlib.import_module(module), name)).parameters)
+    except (ImportError, AttributeError, ValueError, TypeError):
+        return ""
+    close = difflib.get_close_matches(option, options, 1)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
 def main(args: ArgsType = None) -> None:
+    """The ``lightning-async-pp`` console script. A refused configuration ends with its reason as the last line
+    (exit status 2, as argparse's); ``JSONARGPARSE_DEBUG=1`` raises it with the traceback instead."""
     # Returns nothing: the console script passes the return value to sys.exit().
-    AsyncPipelineCLI(args=args)
+    if os.environ.get("JSONARGPARSE_DEBUG"):
+        AsyncPipelineCLI(args=args)
+        return
+    try:
+        _ConsoleCLI(args=args)
+    except ConfigurationError as err:
+        print("lightning-async-pp: the configuration was refused (--help lists the options; JSONARGPARSE_DEBUG=1 "
+              "shows the traceback)", file=sys.stderr)
+        print(f"error: {err}", file=sys.stderr, flush=True)
+        sys.exit(2)
 
 
 if __name__ == "__main__":

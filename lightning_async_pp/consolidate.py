@@ -10,7 +10,7 @@ The first mirrors Lightning's ``python -m lightning.pytorch.utilities.consolidat
 ``Trainer(strategy=AsyncPipelineStrategy(...)).fit(ckpt_path=DST)`` resumes in any layout. ``--hf`` (a
 ``HuggingFaceCausalLM`` run) writes a ``save_pretrained`` folder DST for ``AutoModelForCausalLM.from_pretrained(DST)``;
 ``--litgpt`` (a ``LitGPT`` run) a litgpt checkpoint folder; both take the tokenizer's files from ``--tokenizer`` or
-from what the run names (see :mod:`lightning_async_pp.export`), and also take a single-file checkpoint as SRC. Runs
+from what the run names (see ``lightning_async_pp/export.py``), and also take a single-file checkpoint as SRC. Runs
 in one process, without a process group; it needs memory for the whole checkpoint.
 """
 from __future__ import annotations
@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import textwrap
 from typing import Any, Optional, Sequence
 
 from lightning_async_pp.pipeline import checkpoint as _checkpoint
@@ -34,7 +35,12 @@ def consolidate_checkpoint(src: str | os.PathLike, dst: str | os.PathLike) -> di
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m lightning_async_pp.consolidate", description=__doc__.splitlines()[0])
+    # The module's docstring: its first paragraph as the description, the rest (usage and what each form writes) after
+    # the options, line breaks kept.
+    summary, _, details = __doc__.partition("\n\n")
+    parser = argparse.ArgumentParser(prog="python -m lightning_async_pp.consolidate",
+                                     description=textwrap.fill(" ".join(summary.split()), 100),
+                                     epilog=details.replace("``", ""), formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("src", help="a sharded checkpoint directory")
     parser.add_argument("dst", help="the checkpoint file to write (with --hf or --litgpt: the folder)")
     kind = parser.add_mutually_exclusive_group()

@@ -1,5 +1,5 @@
 """Lightning's own callbacks under the strategy: those it cannot run exactly are refused at setup (before any
-training) with the reason; the model summary is taken of the whole model.
+training) with the reason (the model summary of the whole model is taken by ``_lightning.summarize_within``).
 
 Every public callback of ``lightning.pytorch.callbacks`` is either exact under the strategy (the numbers of plain
 Lightning or one device, on 1 and 2 processes) or refused here; ``tests/test_callback_sweep.py`` checks both for
@@ -7,15 +7,13 @@ each of them and writes the table in docs/callbacks.md.
 """
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
-from contextlib import nullcontext
+from collections.abc import Iterable
 from typing import Any, Optional
 
 from lightning.pytorch.callbacks import (
     BatchSizeFinder,
     GradientAccumulationScheduler,
     ModelPruning,
-    ModelSummary,
     OnExceptionCheckpoint,
     StochasticWeightAveraging,
     ThroughputMonitor,
@@ -64,27 +62,6 @@ def check_callbacks(callbacks: Iterable[Any], *, processes: int, num_stages: int
     reasons = [reason for c in callbacks if (reason := refusal(c, processes=processes, num_stages=num_stages))]
     if reasons:
         raise ValueError("AsyncPipelineStrategy cannot run these callbacks exactly: " + "; ".join(reasons))
-
-
-def summarize_whole_model(callbacks: Iterable[Any]) -> None:
-    """Make each ``ModelSummary`` (``RichModelSummary`` too) summarize the whole model, not this process's stage.
-
-    Across processes each module holds only its own stage's layers (the others are placeholders without
-    parameters), so the summary that rank 0 prints in ``on_fit_start`` would count stage 0 alone. The pipeline
-    engine's ``whole_model()`` puts every layer back for the duration of the hook (other stages' layers on the meta
-    device: their shapes, no memory); around the whole hook, since the summary counts lazily. The engine is looked
-    up at call time: the callback may serve a later Trainer.
-    """
-    for callback in callbacks:
-        if isinstance(callback, ModelSummary) and "on_fit_start" not in vars(callback):
-            hook = callback.on_fit_start
-
-            def on_fit_start(trainer: Any, pl_module: Any, hook: Callable = hook) -> None:
-                engine = getattr(trainer.strategy, "engine", None)
-                with engine.whole_model() if engine is not None else nullcontext():
-                    hook(trainer, pl_module)
-
-            callback.on_fit_start = on_fit_start  # type: ignore[method-assign]
 
 
 def check_resume(callbacks: Iterable[Any]) -> None:

@@ -28,7 +28,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
 
 from lightning_async_pp import _lightning
-from lightning_async_pp.lightning_callbacks import check_callbacks, summarize_whole_model
+from lightning_async_pp.lightning_callbacks import check_callbacks
 from lightning_async_pp.lookahead import FetchedBatch, LookaheadLoader, transfer_early
 from lightning_async_pp.module import PipelineModule
 from lightning_async_pp.optim.checks import check_corrections, set_step_delay
@@ -37,6 +37,7 @@ from lightning_async_pp.pipeline import checkpoint as ckpt
 from lightning_async_pp.pipeline.comm import elastic_attempt_store, is_lost_connection
 from lightning_async_pp.pipeline.config import CheckpointingSpec, CompileSpec, DelaySpec, PipelineConfig
 from lightning_async_pp.pipeline.engine import PipelineEngine
+from lightning_async_pp.pipeline.microbatch import check_splittable
 from lightning_async_pp.pipeline.partition import PartitionSpec
 from lightning_async_pp.pipeline.placement import (
     layer_paths,
@@ -101,7 +102,9 @@ class AsyncPipelineStrategy(PipelineStateHooks, DDPStrategy):
         async_checkpoint: sharded checkpoints are written in the background
             (``torch.distributed.checkpoint.async_save``): a save stalls training only while the tensors are copied,
             and the checkpoint is put in place once every shard is written. A save still in flight is awaited before
-            the next save, a load, at teardown and when training fails. Needs ``save_distributed_checkpoint=True``.
+            the next save, a load, at teardown and when training fails. A save outside a trainer call
+            (``trainer.save_checkpoint()`` after ``fit``) is written before it returns. Needs
+            ``save_distributed_checkpoint=True``.
         compile: ``True`` or a dict of ``torch.compile`` keyword arguments (``backend``, ``mode``, ``dynamic``,
             ``options``, ...): each pipeline layer is compiled once per process (identical layers share a graph),
             and every weight version, microbatch and later trainer call reuses its graphs (evaluation adds its
@@ -168,6 +171,7 @@ class AsyncPipelineStrategy(PipelineStateHooks, DDPStrategy):
         )
         self.gather_final_weights = gather_final_weights
         self._pending_save: Optional[ckpt.PendingSave] = None  # an async_checkpoint save still being written
+        self._in_trainer_call = False  # between setup and teardown, where teardown awaits a background save
         self._checkpoint_group: Any = None  # async saves' own gloo group: their collectives run in a background thread
         self._source: Optional[ckpt.TensorSource] = None  # the checkpoint being restored, between its two loads
         self._tensors: dict[str, Any] = {}
@@ -305,6 +309,7 @@ class AsyncPipelineStrategy(PipelineStateHooks, DDPStrategy):
                 raise ValueError(f"{type(module).__name__}.pipeline_layers() returned no layers; return at least one nn.Module")
             object.__setattr__(module, "_pipeline_all_layers", layers)
             object.__setattr__(module, "_pipeline_layer_paths", layer_paths(module, layers))
+        previous = self.engine  # the engine of this trainer's previous call, if any
         self.engine = PipelineEngine(
             module, module._pipeline_all_layers, module._pipeline_layer_paths, self.config,
             input_fn=module.pipeline_input, loss_fn=module.pipeline_loss,
@@ -316,9 +321,11 @@ class AsyncPipelineStrategy(PipelineStateHooks, DDPStrategy):
         self.model_to_device()
         self.engine.start()
         module._pipeline_executor = self
-        if self.is_multiprocess:
-            summarize_whole_model(trainer.callbacks)
+        self._in_trainer_call = True
         if trainer.state.fn == TrainerFn.FITTING:
+            if self.is_multiprocess:
+                # Each process holds only its stage: the model summary counts the whole model's parameters.
+                _lightning.summarize_within(trainer, self.engine.whole_model)
             self.setup_optimizers(trainer)
             self.engine.check_tied_hyperparameters(self.optimizers)
             check_corrections(self.optimizers, self.lr_scheduler_configs, self.config.stage_delays(self.engine.num_stages))
@@ -326,6 +333,10 @@ class AsyncPipelineStrategy(PipelineStateHooks, DDPStrategy):
             if self.config.shard_optimizer and self.engine.dp_group is not None:
                 self.optimizers = shard_optimizers(self.optimizers, self.engine.dp_group)  # ZeRO-1 per stage
             _optimizers_to_device(self.optimizers, self.root_device)
+        if previous is not None and trainer.global_step > 0:
+            # A later call of this Trainer goes on from the previous call's engine, as a restore would (after the
+            # weight prediction is set up, where a checkpoint's restore also comes).
+            self.engine.load_state_dict(continued_state(previous, self.engine))
         self.setup_precision_plugin()
         # Every clipping by norm that Lightning offers (Trainer(gradient_clip_val=...), configure_gradient_clipping,
         # self.clip_gradients, automatic or manual) ends in the precision plugin's clip_grad_by_norm, which would
@@ -382,6 +393,10 @@ class AsyncPipelineStrategy(PipelineStateHooks, DDPStrategy):
         trainer = self.lightning_module.trainer
         if not trainer.training:
             return dataloader
+        # Known here, before the first step: a batch the microbatches cannot split would stop training at once.
+        batch_size = loader_batch_size(dataloader)
+        if batch_size is not None:
+            check_splittable(batch_size, self.num_microbatches, "The training dataloader's batch_size={size}")
         on_epoch_start = None
         sampler = getattr(dataloader, "sampler", None)
         if (self.is_multiprocess and self.data_parallel_size == 1
@@ -533,6 +548,7 @@ class AsyncPipelineStrategy(PipelineStateHooks, DDPStrategy):
         super().on_exception(exception)
 
     def teardown(self) -> None:
+        self._in_trainer_call = False  # a save from now on (trainer.save_checkpoint() after fit) is written at once
         module = self.lightning_module
         if isinstance(module, PipelineModule):
             module._pipeline_executor = None
@@ -546,6 +562,31 @@ class AsyncPipelineStrategy(PipelineStateHooks, DDPStrategy):
         self._requeue = None
         self.finish_pending_save()
         super().teardown()
+
+
+def continued_state(previous: PipelineEngine, engine: PipelineEngine) -> dict[str, Any]:
+    """What a later call of the same Trainer (``fit`` then ``fit``) continues from: the previous call's update count
+    and the older weight versions it held, so that the update index (``sync_from_step``, the dropout seeds of each
+    batch) and 2BW's stash go on as in one call (a checkpoint resume does the same from the files). Where the
+    module's weights changed between the calls (a ``load_state_dict``), only the count goes on, every version the
+    present weights, as after loading a checkpoint that holds no stash."""
+    state, now = previous.state_dict(), engine.state_dict()
+    for index, stage in state["stages"].items():
+        k, current = stage["num_updates"], now["stages"][index]["versions"][0]
+        if all(torch.equal(stage["versions"][k][n], t) for n, t in current.items()):
+            continue
+        stage["versions"] = {j: current for j in stage["versions"]}
+        stage.pop("predicted_newest", None)
+    return state
+
+
+def loader_batch_size(dataloader: object) -> Optional[int]:
+    """The batch size a training loader yields, where it says (a ``DataLoader``'s ``batch_size``, or its batch
+    sampler's); ``None`` for loaders that do not (an iterable of ready batches, a custom batch sampler)."""
+    size = getattr(dataloader, "batch_size", None)
+    if size is None:
+        size = getattr(getattr(dataloader, "batch_sampler", None), "batch_size", None)
+    return size if isinstance(size, int) and not isinstance(size, bool) and size > 0 else None
 
 
 def _rng_states() -> tuple:

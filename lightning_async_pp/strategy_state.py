@@ -61,7 +61,9 @@ class PipelineStateHooks:
         self.finish_pending_save()  # one save in flight at a time, in order
         if self.config.save_distributed_checkpoint:
             checkpoint["async_pipeline"] = meta
-            if self.config.async_checkpoint:
+            # Only inside a trainer call, whose teardown waits for the write: a save after it (or between calls)
+            # has nothing left to finish it before the process exits, so it is written before returning.
+            if self.config.async_checkpoint and self._in_trainer_call:
                 self._pending_save = ckpt.PendingSave(path, flat, checkpoint, is_coordinator=self.is_global_zero,
                                                       barrier=self.barrier, process_group=self._checkpoint_group)
                 return

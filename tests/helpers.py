@@ -50,7 +50,8 @@ class TinyLM(PipelineModule):
 
     def __init__(self, width: int = 8, depth: int = 4, tuple_boundary: bool = False, optimizer: str = "sgd",
                  fail_at: Optional[dict] = None, seed: int = 0, dropout: float = 0.0,
-                 passthrough_at: Optional[int] = None, batchnorm: bool = False, lr_schedule: bool = False) -> None:
+                 passthrough_at: Optional[int] = None, batchnorm: bool = False, lr_schedule: bool = False,
+                 later_group_at: Optional[int] = None) -> None:
         super().__init__()
         torch.manual_seed(seed)
         layers: list[nn.Module] = [nn.Linear(4, width)]
@@ -70,6 +71,8 @@ class TinyLM(PipelineModule):
         self.optimizer_name = optimizer
         self.fail_at = fail_at  # {"stage": s, "step": k}: raise there (failure tests)
         self.lr_schedule = lr_schedule  # a per-step learning-rate schedule with the optimizer
+        # The optimizer starts with the first half of the layers; the rest joins as a new group at this update.
+        self.later_group_at = later_group_at
 
     def pipeline_layers(self):
         return list(self.layers)
@@ -84,8 +87,16 @@ class TinyLM(PipelineModule):
                 raise RuntimeError(f"injected failure at step {self.global_step}")
         return super().training_step(batch, batch_idx)
 
+    def _later_params(self) -> list:
+        return [p for layer in self.layers[len(self.layers) // 2:] for p in layer.parameters()]
+
+    def on_train_batch_start(self, batch, batch_idx):
+        if self.later_group_at is not None and self.global_step == self.later_group_at:
+            self.trainer.optimizers[0].add_param_group({"params": self._later_params()})
+
     def configure_optimizers(self):
-        optimizer = make_optimizer_factory(self.optimizer_name)(self.parameters())
+        later = {id(p) for p in self._later_params()} if self.later_group_at is not None else set()
+        optimizer = make_optimizer_factory(self.optimizer_name)([p for p in self.parameters() if id(p) not in later])
         if not self.lr_schedule:
             return optimizer
         schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda k: 1.0 / (1.0 + k))

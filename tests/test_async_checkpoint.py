@@ -102,3 +102,15 @@ def test_a_background_write_that_fails_is_never_put_in_place_and_its_error_surfa
         pending.finish()
     assert "disk full" in "".join(map(str, raised.value.failures.values()))
     assert not target.exists()
+
+
+def test_a_save_after_fit_is_in_place_when_the_call_returns_and_holds_the_final_weights(tmp_path):
+    # After fit the strategy's teardown has run: nothing would finish a background write before the process exits.
+    result, model, trainer = run(dict(steps=3, strategy_kwargs=ASYNC))
+    target = tmp_path / "after_fit.ckpt"
+    trainer.save_checkpoint(target)
+    assert trainer.strategy._pending_save is None
+    assert sorted(os.listdir(tmp_path)) == ["after_fit.ckpt"]  # in place, nothing left under .partial/
+    meta, state = ckpt.read_model_state(str(target))
+    assert meta["async_pipeline"]["num_updates"] == 3
+    assert max_difference(state, result["state_dict"]) == 0.0

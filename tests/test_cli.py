@@ -146,3 +146,35 @@ def test_one_key_of_an_adapter_config_mapping_is_overridden_from_the_command_lin
     cli.model.configure_model()
     layers = cli.model.pipeline_layers()
     assert len(layers) == blocks + 3 and layers[0].weight.shape[1] == width
+
+
+@pytest.mark.parametrize("override, reason", [
+    ("--trainer.strategy.init_args.schedule=2bv",  # the strategy refuses it when it is built
+     "error: Unknown schedule '2bv' (did you mean '2bw'?); valid schedules are '2bw', '1f1b', 'gpipe', 'zb_h1'"),
+    ("--trainer.strategy.init_args.num_microbatch=4",  # jsonargparse refuses it while parsing
+     "error: trainer.strategy: AsyncPipelineStrategy: 'num_microbatch' is not one of its options "
+     "(did you mean 'num_microbatches'?)"),
+])
+def test_the_console_script_ends_a_refused_configuration_with_its_one_line_reason(tmp_path, monkeypatch, capsys,
+                                                                                   override, reason):
+    from lightning_async_pp.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as exited:
+        main(["fit", "--config", str(demo_config(tmp_path)), override])
+    assert exited.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1] == reason
+    assert "Traceback" not in err and not any(line.startswith("usage:") for line in err)
+
+
+def test_consolidate_help_says_its_whole_first_sentence(capsys):
+    from lightning_async_pp.consolidate import main as consolidate_main
+
+    with pytest.raises(SystemExit) as exited:
+        consolidate_main(["--help"])
+    assert exited.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert ("Turn a sharded checkpoint into one Lightning checkpoint file (the newest weights and everything else), "
+            "or into the upstream library's folder.") in text
+    assert "python -m lightning_async_pp.consolidate SRC DST --hf [--tokenizer PATH]" in text

@@ -88,6 +88,19 @@ def test_sharded_optimizer_equals_the_unsharded_run_with_half_the_state_per_repl
 
 @pytest.mark.multiprocess
 @pytest.mark.slow
+def test_a_parameter_group_added_mid_run_to_the_sharded_optimizer_trains_as_on_one_device(tmp_path):
+    """The second half of the layers joins AdamW at update 2 (optimizer.add_param_group, as a finetuning schedule
+    does): ZeroRedundancyOptimizer re-partitions, and two sharded replicas end at the one-device weights."""
+    cfg = dict(schedule="2bw", stages=1, dp=2, microbatches=2, steps=5, batch=4, samples=64, optimizer="adamw",
+               model={"later_group_at": 2}, shard_optimizer=True)
+    multi = run_ok(cfg, tmp_path)
+    assert max_difference(multi, concatenated_run(cfg, steps=5)) < 1e-5
+    # the group added matters: without it those layers stay where they started
+    assert max_difference(multi, concatenated_run(dict(cfg, model={"later_group_at": 99}), steps=5)) > 1e-3
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
 def test_sharded_checkpoints_resume_exactly_across_layouts_and_consolidate(tmp_path):
     """2 stages x 2 replicas with sharded AdamW + ErrorFeedback: equal to one device; its step-2 checkpoint resumes
     on one device (sharding off) and one device's resumes on 2 sharded replicas, both ending at the one-device

@@ -110,3 +110,25 @@ def test_negative_delay_is_a_clear_error():
 def test_per_stage_delay_list_must_match_the_number_of_stages():
     with pytest.raises(ValueError, match=r"delay=\[2, 1, 0\] gives 3 per-stage delays but the pipeline has 2 stage"):
         trainer(AsyncPipelineStrategy("2bw", 4, delay=[2, 1, 0], num_stages=2)).fit(TinyLM(), loader())
+
+
+def test_a_second_fit_of_the_same_trainer_continues_the_update_count_and_the_stash():
+    """fit(3 steps) then fit(up to 6) on one Trainer: updates 3..5 are updates 3..5 of the rule (sync_from_step counts
+    them, batch 3 takes W_2), not a restart at 0. SGD is stateless, so the second fit's new optimizer (plain
+    Lightning builds one per fit too) changes nothing; the data starts again, as under plain Lightning."""
+    k_sync = 4
+    model = TinyLM(optimizer="sgd")
+    reference = copy.deepcopy(model)
+    strategy = AsyncPipelineStrategy("2bw", 4, sync_from_step=k_sync)
+    t = trainer(strategy, steps=3)
+    t.fit(model, loader(samples=24))  # 3 batches
+    t.fit_loop.epoch_loop.max_steps = 6
+    t.fit(model, loader(samples=24))
+    assert t.global_step == 6 and strategy.engine.stats.batch_index == 6
+    params = delayed_reference(reference, list(loader(samples=24)), 6,
+                               version_for=lambda k: k if k == 0 or k >= k_sync else k - 1)
+    assert max_param_difference(model, params) < 1e-6
+    # what a restart of the count gave: no stash for batch 3, and 2BW to the end (the switch at 4 never reached)
+    restarted = delayed_reference(copy.deepcopy(reference), list(loader(samples=24)), 6,
+                                  version_for=lambda k: k if k in (0, 3) else k - 1)
+    assert max_param_difference(model, restarted) > 1e-5

@@ -157,3 +157,41 @@ def test_the_trainer_unwraps_torch_compile_into_compiled_steps_recorded_in_compi
     assert model._compiler_ctx is None
     for step in ("forward", "training_step", "validation_step", "test_step", "predict_step"):
         assert getattr(model, step).__func__ is getattr(TinyLM, step)
+
+
+class RecordedSummary(L.pytorch.callbacks.ModelSummary):
+    """Records the totals the summary prints."""
+
+    def __init__(self) -> None:
+        super().__init__(max_depth=1)
+        self.totals: list[tuple[int, list[str]]] = []
+
+    def summarize(self, summary_data, total_parameters, *args, **kwargs) -> None:
+        self.totals.append((total_parameters, dict(summary_data)["Params"]))
+
+
+def test_the_model_summary_is_taken_in_on_fit_start_inside_the_context_given_to_summarize_within():
+    from contextlib import contextmanager
+
+    from torch import nn
+
+    model, entered = TinyLM(), []
+
+    @contextmanager
+    def with_an_extra_layer():  # stands in for the whole model assembled on a process that holds one stage
+        entered.append(True)
+        model.extra = nn.Linear(3, 5)  # 20 parameters
+        try:
+            yield
+        finally:
+            del model.extra
+
+    summary = RecordedSummary()
+    trainer = _trainer(callbacks=[summary])
+    own = sum(p.numel() for p in model.parameters())
+    for _ in range(2):  # a second fit wraps the hook again, without nesting
+        _lightning.summarize_within(trainer, with_an_extra_layer)
+        trainer.fit(model, DataLoader(make_dataset(32), batch_size=8))
+    assert entered == [True, True]
+    assert [total for total, _ in summary.totals] == [own + 20, own + 20]
+    assert summary.totals[0][1][-1].strip() == "20"  # its own row

@@ -161,9 +161,15 @@ def test_tied_embedding_and_head_within_a_stage_2bw_follows_the_delayed_recurren
 @pytest.mark.parametrize("schedule", ["2bw", "1f1b"])
 def test_tied_embedding_and_head_across_two_stages_equal_one_device_semantics(tmp_path, schedule):
     # stage 0 = embed + block1, stage 1 = block2 + head: the tie spans the boundary
-    cfg = dict(TIED, schedule=schedule, partition=[2, 2], **OWN_SAMPLER)
-    multi = seam_results(cfg, tmp_path)[0]["state_dict"]
+    cfg = dict(TIED, schedule=schedule, partition=[2, 2], summary=True, **OWN_SAMPLER)
+    result = seam_results(cfg, tmp_path)[0]
+    multi = result["state_dict"]
     plain_model = TiedLM()
+    # Lightning's model summary on rank 0 counts the whole model, as plain Lightning's, not rank 0's stage
+    plain_summary = seam_fit.RecordedSummary()
+    trainer(steps=1, callbacks=[plain_summary]).fit(TiedLM(), build_loader(cfg))
+    assert result["summary"] == plain_summary.recorded
+    assert result["summary"]["total"] == sum(p.numel() for p in plain_model.parameters())  # the tie counted once
     assert {k: v.shape for k, v in multi.items()} == {k: v.shape for k, v in plain_model.state_dict().items()}
     assert torch.equal(multi["embed.weight"], multi["head.weight"])  # identical copies
     if schedule == "2bw":

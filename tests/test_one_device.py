@@ -162,9 +162,25 @@ def test_resume_from_checkpoint_continues_exactly(tmp_path, optimizer):
     assert max_param_difference(resumed, uninterrupted) < 1e-6
 
 
-def test_batch_size_not_divisible_by_microbatches_is_a_clear_error():
-    with pytest.raises(ValueError, match=r"batch of size 6 cannot be split into num_microbatches=4"):
-        trainer(AsyncPipelineStrategy("2bw", num_microbatches=4)).fit(TinyLM(), loader(batch_size=6))
+def test_a_batch_size_the_microbatches_do_not_divide_is_refused_before_the_first_step():
+    class CountBatches(L.Callback):
+        started = 0
+
+        def on_train_batch_start(self, *args) -> None:
+            CountBatches.started += 1
+
+    model = TinyLM()
+    before = copy.deepcopy(model.state_dict())
+    with pytest.raises(ValueError, match=r"The training dataloader's batch_size=6 cannot be split into "
+                                         r"num_microbatches=4 equal microbatches; use a batch size that is a multiple "
+                                         r"of 4, or a num_microbatches that divides 6"):
+        trainer(AsyncPipelineStrategy("2bw", num_microbatches=4), callbacks=[CountBatches()]).fit(model, loader(batch_size=6))
+    assert CountBatches.started == 0
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
+    # a loader whose batch sampler has no batch_size is still checked at each batch, by the engine
+    with pytest.raises(ValueError, match=r"A batch of size 6 cannot be split into num_microbatches=4"):
+        batches = DataLoader(make_dataset(12), batch_sampler=[list(range(6)), list(range(6, 12))])
+        trainer(AsyncPipelineStrategy("2bw", num_microbatches=4)).fit(TinyLM(), batches)
 
 
 def test_unknown_schedule_is_a_clear_error():

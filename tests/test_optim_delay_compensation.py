@@ -68,6 +68,29 @@ def test_delay_two_takes_the_weights_two_steps_back():
     assert opt.state[w][WEIGHT_HISTORY].shape == (2, 4)  # W_{k-2}, W_{k-1}: two buffers for delay 2
 
 
+@pytest.mark.parametrize("delay", [1, 2])
+def test_a_parameter_that_missed_a_step_is_compensated_against_the_weights_delay_steps_back(delay):
+    """An MoE expert no token chose, a frozen branch: no gradient at some steps (the optimizer leaves it there), yet
+    ``W_b`` stays ``W_{k-delay}`` of every step, not of the steps that had a gradient."""
+    missed = {2, 5}
+    w = nn.Parameter(W0.clone())
+    opt = DelayCompensation([w], optimizer=partial(torch.optim.SGD, lr=LR), coefficient=C, delay=delay)
+    history = [W0.clone()]
+    for k in range(8):
+        w.grad = None if k in missed else grad_at(history[max(k - delay, 0)])
+        opt.step()
+        history.append(w.detach().clone())
+    weights = [W0.clone()]  # written out: no gradient, no update
+    for k in range(8):
+        stale = weights[max(k - delay, 0)]
+        if k in missed:
+            weights.append(weights[k].clone())
+            continue
+        g = grad_at(stale)
+        weights.append(weights[k] - LR * (g + C * g * g * (weights[k] - stale)))
+    assert torch.allclose(w.detach(), weights[-1], rtol=0, atol=1e-12)
+
+
 def test_moving_average_of_the_squared_gradient_written_out():
     dc = partial(DelayCompensation, optimizer=partial(torch.optim.SGD, lr=LR), coefficient=C, ema=0.9)
     assert torch.allclose(delayed_run(dc, 6), written_out(6, ema=0.9), rtol=0, atol=1e-12)
@@ -306,16 +329,17 @@ def test_the_monitor_finds_the_compensation_inside_error_feedback_and_lightnings
 class ScheduledCompensatedTinyLM(CompensatedTinyLM):
     """DelayCompensation with a PipeMareLR at the given interval."""
 
-    def __init__(self, interval: str, pipemare_delay: int, **kwargs) -> None:
+    def __init__(self, interval: str, pipemare_delay: int, frequency: int = 1, **kwargs) -> None:
         super().__init__(**kwargs)
-        self.interval, self.pipemare_delay = interval, pipemare_delay
+        self.interval, self.pipemare_delay, self.frequency = interval, pipemare_delay, frequency
 
     def configure_optimizers(self):
         from lightning_async_pp.optim import PipeMareLR
 
         opt = super().configure_optimizers()
         sched = PipeMareLR(opt, delay=self.pipemare_delay, warmup_steps=4)
-        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": self.interval}}
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": self.interval,
+                                                   "frequency": self.frequency}}
 
 
 @pytest.mark.parametrize("schedule, strategy_delay, model, message", [
@@ -323,6 +347,9 @@ class ScheduledCompensatedTinyLM(CompensatedTinyLM):
     ("2bw", 2, CompensatedTinyLM(coefficient=1.0, delay=1), r"DelayCompensation\(delay=1\) .* 2 update\(s\) stale"),
     ("2bw", 2, ScheduledCompensatedTinyLM("epoch", 2, coefficient=1.0, delay=2), r"interval 'step' \(got 'epoch'\)"),
     ("2bw", 2, ScheduledCompensatedTinyLM("step", 3, coefficient=1.0, delay=2), r"PipeMareLR\(delay=3\) .* 2 update"),
+    # stepped every second update it would count half the updates (6 updates gave 3 steps)
+    ("2bw", 2, ScheduledCompensatedTinyLM("step", 2, frequency=2, coefficient=1.0, delay=2),
+     r"PipeMareLR counts updates: give it with frequency 1 \(got 2"),
 ])
 def test_a_correction_told_another_delay_than_the_pipelines_is_refused_before_training(schedule, strategy_delay, model,
                                                                                        message):

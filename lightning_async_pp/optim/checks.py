@@ -3,7 +3,7 @@
 ``DelayCompensation`` and ``PipeMareLR`` are told the delay (they cannot read it from the engine, so that they also
 work without one); a value that is not the pipeline's would compensate against the wrong version or rescale the
 learning rate by the wrong ``tau``, silently. ``PipeMareLR`` counts its steps as updates, so it must be stepped once
-per update (Lightning's ``interval: "step"``). ``WeightPrediction`` needs a delayed stage to act on and is not defined
+per update (Lightning's ``interval: "step"``, ``frequency: 1``). ``WeightPrediction`` needs a delayed stage to act on and is not defined
 together with ``DelayCompensation`` (which compensates against the version it records, not the predicted one the
 gradient was taken on). The strategy calls :func:`check_corrections` in ``setup``, and :func:`set_step_delay` before
 every update, so that a synchronous update (``sync_steps``, ``sync_from_step``) is not compensated as a stale one.
@@ -30,8 +30,8 @@ def set_step_delay(optimizers: Iterable[Any], delay: Optional[int]) -> None:
 
 def check_corrections(optimizers: Iterable[Any], scheduler_configs: Iterable[Any], delays: Sequence[int]) -> None:
     """Raise ``ValueError`` for a correction whose delay is not the pipeline's (when every stage has one delay,
-    ``delays``) or a ``PipeMareLR`` not stepped per update. ``scheduler_configs`` are Lightning's
-    ``LRSchedulerConfig``s (``scheduler``, ``interval``)."""
+    ``delays``) or a ``PipeMareLR`` not stepped once per update. ``scheduler_configs`` are Lightning's
+    ``LRSchedulerConfig``s (``scheduler``, ``interval``, ``frequency``)."""
     delay = delays[0] if len(set(delays)) == 1 else None  # per-stage delays (research variants): not checked
     optimizers = list(optimizers)
     for optimizer in optimizers:
@@ -59,6 +59,9 @@ def check_corrections(optimizers: Iterable[Any], scheduler_configs: Iterable[Any
         if config.interval != "step":
             raise ValueError(f"PipeMareLR counts updates: give it with interval 'step' (got {config.interval!r}), "
                              f"e.g. return {{'optimizer': opt, 'lr_scheduler': {{'scheduler': sched, 'interval': 'step'}}}}")
+        if config.frequency != 1:
+            raise ValueError(f"PipeMareLR counts updates: give it with frequency 1 (got {config.frequency}; it would "
+                             f"count one step per {config.frequency} updates and follow its factor that much slower)")
         if delay is not None and max(scheduler.delay, 1) != max(delay, 1):
             raise ValueError(f"PipeMareLR(delay={scheduler.delay}) under a pipeline whose gradients are {delay} "
                              f"update(s) stale: set delay={max(delay, 1)}")

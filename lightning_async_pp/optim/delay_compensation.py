@@ -43,8 +43,9 @@ class DelayCompensation(OptimizerWrapper):
     - The wrapped optimizer steps once per :meth:`step` with ``p.grad`` replaced by the corrected gradient; the
       original ``p.grad`` is put back afterwards, so anything reading gradients after the step sees them unchanged.
     - ``c`` is per parameter group: the group's own ``coefficient`` key, else the constructor's. ``c = 0`` keeps no
-      buffers and is the wrapped optimizer untouched. Parameters without a gradient are left alone, their buffers
-      unchanged.
+      buffers and is the wrapped optimizer untouched. A parameter without a gradient in a step is not stepped, but
+      its weight history still records that step's start (``W_b`` is the weights ``delay`` steps back, whichever
+      steps it had gradients in); the moving average of ``g * g`` stays as it was.
     - The buffers live in the wrapped optimizer's per-parameter state, so checkpoints, device moves and
       ``shard_optimizer=True`` carry them like moments.
     - ``delay`` is the pipeline's; :attr:`step_delay`, when set, is the delay of the next step only (at most
@@ -87,6 +88,7 @@ class DelayCompensation(OptimizerWrapper):
             c = self.group_coefficient(group, index)
             for p in group["params"]:
                 if p.grad is None:
+                    self._record_without_gradient(p, c)
                     continue
                 state = self.state[p]
                 if c == 0 or self.delay == 0:
@@ -122,6 +124,16 @@ class DelayCompensation(OptimizerWrapper):
         for p, new in buffers:
             self.state[p].update(new)
         return loss
+
+    def _record_without_gradient(self, p: torch.Tensor, c: float) -> None:
+        """A parameter without a gradient this step (an MoE expert no token chose, a frozen branch) is not stepped,
+        but its history still moves on by one step, so that ``W_b`` stays the weights ``delay`` steps back: the
+        weights it starts this step from are recorded (``W_k``). One that has no history yet (it has never had a
+        gradient, so nothing here changed it) keeps none."""
+        history = self.state[p].get(WEIGHT_HISTORY) if p in self.state else None
+        if history is None or c == 0 or self.delay == 0:
+            return
+        self.state[p][WEIGHT_HISTORY] = torch.cat([history[1:], p.detach().unsqueeze(0)])
 
     def _stale_index(self) -> Optional[int]:
         """Where ``W_b`` sits in the history ``W_{k-d} .. W_{k-1}``: ``d - r`` for this step's delay ``r``; None

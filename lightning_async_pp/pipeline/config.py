@@ -52,7 +52,10 @@ class PipelineConfig:
                 f"by this engine (one stage per process); valid schedules are {', '.join(map(repr, SCHEDULES))}"
             )
         if self.schedule not in SCHEDULES:
-            raise ValueError(f"Unknown schedule {self.schedule!r}; valid schedules are {', '.join(map(repr, SCHEDULES))}")
+            close = difflib.get_close_matches(str(self.schedule), SCHEDULES, 1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise ValueError(f"Unknown schedule {self.schedule!r}{hint}; valid schedules are "
+                             f"{', '.join(map(repr, SCHEDULES))}")
         if not _is_int(self.data_parallel_size) or self.data_parallel_size < 1:
             raise ValueError(f"data_parallel_size must be a positive integer, got {self.data_parallel_size!r}")
         if self.num_microbatches is not None and (not _is_int(self.num_microbatches) or self.num_microbatches < 1):

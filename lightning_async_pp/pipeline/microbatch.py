@@ -19,14 +19,20 @@ def batch_size_of(batch: Any) -> int:
     return sizes.pop()
 
 
+def check_splittable(size: int, num_microbatches: int, what: str = "A batch of size {size}") -> None:
+    """Raise a ValueError naming both numbers unless ``size`` splits into ``num_microbatches`` equal microbatches
+    (``what`` names the batch, with ``{size}`` for its size)."""
+    if num_microbatches < 1 or size % num_microbatches != 0:
+        raise ValueError(
+            f"{what.format(size=size)} cannot be split into num_microbatches={num_microbatches} equal microbatches; "
+            f"use a batch size that is a multiple of {num_microbatches}, or a num_microbatches that divides {size}"
+        )
+
+
 def split_microbatches(batch: Any, num_microbatches: int) -> list[Any]:
     """Split every tensor of ``batch`` (nested tuples, lists, dicts) into ``num_microbatches`` equal parts."""
     size = batch_size_of(batch)
-    if num_microbatches < 1 or size % num_microbatches != 0:
-        raise ValueError(
-            f"A batch of size {size} cannot be split into num_microbatches={num_microbatches} equal microbatches; "
-            f"use a batch size that is a multiple of {num_microbatches}, or a num_microbatches that divides {size}"
-        )
+    check_splittable(size, num_microbatches)
     chunk = size // num_microbatches
     return [_slice(batch, i * chunk, (i + 1) * chunk) for i in range(num_microbatches)]
 

@@ -252,10 +252,25 @@ def build_strategy(cfg: dict) -> AsyncPipelineStrategy:
                                  pipeline_timeout=cfg.get("timeout", 30.0), **kwargs)
 
 
+class RecordedSummary(L.pytorch.callbacks.ModelSummary):
+    """Lightning's model summary (cfg["summary"]), recording the total and each row's parameter count it prints."""
+
+    def __init__(self) -> None:
+        super().__init__(max_depth=1)
+        self.recorded: dict = {}
+
+    def summarize(self, summary_data, total_parameters, trainable_parameters, *args, **kwargs) -> None:
+        rows = dict(summary_data)
+        self.recorded = {"total": total_parameters, "trainable": trainable_parameters,
+                         "rows": dict(zip(rows["Name"], (p.strip() for p in rows["Params"])))}
+
+
 def build_trainer(cfg: dict, devices: int, strategy: bool = True) -> L.Trainer:
     from lightning.pytorch.callbacks import ModelCheckpoint
 
-    callbacks = []
+    callbacks: list = []
+    if cfg.get("summary"):
+        callbacks.append(RecordedSummary())
     if cfg.get("save_every"):
         callbacks.append(ModelCheckpoint(dirpath=cfg["checkpoint_dir"], save_last=True,
                                          every_n_train_steps=cfg["save_every"]))
@@ -317,6 +332,7 @@ def run(cfg: dict, devices: int, strategy: bool = True) -> tuple[dict, PipelineM
         result["dtypes"] = held_dtypes(engine, trainer.optimizers)
     if trainer.is_global_zero:
         result["state_dict"] = _cpu(model.state_dict())
+        result["summary"] = next((c.recorded for c in trainer.callbacks if isinstance(c, RecordedSummary)), None)
         result["train_loss"] = _cpu(trainer.callback_metrics.get("train_loss"))
     for action in cfg.get("after", []):
         eval_loader = build_loader(cfg, cfg.get("eval_data", {"kind": "seq", "drop_last": False}))
