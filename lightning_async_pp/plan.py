@@ -217,9 +217,18 @@ def trace_path(base: str, schedule: str, p: int, m: int, several: bool) -> str:
     return str(path.with_name(f"{path.stem}-{schedule}-p{p}-m{m}{path.suffix or '.json'}"))
 
 
+def optimizer_fraction(result: SimulationResult) -> float:
+    """The share of the steady-state step a device spends in its optimizer update (mean over devices): the
+    figure reported beside the bubble, which counts the update as work (``PipelineMonitor`` reports the same
+    as ``pipeline/optimizer_fraction``). Each device runs one update per step."""
+    if result.step_time_s <= 0:
+        return 0.0
+    return sum(result.optimizer_s) / len(result.optimizer_s) / result.step_time_s
+
+
 def write_trace(result: SimulationResult, path: str) -> str:
     """The simulated timelines as the Chrome trace ``PipelineMonitor`` writes: one track per stage."""
-    from lightning_async_pp.callbacks.trace import ProcessSpans, write_chrome_trace
+    from lightning_async_pp.trace import ProcessSpans, write_chrome_trace
 
     window = (0.0, result.makespan_s)
     processes = [
@@ -233,6 +242,7 @@ def write_trace(result: SimulationResult, path: str) -> str:
     return write_chrome_trace(path, processes, other_data={"simulated": {
         "schedule": result.schedule, "num_stages": result.num_stages, "num_microbatches": result.num_microbatches,
         "step_time_s": result.step_time_s, "bubble_fraction": result.bubble_fraction,
+        "optimizer_fraction": optimizer_fraction(result),
         "peak_activations": result.peak_activations, "forward_s": result.forward_s, "backward_s": result.backward_s,
         "comm_s": result.comm_s, "optimizer_s": result.optimizer_s,
     }})
@@ -264,12 +274,15 @@ def plan(args: argparse.Namespace) -> tuple[list[str], list[dict]]:
         lines.append(f"{args.layers} layers of forward {args.forward_s:g} s, backward "
                      f"{args.forward_s * model.backward_ratio:g} s per microbatch; transfer {model.comm_s:g} s, "
                      f"optimizer {args.optimizer_s:g} s.")
-    lines += ["", "*bubble*: share of the steady-state step a device is idle (mean over devices); *x 1f1b*: 1f1b's step "
+    lines += ["", "*bubble*: share of the steady-state step a device neither computes nor updates its weights (mean "
+              "over devices; the definition of PipelineMonitor's pipeline/bubble_fraction); *optimizer*: the share it "
+              "spends in the optimizer's update, apart from the bubble; *x 1f1b*: 1f1b's step "
               "time / this one's; *x best sync*: the fastest synchronous schedule's step time / 2bw's; *peak act.*: "
               "the most activations a device holds, in microbatches of its share of the model (a split backward frees "
               "them with its weight gradient); *weights*: copies of its share of the weights a device holds (2bw "
               "stashes a second version; interleaved and zbv hold the same share in several chunks).", ""]
-    head = ["p", "m", "layers per stage", "schedule", "step", "bubble", "x 1f1b", "x best sync", "peak act.", "weights"]
+    head = ["p", "m", "layers per stage", "schedule", "step", "bubble", "optimizer", "x 1f1b", "x best sync", "peak act.",
+            "weights"]
     lines += ["| " + " | ".join(head) + " |", "|" + "---:|" * 3 + "---|" + "---:|" * (len(head) - 4)]
 
     records: list[dict] = []
@@ -309,12 +322,12 @@ def plan(args: argparse.Namespace) -> tuple[list[str], list[dict]]:
             for s in schedules:
                 r = results[s]
                 if r is None:
-                    lines.append(f"| {p} | {m} | {split} | {label(s, args)} | {refused[s]} | - | - | - | - | - |")
+                    lines.append(f"| {p} | {m} | {split} | {label(s, args)} | {refused[s]} | - | - | - | - | - | - |")
                     continue
                 versus = f"{sync[best].step_time_s / r.step_time_s:.2f} ({label(best, args)})" if s == "2bw" else "-"
                 weights = "2 versions" if r.weight_versions == 2 else "1" if r.chunks == 1 else f"1 in {r.chunks} chunks"
                 lines.append(f"| {p} | {m} | {split} | {label(s, args)} | {fmt_seconds(r.step_time_s)} | "
-                             f"{r.bubble_fraction:.1%} | {base.step_time_s / r.step_time_s:.2f} | {versus} | "
+                             f"{r.bubble_fraction:.1%} | {optimizer_fraction(r):.1%} | {base.step_time_s / r.step_time_s:.2f} | {versus} | "
                              f"{r.peak_activation_memory:.3g} | {weights} |")
             records.append({"p": p, "m": m, "layers_per_stage": counts, "best_sync": best,
                             "results": {s: r for s, r in results.items() if s in schedules}})

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from lightning_async_pp import plan
-from lightning_async_pp.callbacks.trace import CATEGORIES
+from lightning_async_pp.trace import CATEGORIES
 from lightning_async_pp.pipeline import simulate as simulate_module
 from lightning_async_pp.pipeline.schedule import Action, step_actions
 from lightning_async_pp.pipeline.simulate import simulate
