@@ -62,7 +62,7 @@ class PipelineMonitor(Callback):
       ``T = max_s T_s`` the pipeline's step time, where ``T_s = compute_s + comm_wait_s + optimizer_s +
       dp_comm_exposed_s + idle_s`` is stage ``s``'s step from the start of its pipeline work to the end of its
       update (the pipeline steps at the pace of its slowest stage). This is the planner's definition
-      (``lightning-async-pp-plan``'s *bubble*, ``docs/guide/monitoring.md`` "The bubble"): fill and drain,
+      (``lightning-async-pp-plan``'s *bubble*; ``docs/monitoring.md``, "The bubble"): fill and drain,
       waiting for neighbours, imbalance between stages. Per stage, ``pipeline/stage{s}/bubble_fraction`` is
       ``1 - (C_s + O_s) / T`` (the whole-model figure is their mean). Lightning's work between steps is left out
       (it is ``overhead_s``), so the figure describes the schedule. 0 is a pipeline that always computes or
