@@ -19,7 +19,8 @@ with no overlap, overlapped from the last backward (what the engine does), and, 
 ``k+2``'s first forward; a shape gives each stage's gradient bytes, other cost sources take ``--dp-reduce-s``.
 
 ``--trace PATH`` writes the simulated timelines as the Chrome trace ``PipelineMonitor`` writes (open it at
-https://ui.perfetto.dev); ``--figure PATH`` draws them as a PNG, as ``PipelineMonitor`` draws an executed step. See docs/guide/planning.md and BENCHMARKS.md "Predicted beyond this machine".
+https://ui.perfetto.dev); ``--figure PATH`` draws them as a PNG, as ``PipelineMonitor`` draws an executed step.
+See docs/guide/planning.md and BENCHMARKS.md "Predicted beyond this machine".
 """
 from __future__ import annotations
 
