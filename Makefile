@@ -1,4 +1,4 @@
-# Two entry points, both self-bootstrapping: `make demo` and `make test`.
+# Two entry points, both self-bootstrapping: `make demo` and `make test`; `make docs` builds the site the same way.
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -8,8 +8,9 @@ STAMP := $(VENV)/.installed
 VENV_HF5 ?= .venv-hf5
 PY_HF5 := $(VENV_HF5)/bin/python
 STAMP_HF5 := $(VENV_HF5)/.installed
+STAMP_DOCS := $(VENV)/.installed-docs
 
-.PHONY: demo test test-quick test-hf5 bench clean
+.PHONY: demo test test-quick test-hf5 docs bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -20,6 +21,11 @@ $(STAMP_HF5): pyproject.toml
 	test -x $(PY_HF5) || $(PYTHON) -m venv $(VENV_HF5)
 	$(PY_HF5) -m pip install -q -e '.[test-hf5]'
 	touch $(STAMP_HF5)
+
+# mkdocs and its plugins go into .venv only here, after the test environment: `make test` does not wait for them.
+$(STAMP_DOCS): $(STAMP) pyproject.toml
+	$(PY) -m pip install -q -e '.[docs]'
+	touch $(STAMP_DOCS)
 
 demo: $(STAMP)
 	$(VENV)/bin/lightning-async-pp fit --config configs/demo.yaml
@@ -35,10 +41,14 @@ test-hf5: $(STAMP_HF5)
 test-quick: $(STAMP)
 	$(PY) -m pytest -q -m "not multiprocess and not slow" tests
 
+# The documentation site into site/, strictly: a broken link or a reference to a renamed name fails.
+docs: $(STAMP_DOCS)
+	$(VENV)/bin/mkdocs build --strict
+
 # Throughput against torch's schedules, then eager vs compiled layers (BENCHMARKS.md).
 bench: $(STAMP)
 	$(PY) benchmarks/pipeline_throughput.py
 	$(PY) benchmarks/pipeline_throughput.py --compile
 
 clean:
-	rm -rf $(VENV) $(VENV_HF5) lightning_logs .cache
+	rm -rf $(VENV) $(VENV_HF5) lightning_logs .cache site

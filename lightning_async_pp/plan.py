@@ -19,7 +19,8 @@ with no overlap, overlapped from the last backward (what the engine does), and, 
 ``k+2``'s first forward; a shape gives each stage's gradient bytes, other cost sources take ``--dp-reduce-s``.
 
 ``--trace PATH`` writes the simulated timelines as the Chrome trace ``PipelineMonitor`` writes (open it at
-https://ui.perfetto.dev). See README "Planning a pipeline" and BENCHMARKS.md "Predicted beyond this machine".
+https://ui.perfetto.dev); ``--figure PATH`` draws them as a PNG, as ``PipelineMonitor`` draws an executed step.
+See docs/guide/planning.md and BENCHMARKS.md "Predicted beyond this machine".
 """
 from __future__ import annotations
 
@@ -217,12 +218,21 @@ def trace_path(base: str, schedule: str, p: int, m: int, several: bool) -> str:
     return str(path.with_name(f"{path.stem}-{schedule}-p{p}-m{m}{path.suffix or '.json'}"))
 
 
-def write_trace(result: SimulationResult, path: str) -> str:
-    """The simulated timelines as the Chrome trace ``PipelineMonitor`` writes: one track per stage."""
-    from lightning_async_pp.callbacks.trace import ProcessSpans, write_chrome_trace
+def optimizer_fraction(result: SimulationResult) -> float:
+    """The share of the steady-state step a device spends in its optimizer update (mean over devices): the
+    figure reported beside the bubble, which counts the update as work (``PipelineMonitor`` reports the same
+    as ``pipeline/optimizer_fraction``). Each device runs one update per step."""
+    if result.step_time_s <= 0:
+        return 0.0
+    return sum(result.optimizer_s) / len(result.optimizer_s) / result.step_time_s
+
+
+def simulated_spans(result: SimulationResult) -> list:
+    """The simulated timelines as the spans ``PipelineMonitor`` records: one process per stage, clock offset 0."""
+    from lightning_async_pp.trace import ProcessSpans
 
     window = (0.0, result.makespan_s)
-    processes = [
+    return [
         ProcessSpans(rank=s, replica=0, stages=[s], clock_offset=0.0, window=window, steps=(0, result.steps - 1),
                      spans=[(s, span.op, span.start, span.end,
                              {"batch": span.batch, "step": span.step} if span.microbatch is None else
@@ -230,12 +240,30 @@ def write_trace(result: SimulationResult, path: str) -> str:
                             for span in timeline])
         for s, timeline in enumerate(result.timelines)
     ]
-    return write_chrome_trace(path, processes, other_data={"simulated": {
+
+
+def write_trace(result: SimulationResult, path: str) -> str:
+    """The simulated timelines as the Chrome trace ``PipelineMonitor`` writes: one track per stage."""
+    from lightning_async_pp.trace import write_chrome_trace
+
+    return write_chrome_trace(path, simulated_spans(result), other_data={"simulated": {
         "schedule": result.schedule, "num_stages": result.num_stages, "num_microbatches": result.num_microbatches,
         "step_time_s": result.step_time_s, "bubble_fraction": result.bubble_fraction,
+        "optimizer_fraction": optimizer_fraction(result),
         "peak_activations": result.peak_activations, "forward_s": result.forward_s, "backward_s": result.backward_s,
         "comm_s": result.comm_s, "optimizer_s": result.optimizer_s,
     }})
+
+
+def write_figure(result: SimulationResult, path: str) -> str:
+    """The simulated timelines drawn as ``PipelineMonitor`` draws an executed step (a row per stage), as a PNG."""
+    from lightning_async_pp.trace import schedule_figure
+
+    title = (f"simulated {result.schedule}: {result.num_stages} stages, {result.num_microbatches} microbatches, "
+             f"{result.steps} steps; step {fmt_seconds(result.step_time_s)}, bubble {result.bubble_fraction:.0%}")
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    schedule_figure(simulated_spans(result), title=title).savefig(path)
+    return path
 
 
 def plan(args: argparse.Namespace) -> tuple[list[str], list[dict]]:
@@ -264,17 +292,21 @@ def plan(args: argparse.Namespace) -> tuple[list[str], list[dict]]:
         lines.append(f"{args.layers} layers of forward {args.forward_s:g} s, backward "
                      f"{args.forward_s * model.backward_ratio:g} s per microbatch; transfer {model.comm_s:g} s, "
                      f"optimizer {args.optimizer_s:g} s.")
-    lines += ["", "*bubble*: share of the steady-state step a device is idle (mean over devices); *x 1f1b*: 1f1b's step "
+    lines += ["", "*bubble*: share of the steady-state step a device neither computes nor updates its weights (mean "
+              "over devices; the definition of PipelineMonitor's pipeline/bubble_fraction); *optimizer*: the share it "
+              "spends in the optimizer's update, apart from the bubble; *x 1f1b*: 1f1b's step "
               "time / this one's; *x best sync*: the fastest synchronous schedule's step time / 2bw's; *peak act.*: "
               "the most activations a device holds, in microbatches of its share of the model (a split backward frees "
               "them with its weight gradient); *weights*: copies of its share of the weights a device holds (2bw "
               "stashes a second version; interleaved and zbv hold the same share in several chunks).", ""]
-    head = ["p", "m", "layers per stage", "schedule", "step", "bubble", "x 1f1b", "x best sync", "peak act.", "weights"]
+    head = ["p", "m", "layers per stage", "schedule", "step", "bubble", "optimizer", "x 1f1b", "x best sync", "peak act.",
+            "weights"]
     lines += ["| " + " | ".join(head) + " |", "|" + "---:|" * 3 + "---|" + "---:|" * (len(head) - 4)]
 
     records: list[dict] = []
     dp_lines: list[str] = []
     written: list[str] = []
+    figures: list[str] = []
     several = len(model.stages(args.stages)) * len(args.microbatches) * len(schedules) > 1
     for p in model.stages(args.stages):
         costs = model.costs(p)
@@ -300,6 +332,8 @@ def plan(args: argparse.Namespace) -> tuple[list[str], list[dict]]:
                     continue
                 if args.trace and s in schedules:
                     written.append(write_trace(results[s], trace_path(args.trace, s, p, m, several)))
+                if args.figure and s in schedules:
+                    figures.append(write_figure(results[s], trace_path(args.figure, s, p, m, several)))
             base = results["1f1b"]
             assert base is not None
             sync = {s: r for s, r in results.items() if r is not None and s != "2bw"}
@@ -309,12 +343,12 @@ def plan(args: argparse.Namespace) -> tuple[list[str], list[dict]]:
             for s in schedules:
                 r = results[s]
                 if r is None:
-                    lines.append(f"| {p} | {m} | {split} | {label(s, args)} | {refused[s]} | - | - | - | - | - |")
+                    lines.append(f"| {p} | {m} | {split} | {label(s, args)} | {refused[s]} | - | - | - | - | - | - |")
                     continue
                 versus = f"{sync[best].step_time_s / r.step_time_s:.2f} ({label(best, args)})" if s == "2bw" else "-"
                 weights = "2 versions" if r.weight_versions == 2 else "1" if r.chunks == 1 else f"1 in {r.chunks} chunks"
                 lines.append(f"| {p} | {m} | {split} | {label(s, args)} | {fmt_seconds(r.step_time_s)} | "
-                             f"{r.bubble_fraction:.1%} | {base.step_time_s / r.step_time_s:.2f} | {versus} | "
+                             f"{r.bubble_fraction:.1%} | {optimizer_fraction(r):.1%} | {base.step_time_s / r.step_time_s:.2f} | {versus} | "
                              f"{r.peak_activation_memory:.3g} | {weights} |")
             records.append({"p": p, "m": m, "layers_per_stage": counts, "best_sync": best,
                             "results": {s: r for s, r in results.items() if s in schedules}})
@@ -339,6 +373,9 @@ def plan(args: argparse.Namespace) -> tuple[list[str], list[dict]]:
     if written:
         lines += ["", f"Timelines (Chrome trace) written to {written[0]}"
                   + (f" and {len(written) - 1} more files beside it" if len(written) > 1 else "")]
+    if figures:
+        lines += ["", f"Timelines (PNG) drawn to {figures[0]}"
+                  + (f" and {len(figures) - 1} more files beside it" if len(figures) > 1 else "")]
     return lines, records
 
 
@@ -377,6 +414,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--microbatches", "-m", nargs="+", type=_positive_int, default=[8, 16, 32, 64])
     ap.add_argument("--steps", type=int, default=6, help="training steps simulated (>= 3; first and last not counted)")
     ap.add_argument("--trace", help="write the timelines as a Chrome trace here (several: one file per schedule, p, m)")
+    ap.add_argument("--figure", help="draw the timelines as a PNG here, as PipelineMonitor draws an executed step "
+                                     "(several: one file per schedule, p, m; needs matplotlib)")
     c = ap.add_argument_group("costs per layer or per stage (seconds per microbatch)")
     c.add_argument("--forward-s", type=_seconds, help="forward time of one layer")
     c.add_argument("--backward-s", type=_seconds, help="backward time of one layer (default: --backward-ratio x forward)")

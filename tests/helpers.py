@@ -246,3 +246,15 @@ def script_main(run) -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     torch.save(result, out / f"rank{trainer.global_rank}.pt")
+
+
+def load_example(name: str):
+    """The module of ``examples/<name>.py`` (the examples are scripts, not a package)."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "examples" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"example_{name}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

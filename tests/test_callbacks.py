@@ -247,7 +247,7 @@ def test_both_monitors_write_every_documented_tag_to_tensorboard_and_all_values_
                                             "loss_delta")}
     expected |= {f"staleness/stage0/{n}" for n in ("drift", "delay", "update_norm", "correction_norm", "grad_cosine")}
     timing = ("compute_s", "comm_wait_s", "optimizer_s", "idle_s", "overhead_s", "step_time_s", "bubble_fraction",
-              "dp_comm_s", "dp_comm_exposed_s")
+              "optimizer_fraction", "dp_comm_s", "dp_comm_exposed_s")
     expected |= {f"pipeline/{n}" for n in timing + ("tokens_per_sec", "samples_per_sec", "peak_memory_mb")}
     expected |= {f"pipeline/stage0/{n}" for n in timing + ("peak_memory_mb",)}
     assert expected <= set(logged), expected - set(logged)
@@ -275,9 +275,11 @@ def test_throughput_and_timing_add_up_against_the_wall_clock(tmp_path):
         parts = [logged[f"pipeline/{n}"][k] for n in ("compute_s", "comm_wait_s", "optimizer_s", "idle_s")]
         assert all(p >= 0 for p in parts) and logged["pipeline/overhead_s"][k] > 0
         assert close(sum(parts) + logged["pipeline/overhead_s"][k], step, rel=1e-4)
-        # one process: the bubble is the share of the pipeline's step not spent in forward and backward
-        assert close(logged["pipeline/bubble_fraction"][k], 1 - parts[0] / sum(parts), rel=1e-4, abs_=1e-5)
-        assert 0 < logged["pipeline/bubble_fraction"][k] < 1
+        # one process: the bubble is the share of the pipeline's step spent neither in forward and backward nor
+        # in the optimizer; the optimizer's share is logged apart
+        assert close(logged["pipeline/bubble_fraction"][k], 1 - (parts[0] + parts[2]) / sum(parts), rel=1e-4, abs_=1e-5)
+        assert close(logged["pipeline/optimizer_fraction"][k], parts[2] / sum(parts), rel=1e-4, abs_=1e-5)
+        assert 0 < logged["pipeline/bubble_fraction"][k] < 1 and 0 < logged["pipeline/optimizer_fraction"][k] < 1
         assert logged["pipeline/peak_memory_mb"][k] > 10  # the RSS of a Python process with torch loaded
 
 

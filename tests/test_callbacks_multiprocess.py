@@ -25,7 +25,8 @@ STEPS, EVERY, TRACE = 20, 4, (6, 7)
 # One batch more than steps, so that the run ends by max_steps inside the epoch.
 BASE = dict(stages=2, microbatches=2, steps=STEPS, batch=1024, samples=1024 * (STEPS + 1), optimizer="adamw",
             model={"width": 1024, "depth": 4}, log_every_n_steps=EVERY)
-MONITORS = {"staleness": {}, "pipeline": {"trace_steps": list(TRACE)}}
+PICTURE_EVERY = 5  # pictures of steps 4, 9, 14, 19, none inside the traced steps
+MONITORS = {"staleness": {}, "pipeline": {"trace_steps": list(TRACE), "schedule_image_every_n_steps": PICTURE_EVERY}}
 # 2BW runs under every correction with two parameter groups (tests/helpers.py), for the per-group figures.
 OPTIMIZERS = {"2bw": "grouped_corrections", "gpipe": "adamw"}
 GROUP_TAGS = {f"staleness/opt0/{group}/{metric}" for group in ("group1", "group2")
@@ -37,6 +38,12 @@ def scalars(log_dir: str) -> dict[str, dict[int, float]]:
     accumulator = EventAccumulator(log_dir, size_guidance={"scalars": 0})
     accumulator.Reload()
     return {tag: {e.step: e.value for e in accumulator.Scalars(tag)} for tag in accumulator.Tags()["scalars"]}
+
+
+def pictures(log_dir: str) -> list:
+    accumulator = EventAccumulator(log_dir, size_guidance={"images": 0})
+    accumulator.Reload()
+    return accumulator.Images("pipeline/schedule") if "pipeline/schedule" in accumulator.Tags()["images"] else []
 
 
 def printed(stdout: str, key: str) -> str:
@@ -52,7 +59,7 @@ def runs(tmp_path_factory) -> dict[str, dict]:
         tmp = tmp_path_factory.mktemp(schedule)
         proc = run_multiprocess(dict(BASE, schedule=schedule, monitors=MONITORS, optimizer=OPTIMIZERS[schedule]), tmp)
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-        out[schedule] = {"scalars": scalars(printed(proc.stdout, "LOG_DIR")),
+        out[schedule] = {"scalars": scalars(printed(proc.stdout, "LOG_DIR")), "pictures": pictures(printed(proc.stdout, "LOG_DIR")),
                          "trace": json.loads(Path(printed(proc.stdout, "TRACE_FILE")).read_text())}
     return out
 
@@ -65,10 +72,11 @@ def test_two_stages_log_per_stage_and_whole_model_figures_once_all_finite(runs):
     stage_tags = {f"staleness/stage{s}/{n}" for s in (0, 1) for n in ("drift", "delay", "update_norm")}
     stage_tags |= {f"pipeline/stage{s}/{n}" for s in (0, 1)
                    for n in ("compute_s", "comm_wait_s", "optimizer_s", "idle_s", "overhead_s", "step_time_s",
-                             "bubble_fraction", "peak_memory_mb")}
+                             "bubble_fraction", "optimizer_fraction", "peak_memory_mb")}
     model_tags = {f"staleness/{n}" for n in ("drift", "delay", "update_norm")}
     model_tags |= {f"pipeline/{n}" for n in ("compute_s", "comm_wait_s", "optimizer_s", "idle_s", "overhead_s", "step_time_s",
-                                             "bubble_fraction", "tokens_per_sec", "samples_per_sec", "peak_memory_mb")}
+                                             "bubble_fraction", "optimizer_fraction", "tokens_per_sec", "samples_per_sec",
+                                             "peak_memory_mb")}
     assert stage_tags | model_tags <= set(logged), (stage_tags | model_tags) - set(logged)
     for tag in stage_tags | model_tags:
         assert sorted(logged[tag]) == LOGGED_STEPS, (tag, logged[tag])  # once per logging step, no more
@@ -150,3 +158,27 @@ def test_trace_has_one_track_per_stage_with_non_overlapping_spans_of_the_traced_
         if e["tid"] == tid and e["name"] == name and e["args"].get("batch") == TRACE[1] and e["args"].get("microbatch") == 0
     )
     assert first(1, "forward") >= first(0, "forward") - 1e3  # within 1 ms of clock conversion error
+
+
+def test_schedule_picture_of_both_stages_is_logged_every_n_steps_from_rank_0(runs):
+    import io
+
+    import numpy as np
+    from matplotlib.colors import to_rgb
+    from matplotlib.image import imread
+
+    from lightning_async_pp.trace import SCHEDULE_KINDS
+
+    for schedule in ("2bw", "gpipe"):
+        images = runs[schedule]["pictures"]
+        # Once per picture step, written by rank 0 only.
+        assert [e.step for e in images] == [k for k in range(STEPS) if (k + 1) % PICTURE_EVERY == 0], schedule
+        for event in images:
+            rgb = imread(io.BytesIO(event.encoded_image_string), format="png")[..., :3]
+            # Two rows, one per stage (each in its own process), both showing backwards (every step runs its batch's
+            # backwards on every stage; 2BW's last step has no next batch to run forwards of): two horizontal bands
+            # of pixel rows holding the backward colour, taller than the legend's swatch of it (under 20 pixels).
+            backward = (np.abs(rgb - np.array(to_rgb(SCHEDULE_KINDS["backward"]))).max(axis=2) < 0.02).any(axis=1)
+            edges = np.flatnonzero(np.diff(np.concatenate([[0], backward.astype(int), [0]])))
+            heights = edges[1::2] - edges[0::2]
+            assert sum(h > 20 for h in heights) == 2, (schedule, event.step, heights)

@@ -157,9 +157,9 @@ def test_text_samples_is_built_from_yaml_with_a_tokenizer_given_by_import_path(t
     assert sampled.decode is decode_bytes and sampled.encode is encode_bytes
 
 
-def test_the_readme_llama_yaml_parses_with_the_cli(tmp_path, capsys):
-    readme = (CONFIGS.parent / "README.md").read_text()
-    section = readme.split("## Pretraining a Llama-style model", 1)[1]
+def test_the_guides_llama_yaml_parses_with_the_cli(tmp_path, capsys):
+    page = (CONFIGS.parent / "docs" / "guide" / "models.md").read_text()
+    section = page.split("## Pretraining a Llama-style model", 1)[1]
     block = re.search(r"```yaml\n(.*?)```", section, re.S).group(1)
     path = tmp_path / "readme_llama.yaml"
     path.write_text(block)
@@ -201,17 +201,18 @@ def test_the_tokenized_hf_gpu_config_trains_two_steps_at_tiny_size_on_cpu(tmp_pa
     the pretrained folder, the prepared data with its tokenizer checked, sharded checkpoints, the scheduler and
     TextSamples with the data's tokenizer. The 2-process run of the same pieces: tests/test_recipe.py."""
     pytest.importorskip("transformers")
-    from test_recipe import tiny_llama, train_tokenizer, write_corpus
+    from helpers import load_example
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from lightning_async_pp.data.prepare import prepare
 
     monkeypatch.chdir(tmp_path)
-    files = write_corpus(tmp_path / "corpus")
+    recipe = load_example("recipe")
+    files = recipe.write_corpus(tmp_path / "corpus")
     folder = tmp_path / "checkpoint"
-    tokenizer = train_tokenizer(files, folder)
+    tokenizer = recipe.train_tokenizer(files, folder)
     torch.manual_seed(0)
-    llama = AutoConfig.for_model(**tiny_llama(tokenizer.get_vocab_size(with_added_tokens=True)))
+    llama = AutoConfig.for_model(**recipe.tiny_llama(tokenizer.get_vocab_size(with_added_tokens=True)))
     AutoModelForCausalLM.from_config(llama).save_pretrained(folder)
     prepare(files, folder, tmp_path / "tokens", val_fraction=0.2, num_workers=1)
 

@@ -169,7 +169,7 @@ def test_consolidate_warns_of_a_run_tokenizer_not_found_and_refuses_a_non_empty_
 
 @pytest.mark.parametrize("data_path", ["tokens", "tokens/train"])
 def test_consolidate_hf_takes_the_tokenizer_a_prepared_data_path_carries(tmp_path, data_path):
-    # A run given only data_path (a `prepare` output, its tokenizer left out as the README says it may be): the
+    # A run given only data_path (a `prepare` output, its tokenizer left out as docs/guide/data.md says it may be): the
     # checkpoint names no tokenizer, the prepared folder holds one (tokenizer/ beside COMPLETE.json).
     prepared = tmp_path / "tokens"
     (prepared / "train").mkdir(parents=True)

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from lightning_async_pp import plan
-from lightning_async_pp.callbacks.trace import CATEGORIES
+from lightning_async_pp.trace import CATEGORIES
 from lightning_async_pp.pipeline import simulate as simulate_module
 from lightning_async_pp.pipeline.schedule import Action, step_actions
 from lightning_async_pp.pipeline.simulate import simulate
@@ -208,13 +208,14 @@ def test_plan_prints_a_table_over_p_and_m(capsys):
     # p=2, m=4: 4 layers per stage, forward 4 s, backward 8 s: 2bw 4 x 12 = 48 s, 1f1b (4 + 1) x 12 = 60 s; ZB-H1
     # 3m + p - 1 = 13 units of 4 s; ZBV wastes nothing at m = 2p with F = I = W; interleaved 3m + 3(p-1)/2 units.
     by = {s: rows[("2", "4", "4", s)][4:] for s in schedules}
-    assert by["2bw"] == ["48 s", "0.0%", "1.25", "1.00 (zbv)", "3", "2 versions"]
-    assert by["1f1b"] == ["60 s", "20.0%", "1.00", "-", "3", "1"]  # p - s + 1 forwards in flight on stage 0
-    assert by["gpipe"] == ["60 s", "20.0%", "1.00", "-", "4", "1"]  # m
-    assert by["zb_h1"][:3] == ["52 s", "7.7%", "1.15"] and by["zb_h1"][4:] == ["3", "1"]
-    assert by["interleaved_1f1b (v=2)"][:3] == ["54 s", "11.1%", "1.11"]
-    assert by["interleaved_1f1b (v=2)"][4:] == ["2.5", "1 in 2 chunks"]
-    assert by["zbv"][:3] == ["48 s", "0.0%", "1.25"] and by["zbv"][4:] == ["2", "1 in 2 chunks"]
+    # Columns: step, bubble, optimizer (no update time given: 0), x 1f1b, x best sync, peak act., weights.
+    assert by["2bw"] == ["48 s", "0.0%", "0.0%", "1.25", "1.00 (zbv)", "3", "2 versions"]
+    assert by["1f1b"] == ["60 s", "20.0%", "0.0%", "1.00", "-", "3", "1"]  # p - s + 1 forwards in flight on stage 0
+    assert by["gpipe"] == ["60 s", "20.0%", "0.0%", "1.00", "-", "4", "1"]  # m
+    assert by["zb_h1"][:4] == ["52 s", "7.7%", "0.0%", "1.15"] and by["zb_h1"][5:] == ["3", "1"]
+    assert by["interleaved_1f1b (v=2)"][:4] == ["54 s", "11.1%", "0.0%", "1.11"]
+    assert by["interleaved_1f1b (v=2)"][5:] == ["2.5", "1 in 2 chunks"]
+    assert by["zbv"][:4] == ["48 s", "0.0%", "0.0%", "1.25"] and by["zbv"][5:] == ["2", "1 in 2 chunks"]
     assert rows[("4", "2", "2", "2bw")][4] == "needs m >= p"
     assert rows[("4", "2", "2", "interleaved_1f1b (v=2)")][4] == "needs m a multiple of p"
     assert "more stages than the 8 pipeline layers" in rows[("16", "2", "-", "-")][4]

@@ -1,4 +1,5 @@
-"""``PipelineMonitor``: throughput, per-stage timing, bubble, memory, and an optional timeline trace."""
+"""``PipelineMonitor``: throughput, per-stage timing, bubble, memory, an optional timeline trace and a picture of the
+executed schedule in TensorBoard."""
 from __future__ import annotations
 
 import logging
@@ -13,10 +14,13 @@ import torch
 import torch.distributed as dist
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.loggers import TensorBoardLogger
+from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 
-from lightning_async_pp.callbacks.figures import StageFigures, log_to_loggers, logging_step_due, pipeline_strategy
-from lightning_async_pp.callbacks.trace import ProcessSpans, clock_offset, spans_of, write_chrome_trace
+from lightning_async_pp.callbacks.figures import (StageFigures, log_to_loggers, logger_step, logging_step_due,
+                                                   pipeline_strategy)
+from lightning_async_pp.trace import ProcessSpans, clock_offset, schedule_figure, spans_of, write_chrome_trace
 from lightning_async_pp.pipeline.microbatch import batch_size_of
 
 log = logging.getLogger(__name__)
@@ -26,7 +30,7 @@ _TIMES = ("compute_s", "comm_wait_s", "optimizer_s", "dp_comm_exposed_s", "dp_co
 _STEP_PARTS = ("compute_s", "comm_wait_s", "optimizer_s", "dp_comm_exposed_s", "idle_s")  # a stage's step, summed
 _MEAN_FIELDS = _TIMES + ("tokens_per_sec", "samples_per_sec")
 _MAX_FIELDS = ("peak_memory_mb",)
-_STAGE_FIELDS = _TIMES + ("bubble_fraction", "peak_memory_mb")
+_STAGE_FIELDS = _TIMES + ("bubble_fraction", "optimizer_fraction", "peak_memory_mb")
 
 
 class PipelineMonitor(Callback):
@@ -52,17 +56,20 @@ class PipelineMonitor(Callback):
     model (``pipeline/...``, the mean over processes). On one device all stages run in one process and are timed
     together: per-stage figures are then only logged when there is one stage.
 
-    - ``pipeline/bubble_fraction``: ``1 - sum_s C_s / (S x T)``, with ``S`` the number of stages, ``C_s`` the
-      forward+backward seconds per step of stage ``s`` and ``T = max_s T_s`` the pipeline's step time, where
-      ``T_s = compute_s + comm_wait_s + optimizer_s + dp_comm_exposed_s + idle_s`` is stage ``s``'s step from the start of its
-      pipeline work to the end of its update (the pipeline steps at the pace of its slowest stage). It is the
-      share of the stages' time within the pipeline's step not spent computing: fill and drain, waiting for
-      neighbours, the optimizer, imbalance between stages. Per stage, ``pipeline/stage{s}/bubble_fraction`` is
-      ``1 - C_s / T`` (the whole-model figure is their mean). Lightning's work between steps is left out (it is
-      ``overhead_s``), so the figure describes the schedule. 0 is a pipeline that computes all the time; GPipe
-      with ``S`` stages and ``m`` equal microbatches has at least ``(S-1)/(m+S-1)``; 2BW approaches 0 in steady
-      state. Data-parallel replicas: the per-stage figures are their means. On one device (all stages in one
-      process, no pipeline to wait for) it is the optimizer's share of the step.
+    - ``pipeline/bubble_fraction``: the share of the stages' time within the pipeline's step that is neither
+      computing nor updating weights, ``1 - sum_s (C_s + O_s) / (S x T)``, with ``S`` the number of stages,
+      ``C_s`` the forward+backward seconds per step of stage ``s``, ``O_s`` its optimizer seconds and
+      ``T = max_s T_s`` the pipeline's step time, where ``T_s = compute_s + comm_wait_s + optimizer_s +
+      dp_comm_exposed_s + idle_s`` is stage ``s``'s step from the start of its pipeline work to the end of its
+      update (the pipeline steps at the pace of its slowest stage). This is the planner's definition
+      (``lightning-async-pp-plan``'s *bubble*; ``docs/monitoring.md``, "The bubble"): fill and drain,
+      waiting for neighbours, imbalance between stages. Per stage, ``pipeline/stage{s}/bubble_fraction`` is
+      ``1 - (C_s + O_s) / T`` (the whole-model figure is their mean). Lightning's work between steps is left out
+      (it is ``overhead_s``), so the figure describes the schedule. 0 is a pipeline that always computes or
+      updates; GPipe with ``S`` stages and ``m`` equal microbatches has at least ``(S-1)/(m+S-1)``; 2BW
+      approaches 0 in steady state. Data-parallel replicas: the per-stage figures are their means.
+    - ``pipeline/optimizer_fraction`` (and ``pipeline/stage{s}/optimizer_fraction``): the optimizer's share,
+      ``O_s / T``, apart from the bubble (mean over stages).
     - ``pipeline/tokens_per_sec`` and ``pipeline/samples_per_sec``: global throughput, summed over data-parallel
       replicas. Tokens of a batch are the elements of ``pl_module.pipeline_input(batch)``; samples are its
       batch size (dim 0).
@@ -80,20 +87,44 @@ class PipelineMonitor(Callback):
     grouped by data-parallel replica. Each process's clock is converted to the shared wall clock. The spans are
     gathered to rank 0 once, at the end of step ``b`` (or of training, if it ends first).
 
+    Picture: ``schedule_image_every_n_steps=N`` traces every ``N``-th step (steps ``k`` with ``(k + 1) % N == 0``,
+    0-based) and logs a picture of the schedule that step executed to TensorBoard as ``pipeline/schedule``: a
+    timeline per stage (per data-parallel replica and stage) of its forwards, backwards, weight gradients (a split
+    backward's weight part), optimizer update and blocked waits, idle time left blank. The spans are gathered to
+    rank 0 at the end of that step (one collective every ``N`` steps). It is drawn by
+    :func:`lightning_async_pp.trace.schedule_figure` with matplotlib and written with ``add_figure`` of each
+    ``TensorBoardLogger``; without one it is skipped (with a warning). A step inside ``trace_steps`` is not
+    pictured. On one device all stages share one process, so a stage's blank time is the others' work.
+
     Args:
         trace_steps: ``(a, b)``: trace steps ``a`` to ``b`` inclusive; ``None``: no trace.
         trace_path: where to write the trace; default ``<logger's log_dir>/pipeline_trace.json``.
         per_stage: also log the per-stage figures.
+        schedule_image_every_n_steps: log a picture of the executed schedule every this many steps; ``None``: never.
     """
 
     def __init__(self, trace_steps: Optional[Sequence[int]] = None, trace_path: Optional[str] = None,
-                 per_stage: bool = True) -> None:
+                 per_stage: bool = True, schedule_image_every_n_steps: Optional[int] = None) -> None:
         if trace_steps is not None:
             if (len(tuple(trace_steps)) != 2 or not all(isinstance(s, int) and not isinstance(s, bool) for s in trace_steps)
                     or not 0 <= trace_steps[0] <= trace_steps[1]):
                 raise ValueError(f"trace_steps must be two step indices (a, b) with 0 <= a <= b, got {trace_steps!r}")
             trace_steps = (int(trace_steps[0]), int(trace_steps[1]))
         self.trace_steps: Optional[tuple[int, int]] = trace_steps
+        n = schedule_image_every_n_steps
+        if n is not None:
+            if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+                raise ValueError(f"schedule_image_every_n_steps must be a positive number of steps or None, got {n!r}")
+            try:
+                import matplotlib  # noqa: F401
+            except ImportError as err:
+                raise ImportError("PipelineMonitor(schedule_image_every_n_steps=...) draws with matplotlib: "
+                                  "pip install matplotlib") from err
+        self.schedule_image_every_n_steps = n
+        self.schedule_spans: Optional[list[ProcessSpans]] = None  # rank 0: the spans of the last pictured step
+        self.schedule_steps: list[int] = []  # rank 0: the logger steps a picture was logged at
+        self._pictures = False  # this fit logs pictures (a TensorBoardLogger is there)
+        self._picture_start: Optional[tuple[float, float]] = None  # (perf_counter, clock offset) while tracing one
         self.trace_path = trace_path
         self.per_stage = per_stage
         self.metrics: dict[str, float] = {}  # the figures of the last logging step, as logged
@@ -112,6 +143,11 @@ class PipelineMonitor(Callback):
         pipeline_strategy(trainer, type(self).__name__)
         if not trainer.loggers:
             raise MisconfigurationException(f"Cannot use {type(self).__name__} with a Trainer that has no logger")
+        self._pictures = self.schedule_image_every_n_steps is not None and bool(_tensorboards(trainer))
+        if self.schedule_image_every_n_steps is not None and not self._pictures:
+            rank_zero_warn(f"{type(self).__name__}(schedule_image_every_n_steps=...) logs its picture to a "
+                           f"TensorBoardLogger; this Trainer has none "
+                           f"({', '.join(type(lg).__name__ for lg in trainer.loggers)}), so no picture is logged")
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         strategy = pipeline_strategy(trainer, type(self).__name__)
@@ -140,6 +176,10 @@ class PipelineMonitor(Callback):
             if self.trace_steps[0] <= k <= self.trace_steps[1]:
                 trainer.strategy.engine.start_trace()
                 self._trace_start = (time.perf_counter(), clock_offset())
+        # The same decision on every rank (the picture's gather is a collective): the step index and the options.
+        if self._pictures and self._trace_start is None and (k + 1) % self.schedule_image_every_n_steps == 0:
+            trainer.strategy.engine.start_trace()
+            self._picture_start = (time.perf_counter(), clock_offset())
 
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
@@ -157,6 +197,8 @@ class PipelineMonitor(Callback):
         self._samples += batch_size_of(inputs)
         if self._trace_start is not None and stats.batch_index - 1 >= self.trace_steps[1]:
             self._finish_trace(trainer)
+        if self._picture_start is not None:
+            self._log_picture(trainer)
         if self._due:
             self._due = False
             self._log_window(trainer)
@@ -175,9 +217,9 @@ class PipelineMonitor(Callback):
             self._finish_trace(trainer)
 
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
-        if self._trace_start is not None:
+        if self._trace_start is not None or self._picture_start is not None:
             trainer.strategy.engine.stop_trace()  # no gather: the other processes may be gone
-            self._trace_start = None
+            self._trace_start = self._picture_start = None
 
     # ---- figures --------------------------------------------------------------------------------------------
     def _log_window(self, trainer: Trainer) -> None:
@@ -210,47 +252,80 @@ class PipelineMonitor(Callback):
         rows = list(table.values())
         # The pipeline's step time: the slowest stage's, from the start of its pipeline work to its update's end.
         step = max(sum(r[f] for f in _STEP_PARTS) for r in rows)
-        bubbles = {s: 1.0 - r["compute_s"] / step if step > 0 else 0.0 for s, r in table.items()}
+        # One definition with the planner (pipeline/simulate.py): the optimizer is work, reported beside the bubble.
+        share = lambda seconds: seconds / step if step > 0 else 0.0  # noqa: E731
+        bubbles = {s: max(0.0, 1.0 - share(r["compute_s"] + r["optimizer_s"])) for s, r in table.items()}
+        optimizer = {s: share(r["optimizer_s"]) for s, r in table.items()}
         if per_stage:
             for s, row in sorted(table.items()):
-                row = dict(row, bubble_fraction=bubbles[s])
+                row = dict(row, bubble_fraction=bubbles[s], optimizer_fraction=optimizer[s])
                 out.update({f"pipeline/stage{s}/{f}": row[f] for f in _STAGE_FIELDS})
         mean = lambda f: sum(r[f] for r in rows) / len(rows)  # noqa: E731 - every row has the same replica count
         out.update({f"pipeline/{f}": mean(f) for f in _TIMES})
         out["pipeline/bubble_fraction"] = sum(bubbles.values()) / len(bubbles)
+        out["pipeline/optimizer_fraction"] = sum(optimizer.values()) / len(optimizer)
         out["pipeline/tokens_per_sec"] = sum(r["tokens_per_sec:sum"] for r in rows)
         out["pipeline/samples_per_sec"] = sum(r["samples_per_sec:sum"] for r in rows)
         out["pipeline/peak_memory_mb"] = max(r["peak_memory_mb"] for r in rows)
         return out
 
-    # ---- the trace ------------------------------------------------------------------------------------------
+    # ---- the trace and the picture ---------------------------------------------------------------------------
     def _finish_trace(self, trainer: Trainer) -> None:
-        strategy = trainer.strategy
-        engine = strategy.engine
         assert self._trace_start is not None and self.trace_steps is not None
-        spans = engine.stop_trace()
-        start, offset = self._trace_start
+        last = trainer.strategy.engine.stats.batch_index - 1
+        gathered = _gather_spans(trainer, self._trace_start, (self.trace_steps[0], min(last, self.trace_steps[1])))
         self._trace_start, self._traced = None, True
-        last = engine.stats.batch_index - 1
-        record = ProcessSpans(
-            rank=strategy.global_rank,
-            replica=strategy.topology.dp_rank if strategy.is_multiprocess else 0,
-            stages=[stage.index for stage in engine.stats.stages],
-            clock_offset=offset,
-            window=(start, time.perf_counter()),
-            spans=spans_of(spans),
-            steps=(self.trace_steps[0], min(last, self.trace_steps[1])),
-        )
-        if strategy.is_multiprocess:
-            gathered: Optional[list[Any]] = [None] * dist.get_world_size() if strategy.is_global_zero else None
-            dist.gather_object(record, gathered, dst=0)
-        else:
-            gathered = [record]
-        if strategy.is_global_zero:
-            assert gathered is not None
+        if gathered is not None:
             path = self.trace_path or os.path.join(_log_dir(trainer), "pipeline_trace.json")
-            self.trace_file = write_chrome_trace(path, [r for r in gathered if r is not None])
-            log.info("Pipeline trace of steps %d-%d written to %s", record.steps[0], record.steps[1], self.trace_file)
+            self.trace_file = write_chrome_trace(path, gathered)
+            steps = gathered[0].steps
+            log.info("Pipeline trace of steps %d-%d written to %s", steps[0], steps[1], self.trace_file)
+
+    def _log_picture(self, trainer: Trainer) -> None:
+        assert self._picture_start is not None
+        k = trainer.strategy.engine.stats.batch_index - 1
+        gathered = _gather_spans(trainer, self._picture_start, (k, k))
+        self._picture_start = None
+        if gathered is None:
+            return
+        strategy = trainer.strategy
+        title = f"step {k}: {strategy.schedule}, {strategy.num_stages} stages, {strategy.num_microbatches} microbatches"
+        figure = schedule_figure(gathered, title=title)
+        step = logger_step(trainer)
+        for logger in _tensorboards(trainer):
+            logger.experiment.add_figure("pipeline/schedule", figure, global_step=step, close=False)
+        self.schedule_spans = gathered
+        self.schedule_steps.append(step)
+
+
+def _gather_spans(trainer: Trainer, started: tuple[float, float], steps: tuple[int, int]) -> Optional[list[ProcessSpans]]:
+    """Stop the engine's trace and gather every process's spans since ``started`` to rank 0 (``None`` elsewhere)."""
+    strategy = trainer.strategy
+    engine = strategy.engine
+    spans = engine.stop_trace()
+    start, offset = started
+    record = ProcessSpans(
+        rank=strategy.global_rank,
+        replica=strategy.topology.dp_rank if strategy.is_multiprocess else 0,
+        stages=[stage.index for stage in engine.stats.stages],
+        clock_offset=offset,
+        window=(start, time.perf_counter()),
+        spans=spans_of(spans),
+        steps=steps,
+    )
+    if strategy.is_multiprocess:
+        gathered: Optional[list[Any]] = [None] * dist.get_world_size() if strategy.is_global_zero else None
+        dist.gather_object(record, gathered, dst=0)
+    else:
+        gathered = [record]
+    if not strategy.is_global_zero:
+        return None
+    assert gathered is not None
+    return [r for r in gathered if r is not None]
+
+
+def _tensorboards(trainer: Trainer) -> list[TensorBoardLogger]:
+    return [logger for logger in trainer.loggers if isinstance(logger, TensorBoardLogger)]
 
 
 def peak_memory_mb(device: torch.device) -> float:

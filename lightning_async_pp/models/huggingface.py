@@ -102,7 +102,8 @@ class HuggingFaceCausalLM(AdoptedCausalLM):
     Args:
         config: a ``transformers.PretrainedConfig``, or a mapping with ``model_type`` and the config's fields
             (what LightningCLI YAML gives: ``{model_type: llama, hidden_size: 64, ...}``). Nothing is downloaded.
-        lr, weight_decay: the AdamW of :meth:`configure_optimizers` (matrices decayed, norms not).
+        lr: the learning rate of the AdamW of :meth:`configure_optimizers`.
+        weight_decay: that AdamW's weight decay (matrices decayed, norms not).
         init_seed: seed of the per-layer initialization; ``None`` uses ``torch.initial_seed()``. Each layer is
             initialized by the upstream ``_init_weights`` (``normal(0, initializer_range)`` matrices, norms 1,
             padding row 0) drawing from the global RNG seeded by this seed and the layer's index (and left as it
@@ -147,7 +148,7 @@ class HuggingFaceCausalLM(AdoptedCausalLM):
             raise ValueError(
                 f"HuggingFaceCausalLM cannot split {name} into pipeline layers: it has no {', '.join(missing)}. "
                 f"The adapter takes decoder-only models laid out as {', '.join(LAYOUT)} (Llama, Mistral, Qwen2, ...); "
-                f"for another layout write a PipelineModule whose pipeline_layers() lists its parts (README, 'Your own model')"
+                f"for another layout write a PipelineModule whose pipeline_layers() lists its parts (docs/guide/models.md, 'Your own model')"
             )
         base = upstream.model
         blocks = list(base.layers)

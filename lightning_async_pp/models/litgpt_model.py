@@ -81,7 +81,8 @@ class LitGPT(AdoptedCausalLM):
         config: a ``litgpt.Config``, a config name (``"pythia-14m"``: ``Config.from_name``, nothing downloaded), or
             a mapping (``{name: pythia-14m, n_layer: 2, vocab_size: 256}``: that config with overrides; without
             ``name``: ``Config(**mapping)``).
-        lr, weight_decay: the AdamW of :meth:`configure_optimizers` (matrices decayed, norms not).
+        lr: the learning rate of the AdamW of :meth:`configure_optimizers`.
+        weight_decay: that AdamW's weight decay (matrices decayed, norms not).
         init_seed: seed of the per-layer initialization; ``None`` uses ``torch.initial_seed()``. Each layer is
             initialized by litgpt's ``GPT._init_weights`` (``normal(0, 0.02)`` linear and embedding weights, zero
             biases) and norms by their ``reset_parameters`` (as ``GPT(config)`` builds them), drawing from the

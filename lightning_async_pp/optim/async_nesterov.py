@@ -39,8 +39,10 @@ class AsyncNesterov(torch.optim.NAdam):
 
     Args:
         params: parameters or parameter groups, as for any torch optimizer.
-        lr, eps, weight_decay, momentum_decay: as ``torch.optim.NAdam`` (``weight_decay`` decoupled, AdamW-style;
-            defaults: AsyncPP's ``weight_decay`` 0.01 and torch's ``momentum_decay`` 0.004).
+        lr: the learning rate, as ``torch.optim.NAdam``'s.
+        eps: as ``torch.optim.NAdam``'s.
+        weight_decay: decoupled, AdamW-style (default: AsyncPP's 0.01).
+        momentum_decay: as ``torch.optim.NAdam``'s (default: torch's 0.004).
         momentum: NAdam's ``beta1``, in [0, 1) (the paper recommends 0.99).
         beta2: the second-moment decay, in [0, 1).
         adaptive_momentum: ``None``, or ``(delay, num_stages)``: use ``momentum + delay * (0.99 - momentum) /

@@ -1,4 +1,4 @@
-"""The second-round study scripts (examples/delay_study2.py, examples/delay_spike.py): iso-loss arithmetic on
+"""The second-round study scripts (studies/delay/sweeps.py, studies/delay/spike.py): iso-loss arithmetic on
 made-up curves, the delayed stability bound against closed forms, and every planned run parsing through the CLI."""
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
-import delay_spike as spike  # noqa: E402
-import delay_study2 as study2  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "studies" / "delay"))
+import spike as spike  # noqa: E402
+import sweeps as study2  # noqa: E402
 
 from lightning_async_pp.cli import AsyncPipelineCLI  # noqa: E402
 

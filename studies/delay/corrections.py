@@ -7,12 +7,12 @@ and weight prediction (``optim.WeightPrediction``, once the package has it), on 
 (``configs/study/long/base.yaml``). The cells are ``configs/study/{adamw,muon}_{sync,2bw,2bw_ef}.yaml`` and
 ``configs/study/corrections/*.yaml``; coefficients are command-line overrides. One command per experiment:
 
-    .venv/bin/python examples/delay_study3.py tune     # seed 0: a small sweep of each correction's coefficient
-    .venv/bin/python examples/delay_study3.py compare --seeds 0 1 2   # each at its tuned setting + the best pair
-    .venv/bin/python examples/delay_study3.py long     # 2000 updates: sync, 2BW, EF, the two best new ones
-    .venv/bin/python examples/delay_study3.py delays   # d = 1, 2, 4: plain, PipeMareLR, the two best corrections
-    .venv/bin/python examples/delay_study3.py all --seeds 0 1 2 --jobs 2  # the four, in that priority order
-    .venv/bin/python examples/delay_study3.py report --seeds 0 1 2        # rewrites the block in the doc
+    .venv/bin/python studies/delay/corrections.py tune     # seed 0: a small sweep of each correction's coefficient
+    .venv/bin/python studies/delay/corrections.py compare --seeds 0 1 2   # each at its tuned setting + the best pair
+    .venv/bin/python studies/delay/corrections.py long     # 2000 updates: sync, 2BW, EF, the two best new ones
+    .venv/bin/python studies/delay/corrections.py delays   # d = 1, 2, 4: plain, PipeMareLR, the two best corrections
+    .venv/bin/python studies/delay/corrections.py all --seeds 0 1 2 --jobs 2  # the four, in that priority order
+    .venv/bin/python studies/delay/corrections.py report --seeds 0 1 2        # rewrites the block in the doc
 
 "Tuned" is read off the finished ``tune`` runs (lowest final validation loss of a correction's sweep, once all of
 its sweep finished), so ``compare``, ``long`` and ``delays`` plan only what ``tune`` has settled. ``all`` re-plans
@@ -35,8 +35,8 @@ from typing import Mapping, Optional, Sequence
 import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import delay_study as study  # noqa: E402
-import delay_study2 as study2  # noqa: E402
+import grid as study  # noqa: E402
+import sweeps as study2  # noqa: E402
 
 ROOT, CONFIGS = study.ROOT, study.CONFIGS
 #: The lrs of the baseline (docs/delay-study.md, "The longer horizon over three seeds"): EF recovered 97% of
@@ -518,7 +518,7 @@ def delays_table(out: Path, best: Mapping) -> str:
     return "\n".join(lines)
 
 
-BEGIN, END = "<!-- delay_study3.py results: begin -->", "<!-- delay_study3.py results: end -->"
+BEGIN, END = "<!-- corrections.py results: begin -->", "<!-- corrections.py results: end -->"
 
 
 def report(out: Path, seeds: Sequence[int], long_seeds: Sequence[int] = (0, 1, 2),

@@ -5,7 +5,7 @@ or only reads finished runs (``--no-run``), then writes a markdown table of fina
 validation-loss curves and of the delay gap against the learning rate. The tables go to ``<out>/results.md`` and
 into the marked results block of docs/delay-study.md; the figure to docs/delay-study.png.
 
-    .venv/bin/python examples/delay_study.py --out runs/study
+    .venv/bin/python studies/delay/grid.py --out runs/study
 
 Finished runs are skipped, so an interrupted study resumes where it stopped.
 """
@@ -25,7 +25,7 @@ from typing import Iterable, Mapping, Optional, Sequence
 
 import yaml
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = ROOT / "configs" / "study"
 OPTIMIZERS = ("adamw", "muon")
 VARIANTS = ("sync", "2bw", "2bw_ef")
@@ -281,7 +281,7 @@ def report(curves: Mapping[Run, Sequence[tuple[int, float]]], headline_lr: float
             f"{lr_table(finals)}\n")
 
 
-BEGIN, END = "<!-- delay_study.py results: begin -->", "<!-- delay_study.py results: end -->"
+BEGIN, END = "<!-- grid.py results: begin -->", "<!-- grid.py results: end -->"
 
 
 def replace_results(doc: str, results: str) -> str:

@@ -2,9 +2,9 @@
 memory, for the 360M and 10B shapes at p = 4..64, combined with the delay's iso-loss token overhead
 (docs/delay-study.md) into the net time to a given loss. Writes the tables of docs/when-async-pays.md.
 
-    .venv/bin/python examples/when_async_pays.py                 # both shapes, p = 4 8 16 32 64, m = 4p
-    .venv/bin/python examples/when_async_pays.py --microbatches-per-stage 1    # m = p: the sync schedules' worst
-    .venv/bin/python examples/when_async_pays.py --weight-grad-fraction 0.33  # a weight gradient cheaper than I
+    .venv/bin/python studies/when_async_pays.py                 # both shapes, p = 4 8 16 32 64, m = 4p
+    .venv/bin/python studies/when_async_pays.py --microbatches-per-stage 1    # m = p: the sync schedules' worst
+    .venv/bin/python studies/when_async_pays.py --weight-grad-fraction 0.33  # a weight gradient cheaper than I
 
 Costs are the planner's (``lightning-async-pp-plan --model ... --split-blocks``: FLOPs at 400 TFLOP/s x 40% MFU,
 bf16 activations over 25 GB/s, backward = 2 x forward, one sequence of 2048 tokens per microbatch). Memory per

@@ -8,8 +8,8 @@ preconditioned sharpness ``lambda_max(P H)`` (``P = lr / (sqrt(v_hat) + eps)``, 
 bound of AdamW's momentum under delay d (with and without the correction), draws docs/delay-spike.png and
 rewrites the marked block of docs/delay-study.md.
 
-    .venv/bin/python examples/delay_spike.py run       # 8 runs of 240 updates, one at a time, into runs/spike/
-    .venv/bin/python examples/delay_spike.py report    # the table and the figure
+    .venv/bin/python studies/delay/spike.py run       # 8 runs of 240 updates, one at a time, into runs/spike/
+    .venv/bin/python studies/delay/spike.py report    # the table and the figure
 """
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ import torch
 from lightning.pytorch import Callback
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = ROOT / "configs" / "study"
 
 
@@ -275,7 +275,7 @@ def report(out: Path, figure: Path) -> str:
     return "\n".join(lines)
 
 
-BEGIN, END = "<!-- delay_spike.py results: begin -->", "<!-- delay_spike.py results: end -->"
+BEGIN, END = "<!-- spike.py results: begin -->", "<!-- spike.py results: end -->"
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:

@@ -1,4 +1,4 @@
-"""Chrome-trace (Perfetto, ``chrome://tracing``) timelines of the pipeline's spans.
+"""The pipeline's spans as Chrome-trace (Perfetto, ``chrome://tracing``) timelines and as pictures.
 
 Each process records its spans with its own ``time.perf_counter()``; :class:`ProcessSpans` carries them with the
 offset to the wall clock (``time.time() - time.perf_counter()``, read once per process), so the spans of all
@@ -6,6 +6,10 @@ processes land on one shared time axis. One track per stage (thread ``tid = stag
 data-parallel replica (``pid = replica``); gaps between a stage's spans inside the traced window become ``idle``
 spans. The planner (``lightning_async_pp.plan``) writes simulated timelines with the same functions: one
 ``ProcessSpans`` per stage, clock offset 0, facts about the simulation under ``otherData["simulated"]``.
+:func:`schedule_figure` draws the same spans as a picture (``PipelineMonitor(schedule_image_every_n_steps=N)``
+logs it to TensorBoard).
+
+This module imports no Lightning: the monitor (``callbacks/pipeline.py``) and the planner (``plan.py``) both use it.
 """
 from __future__ import annotations
 
@@ -111,3 +115,69 @@ def _jsonable(value: Any) -> Optional[Any]:
     if value is None or isinstance(value, (bool, int, float, str)):
         return value
     return str(value)
+
+
+# ---- the schedule as a picture ----------------------------------------------------------------------------------
+
+#: What the picture of a schedule colours, in drawing order: the kind of each span and its colour. Gaps between a
+#: stage's spans are idle and left blank.
+SCHEDULE_KINDS = {"forward": "#1f77b4", "backward": "#ff7f0e", "weight gradient": "#2ca02c", "optimizer": "#d62728",
+                  "wait": "#7f7f7f"}
+
+
+def span_kind(name: str, args: dict) -> Optional[str]:
+    """The kind :func:`schedule_figure` draws a span as (``None``: not drawn). A split backward's input part is
+    ``backward``; its weight part is ``weight gradient``; blocked receives and sends are ``wait``."""
+    if name == "backward":
+        return "weight gradient" if args.get("part") == "weight" else "backward"
+    if name in ("recv", "send"):
+        return "wait"
+    return name if name in SCHEDULE_KINDS else None
+
+
+def schedule_figure(processes: Sequence[ProcessSpans], title: str = "") -> Any:
+    """A matplotlib figure of ``processes``' spans: one row per (replica, stage), stage 0 on top, time in ms from
+    the earliest window start on the shared clock, one colour per :data:`SCHEDULE_KINDS` kind, idle left blank
+    (a span shorter than a pixel is drawn a pixel wide).
+
+    Row ``i`` (from the top) is centred on ``y = i`` of the figure's only axes. Needs matplotlib.
+    """
+    from matplotlib.backends.backend_agg import FigureCanvasAgg  # pixels, no display, pyplot's state untouched
+    from matplotlib.figure import Figure
+    from matplotlib.patches import Patch
+
+    origin = min(p.window[0] + p.clock_offset for p in processes)
+    end = max(p.window[1] + p.clock_offset for p in processes)
+    rows: dict[tuple[int, int], list[tuple[str, float, float]]] = {}
+    for p in processes:
+        for stage in p.stages:
+            rows.setdefault((p.replica, stage), [])
+        for stage, name, start, stop, args in p.spans:
+            kind = span_kind(name, args)
+            if kind is not None:
+                rows.setdefault((p.replica, stage), []).append(
+                    (kind, (start + p.clock_offset - origin) * 1e3, (stop + p.clock_offset - origin) * 1e3))
+    keys = sorted(rows)
+    replicas = len({r for r, _ in keys})
+    fig = Figure(figsize=(10, 0.6 * len(keys) + 1.4), dpi=100)
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    # A span shorter than a pixel (a stage's tiny weight gradient) is drawn a pixel wide, so that all work shows.
+    least = (end - origin) * 1e3 / 800
+    for i, key in enumerate(keys):
+        for kind in SCHEDULE_KINDS:  # waits drawn last: a wait inside a compute span stays visible
+            bars = [(a, max(b - a, least)) for k, a, b in rows[key] if k == kind]
+            if bars:
+                ax.broken_barh(bars, (i - 0.4, 0.8), facecolors=SCHEDULE_KINDS[kind], edgecolors="none")
+    ax.set_ylim(len(keys) - 0.5, -0.5)
+    ax.set_xlim(0.0, max((end - origin) * 1e3, 1e-6))
+    ax.set_yticks(range(len(keys)),
+                  [f"replica {r} stage {s}" if replicas > 1 else f"stage {s}" for r, s in keys])
+    ax.set_xlabel("ms")
+    ax.set_title(title, fontsize=10)
+    handles = [Patch(color=c, label=k) for k, c in SCHEDULE_KINDS.items()] + [
+        Patch(facecolor="white", edgecolor="black", label="idle")]
+    ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.35 if len(keys) < 3 else -0.2),
+              ncol=len(handles), fontsize=8, frameon=False)
+    fig.tight_layout()
+    return fig

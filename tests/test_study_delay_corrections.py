@@ -1,4 +1,4 @@
-"""The third-round study script (examples/delay_study3.py): the gap-closed and seed arithmetic on hand-written
+"""The third-round study script (studies/delay/corrections.py): the gap-closed and seed arithmetic on hand-written
 numbers, picking the tuned setting, planning from (faked) tune results, and every kind of cell parsing through the
 CLI with its overrides landing where they should."""
 from __future__ import annotations
@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
-import delay_study as study  # noqa: E402
-import delay_study3 as study3  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "studies" / "delay"))
+import grid as study  # noqa: E402
+import corrections as study3  # noqa: E402
 
 from lightning_async_pp.cli import AsyncPipelineCLI  # noqa: E402
 

@@ -1,4 +1,4 @@
-"""The delay study's script (examples/delay_study.py): its aggregation on made-up numbers, its log reading, and
+"""The delay study's script (studies/delay/grid.py): its aggregation on made-up numbers, its log reading, and
 every study config parsing through the CLI with the overrides the script passes."""
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
-import delay_study as study  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "studies" / "delay"))
+import grid as study  # noqa: E402
 
 from lightning_async_pp.cli import AsyncPipelineCLI  # noqa: E402
 

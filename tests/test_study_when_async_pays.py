@@ -1,4 +1,4 @@
-"""examples/when_async_pays.py: the planner's 2bw speedup over the fastest synchronous schedule that fits in the
+"""studies/when_async_pays.py: the planner's 2bw speedup over the fastest synchronous schedule that fits in the
 same memory, and the net speedup after the delay's token overhead."""
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def load():
-    spec = importlib.util.spec_from_file_location("when_async_pays", ROOT / "examples" / "when_async_pays.py")
+    spec = importlib.util.spec_from_file_location("when_async_pays", ROOT / "studies" / "when_async_pays.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module

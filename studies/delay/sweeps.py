@@ -5,16 +5,16 @@ Every run is one ``lightning-async-pp fit`` of ``configs/study/base.yaml`` (plus
 for the longer horizon) and one cell file, with command-line overrides, on one CPU device where every delay rule
 is exact. One command per experiment:
 
-    .venv/bin/python examples/delay_study2.py sweep     # d in {0,1,2,4,8} x {AdamW, Muon} x {plain, corrected}
-    .venv/bin/python examples/delay_study2.py stages    # p=4: per-stage [3,2,1,0] vs uniform 1 vs uniform 3
-    .venv/bin/python examples/delay_study2.py iso       # async runs 1.5x and 2x as long: iso-loss overhead
-    .venv/bin/python examples/delay_study2.py tail      # sync_from_step for the last 20% / 10% of training
-    .venv/bin/python examples/delay_study2.py long      # 1.05 M parameters, 2000 updates
-    .venv/bin/python examples/delay_study2.py lowlr     # AdamW at lr 1e-3: sync, 2BW, 2BW + correction, 300 updates
-    .venv/bin/python examples/delay_study2.py longlowlr # the same at the longer horizon
-    .venv/bin/python examples/delay_study2.py report    # read every finished run, write tables and the figure
-    .venv/bin/python examples/delay_study2.py horizon --seeds 0 1 2 --jobs 2         # long + longlowlr, 3 seeds
-    .venv/bin/python examples/delay_study2.py report-horizon --seeds 0 1 2           # their mean +- std block
+    .venv/bin/python studies/delay/sweeps.py sweep     # d in {0,1,2,4,8} x {AdamW, Muon} x {plain, corrected}
+    .venv/bin/python studies/delay/sweeps.py stages    # p=4: per-stage [3,2,1,0] vs uniform 1 vs uniform 3
+    .venv/bin/python studies/delay/sweeps.py iso       # async runs 1.5x and 2x as long: iso-loss overhead
+    .venv/bin/python studies/delay/sweeps.py tail      # sync_from_step for the last 20% / 10% of training
+    .venv/bin/python studies/delay/sweeps.py long      # 1.05 M parameters, 2000 updates
+    .venv/bin/python studies/delay/sweeps.py lowlr     # AdamW at lr 1e-3: sync, 2BW, 2BW + correction, 300 updates
+    .venv/bin/python studies/delay/sweeps.py longlowlr # the same at the longer horizon
+    .venv/bin/python studies/delay/sweeps.py report    # read every finished run, write tables and the figure
+    .venv/bin/python studies/delay/sweeps.py horizon --seeds 0 1 2 --jobs 2         # long + longlowlr, 3 seeds
+    .venv/bin/python studies/delay/sweeps.py report-horizon --seeds 0 1 2           # their mean +- std block
 
 Runs go to ``runs/study2/<experiment>/<name>/`` (TensorBoard), finished runs are skipped (an interrupted
 experiment resumes), and ``report`` rewrites the marked block of docs/delay-study.md, ``runs/study2/results.md``
@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Mapping, Optional, Sequence
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import delay_study as study  # noqa: E402
+import grid as study  # noqa: E402
 
 ROOT = study.ROOT
 CONFIGS = study.CONFIGS
@@ -460,8 +460,8 @@ def plot_all(c: Mapping[str, Mapping[str, Sequence[tuple[int, float]]]], path: P
     plt.close(fig)
 
 
-BEGIN, END = "<!-- delay_study2.py results: begin -->", "<!-- delay_study2.py results: end -->"
-HORIZON_BEGIN, HORIZON_END = "<!-- delay_study2.py horizon seeds: begin -->", "<!-- delay_study2.py horizon seeds: end -->"
+BEGIN, END = "<!-- sweeps.py results: begin -->", "<!-- sweeps.py results: end -->"
+HORIZON_BEGIN, HORIZON_END = "<!-- sweeps.py horizon seeds: begin -->", "<!-- sweeps.py horizon seeds: end -->"
 
 
 def replace_block(doc: Path, begin: str, end: str, text: str) -> None:

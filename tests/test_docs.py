@@ -1,0 +1,131 @@
+"""The documentation site (mkdocs.yml, docs/) tells the truth about the code.
+
+- every public name (each package's ``__all__``, and the Python entry point of each command) has its entry in the
+  API reference pages, and every entry the pages generate resolves to an object (a renamed name fails here
+  before ``mkdocs build --strict`` fails on it);
+- every page is in the site's navigation;
+- commands quoted in the pages that are cheap to run are run, and what the page says they print is compared;
+- README.md is a front page: the two quick-start commands, links into the site that resolve.
+"""
+from __future__ import annotations
+
+import importlib
+import re
+import shlex
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCS = ROOT / "docs"
+PACKAGES = ["lightning_async_pp", "lightning_async_pp.callbacks", "lightning_async_pp.data",
+            "lightning_async_pp.models", "lightning_async_pp.optim"]
+#: What the commands and DESIGN's public names run, beside the packages' __all__.
+ENTRY_POINTS = [
+    "lightning_async_pp.cli.AsyncPipelineCLI",                  # lightning-async-pp
+    "lightning_async_pp.consolidate.consolidate_checkpoint",    # python -m lightning_async_pp.consolidate
+    "lightning_async_pp.export.export_hf",                      # ... --hf
+    "lightning_async_pp.export.export_litgpt",                  # ... --litgpt
+    "lightning_async_pp.data.prepare.prepare",                  # python -m lightning_async_pp.data.prepare
+    "lightning_async_pp.plan",                                  # lightning-async-pp-plan
+    "lightning_async_pp.pipeline.simulate.simulate",            # the planner from Python
+    "lightning_async_pp.pipeline.simulate.SimulationResult",
+    "lightning_async_pp.trace.schedule_figure",
+]
+
+
+def reference_entries() -> list[str]:
+    return [m.group(1) for page in sorted((DOCS / "reference").glob("*.md"))
+            for m in re.finditer(r"^::: ([\w.]+)", page.read_text(), re.M)]
+
+
+def resolve(dotted: str) -> object:
+    parts = dotted.split(".")
+    for cut in range(len(parts), 0, -1):
+        try:
+            obj = importlib.import_module(".".join(parts[:cut]))
+        except ImportError:
+            continue
+        for attr in parts[cut:]:
+            obj = getattr(obj, attr)
+        return obj
+    raise ImportError(dotted)
+
+
+def public_names() -> list[str]:
+    names = [f"{package}.{name}" for package in PACKAGES for name in importlib.import_module(package).__all__]
+    return names + ENTRY_POINTS
+
+
+def test_every_public_name_has_an_entry_in_the_api_reference():
+    entries = set(reference_entries())
+    missing = [name for name in public_names() if name not in entries]
+    assert not missing, f"add to docs/reference/*.md: {missing}"
+
+
+def test_every_reference_entry_resolves_to_an_object():
+    for entry in reference_entries():
+        resolve(entry)  # raises, naming the entry, when a name was renamed or removed
+
+
+def nav_pages(nav) -> list[str]:
+    pages = []
+    for item in nav:
+        values = item.values() if isinstance(item, dict) else [item]
+        for value in values:
+            pages += nav_pages(value) if isinstance(value, list) else [value]
+    return pages
+
+
+def test_every_page_is_in_the_navigation_and_every_navigation_entry_exists():
+    config = yaml.safe_load((ROOT / "mkdocs.yml").read_text())
+    nav = nav_pages(config["nav"])
+    pages = {str(p.relative_to(DOCS)) for p in DOCS.rglob("*.md")}
+    assert set(nav) == pages, (set(nav) ^ pages)
+
+
+def test_every_picture_in_the_pages_exists():
+    for page in DOCS.rglob("*.md"):
+        for target in re.findall(r"!\[[^\]]*\]\(([^)]+)\)", page.read_text()):
+            assert (page.parent / target).resolve().is_file(), (page, target)
+
+
+def test_the_planning_pages_command_prints_its_table_and_draws_its_figures(tmp_path, capsys):
+    from lightning_async_pp.plan import main
+
+    page = (DOCS / "guide" / "planning.md").read_text()
+    section = page.split("## The plan as a picture", 1)[1]
+    command = re.search(r"```bash\n(lightning-async-pp-plan .*?)\n```", section, re.S).group(1)
+    argv = shlex.split(command)[1:]
+    figure = argv.index("--figure") + 1
+    assert argv[figure] == "docs/images/plan.png"
+    argv[figure] = str(tmp_path / "plan.png")
+    main(argv)
+    printed = capsys.readouterr().out
+    table = [line for line in section.splitlines() if line.startswith("| 4 | 8 |")]
+    assert len(table) == 2 and all(row in printed for row in table), printed
+    drawn = sorted(p.name for p in tmp_path.glob("*.png"))
+    assert drawn == ["plan-1f1b-p4-m8.png", "plan-2bw-p4-m8.png"]
+    for name in drawn:
+        assert f"../images/{name}" in section and (DOCS / "images" / name).is_file()
+
+
+def test_the_readme_is_a_front_page_with_the_quick_start_and_links_into_the_site():
+    readme = (ROOT / "README.md").read_text()
+    assert len(readme.encode()) < 12_000
+    assert "make demo" in readme and "make test" in readme
+    makefile = (ROOT / "Makefile").read_text()
+    assert re.search(r"^demo:", makefile, re.M) and re.search(r"^test:", makefile, re.M)
+    links = re.findall(r"\]\(([^)#]+)(?:#[^)]*)?\)", readme)
+    local = [link for link in links if not link.startswith("http")]
+    assert any(link.startswith("docs/") for link in local)
+    for link in local:
+        assert (ROOT / link).exists(), link
+
+
+@pytest.mark.parametrize("page", sorted(str(p.relative_to(DOCS)) for p in DOCS.rglob("*.md")))
+def test_paths_named_in_the_pages_exist(page):
+    text = (DOCS / page).read_text()
+    for path in set(re.findall(r"`((?:examples|studies|configs|benchmarks|tests)/[\w./-]+\.(?:py|yaml|sbatch|sh))`", text)):
+        assert (ROOT / path).exists(), (page, path)
