@@ -137,6 +137,29 @@ def test_the_upstream_way_of_calling_the_adopted_base_model_is_unchanged():
                                    rtol=0, atol=0)
 
 
+def test_phi3_longrope_is_checked_on_a_tiny_copy_with_its_rope_factors_cut_to_the_tiny_head_and_is_exact():
+    # Phi-3-mini-128k / Phi-3.5-mini shape: one longrope factor per rotary frequency of the head (here 64 / 2 = 32);
+    # the tiny copy's head (8) takes 4 of them. Sequences past original_max_position_embeddings use long_factor.
+    short, long = [1.0 + i / 40 for i in range(32)], [1.0 + i / 8 for i in range(32)]
+    config = AutoConfig.for_model("phi3", hidden_size=256, num_attention_heads=4, num_key_value_heads=4,
+                                  intermediate_size=64, num_hidden_layers=2, vocab_size=256, pad_token_id=None,
+                                  bos_token_id=1, eos_token_id=2, max_position_embeddings=64,
+                                  original_max_position_embeddings=16,
+                                  rope_scaling={"type": "longrope", "short_factor": short, "long_factor": long})
+    tiny = tiny_config(config)
+    rope = getattr(tiny, "rope_parameters", None) or tiny.rope_scaling  # 5.x / 4.x
+    assert (rope["short_factor"], rope["long_factor"]) == (short[::8], long[::8])
+    ours = HuggingFaceCausalLM(config, init_seed=0)
+    ours.configure_model()  # the build-time check on the tiny copy passes (it was refused: 48 factors for 4)
+    upstream = AutoModelForCausalLM.from_config(config).eval()
+    upstream.load_state_dict(ours.state_dict(), strict=True)
+    for length in (8, 32):  # short_factor, then long_factor
+        batch = torch.randint(0, 256, (2, length + 1), generator=torch.Generator().manual_seed(length))
+        with torch.no_grad():
+            gap = (ours.eval()(batch) - upstream(batch[:, :-1]).logits).abs().max().item()
+        assert gap <= TOL, (length, gap)
+
+
 # ---- one pipeline step on one device (2 stages) equals one AdamW step on the upstream loss -------------------------
 @pytest.mark.parametrize("family, schedule", [("gemma2", "2bw"), ("granite", "1f1b"), ("cohere", "2bw")])
 def test_one_pipeline_step_of_a_family_with_outside_work_equals_a_step_on_the_upstream_loss(family, schedule):

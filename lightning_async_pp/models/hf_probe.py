@@ -30,7 +30,7 @@ TINY = dict(width=32, layers=2, heads=4, kv_heads=2, ffn=64, head_dim=8, experts
 def tiny_config(config: Any, layers: int = TINY["layers"]) -> Any:
     """A config of the same family and switches as ``config`` with small sizes: width 32, ``layers`` layers, 4 heads
     (2 key/value heads if the family has them), head dim 8, FFN 64, 4 experts (2 per token), vocabulary 256,
-    sliding windows of 8. Token ids outside the vocabulary become ``None``. Built with the config's class so that
+    sliding windows of 8, per-frequency rope factors (longrope) for the head dim 8. Token ids outside the vocabulary become ``None``. Built with the config's class so that
     fields derived in its constructor (``layer_types``, ...) follow the new sizes."""
     fields = config.to_dict()
     tiny: dict[str, Any] = {}
@@ -71,6 +71,7 @@ def tiny_config(config: Any, layers: int = TINY["layers"]) -> Any:
         for name in LAYERS:
             if name in tiny:
                 tiny[name] = len(chosen)
+    _shrink_rope_factors(fields, tiny)
     vocab = tiny.get("vocab_size", fields.get("vocab_size"))
     for name in ("pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_token_id", "sep_token_id"):
         value = fields.get(name)
@@ -85,6 +86,43 @@ def tiny_config(config: Any, layers: int = TINY["layers"]) -> Any:
     if attn is not None:
         made._attn_implementation = attn
     return made
+
+
+#: Rope parameter lists with one entry per rotary frequency (longrope: Phi-3 128k, Phi-3.5, Phi-4-mini).
+ROPE_FACTORS = ("short_factor", "long_factor")
+
+
+def _shrink_rope_factors(fields: dict[str, Any], tiny: dict[str, Any]) -> None:
+    """Per-frequency rope factors (``rope_scaling`` in transformers 4.x, ``rope_parameters`` in 5.x, possibly one
+    dict per layer type) cut to the tiny head's ``rotary_dim / 2`` frequencies, evenly spread over the original
+    ones (the family validates their length against the head size)."""
+    width = tiny.get("hidden_size", fields.get("hidden_size"))
+    heads = tiny.get("num_attention_heads", fields.get("num_attention_heads"))
+    head_dim = tiny.get("head_dim", fields.get("head_dim"))
+    if not isinstance(head_dim, int):
+        if not (isinstance(width, int) and isinstance(heads, int) and heads):
+            return
+        head_dim = width // heads
+
+    def shrunk(rope: Any) -> Any:
+        if not isinstance(rope, dict):
+            return rope
+        if not any(isinstance(rope.get(name), list) for name in ROPE_FACTORS):
+            return {k: shrunk(v) for k, v in rope.items()}  # one rope dict per layer type
+        partial = rope.get("partial_rotary_factor", fields.get("partial_rotary_factor")) or 1.0
+        frequencies = int(head_dim * partial) // 2
+        out = dict(rope)
+        for name in ROPE_FACTORS:
+            factors = rope.get(name)
+            if isinstance(factors, list) and len(factors) > frequencies:
+                out[name] = [factors[i * len(factors) // frequencies] for i in range(frequencies)]
+        return out
+
+    for name in ("rope_scaling", "rope_parameters"):
+        if isinstance(fields.get(name), dict):
+            rope = shrunk(fields[name])
+            if rope != fields[name]:
+                tiny[name] = rope
 
 
 #: The largest difference of logits (fp32) and loss the check accepts.
