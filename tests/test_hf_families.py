@@ -137,6 +137,42 @@ def test_the_upstream_way_of_calling_the_adopted_base_model_is_unchanged():
                                    rtol=0, atol=0)
 
 
+def test_starcoder2_embedding_dropout_is_done_in_training_and_a_family_skipping_train_only_work_is_refused(monkeypatch):
+    # Upstream drops half of the embedding's output entering block 0 in training; the pipeline did not (0.00 zeros).
+    from lightning_async_pp.models import hf_outside
+
+    config = tiny_config(AutoConfig.for_model("starcoder2", embedding_dropout=0.5, residual_dropout=0.1))
+    ours = HuggingFaceCausalLM(config, init_seed=0)
+    ours.configure_model()  # accepted: the build-time check compares training mode too
+    upstream = AutoModelForCausalLM.from_config(config)
+    upstream.load_state_dict(ours.state_dict(), strict=True)
+    entering = {}
+    for key, model in (("ours", ours.model), ("upstream", upstream.model)):
+        model.layers[0].register_forward_pre_hook(lambda m, args, key=key: entering.__setitem__(key, args[0].clone()))
+    batch = batch_of(config.vocab_size)
+    for training in (True, False):
+        ours.train(training), upstream.train(training)
+        with torch.no_grad():
+            torch.manual_seed(5)
+            x = ours.pipeline_input(batch)
+            for layer in ours.pipeline_layers():
+                x = layer(x)
+            torch.manual_seed(5)
+            expected = upstream(batch[:, :-1]).logits
+        assert torch.equal(entering["ours"], entering["upstream"]) and (x - expected).abs().max().item() <= TOL
+        dropped = (entering["ours"] == 0).float().mean().item()
+        assert 0.4 < dropped < 0.6 if training else dropped == 0.0, (training, dropped)
+        with torch.no_grad():  # the upstream call of the adopted base model drops once, not twice
+            torch.manual_seed(6)
+            own = ours.model(batch).last_hidden_state
+            torch.manual_seed(6)
+            torch.testing.assert_close(own, upstream.model(batch).last_hidden_state, rtol=0, atol=0)
+    # Without the hook the embedding dropout is skipped in training only: the check refuses the family, naming it.
+    monkeypatch.setattr(hf_outside, "KINDS", tuple(k for k in hf_outside.KINDS if k.name != "embedding dropout"))
+    with pytest.raises(ValueError, match=r"refuses Starcoder2Model \(model_type 'starcoder2'\).* in training mode"):
+        HuggingFaceCausalLM(config).configure_model()
+
+
 def test_phi3_longrope_is_checked_on_a_tiny_copy_with_its_rope_factors_cut_to_the_tiny_head_and_is_exact():
     # Phi-3-mini-128k / Phi-3.5-mini shape: one longrope factor per rotary frequency of the head (here 64 / 2 = 32);
     # the tiny copy's head (8) takes 4 of them. Sequences past original_max_position_embeddings use long_factor.

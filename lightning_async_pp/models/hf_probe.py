@@ -131,9 +131,15 @@ TOLERANCE = 1e-5
 CPU_ATTENTION = ("eager", "sdpa")
 
 
+#: The seed both models' random draws start from in the training-mode comparison.
+TRAIN_SEED = 0
+
+
 def check_exact(adapter_class: type, config: Any) -> None:
     """Raises ``ValueError`` unless ``adapter_class`` on a tiny copy of ``config`` gives the upstream logits and
-    training loss (``model(ids, labels=ids).loss``) at the same weights, in eval mode (no dropout), on the CPU.
+    training loss (``model(ids, labels=ids).loss``) at the same weights, on the CPU, in eval mode and in training
+    mode with both models' random draws started from one seed: work upstream does outside the decoder layers only
+    while training (an embedding dropout) changes the training-mode numbers (the config's dropout rates are kept).
     The global RNG is left as it was."""
     import torch
     from transformers import AutoModelForCausalLM
@@ -164,33 +170,47 @@ def check_exact(adapter_class: type, config: Any) -> None:
                 replace_meta_tensors(module, lambda t: torch.empty_like(t, device="cpu"))
             ours.init_weights()
             upstream.load_state_dict(ours.state_dict(), strict=True)
-            ours.eval(), upstream.eval()
             batch = torch.randint(0, tiny.vocab_size, (2, 17), generator=torch.Generator().manual_seed(0))
-            with torch.no_grad(), torch.autocast("cpu", enabled=False):
-                x = ours.pipeline_input(batch)
-                for layer in ours.pipeline_layers():
-                    x = layer(x)
-                loss = ours.pipeline_loss(x, batch)
-                # Upstream on what the adapter reads: the first T tokens in, the next T as targets (the router's
-                # balancing term, when the config asks for it, is over exactly those tokens: models/moe.py).
-                expected = upstream(batch[:, :-1], labels=batch[:, :-1], shift_labels=batch[:, 1:].contiguous())
-                router_loss = getattr(ours, "_router_loss", None)
-                if router_loss is not None:
-                    x = router_loss.split(x)[0]  # the logits; the router statistics went into the loss
+            runs = {mode: _both(ours, upstream, batch, training) for mode, training in (("", False), (" in training mode", True))}
         except Exception as err:
             raise ValueError(f"HuggingFaceCausalLM cannot run {name} as pipeline layers: on a tiny copy of its "
                              f"config they fail with {type(err).__name__}: {err}") from err
-        if not isinstance(x, torch.Tensor) or x.shape != expected.logits.shape:
-            raise ValueError(f"HuggingFaceCausalLM cannot run {name} as pipeline layers: they give "
-                             f"{type(x).__name__} {tuple(getattr(x, 'shape', ()))}, not the logits "
-                             f"{tuple(expected.logits.shape)}")
-        logits = (x - expected.logits).abs().max().item()
-        loss_gap = (loss - expected.loss).abs().item()
-        if not logits <= TOLERANCE or not loss_gap <= TOLERANCE:
-            raise ValueError(
-                f"HuggingFaceCausalLM refuses {name}: on a tiny copy of its config the pipeline layers give logits "
-                f"{logits:.3g} and a loss {loss_gap:.3g} away from the upstream forward at the same weights: the family "
-                f"does work outside its decoder layers (or in its loss) that the adapter does not reproduce")
+        for mode, (x, loss, expected) in runs.items():
+            if not isinstance(x, torch.Tensor) or x.shape != expected.logits.shape:
+                raise ValueError(f"HuggingFaceCausalLM cannot run {name} as pipeline layers: they give "
+                                 f"{type(x).__name__} {tuple(getattr(x, 'shape', ()))}, not the logits "
+                                 f"{tuple(expected.logits.shape)}")
+            logits = (x - expected.logits).abs().max().item()
+            loss_gap = (loss - expected.loss).abs().item()
+            if not logits <= TOLERANCE or not loss_gap <= TOLERANCE:
+                raise ValueError(
+                    f"HuggingFaceCausalLM refuses {name}: on a tiny copy of its config the pipeline layers give "
+                    f"logits {logits:.3g} and a loss {loss_gap:.3g} away from the upstream forward at the same "
+                    f"weights{mode or ''}{' (random draws from one seed)' if mode else ''}: the family does work "
+                    f"outside its decoder layers (or in its loss){' while training' if mode else ''} that the "
+                    f"adapter does not reproduce")
+
+
+def _both(ours: Any, upstream: Any, batch: Any, training: bool) -> tuple[Any, Any, Any]:
+    """The adapter's pipeline layers (logits, loss) and upstream's output on ``batch``, both in training or eval
+    mode, each run's random draws from :data:`TRAIN_SEED`."""
+    import torch
+
+    ours.train(training), upstream.train(training)
+    with torch.no_grad(), torch.autocast("cpu", enabled=False):
+        torch.manual_seed(TRAIN_SEED)
+        x = ours.pipeline_input(batch)
+        for layer in ours.pipeline_layers():
+            x = layer(x)
+        loss = ours.pipeline_loss(x, batch)
+        torch.manual_seed(TRAIN_SEED)
+        # Upstream on what the adapter reads: the first T tokens in, the next T as targets (the router's
+        # balancing term, when the config asks for it, is over exactly those tokens: models/moe.py).
+        expected = upstream(batch[:, :-1], labels=batch[:, :-1], shift_labels=batch[:, 1:].contiguous())
+        router_loss = getattr(ours, "_router_loss", None)
+        if router_loss is not None:
+            x = router_loss.split(x)[0]  # the logits; the router statistics went into the loss
+    return x, loss, expected
 
 
 @contextlib.contextmanager
