@@ -65,6 +65,24 @@ def sgd_step_bounds(weights: dict[str, torch.Tensor], gradients: dict[str, torch
             for k in gradients}
 
 
+#: The learning rate of :func:`sgd_model`: the update is the gradient.
+SGD_LR = 1.0
+
+
+def sgd_model(model_class: type) -> type:
+    """``model_class`` trained by plain SGD at :data:`SGD_LR`, to check a pipeline's update against an upstream
+    gradient: well conditioned, where AdamW's first step (``lr * g / (|g| + eps)``, about ``lr * sign(g)``) hides the
+    gradient's scale and turns the float32 rounding of a gradient near its ``eps`` into differences of up to ``lr``
+    (on one CPU below a fixed bound, on another above it)."""
+
+    class SGDModel(model_class):
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.SGD(self.parameters(), lr=SGD_LR)
+
+    SGDModel.__name__ = SGDModel.__qualname__ = f"SGD{model_class.__name__}"
+    return SGDModel
+
+
 def max_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     assert a.keys() == b.keys(), (sorted(a), sorted(b))
     return max((a[k].float() - b[k].float()).abs().max().item() for k in a)

@@ -24,7 +24,8 @@ from transformers import AutoConfig, AutoModelForCausalLM  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent / "scripts"))
 import adapter_fit  # noqa: E402
-from pipeline_runs import FLOAT32_EPS, max_difference, run_here_on_one_device, script_ranks, sgd_step_bounds  # noqa: E402
+from pipeline_runs import (FLOAT32_EPS, SGD_LR, max_difference, run_here_on_one_device, script_ranks,  # noqa: E402
+                           sgd_model, sgd_step_bounds)
 
 from lightning_async_pp import AsyncPipelineStrategy  # noqa: E402
 from lightning_async_pp.models import HuggingFaceCausalLM  # noqa: E402
@@ -105,15 +106,8 @@ def test_moe_family_whose_balancing_term_is_not_reproduced_is_refused_at_constru
 
 
 # ---- under the pipeline on one device ---------------------------------------------------------------------------------
-class SGDStep(HuggingFaceCausalLM):
-    """The update is the gradient itself (SGD, lr 1): a direct check of the gradient, well conditioned, where
-    AdamW's first step (``lr * g / (|g| + eps)``, about ``lr * sign(g)``) hides the gradient's scale and turns the
-    float32 rounding of a gradient near its ``eps`` into differences of up to ``lr``."""
-
-    LR = 1.0
-
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.SGD(self.parameters(), lr=self.LR)
+#: AdamW's steps would hide the gradient and amplify rounding (pipeline_runs.sgd_model): these checks use SGD.
+SGDStep = sgd_model(HuggingFaceCausalLM)
 
 
 def fit_one_device(cfg: dict, batches: list[torch.Tensor], microbatches: int, steps: int, schedule: str = "2bw",
@@ -143,7 +137,7 @@ def test_pipeline_trains_on_the_microbatch_mean_of_upstream_losses_and_logs_the_
     upstream = upstream_at(reference)
     named = dict(upstream.named_parameters())  # the tied embedding and head once
     params = list(named.values())
-    optimizer = torch.optim.SGD(params, lr=SGDStep.LR)
+    optimizer = torch.optim.SGD(params, lr=SGD_LR)
     history = [[p.detach().clone() for p in params]]
     # Each step's float32 rounding bound (see the one-microbatch test below), added up over the steps.
     accumulations = VOCAB + batches[0][:, :-1].numel()
@@ -160,7 +154,7 @@ def test_pipeline_trains_on_the_microbatch_mean_of_upstream_losses_and_logs_the_
             for p, w in zip(params, newest):
                 p.copy_(w)
         step = sgd_step_bounds({n: p.detach() for n, p in named.items()}, {n: p.grad for n, p in named.items()},
-                               SGDStep.LR, accumulations)
+                               SGD_LR, accumulations)
         bounds = {n: bounds[n] + step[n] for n in named}
         optimizer.step()
         history.append([p.detach().clone() for p in params])
@@ -195,9 +189,9 @@ def test_pipeline_with_one_microbatch_logs_upstreams_whole_batch_aux_loss_and_pr
     # ... and the update is upstream's whole-batch gradient.
     want.loss.backward()
     gradients = {name: p.grad for name, p in upstream.named_parameters()}
-    torch.optim.SGD(upstream.parameters(), lr=SGDStep.LR).step()
+    torch.optim.SGD(upstream.parameters(), lr=SGD_LR).step()
     got, expected = model.state_dict(), upstream.state_dict()
-    bounds = sgd_step_bounds(expected, gradients, SGDStep.LR, accumulations)
+    bounds = sgd_step_bounds(expected, gradients, SGD_LR, accumulations)
     assert got.keys() == expected.keys() and set(gradients) <= set(got)
     over = {k: (float((got[k] - expected[k]).abs().max()), bounds[k]) for k in gradients
             if not (got[k] - expected[k]).abs().max() <= bounds[k]}
