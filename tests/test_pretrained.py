@@ -372,3 +372,17 @@ def test_a_bare_tokenizer_json_survives_export_to_autotokenizer_and_generate_wit
     generated = reloaded.generate(**prompt, max_new_tokens=6, do_sample=False, pad_token_id=eos)
     assert generated.shape[1] > prompt["input_ids"].shape[1] and int(generated.max()) < vocab
     assert torch.equal(generated[:, : prompt["input_ids"].shape[1]], prompt["input_ids"])
+
+
+def test_consolidate_litgpt_writes_a_tokenizer_config_litgpts_tokenizer_reads_the_runs_eos_from(tmp_path):
+    folder = litgpt_folder(tmp_path / "lit")  # skips without litgpt
+    from litgpt.tokenizer import Tokenizer
+
+    model = LitGPT.from_checkpoint(folder)
+    model.configure_model()
+    torch.save({"state_dict": model.state_dict(), "hyper_parameters": dict(model.hparams)}, tmp_path / "one.ckpt")
+    tok = word_tokenizer(tmp_path / "tok")  # a bare tokenizer.json, </s> at id 3
+    out = tmp_path / "out"
+    assert consolidate_main([str(tmp_path / "one.ckpt"), str(out), "--litgpt", "--tokenizer", str(tok)]) == 0
+    loaded = Tokenizer(out)
+    assert (loaded.eos_id, loaded.bos_id, loaded.encode("the stage sends").tolist()) == (3, 3, [4, 5, 6])
