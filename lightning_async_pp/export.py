@@ -8,10 +8,12 @@ The model's config comes from the checkpoint's ``hyper_parameters`` (``HuggingFa
 their config there as a plain mapping); the weights are the checkpoint's newest. The tokenizer's files come from
 ``tokenizer=`` (a folder or a ``tokenizer.json``), else from the data module's ``tokenizer`` hyperparameter, else
 from the folder a prepared ``data_path`` carries, else from the folder the run started from (``pretrained``), where
-one of these holds them.
+one of these holds them. With a ``tokenizer.json``, the HF folder's ``tokenizer_config.json`` and the ids of the
+model's ``config.json`` and ``generation_config.json`` follow that tokenizer (:mod:`lightning_async_pp.export_tokenizer`).
 """
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import sys
@@ -22,7 +24,8 @@ from typing import Any, Optional
 import torch
 from torch import Tensor
 
-from lightning_async_pp.data.tokenized import TOKENIZER_FILES, prepared_tokenizer, tokenizer_files
+from lightning_async_pp import export_tokenizer
+from lightning_async_pp.data.tokenized import TOKENIZER_FILE, TOKENIZER_FILES, prepared_tokenizer, tokenizer_files
 from lightning_async_pp.models.litgpt_model import LIT_MODEL
 from lightning_async_pp.pipeline import checkpoint as _checkpoint
 
@@ -54,22 +57,33 @@ def adapter_config(checkpoint: Mapping[str, Any], path: str, flag: str, needs: s
 
 def export_hf(src: str | os.PathLike, out: str | os.PathLike, tokenizer: Optional[str | os.PathLike] = None) -> list[str]:
     """Write the ``HuggingFaceCausalLM`` checkpoint ``src`` as a ``save_pretrained`` folder ``out``; returns the
-    files written."""
-    from transformers import AutoModelForCausalLM
+    files written. With a ``tokenizer.json`` among the tokenizer's files, the folder's ``tokenizer_config.json``
+    (written, or the run's with what it lacks added) names ``PreTrainedTokenizerFast`` and the run's special
+    tokens, and ``config.json``'s and ``generation_config.json``'s bos/eos/pad ids are those tokens' ids."""
+    from transformers import AutoModelForCausalLM, GenerationConfig
 
     from lightning_async_pp.models.huggingface import as_pretrained_config
 
     src, out = os.fspath(src), os.fspath(out)
     checkpoint, state = read_checkpoint(src)
     config = as_pretrained_config(adapter_config(checkpoint, src, "--hf", "model_type", "HuggingFaceCausalLM"))
+    extras = run_files(checkpoint, tokenizer)
+    generation = extras.pop(GENERATION_CONFIG, None)
+    tokens, ids = run_tokens(extras, config.vocab_size)
+    export_tokenizer.set_token_ids(config, ids)
     with torch.device("meta"):  # no memory until the checkpoint's tensors are assigned
-        model = AutoModelForCausalLM.from_config(config)
+        model = AutoModelForCausalLM.from_config(config)  # its generation config takes the config's ids
     model.load_state_dict(state, strict=True, assign=True)
     model.tie_weights()  # assign=True gave the tied names separate tensors (equal values): one again
-    extras = run_files(checkpoint, tokenizer)
+    if generation is not None:  # the upstream one (sampling settings, stop ids), with the run's tokenizer's ids
+        model.generation_config = GenerationConfig.from_pretrained(os.path.dirname(generation))
+        export_tokenizer.set_token_ids(model.generation_config, ids)
     _check_out(out)
     model.save_pretrained(out)
-    return _copy(extras, out)
+    _copy(extras, out)
+    if tokens:
+        _write_tokenizer_config(extras, tokens, out)
+    return sorted(os.listdir(out))
 
 
 def export_litgpt(src: str | os.PathLike, out: str | os.PathLike, tokenizer: Optional[str | os.PathLike] = None) -> list[str]:
@@ -88,10 +102,14 @@ def export_litgpt(src: str | os.PathLike, out: str | os.PathLike, tokenizer: Opt
         raise missing_package("litgpt", "litgpt") from err
     config = Config(**fields)
     extras = run_files(checkpoint, tokenizer)
+    tokens, _ = run_tokens(extras, config.padded_vocab_size)
     _check_out(out)
     torch.save(dict(state), os.path.join(out, LIT_MODEL))
     save_config(config, Path(out))
-    return _copy(extras, out)
+    _copy(extras, out)
+    if tokens:  # litgpt's Tokenizer reads its bos/eos from there
+        _write_tokenizer_config(extras, tokens, out)
+    return sorted(os.listdir(out))
 
 
 def _check_out(out: str) -> None:
@@ -128,6 +146,32 @@ def run_files(checkpoint: Mapping[str, Any], tokenizer: Optional[str | os.PathLi
     if isinstance(pretrained, str) and os.path.isfile(os.path.join(pretrained, GENERATION_CONFIG)):
         files[GENERATION_CONFIG] = os.path.join(pretrained, GENERATION_CONFIG)  # the upstream one, not a default
     return files
+
+
+def run_tokens(files: Mapping[str, str], vocab_size: int) -> tuple[dict[str, str], dict[str, Optional[int]]]:
+    """The special tokens of the exported ``tokenizer.json`` and the config's ids of them (both empty without one);
+    a tokenizer with more ids than the model's ``vocab_size`` is refused (it is not the run's)."""
+    main = files.get(TOKENIZER_FILE)
+    if main is None:
+        return {}, {}
+    tokens = export_tokenizer.special_tokens(main)
+    size = export_tokenizer.vocab_size(main)
+    if size > vocab_size:
+        raise ValueError(f"the tokenizer {main!r} has {size} ids, more than the model's vocab_size {vocab_size}: it is "
+                         f"not the tokenizer the model trained with; give that one with --tokenizer")
+    return tokens, export_tokenizer.token_ids(main, tokens)
+
+
+def _write_tokenizer_config(files: Mapping[str, str], tokens: Mapping[str, str], out: str) -> None:
+    """``tokenizer_config.json`` in ``out``: the run's own, if any, with what it lacks of
+    :func:`~lightning_async_pp.export_tokenizer.tokenizer_config` added (its own fields kept)."""
+    own = files.get(export_tokenizer.TOKENIZER_CONFIG)
+    fields = {}
+    if own is not None:
+        with open(own) as f:
+            fields = json.load(f)
+    with open(os.path.join(out, export_tokenizer.TOKENIZER_CONFIG), "w") as f:
+        json.dump({**export_tokenizer.tokenizer_config(tokens), **fields}, f, indent=2)
 
 
 def _copy(files: Mapping[str, str], out: str) -> list[str]:

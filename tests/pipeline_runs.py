@@ -51,6 +51,38 @@ def one_device_weights(cfg: dict, batch: int | None = None, strategy: bool = Tru
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
+#: float32's unit roundoff bound (2^-23): one rounding moves a value by at most this much of it.
+FLOAT32_EPS = torch.finfo(torch.float32).eps
+
+
+def sgd_step_bounds(weights: dict[str, torch.Tensor], gradients: dict[str, torch.Tensor], lr: float,
+                    accumulations: int) -> dict[str, float]:
+    """How far two float32 computations of one SGD step ``w - lr * g`` from the same weights may land apart, per
+    tensor, whatever the CPU's kernels: each gradient is a sum along chains of at most ``accumulations`` additions,
+    so each run's rounding moves it by at most ``accumulations * eps`` of its scale (taken as the tensor's largest
+    gradient), and each run rounds the new weight once (``eps`` of the weight); two runs, twice that."""
+    return {k: 2 * FLOAT32_EPS * (lr * accumulations * float(gradients[k].abs().max()) + float(weights[k].abs().max()))
+            for k in gradients}
+
+
+#: The learning rate of :func:`sgd_model`: the update is the gradient.
+SGD_LR = 1.0
+
+
+def sgd_model(model_class: type) -> type:
+    """``model_class`` trained by plain SGD at :data:`SGD_LR`, to check a pipeline's update against an upstream
+    gradient: well conditioned, where AdamW's first step (``lr * g / (|g| + eps)``, about ``lr * sign(g)``) hides the
+    gradient's scale and turns the float32 rounding of a gradient near its ``eps`` into differences of up to ``lr``
+    (on one CPU below a fixed bound, on another above it)."""
+
+    class SGDModel(model_class):
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.SGD(self.parameters(), lr=SGD_LR)
+
+    SGDModel.__name__ = SGDModel.__qualname__ = f"SGD{model_class.__name__}"
+    return SGDModel
+
+
 def max_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     assert a.keys() == b.keys(), (sorted(a), sorted(b))
     return max((a[k].float() - b[k].float()).abs().max().item() for k in a)

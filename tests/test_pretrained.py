@@ -79,6 +79,19 @@ def equals_file(weights: dict[str, torch.Tensor], file: dict[str, torch.Tensor],
 HF_TIED = {"lm_head.weight": "model.embed_tokens.weight"}
 
 
+def word_tokenizer(folder: Path, specials: tuple[str, ...] = ("<unk>", "<pad>", "<s>", "</s>")) -> Path:
+    """A word-level ``tokenizer.json`` in ``folder``: ``specials`` then a few words (``</s>`` at id 3 by default,
+    where Llama's default eos is 2)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {token: i for i, token in enumerate([*specials, "the", "stage", "sends"])}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    folder.mkdir(parents=True, exist_ok=True)
+    tok.save(str(folder / "tokenizer.json"))
+    return folder
+
+
 # ---- Hugging Face in -----------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("tied, shard", [(True, True), (False, False)])
 def test_hf_from_pretrained_holds_the_file_weights_and_gives_the_upstream_loss(tmp_path, tied, shard):
@@ -98,8 +111,8 @@ def test_hf_from_pretrained_holds_the_file_weights_and_gives_the_upstream_loss(t
 
 def test_hf_one_device_pipeline_from_pretrained_then_consolidate_hf_loads_in_transformers(tmp_path):
     # Two stages on one device: embedding + block 0 | block 1 + norm + head, the tied matrix on both.
-    folder = hf_folder(tmp_path / "hf")
-    (folder / "tokenizer.json").write_text(json.dumps({"version": "1.0", "model": {"type": "WordLevel"}}))
+    folder = word_tokenizer(hf_folder(tmp_path / "hf"))
+    assert json.loads((folder / "generation_config.json").read_text())["eos_token_id"] == 2  # Llama's default
     cfg = {"adapter": "hf", "pretrained": str(folder), "zero_lr_first": True, "steps": 2, "partition": [2, 3],
            "checkpoint_dir": str(tmp_path / "ckpt")}
     result = run_here_on_one_device(adapter_fit.run, cfg)
@@ -120,17 +133,19 @@ def test_hf_one_device_pipeline_from_pretrained_then_consolidate_hf_loads_in_tra
     ours.load_state_dict(trained, strict=True)
     batch = tokens()
     torch.testing.assert_close(reloaded(batch[:, :-1]).logits, ours.eval()(batch), rtol=0, atol=0)
-    # The folder the run started from named the tokenizer and generation config: both came along.
+    # The folder the run started from named the tokenizer and generation config: both came along, the ids of the
+    # tokenizer's EOS (</s>: 3, also the BOS as the tokenizer names none) in place of the config's defaults.
     assert (out / "tokenizer.json").read_text() == (folder / "tokenizer.json").read_text()
     assert (out / "generation_config.json").exists() and (out / "config.json").exists()
+    for name in ("config.json", "generation_config.json"):
+        assert {k: json.loads((out / name).read_text()).get(k) for k in ("bos_token_id", "eos_token_id")} == \
+            {"bos_token_id": 3, "eos_token_id": 3}, name
 
 
 def test_consolidate_hf_takes_the_tokenizer_argument_and_refuses_another_models_checkpoint(tmp_path, capsys):
     folder = hf_folder(tmp_path / "hf", shard=False)
-    tok = tmp_path / "tok"
-    tok.mkdir()
-    (tok / "tokenizer.json").write_text("{}")
-    (tok / "tokenizer_config.json").write_text("{}")
+    tok = word_tokenizer(tmp_path / "tok")
+    (tok / "tokenizer_config.json").write_text(json.dumps({"pad_token": "<pad>", "custom": 1}))
     model = HuggingFaceCausalLM.from_pretrained(folder)
     model.configure_model()
     ckpt = tmp_path / "one.ckpt"
@@ -139,6 +154,18 @@ def test_consolidate_hf_takes_the_tokenizer_argument_and_refuses_another_models_
     assert consolidate_main([str(ckpt), str(out), "--hf", "--tokenizer", str(tok)]) == 0
     assert {"tokenizer.json", "tokenizer_config.json"} <= set(os.listdir(out))
     assert not equals_file(AutoModelForCausalLM.from_pretrained(out).state_dict(), hf_file_tensors(folder), HF_TIED)
+    # The tokenizer's own config, with the generic class and the EOS found added; its pad id in the model's config.
+    assert json.loads((out / "tokenizer_config.json").read_text()) == {
+        "tokenizer_class": "PreTrainedTokenizerFast", "clean_up_tokenization_spaces": False, "custom": 1,
+        "model_input_names": ["input_ids", "attention_mask"], "pad_token": "<pad>", "eos_token": "</s>",
+        "bos_token": "</s>", "unk_token": "<unk>"}
+    config = json.loads((out / "config.json").read_text())
+    assert (config["bos_token_id"], config["eos_token_id"], config["pad_token_id"]) == (3, 3, 1)
+    big = word_tokenizer(tmp_path / "big", specials=tuple(f"<{i}>" for i in range(300)))
+    with pytest.raises(SystemExit):
+        consolidate_main([str(ckpt), str(tmp_path / "o3"), "--hf", "--tokenizer", str(big)])
+    assert "has 303 ids, more than the model's vocab_size 256" in capsys.readouterr().err
+    assert not (tmp_path / "o3").exists()
     with pytest.raises(SystemExit):
         consolidate_main([str(ckpt), str(tmp_path / "lit"), "--litgpt"])
     assert "--litgpt needs a checkpoint of LitGPT" in capsys.readouterr().err
@@ -174,8 +201,7 @@ def test_consolidate_hf_takes_the_tokenizer_a_prepared_data_path_carries(tmp_pat
     prepared = tmp_path / "tokens"
     (prepared / "train").mkdir(parents=True)
     (prepared / "COMPLETE.json").write_text(json.dumps({"vocab_size": 256}))
-    (prepared / "tokenizer").mkdir()
-    (prepared / "tokenizer" / "tokenizer.json").write_text('{"prepared": true}')
+    word_tokenizer(prepared / "tokenizer", specials=("<unk>", "</s>"))
     (prepared / "tokenizer" / "tokenizer_config.json").write_text('{"eos_token": "</s>"}')
     model = HuggingFaceCausalLM.from_pretrained(hf_folder(tmp_path / "hf", shard=False))
     model.configure_model()
@@ -183,8 +209,10 @@ def test_consolidate_hf_takes_the_tokenizer_a_prepared_data_path_carries(tmp_pat
     torch.save({"state_dict": model.state_dict(), "hyper_parameters": dict(model.hparams),
                 "datamodule_hyper_parameters": {"data_path": str(tmp_path / data_path), "tokenizer": None}}, ckpt)
     assert consolidate_main([str(ckpt), str(tmp_path / "out"), "--hf"]) == 0
-    assert (tmp_path / "out" / "tokenizer.json").read_text() == '{"prepared": true}'
-    assert (tmp_path / "out" / "tokenizer_config.json").read_text() == '{"eos_token": "</s>"}'
+    assert (tmp_path / "out" / "tokenizer.json").read_text() == (prepared / "tokenizer" / "tokenizer.json").read_text()
+    written = json.loads((tmp_path / "out" / "tokenizer_config.json").read_text())
+    assert (written["eos_token"], written["tokenizer_class"]) == ("</s>", "PreTrainedTokenizerFast")
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["eos_token_id"] == 1
 
 
 def test_hf_pretrained_mismatches_are_refused_and_unused_tensors_warned_naming_the_keys(tmp_path):
@@ -286,3 +314,75 @@ def test_litgpt_one_device_pipeline_from_checkpoint_then_consolidate_litgpt_load
     ours.configure_model()
     batch = tokens()
     torch.testing.assert_close(reloaded(batch[:, :-1]), ours.eval()(batch), rtol=0, atol=0)
+
+
+# ---- the user's own tokenizer through export -------------------------------------------------------------------------
+EOS = "<|endoftext|>"
+CORPUS = ("the pipeline sends activations forward while gradients flow back, and every stage keeps \"two\" versions "
+          "of its weights so that the delay stays bounded. ")
+
+
+def bare_bpe(folder: Path, specials: tuple[str, ...] = (EOS,)):
+    """A byte-level BPE trained here and saved as a bare ``tokenizer.json`` (no tokenizer_config.json), as
+    ``tokenizers`` users save one; the end-of-text token is not id 2, Llama's default eos."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator([CORPUS] * 4, trainers.BpeTrainer(
+        vocab_size=300, special_tokens=list(specials), initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False))
+    folder.mkdir(parents=True)
+    tok.save(str(folder / "tokenizer.json"))
+    return tok
+
+
+def test_a_bare_tokenizer_json_survives_export_to_autotokenizer_and_generate_with_its_own_special_ids(tmp_path):
+    from transformers import AutoTokenizer, GenerationConfig
+
+    from lightning_async_pp.data import TextDataModule
+
+    tok = bare_bpe(tmp_path / "tok", specials=("<pad>", "<unk>", EOS))
+    vocab, eos = tok.get_vocab_size(with_added_tokens=True), tok.token_to_id(EOS)
+    assert eos == 2 and tok.token_to_id("<pad>") == 0  # Llama's default eos id is another token here: its EOS
+    (tmp_path / "corpus.txt").write_text(CORPUS * 30)
+    dm = TextDataModule(data_path=str(tmp_path / "corpus.txt"), tokenizer=str(tmp_path / "tok"), block_size=8,
+                        batch_size=4, val_fraction=0.0, cache_dir=str(tmp_path / "cache"), num_workers=0)
+    L.seed_everything(0, verbose=False)
+    model = HuggingFaceCausalLM({**adapter_fit.HF_LLAMA, "vocab_size": vocab}, lr=0.01)
+    trainer = L.Trainer(strategy=AsyncPipelineStrategy(num_stages=2, num_microbatches=2), accelerator="cpu",
+                        devices=1, max_steps=2, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, limit_val_batches=0)
+    trainer.fit(model, datamodule=dm)
+    trainer.save_checkpoint(tmp_path / "run.ckpt")
+    out = tmp_path / "out"
+    assert consolidate_main([str(tmp_path / "run.ckpt"), str(out), "--hf"]) == 0  # the tokenizer from the data module
+
+    loaded = AutoTokenizer.from_pretrained(out)
+    assert type(loaded).__name__ in ("PreTrainedTokenizerFast", "TokenizersBackend") and len(loaded) == vocab
+    text = "the pipeline keeps \"two\" versions of its weights"
+    assert loaded(text)["input_ids"] == tok.encode(text).ids and loaded.decode(tok.encode(text).ids) == text
+    assert (loaded.eos_token, loaded.eos_token_id, loaded.bos_token_id) == (EOS, eos, eos)
+    reloaded = AutoModelForCausalLM.from_pretrained(out).eval()
+    generation = GenerationConfig.from_pretrained(out)
+    for config in (reloaded.config, generation, reloaded.generation_config):
+        assert (config.eos_token_id, config.bos_token_id, config.pad_token_id) == (eos, eos, None)
+    prompt = loaded(text, return_tensors="pt")
+    generated = reloaded.generate(**prompt, max_new_tokens=6, do_sample=False, pad_token_id=eos)
+    assert generated.shape[1] > prompt["input_ids"].shape[1] and int(generated.max()) < vocab
+    assert torch.equal(generated[:, : prompt["input_ids"].shape[1]], prompt["input_ids"])
+
+
+def test_consolidate_litgpt_writes_a_tokenizer_config_litgpts_tokenizer_reads_the_runs_eos_from(tmp_path):
+    folder = litgpt_folder(tmp_path / "lit")  # skips without litgpt
+    from litgpt.tokenizer import Tokenizer
+
+    model = LitGPT.from_checkpoint(folder)
+    model.configure_model()
+    torch.save({"state_dict": model.state_dict(), "hyper_parameters": dict(model.hparams)}, tmp_path / "one.ckpt")
+    tok = word_tokenizer(tmp_path / "tok")  # a bare tokenizer.json, </s> at id 3
+    out = tmp_path / "out"
+    assert consolidate_main([str(tmp_path / "one.ckpt"), str(out), "--litgpt", "--tokenizer", str(tok)]) == 0
+    loaded = Tokenizer(out)
+    assert (loaded.eos_id, loaded.bos_id, loaded.encode("the stage sends").tolist()) == (3, 3, [4, 5, 6])

@@ -20,13 +20,15 @@ from torch import Tensor, nn
 @dataclass(frozen=True)
 class OutsideWork:
     """One kind: where it happens ("embedding" or "head"), the code that shows it in the upstream ``forward``,
-    and the function of (output, config) that reproduces it."""
+    and the function of (output, config) that reproduces it; ``train_only``: done in training mode only (dropout),
+    as upstream's ``training=self.training``."""
 
     name: str
     where: str
     marker: str
     apply: Callable[[Tensor, Any], Tensor]
     active: Callable[[Any], bool] = lambda config: True
+    train_only: bool = False
 
 
 def _softcap(logits: Tensor, config: Any) -> Tensor:
@@ -40,6 +42,10 @@ KINDS = (
                 lambda h, c: h * torch.tensor(c.hidden_size**0.5, dtype=h.dtype)),
     OutsideWork("embedding x embedding_multiplier", "embedding", "embedding_multiplier",
                 lambda h, c: h * c.embedding_multiplier),
+    # StarCoder2: nn.functional.dropout(hidden_states, p=self.embedding_dropout, training=self.training), after the
+    # embedding (the same call, so the same draws from the generator the pipeline seeds for the first stage).
+    OutsideWork("embedding dropout", "embedding", "self.embedding_dropout",
+                lambda h, c: torch.nn.functional.dropout(h, p=c.embedding_dropout, training=True), train_only=True),
     OutsideWork("logits / logits_scaling", "head", "logits_scaling", lambda x, c: x / c.logits_scaling),
     OutsideWork("logits x logit_scale", "head", "self.logit_scale", lambda x, c: x * c.logit_scale),
     OutsideWork("final_logit_softcapping", "head", "final_logit_softcapping", _softcap,
@@ -87,14 +93,16 @@ def attach(kinds: list[OutsideWork], embedding: nn.Module, head: nn.Module, base
             if upstream.depth:
                 return None
             for kind in on_embedding:
-                output = kind.apply(output, config)
+                if module.training or not kind.train_only:
+                    output = kind.apply(output, config)
             return output
 
         embedding.register_forward_hook(embed_hook)
     if on_head:
         def head_hook(module: nn.Module, args: tuple, output: Tensor) -> Tensor:
             for kind in on_head:
-                output = kind.apply(output, config)
+                if module.training or not kind.train_only:
+                    output = kind.apply(output, config)
             return output
 
         head.register_forward_hook(head_hook)

@@ -30,7 +30,7 @@ TINY = dict(width=32, layers=2, heads=4, kv_heads=2, ffn=64, head_dim=8, experts
 def tiny_config(config: Any, layers: int = TINY["layers"]) -> Any:
     """A config of the same family and switches as ``config`` with small sizes: width 32, ``layers`` layers, 4 heads
     (2 key/value heads if the family has them), head dim 8, FFN 64, 4 experts (2 per token), vocabulary 256,
-    sliding windows of 8. Token ids outside the vocabulary become ``None``. Built with the config's class so that
+    sliding windows of 8, per-frequency rope factors (longrope) for the head dim 8. Token ids outside the vocabulary become ``None``. Built with the config's class so that
     fields derived in its constructor (``layer_types``, ...) follow the new sizes."""
     fields = config.to_dict()
     tiny: dict[str, Any] = {}
@@ -71,6 +71,7 @@ def tiny_config(config: Any, layers: int = TINY["layers"]) -> Any:
         for name in LAYERS:
             if name in tiny:
                 tiny[name] = len(chosen)
+    _shrink_rope_factors(fields, tiny)
     vocab = tiny.get("vocab_size", fields.get("vocab_size"))
     for name in ("pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_token_id", "sep_token_id"):
         value = fields.get(name)
@@ -87,15 +88,58 @@ def tiny_config(config: Any, layers: int = TINY["layers"]) -> Any:
     return made
 
 
+#: Rope parameter lists with one entry per rotary frequency (longrope: Phi-3 128k, Phi-3.5, Phi-4-mini).
+ROPE_FACTORS = ("short_factor", "long_factor")
+
+
+def _shrink_rope_factors(fields: dict[str, Any], tiny: dict[str, Any]) -> None:
+    """Per-frequency rope factors (``rope_scaling`` in transformers 4.x, ``rope_parameters`` in 5.x, possibly one
+    dict per layer type) cut to the tiny head's ``rotary_dim / 2`` frequencies, evenly spread over the original
+    ones (the family validates their length against the head size)."""
+    width = tiny.get("hidden_size", fields.get("hidden_size"))
+    heads = tiny.get("num_attention_heads", fields.get("num_attention_heads"))
+    head_dim = tiny.get("head_dim", fields.get("head_dim"))
+    if not isinstance(head_dim, int):
+        if not (isinstance(width, int) and isinstance(heads, int) and heads):
+            return
+        head_dim = width // heads
+
+    def shrunk(rope: Any) -> Any:
+        if not isinstance(rope, dict):
+            return rope
+        if not any(isinstance(rope.get(name), list) for name in ROPE_FACTORS):
+            return {k: shrunk(v) for k, v in rope.items()}  # one rope dict per layer type
+        partial = rope.get("partial_rotary_factor", fields.get("partial_rotary_factor")) or 1.0
+        frequencies = int(head_dim * partial) // 2
+        out = dict(rope)
+        for name in ROPE_FACTORS:
+            factors = rope.get(name)
+            if isinstance(factors, list) and len(factors) > frequencies:
+                out[name] = [factors[i * len(factors) // frequencies] for i in range(frequencies)]
+        return out
+
+    for name in ("rope_scaling", "rope_parameters"):
+        if isinstance(fields.get(name), dict):
+            rope = shrunk(fields[name])
+            if rope != fields[name]:
+                tiny[name] = rope
+
+
 #: The largest difference of logits (fp32) and loss the check accepts.
 TOLERANCE = 1e-5
 #: Attention implementations the check runs as they are (others, such as flash attention, run as SDPA on the CPU).
 CPU_ATTENTION = ("eager", "sdpa")
 
 
+#: The seed both models' random draws start from in the training-mode comparison.
+TRAIN_SEED = 0
+
+
 def check_exact(adapter_class: type, config: Any) -> None:
     """Raises ``ValueError`` unless ``adapter_class`` on a tiny copy of ``config`` gives the upstream logits and
-    training loss (``model(ids, labels=ids).loss``) at the same weights, in eval mode (no dropout), on the CPU.
+    training loss (``model(ids, labels=ids).loss``) at the same weights, on the CPU, in eval mode and in training
+    mode with both models' random draws started from one seed: work upstream does outside the decoder layers only
+    while training (an embedding dropout) changes the training-mode numbers (the config's dropout rates are kept).
     The global RNG is left as it was."""
     import torch
     from transformers import AutoModelForCausalLM
@@ -126,33 +170,47 @@ def check_exact(adapter_class: type, config: Any) -> None:
                 replace_meta_tensors(module, lambda t: torch.empty_like(t, device="cpu"))
             ours.init_weights()
             upstream.load_state_dict(ours.state_dict(), strict=True)
-            ours.eval(), upstream.eval()
             batch = torch.randint(0, tiny.vocab_size, (2, 17), generator=torch.Generator().manual_seed(0))
-            with torch.no_grad(), torch.autocast("cpu", enabled=False):
-                x = ours.pipeline_input(batch)
-                for layer in ours.pipeline_layers():
-                    x = layer(x)
-                loss = ours.pipeline_loss(x, batch)
-                # Upstream on what the adapter reads: the first T tokens in, the next T as targets (the router's
-                # balancing term, when the config asks for it, is over exactly those tokens: models/moe.py).
-                expected = upstream(batch[:, :-1], labels=batch[:, :-1], shift_labels=batch[:, 1:].contiguous())
-                router_loss = getattr(ours, "_router_loss", None)
-                if router_loss is not None:
-                    x = router_loss.split(x)[0]  # the logits; the router statistics went into the loss
+            runs = {mode: _both(ours, upstream, batch, training) for mode, training in (("", False), (" in training mode", True))}
         except Exception as err:
             raise ValueError(f"HuggingFaceCausalLM cannot run {name} as pipeline layers: on a tiny copy of its "
                              f"config they fail with {type(err).__name__}: {err}") from err
-        if not isinstance(x, torch.Tensor) or x.shape != expected.logits.shape:
-            raise ValueError(f"HuggingFaceCausalLM cannot run {name} as pipeline layers: they give "
-                             f"{type(x).__name__} {tuple(getattr(x, 'shape', ()))}, not the logits "
-                             f"{tuple(expected.logits.shape)}")
-        logits = (x - expected.logits).abs().max().item()
-        loss_gap = (loss - expected.loss).abs().item()
-        if not logits <= TOLERANCE or not loss_gap <= TOLERANCE:
-            raise ValueError(
-                f"HuggingFaceCausalLM refuses {name}: on a tiny copy of its config the pipeline layers give logits "
-                f"{logits:.3g} and a loss {loss_gap:.3g} away from the upstream forward at the same weights: the family "
-                f"does work outside its decoder layers (or in its loss) that the adapter does not reproduce")
+        for mode, (x, loss, expected) in runs.items():
+            if not isinstance(x, torch.Tensor) or x.shape != expected.logits.shape:
+                raise ValueError(f"HuggingFaceCausalLM cannot run {name} as pipeline layers: they give "
+                                 f"{type(x).__name__} {tuple(getattr(x, 'shape', ()))}, not the logits "
+                                 f"{tuple(expected.logits.shape)}")
+            logits = (x - expected.logits).abs().max().item()
+            loss_gap = (loss - expected.loss).abs().item()
+            if not logits <= TOLERANCE or not loss_gap <= TOLERANCE:
+                raise ValueError(
+                    f"HuggingFaceCausalLM refuses {name}: on a tiny copy of its config the pipeline layers give "
+                    f"logits {logits:.3g} and a loss {loss_gap:.3g} away from the upstream forward at the same "
+                    f"weights{mode or ''}{' (random draws from one seed)' if mode else ''}: the family does work "
+                    f"outside its decoder layers (or in its loss){' while training' if mode else ''} that the "
+                    f"adapter does not reproduce")
+
+
+def _both(ours: Any, upstream: Any, batch: Any, training: bool) -> tuple[Any, Any, Any]:
+    """The adapter's pipeline layers (logits, loss) and upstream's output on ``batch``, both in training or eval
+    mode, each run's random draws from :data:`TRAIN_SEED`."""
+    import torch
+
+    ours.train(training), upstream.train(training)
+    with torch.no_grad(), torch.autocast("cpu", enabled=False):
+        torch.manual_seed(TRAIN_SEED)
+        x = ours.pipeline_input(batch)
+        for layer in ours.pipeline_layers():
+            x = layer(x)
+        loss = ours.pipeline_loss(x, batch)
+        torch.manual_seed(TRAIN_SEED)
+        # Upstream on what the adapter reads: the first T tokens in, the next T as targets (the router's
+        # balancing term, when the config asks for it, is over exactly those tokens: models/moe.py).
+        expected = upstream(batch[:, :-1], labels=batch[:, :-1], shift_labels=batch[:, 1:].contiguous())
+        router_loss = getattr(ours, "_router_loss", None)
+        if router_loss is not None:
+            x = router_loss.split(x)[0]  # the logits; the router statistics went into the loss
+    return x, loss, expected
 
 
 @contextlib.contextmanager
