@@ -207,6 +207,9 @@ class TextSamples(Callback):
                 logits = pl_module.pipeline_forward(batch) if executor is None else executor.predict(batch)
                 if logits is None:  # not this pipeline's first stage: it only passes activations on
                     picks_tokens = False
+                    # It reads no token, but its batches must keep the first stage's shapes (each shape's
+                    # message layout is agreed once): a placeholder column stands for the token picked there.
+                    ids = torch.cat([ids, ids[:, -1:]], dim=1)
                     continue
                 ids = torch.cat([ids, self._pick(logits, context, generator).to(device)], dim=1)
             continuations.append(ids[0, len(prompt):].tolist())
