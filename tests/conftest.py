@@ -9,6 +9,10 @@ under NCCL's rules (``traffic.check``).
 ``LIGHTNING_ASYNC_PP_TRAFFIC_CHECK``: ``fail`` (default) fails the test with the violations, ``report`` prints
 them at the end of the session instead, ``off`` records nothing. A test whose runs all end in deliberate failures
 (no job with every rank exiting cleanly) needs ``@pytest.mark.traffic_unchecked("why")``.
+
+Processes started by a module-scoped fixture (one run shared by several tests) record into the module's own
+directory, set up before any fixture of that scope; a test that started no process of its own is checked against
+what its module's fixtures recorded.
 """
 from __future__ import annotations
 
@@ -23,6 +27,8 @@ CHECK_ENV = "LIGHTNING_ASYNC_PP_TRAFFIC_CHECK"
 _MODES = ("fail", "report", "off")
 _HOOK = Path(__file__).parent / "traffic_hook"
 _DIRECTORY = pytest.StashKey[Path]()
+_MODULE_DIRECTORY = pytest.StashKey[Path]()
+_ANALYSES = pytest.StashKey[dict]()
 _REPORTS = pytest.StashKey[list]()
 
 
@@ -36,6 +42,28 @@ def _mode() -> str:
 def pytest_configure(config: pytest.Config) -> None:
     _mode()
     config.stash[_REPORTS] = []
+    config.stash[_ANALYSES] = {}
+
+
+def _recording_env(monkeypatch: pytest.MonkeyPatch, directory: Path) -> None:
+    monkeypatch.setenv(traffic.TRAFFIC_ENV, str(directory))
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(_HOOK), os.environ.get("PYTHONPATH")])))
+    monkeypatch.setenv(traffic.STRICT_TAGS_ENV, os.environ.get(traffic.STRICT_TAGS_ENV, "1"))
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _record_module_traffic(request: pytest.FixtureRequest, tmp_path_factory) -> None:
+    # Autouse fixtures come first within their scope, so a module fixture's processes find this set.
+    items = [i for i in request.session.items if i.module is request.module]
+    if _mode() == "off" or not any(i.get_closest_marker("multiprocess") for i in items):
+        yield
+        return
+    directory = tmp_path_factory.mktemp("traffic-module")
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        _recording_env(monkeypatch, directory)
+        for item in items:
+            item.stash[_MODULE_DIRECTORY] = directory
+        yield
 
 
 @pytest.fixture(autouse=True)
@@ -44,9 +72,7 @@ def _record_traffic(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPa
         yield
         return
     directory = tmp_path_factory.mktemp("traffic")
-    monkeypatch.setenv(traffic.TRAFFIC_ENV, str(directory))
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(_HOOK), os.environ.get("PYTHONPATH")])))
-    monkeypatch.setenv(traffic.STRICT_TAGS_ENV, os.environ.get(traffic.STRICT_TAGS_ENV, "1"))
+    _recording_env(monkeypatch, directory)
     request.node.stash[_DIRECTORY] = directory
     yield
 
@@ -78,8 +104,20 @@ def _explain(item: pytest.Item, directory: Path) -> None:
         item.add_report_section("call", "traffic under NCCL's rules", "\n".join(lines))
 
 
+def _analyze(item: pytest.Item, directory: Path) -> traffic.Analysis:
+    """What the test's own processes recorded; where it started none, what its module's fixtures recorded (each
+    set of files replayed once, however many tests share it)."""
+    if not any(directory.glob("traffic-*.jsonl")) and _MODULE_DIRECTORY in item.stash:
+        directory = item.stash[_MODULE_DIRECTORY]
+    key = (directory, tuple(sorted(p.name for p in directory.glob("traffic-*.jsonl"))))
+    cache = item.config.stash[_ANALYSES]
+    if key not in cache:
+        cache[key] = traffic.analyze(directory)
+    return cache[key]
+
+
 def _check(item: pytest.Item, directory: Path) -> None:
-    analysis = traffic.analyze(directory)
+    analysis = _analyze(item, directory)
     problems = list(analysis.violations)
     unchecked = item.get_closest_marker("traffic_unchecked")
     if not analysis.complete_jobs and unchecked is None:
