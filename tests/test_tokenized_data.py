@@ -7,6 +7,7 @@ The reference is the tokenizer itself, called here on each document as the test 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -380,13 +381,13 @@ def test_bad_tokenizers_are_named(tmp_path):
 def test_prepare_holds_out_val_fraction_of_the_tokens_whatever_the_file_sizes_and_seed(tmp_path):
     from lightning_async_pp.data.prepare import prepare
 
-    # One 0.5 MB file and two small ones (validation got 99% or 1% of the tokens by seed when it took whole files).
+    # One 128 KB file and two small ones (validation got 99% or 1% of the tokens by seed when it took whole files).
     # Every line is 16 bytes and 3 tokens of a word-level tokenizer, so tokens are proportional to bytes.
     tok = word_tokenizer(tmp_path / "words.json", words=1000)
     corpus = tmp_path / "corpus"
     corpus.mkdir()
     line = lambda i: f"w{100 + i % 900} w{100 + 7 * i % 900} w{100 + 13 * i % 900}\n"  # noqa: E731
-    for name, lines in (("big.txt", 2 ** 19 // 16), ("a.txt", 120), ("b.txt", 90)):
+    for name, lines in (("big.txt", 2 ** 17 // 16), ("a.txt", 120), ("b.txt", 90)):
         (corpus / name).write_text("".join(line(i) for i in range(lines)))
     files = sorted(corpus.glob("*.txt"))
     total = sum(len(f.read_text().splitlines()) * 3 + 1 for f in files)  # 3 ids a line, an EOS a document
@@ -400,6 +401,35 @@ def test_prepare_holds_out_val_fraction_of_the_tokens_whatever_the_file_sizes_an
         for segments, split in ((train, "train"), (val, "val")):
             assert chunk_ids(out / split, info["dtype"]) == expected_word_ids(tok, documents_of(segments))
     assert chunk_ids(out / "val", info["dtype"]) == stored_ids(str(out / "val"))  # the chunk reader reads litdata's
+
+
+_PREPARE_AFTER_PARALLEL_WORK = """
+import sys
+from pathlib import Path
+import torch
+from lightning_async_pp.data.prepare import prepare
+a = torch.randn(1500, 1500)
+(a @ a).exp().sum()  # the parent's OpenMP thread team is started, as building a model starts it
+corpus, tokenizer, out = map(Path, sys.argv[1:])
+prepare([corpus], tokenizer, out, val_fraction=0.05, seed=0, num_workers=1)
+print("PREPARED")
+"""
+
+
+@pytest.mark.slow
+def test_prepare_finishes_in_a_process_whose_torch_thread_pool_already_ran(tmp_path):
+    # Forked litdata workers that entered an OpenMP region the parent had run waited for its threads forever.
+    tok = word_tokenizer(tmp_path / "words.json", words=1000)
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "big.txt").write_text("".join(f"w{100 + i % 900} w{100 + 7 * i % 900}\n" for i in range(40000)))
+    try:
+        proc = subprocess.run([sys.executable, "-c", _PREPARE_AFTER_PARALLEL_WORK, str(corpus), str(tok),
+                               str(tmp_path / "out")], capture_output=True, text=True, timeout=90,
+                              env={**os.environ, "OMP_NUM_THREADS": "2"})
+    except subprocess.TimeoutExpired:
+        pytest.fail("prepare hung after the parent process had used torch's thread pool")
+    assert proc.returncode == 0 and "PREPARED" in proc.stdout, proc.stderr[-3000:]
 
 
 def chunk_ids(optimized_dir: Path, dtype: str) -> list[int]:

@@ -282,8 +282,10 @@ def _optimize(segments: Sequence[Segment], output_dir: Path, num_workers: Option
     # files and copy bytes or run a tokenizer they load themselves, which is safe in a forked child.
     start_method = "fork" if "fork" in multiprocessing.get_all_start_methods() else None
     # litdata.optimize reseeds the global RNGs and leaves an environment variable behind; neither should leak
-    # into the training process.
-    with _preserve_global_state():
+    # into the training process. A forked child that enters an OpenMP region the parent already ran (any large
+    # tensor op, e.g. building the model) waits forever for the parent's thread team: the children start with
+    # one thread, which they need no more of.
+    with _preserve_global_state(), _one_thread_while_forking(start_method == "fork"):
         litdata.optimize(
             fn=fn,
             inputs=list(segments),
@@ -319,6 +321,17 @@ def _preserve_global_state() -> Iterator[None]:
         for key in [k for k in os.environ if k.startswith("DATA_OPTIMIZER_") and k not in env]:
             del os.environ[key]
         os.environ.update({k: v for k, v in env.items() if k.startswith("DATA_OPTIMIZER_")})
+
+
+@contextlib.contextmanager
+def _one_thread_while_forking(forking: bool) -> Iterator[None]:
+    threads = torch.get_num_threads()
+    if forking:
+        torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 @contextlib.contextmanager
