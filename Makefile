@@ -32,7 +32,7 @@ demo: $(STAMP)
 
 # The transformers adapter's single-process tests (marked `hf`) on 5.x, then the whole suite (4.x and litgpt).
 test: $(STAMP) test-hf5
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q --durations=40 tests
 
 test-hf5: $(STAMP_HF5)
 	$(PY_HF5) -m pytest -q -m "hf and not multiprocess" tests
