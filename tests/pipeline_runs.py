@@ -3,8 +3,11 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
+import tempfile
+import time
 from pathlib import Path
 
 import lightning as L
@@ -17,20 +20,62 @@ from lightning_async_pp import AsyncPipelineStrategy
 SCRIPT = Path(__file__).parent / "scripts" / "pipeline_fit.py"
 
 
-def run_multiprocess(cfg: dict, tmp_path: Path, timeout: float = 240) -> subprocess.CompletedProcess:
+def run_multiprocess(cfg: dict, tmp_path: Path, timeout: float = 240, launch: str = "at_once") -> subprocess.CompletedProcess:
     out = tmp_path / "final.pt"
-    # A clean environment: no rendezvous variables left by an earlier run in this process.
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK", "LOCAL_WORLD_SIZE")}
+    env = {k: v for k, v in os.environ.items() if k not in _RENDEZVOUS}
     env.update(PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
-    return subprocess.run(
-        [sys.executable, str(SCRIPT), "--config", json.dumps(cfg), "--out", str(out)],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=timeout,
-    )
+    return run_ranks([sys.executable, str(SCRIPT), "--config", json.dumps(cfg), "--out", str(out)],
+                     cfg["stages"] * cfg.get("dp", 1), tmp_path, env, timeout, launch)
 
 
-def multiprocess_weights(cfg: dict, tmp_path: Path) -> dict[str, torch.Tensor]:
-    proc = run_multiprocess(cfg, tmp_path)
+def run_ranks(cmd: list[str], processes: int, cwd: Path, env: dict, timeout: float,
+              launch: str = "at_once") -> subprocess.CompletedProcess:
+    """A script whose ``Trainer`` has ``devices=processes``, on one machine.
+
+    ``launch="lightning"``: started once, and Lightning's launcher starts ranks 1.. by running the script again
+    when rank 0 reaches ``fit`` (what ``python train.py`` does). ``"at_once"``: every rank started together with
+    its rendezvous variables, as ``torchrun`` starts them (Lightning then starts no process), so the ranks' imports
+    (about 10 s of each process's start here) overlap instead of following each other. The ranks' outputs are
+    joined in rank order, the return code is the first rank's that failed."""
+    if launch == "lightning" or processes == 1:
+        return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+    if launch != "at_once":
+        raise ValueError(f"launch={launch!r}; use 'at_once' or 'lightning'")
+    port = free_port()
+    # Files, not pipes: a rank blocked on a full pipe nobody reads yet would hold up the others.
+    files = [(tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")) for _ in range(processes)]
+    procs = [subprocess.Popen(cmd, cwd=cwd, stdout=out, stderr=err, text=True,
+                              env=dict(env, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(processes),
+                                       NODE_RANK="0", LOCAL_RANK=str(rank)))
+             for rank, (out, err) in enumerate(files)]
+    deadline = time.monotonic() + timeout
+    try:
+        for proc in procs:
+            proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        for proc in procs:
+            proc.kill()
+        raise subprocess.TimeoutExpired(cmd, timeout) from None
+    texts = []
+    for out, err in files:
+        texts.append([])
+        for f in (out, err):
+            f.seek(0)
+            texts[-1].append(f.read())
+            f.close()
+    failed = [proc.returncode for proc in procs if proc.returncode != 0]
+    return subprocess.CompletedProcess(cmd, failed[0] if failed else 0, "".join(t[0] for t in texts),
+                                       "".join(t[1] for t in texts))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def multiprocess_weights(cfg: dict, tmp_path: Path, launch: str = "at_once") -> dict[str, torch.Tensor]:
+    proc = run_multiprocess(cfg, tmp_path, launch=launch)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     return torch.load(tmp_path / "final.pt")
 
@@ -92,12 +137,12 @@ _RENDEZVOUS = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK",
                "PL_GLOBAL_SEED", "PL_SEED_WORKERS")
 
 
-def run_script(script: Path, cfg: dict, tmp_path: Path, timeout: float = 240) -> subprocess.CompletedProcess:
+def run_script(script: Path, cfg: dict, tmp_path: Path, timeout: float = 240, launch: str = "at_once") -> subprocess.CompletedProcess:
     """Run a tests/scripts/ script (``helpers.script_main``), which saves each rank's result in ``tmp_path/out``."""
     env = {k: v for k, v in os.environ.items() if k not in _RENDEZVOUS}
     env.update(PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
-    return subprocess.run([sys.executable, str(script), "--config", json.dumps(cfg), "--out", str(tmp_path / "out")],
-                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=timeout)
+    return run_ranks([sys.executable, str(script), "--config", json.dumps(cfg), "--out", str(tmp_path / "out")],
+                     cfg.get("devices", 2), tmp_path, env, timeout, launch)
 
 
 def script_ranks(script: Path, cfg: dict, tmp_path: Path, ranks: int = 2, timeout: float = 240) -> list[dict]:
