@@ -21,7 +21,6 @@ import inspect
 import json
 import math
 import os
-import socket
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -33,6 +32,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent / "scripts"))
 import callback_fit  # noqa: E402
+from pipeline_runs import free_port  # noqa: E402
 
 from lightning_async_pp.lightning_callbacks import refusal  # noqa: E402
 
@@ -226,9 +226,7 @@ def test_resuming_with_a_weight_averaging_callback_is_refused_before_loading_nam
 def launch_two_processes(cfg: dict, tmp_path: Path, timeout: float = 900) -> list[dict]:
     """Both ranks started here, as torchrun would (LOCAL_RANK set): Lightning then kills no process when a fit
     raises, so a refused case leaves both processes ready for the next one."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     procs = []
     for rank in range(2):
         env = {k: v for k, v in os.environ.items() if k not in ("PL_GLOBAL_SEED", "PL_SEED_WORKERS", "NODE_RANK")}

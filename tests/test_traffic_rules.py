@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -15,6 +14,7 @@ from pathlib import Path
 import pytest
 
 import traffic
+from pipeline_runs import free_port
 
 SCRIPT = Path(__file__).parent / "scripts" / "traffic_exchange.py"
 
@@ -210,12 +210,6 @@ def test_unmatched_messages_and_incomplete_jobs(tmp_path):
     d.write(tmp_path / "mismatch", clean=False)
     found = traffic.check_prefix(traffic.load(tmp_path / "mismatch")[0])
     assert len(found) == 1 and "sent as [4, 8] float32 but received as [1] float64" in found[0], found
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.mark.multiprocess
