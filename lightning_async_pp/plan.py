@@ -292,6 +292,9 @@ def plan(args: argparse.Namespace) -> tuple[list[str], list[dict]]:
         lines.append(f"{args.layers} layers of forward {args.forward_s:g} s, backward "
                      f"{args.forward_s * model.backward_ratio:g} s per microbatch; transfer {model.comm_s:g} s, "
                      f"optimizer {args.optimizer_s:g} s.")
+    if args.tied_reduce_s is not None:
+        lines.append(f"A tied weight on the first and the last stage: its gradient is summed in "
+                     f"{fmt_seconds(args.tied_reduce_s)} before every update, which waits for both stages' steps.")
     lines += ["", "*bubble*: share of the steady-state step a device neither computes nor updates its weights (mean "
               "over devices; the definition of PipelineMonitor's pipeline/bubble_fraction); *optimizer*: the share it "
               "spends in the optimizer's update, apart from the bubble; *x 1f1b*: 1f1b's step "
@@ -323,7 +326,7 @@ def plan(args: argparse.Namespace) -> tuple[list[str], list[dict]]:
                     results[s] = simulate(s, p, m, costs.forward_s, costs.backward_s, comm_s=costs.comm_s,
                                           optimizer_s=args.optimizer_s, steps=args.steps,
                                           virtual_stages=args.virtual_stages,
-                                          weight_grad_fraction=args.weight_grad_fraction)
+                                          weight_grad_fraction=args.weight_grad_fraction, **tied_kwargs(args, p))
                 except ValueError as err:  # this (p, m) does not suit the schedule (2bw: m < p; interleaved: m % p)
                     if "needs num_microbatches" not in str(err) and "multiple of" not in str(err):
                         raise
@@ -379,6 +382,14 @@ def plan(args: argparse.Namespace) -> tuple[list[str], list[dict]]:
     return lines, records
 
 
+def tied_kwargs(args: argparse.Namespace, p: int) -> dict:
+    """``--tied-reduce-s``: the first and the last stage hold one tied parameter (an embedding tied to the head)
+    whose gradient they sum before each update, so their updates wait for each other's whole step."""
+    if args.tied_reduce_s is None or p < 2:
+        return {}
+    return {"tied_stages": (0, p - 1), "tied_reduce_s": args.tied_reduce_s}
+
+
 def dp_row(args: argparse.Namespace, p: int, m: int, costs: Costs, schedules: list[str]) -> tuple[str, dict]:
     """One row of the data-parallel table and its results: every schedule with each placement of the reduction."""
     cells = [str(p), str(m), f"{max(costs.gradient_bytes) / 2**30:.2f} GiB" if costs.gradient_bytes else "-",
@@ -391,7 +402,8 @@ def dp_row(args: argparse.Namespace, p: int, m: int, costs: Costs, schedules: li
         for mode in ("none", "backward") + (("deferred",) if s == "2bw" else ()):
             r = results[f"{s}/{mode}"] = simulate(
                 s, p, m, costs.forward_s, costs.backward_s, comm_s=costs.comm_s, optimizer_s=args.optimizer_s,
-                steps=max(args.steps, 4), dp_reduce_s=costs.dp_reduce_s, dp_overlap=mode, dp_buckets=args.dp_buckets)
+                steps=max(args.steps, 4), dp_reduce_s=costs.dp_reduce_s, dp_overlap=mode, dp_buckets=args.dp_buckets,
+                **tied_kwargs(args, p))
             cells.append(f"{fmt_seconds(r.step_time_s)} ({fmt_seconds(max(r.dp_exposed_s))})")
     return "| " + " | ".join(cells) + " |", results
 
@@ -425,6 +437,9 @@ def parser() -> argparse.ArgumentParser:
                    "(default 0, or computed from the model shape and --link-gbps)")
     c.add_argument("--optimizer-s", type=_seconds, default=0.0, help="optimizer update per stage and step (default 0)")
     c.add_argument("--backward-ratio", type=_positive, default=2.0, help="backward / forward time (default 2)")
+    c.add_argument("--tied-reduce-s", type=_seconds,
+                   help="the first and last stage share a tied weight (embedding and head) whose gradient they "
+                        "all-reduce in this many seconds before every update (default: no tie)")
     s = ap.add_argument_group("costs from a model shape")
     s.add_argument("--model", choices=sorted(MODELS), help="a preset shape (the flags below override its fields)")
     s.add_argument("--layers", type=_positive_int, help="layers (blocks of a shape, or identical layers with --forward-s)")

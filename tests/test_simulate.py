@@ -44,6 +44,56 @@ def test_2bw_steady_state_wastes_nothing(p, m):
         assert all(a.end == pytest.approx(b.start) for a, b in zip(spans, spans[1:]))
 
 
+# ---- a weight tied across stages (an embedding tied to the head) -------------------------------------------------------
+@pytest.mark.parametrize("p,m", [(2, 2), (2, 4), (3, 3), (3, 7), (4, 8)])
+@pytest.mark.parametrize("f,b,t", [(1.0, 2.0, 0.0), (1.0, 3.0, 0.5)])
+def test_a_tied_weight_costs_2bw_p_minus_1_backwards_and_a_synchronous_schedule_only_its_sum(p, m, f, b, t):
+    """The first and last stage sum the tied gradient before each update, so every update waits for the first
+    stage's last backward, which comes p - 1 backwards after the last stage's: 2BW's step grows from m (f + b) to
+    m (f + b) + (p - 1) b + t; a flushing schedule already waits for it and pays only the sum's t."""
+    tied = dict(tied_stages=(0, p - 1), tied_reduce_s=t)
+    assert simulate("2bw", p, m, f, b, **tied).step_time_s == pytest.approx(m * (f + b) + (p - 1) * b + t)
+    for schedule in ("1f1b", "gpipe", "zb_h1"):
+        assert simulate(schedule, p, m, f, b, **tied).step_time_s == pytest.approx(
+            simulate(schedule, p, m, f, b).step_time_s + t)
+
+
+def test_each_tied_stage_updates_only_after_every_tied_stage_finished_its_step():
+    r = simulate("2bw", 3, 4, [1.0, 1.5, 2.0], [2.0, 2.5, 3.0], comm_s=0.25, optimizer_s=[0.1, 0.2, 0.3], steps=5,
+                 tied_stages=[2, 0], tied_reduce_s=0.75)
+    assert r.tied_stages == (0, 2)
+    for k in range(r.steps):
+        done = {s: max(x.end for x in r.step_spans(s, k) if x.op != "optimizer") for s in range(3)}
+        update = {s: next(x for x in r.step_spans(s, k) if x.op == "optimizer") for s in range(3)}
+        assert update[0].start == pytest.approx(max(done[0], done[2]) + 0.75)
+        assert update[2].start == pytest.approx(max(done[0], done[2]) + 0.75)
+        assert update[1].start == pytest.approx(done[1])  # not tied: right after its own step
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(tied_stages=(0,)), r"tied_stages must name at least two distinct stages among 0..2 \(or none\), got \(0,\)"),
+    (dict(tied_stages=(0, 0)), r"at least two distinct stages.*got \(0, 0\)"),
+    (dict(tied_stages=(0, 3)), r"among 0..2.*got \(0, 3\)"),
+    (dict(tied_stages="02"), r"tied_stages must be a sequence of stage indices, e.g. \(0, 2\), got '02'"),
+    (dict(tied_stages=(0, 2.0)), r"tied_stages must be a sequence of stage indices.*got \(0, 2.0\)"),
+    (dict(tied_stages=(0, 2), tied_reduce_s=-1.0), r"tied_reduce_s must be a finite number of seconds >= 0, got -1.0"),
+])
+def test_bad_tied_stages_are_clear_errors(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        simulate("1f1b", 3, 4, 1.0, 2.0, **kwargs)
+
+
+def test_plan_tied_reduce_s_ties_the_first_and_last_stage(capsys):
+    argv = ["--layers", "8", "--forward-s", "1", "--stages", "2", "--microbatches", "4", "--schedules", "2bw", "1f1b"]
+    plan.main(argv + ["--tied-reduce-s", "0.5"])
+    out = capsys.readouterr().out
+    assert "A tied weight on the first and the last stage: its gradient is summed in 500 ms" in out
+    rows = {c[3]: c[4] for c in ([x.strip() for x in line.strip("|").split("|")] for line in out.splitlines()
+                                 if line.startswith("| 2 "))}
+    # p=2, m=4, 4 layers per stage: f = 4 s, b = 8 s; 2bw: 4 x 12 + 8 + 0.5; 1f1b: (4 + 1) x 12 + 0.5.
+    assert rows == {"2bw": "56.5 s", "1f1b": "60.5 s"}
+
+
 # ---- it runs exactly the engine's lists ----------------------------------------------------------------------------
 @pytest.mark.parametrize("schedule,p,m", [("2bw", 3, 5), ("1f1b", 3, 5), ("gpipe", 2, 3), ("2bw", 4, 4)])
 def test_each_stage_runs_exactly_the_step_actions_the_runtime_runs(schedule, p, m, monkeypatch):

@@ -85,6 +85,8 @@ class SimulationResult:
     dp_spans: list[list[SimSpan]] = field(default_factory=list)  # per stage: the reductions (on their own link)
     chunks: int = 1  # model chunks per device
     weight_versions: int = 1  # copies of its weights a device holds: 2 under 2bw (the stashed version)
+    tied_stages: tuple[int, ...] = ()  # stages whose updates wait for a tied parameter's summed gradient
+    tied_reduce_s: float = 0.0
 
     @property
     def peak_activation_memory(self) -> float:
@@ -121,6 +123,8 @@ def simulate(
     dp_buckets: int = 4,
     virtual_stages: int = 2,
     weight_grad_fraction: float = 0.5,
+    tied_stages: Sequence[int] = (),
+    tied_reduce_s: float = 0.0,
 ) -> SimulationResult:
     """Simulate ``steps`` training steps of ``schedule`` on ``num_stages`` stages with ``num_microbatches``.
 
@@ -146,6 +150,10 @@ def simulate(
         virtual_stages: model chunks per device under ``interleaved_1f1b`` (``zbv`` always has 2).
         weight_grad_fraction: the share of a backward that is the weight gradient, for the split backward of
             ``zb_h1`` and ``zbv`` (between 0 and 1, exclusive).
+        tied_stages: the stages that hold one tied parameter (an embedding tied to the head: ``(0, p - 1)``). The
+            engine sums its gradient over them before each update (an all-reduce after the step's last backward,
+            ``tied_reduce_s`` seconds), so each of them starts its update only when all of them finished the step:
+            under 2BW the last stage then waits for the first stage's last backward every step.
     """
     p, m, fwd, bwd, comm, opt = check_inputs(
         schedule, num_stages, num_microbatches, forward_s, backward_s, comm_s, optimizer_s, steps
@@ -164,6 +172,7 @@ def simulate(
     if not _is_int(dp_buckets) or dp_buckets < 1:
         raise ValueError(f"dp_buckets must be a positive integer, got {dp_buckets!r}")
 
+    tied, tied_s = _check_tied(tied_stages, tied_reduce_s, p)
     deferred = dp_overlap == "deferred" and uses_lookahead(schedule, True) and any(r > 0 for r in reduce_s)
     if deferred and steps < 4:
         raise ValueError(f"dp_overlap='deferred' needs steps >= 4 (the last two steps' updates are not deferred), got {steps}")
@@ -216,6 +225,7 @@ def simulate(
     pos = [0] * p
     timelines: list[list[SimSpan]] = [[] for _ in range(p)]
     step_ends: list[list[float]] = [[] for _ in range(p)]
+    tied_ready: dict[tuple[int, int], float] = {}  # (stage, step) -> when it reached the tied gradient's sum
     remaining = sum(len(w) for w in work)
     while remaining:
         progressed = False
@@ -224,12 +234,20 @@ def simulate(
             while pos[s] < len(items):
                 k, op, b, j, c = items[pos[s]]
                 if op is None:
-                    start = free[s]
-                    if reduce_s[s] > 0:
-                        done = _reduction(s, k, reduce_s[s], dp_overlap, dp_buckets, marks, last_b, last_action,
-                                          dp_spans[s])
-                        exposed[s][k] = max(0.0, done - start)
-                        start = max(start, done)
+                    if (s, k) in tied_ready:  # came back to it: the data-parallel part was counted already
+                        start = tied_ready[(s, k)]
+                    else:
+                        start = free[s]
+                        if reduce_s[s] > 0:
+                            done = _reduction(s, k, reduce_s[s], dp_overlap, dp_buckets, marks, last_b, last_action,
+                                              dp_spans[s])
+                            exposed[s][k] = max(0.0, done - start)
+                            start = max(start, done)
+                    if s in tied:  # the tied gradient's sum needs every holder's whole step (the engine's order)
+                        tied_ready[(s, k)] = start
+                        if any((t, k) not in tied_ready for t in tied):
+                            break  # another holder is still in its step: go on with the other stages
+                        start = max(tied_ready[(t, k)] for t in tied) + tied_s
                     end = start + opt[s]
                     tl.append(SimSpan(s, OPTIMIZER, b, None, start, end, k))
                     step_ends[s].append(end)
@@ -294,7 +312,7 @@ def simulate(
         timelines=timelines, step_ends=step_ends, forward_s=fwd, backward_s=bwd, comm_s=comm, optimizer_s=opt,
         dp_reduce_s=reduce_s, dp_overlap=dp_overlap, dp_spans=dp_spans,
         dp_exposed_s=[sum(e for k, e in exposed[s].items() if first < k <= last) / (last - first) for s in range(p)],
-        chunks=chunks, weight_versions=2 if schedule == "2bw" else 1,
+        chunks=chunks, weight_versions=2 if schedule == "2bw" else 1, tied_stages=tied, tied_reduce_s=tied_s,
     )
 
 
@@ -371,6 +389,18 @@ def check_inputs(
     comm = _seconds("comm_s", comm_s, p - 1, "boundary between stages", positive=False)
     opt = _seconds("optimizer_s", optimizer_s, p, "stage", positive=False)
     return p, num_microbatches, fwd, bwd, comm, opt
+
+
+def _check_tied(stages: Sequence[int], seconds: float, p: int) -> tuple[tuple[int, ...], float]:
+    if isinstance(stages, (str, bytes)) or not isinstance(stages, Sequence) or not all(_is_int(t) for t in stages):
+        raise ValueError(f"tied_stages must be a sequence of stage indices, e.g. (0, {p - 1}), got {stages!r}")
+    tied = tuple(sorted(set(stages)))
+    if tied and (len(tied) < 2 or tied[0] < 0 or tied[-1] >= p):
+        raise ValueError(f"tied_stages must name at least two distinct stages among 0..{p - 1} (or none), got {stages!r}")
+    if not (isinstance(seconds, Real) and not isinstance(seconds, bool) and math.isfinite(float(seconds))
+            and float(seconds) >= 0):
+        raise ValueError(f"tied_reduce_s must be a finite number of seconds >= 0, got {seconds!r}")
+    return tied, float(seconds)
 
 
 def _is_int(value: object) -> bool:
