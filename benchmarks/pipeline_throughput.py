@@ -634,24 +634,29 @@ def lightning_child(cfg: dict, out_dir: str) -> None:
 
 
 def run_lightning(cfg: dict, timeout: float) -> list[dict]:
-    """One Lightning run in a subprocess of its own session, killed with its re-executed rank on timeout."""
+    """One Lightning run of this script's ``--child lightning``; each rank's result."""
+    return run_ranks([os.path.abspath(__file__), "--child", "lightning", "--config", json.dumps(cfg)], "lightning*.json",
+                     f"Lightning run {cfg}", timeout)
+
+
+def run_ranks(argv: list[str], pattern: str, what: str, timeout: float) -> list[dict]:
+    """``python argv --out-dir DIR`` in a subprocess of its own session (Lightning re-executes it for the other
+    ranks; all are killed together on timeout); the JSON files matching ``pattern`` each rank wrote into DIR."""
     with tempfile.TemporaryDirectory() as out_dir:
         env = {k: v for k, v in os.environ.items() if k not in (
             "MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK", "LOCAL_WORLD_SIZE")}
         env["PYTHONWARNINGS"] = "ignore"
-        cmd = [sys.executable, os.path.abspath(__file__), "--child", "lightning", "--config", json.dumps(cfg),
-               "--out-dir", out_dir]
-        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                start_new_session=True)
+        proc = subprocess.Popen([sys.executable, *argv, "--out-dir", out_dir], env=env, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True, start_new_session=True)
         try:
             output, _ = proc.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.communicate()
-            raise TimeoutError(f"Lightning run {cfg} did not finish within {timeout:.0f}s")
-        files = sorted(Path(out_dir).glob("lightning*.json"))
+            raise TimeoutError(f"{what} did not finish within {timeout:.0f}s")
+        files = sorted(Path(out_dir).glob(pattern))
         if proc.returncode != 0 or len(files) != STAGES:
-            raise RuntimeError(f"Lightning run {cfg} failed (exit {proc.returncode}):\n{output[-4000:]}")
+            raise RuntimeError(f"{what} failed (exit {proc.returncode}):\n{output[-4000:]}")
         return [json.loads(f.read_text()) for f in files]
 
 

@@ -1,0 +1,241 @@
+#!/usr/bin/env python
+"""A transformers Llama at SmolLM-135M's width, trained through Lightning on two CPU processes as users run it:
+2bw against 1f1b at m = p and m = 2p, with AdamW and with Muon; the planner's prediction from the costs each run
+measured; peak memory and 2BW's extra weight version.
+
+    .venv/bin/python benchmarks/realistic_llama.py                 # about 6 minutes on 2 cores
+    .venv/bin/python benchmarks/realistic_llama.py --layers 8 --json out.json
+
+The model: ``LlamaForCausalLM`` through ``models.HuggingFaceCausalLM`` with SmolLM-135M's widths (hidden 576,
+9 query / 3 key-value heads, SwiGLU 1536, tied embedding and head), ``--layers`` decoder layers (SmolLM has 30)
+and a vocabulary of 8192; batches of ``--batch`` rows of ``--seq`` random tokens, made before training (nothing
+is downloaded). ``Trainer(accelerator="cpu", devices=2, strategy=AsyncPipelineStrategy(schedule, m))`` with the
+strategy's default partition; threads are as Lightning sets them (one per process on 2 cores).
+
+Each run reports the median step time on rank 0 over the timed steps and, from a trace of those steps, each
+stage's mean forward, backward and optimizer span; the planner (``pipeline.simulate``) predicts the step time from
+them, without and with the tied embedding's gradient sum (``simulate(tied_stages=...)``, the all-reduce timed
+after training): the first and last stage hold the tied weight and sum its gradient before every update, so the
+last stage's update waits for the first stage's last backward. Peak RSS per rank and the stashed weight version's
+bytes (``stats.stash_nbytes``) say what 2BW's second version costs.
+"""
+from __future__ import annotations
+
+import argparse
+import cProfile
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from pipeline_throughput import (  # noqa: E402
+    StepClock, others_cpu, peak_rss_mib, run_ranks, span_costs, transfer_seconds,
+)
+
+STAGES = 2
+SMOLLM_WIDTHS = dict(hidden_size=576, intermediate_size=1536, num_attention_heads=9, num_key_value_heads=3)
+
+
+def llama_config(cfg: dict) -> dict:
+    return dict(model_type="llama", vocab_size=cfg["vocab"], num_hidden_layers=cfg["layers"],
+                max_position_embeddings=cfg["seq"], tie_word_embeddings=True, **SMOLLM_WIDTHS)
+
+
+def child(cfg: dict, out_dir: str) -> None:
+    """One Lightning run (rank 0 here; Lightning re-executes this script for rank 1)."""
+    import lightning as L
+    from torch.utils.data import DataLoader, Dataset
+
+    from lightning_async_pp import AsyncPipelineStrategy
+    from lightning_async_pp.models import HuggingFaceCausalLM
+    from lightning_async_pp.optim import Muon
+
+    class Model(HuggingFaceCausalLM):
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            if cfg["optimizer"] == "muon":
+                return Muon(self.named_parameters(), lr=3e-3, weight_decay=0.1)
+            return super().configure_optimizers()  # AdamW, decay on matrices only
+
+    total = cfg["warmup"] + cfg["steps"] + 1
+    generator = torch.Generator().manual_seed(0)
+    batches = [torch.randint(cfg["vocab"], (cfg["batch"], cfg["seq"] + 1), generator=generator) for _ in range(total)]
+
+    class Batches(Dataset):
+        def __len__(self) -> int:
+            return len(batches)
+
+        def __getitem__(self, i: int) -> Any:
+            return batches[i]
+
+    class Clock(L.Callback):
+        """Step ends, and a trace of the timed steps (the planner's inputs)."""
+
+        def __init__(self) -> None:
+            self.clock = StepClock(cfg)
+            self.times: list[Any] = []
+            self.spans: list[Any] = []
+            self.prof = cProfile.Profile(time.perf_counter) if cfg.get("profile") else None
+
+        def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+            engine = trainer.strategy.engine
+            if self.clock.in_window():
+                self.times.append(engine.stats.last_times)
+            self.clock.tick()
+            if len(self.clock.stamps) == self.clock.first + 1:
+                engine.start_trace()
+                if self.prof is not None:
+                    self.prof.enable()
+            elif len(self.clock.stamps) == self.clock.last + 1:
+                self.spans = engine.stop_trace()
+                if self.prof is not None:
+                    self.prof.disable()
+                    self.prof.dump_stats(Path(cfg["profile"], f"{cfg['optimizer']}-m{cfg['m']}-{cfg['schedule']}-"
+                                                                f"rank{trainer.global_rank}.prof"))
+
+    clock = Clock()
+    trainer = L.Trainer(
+        strategy=AsyncPipelineStrategy(schedule=cfg["schedule"], num_microbatches=cfg["m"]),
+        accelerator="cpu", devices=STAGES, max_steps=total, callbacks=[clock], logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+        limit_val_batches=0, use_distributed_sampler=False,
+    )
+    trainer.fit(Model(config=llama_config(cfg), lr=3e-3), DataLoader(Batches(), batch_size=None))
+    rank = trainer.global_rank
+    stats = trainer.strategy.engine.stats
+    # One activation crossing the boundary: (rows per microbatch, seq, hidden) float32, here as a 2-D tensor.
+    transfer = transfer_seconds(rank, cfg["batch"] // cfg["m"] * cfg["seq"], SMOLLM_WIDTHS["hidden_size"], rounds=10)
+    tied = torch.zeros(cfg["vocab"] * SMOLLM_WIDTHS["hidden_size"])  # the embedding tied to the head, fp32
+    sums = []
+    for _ in range(5):
+        torch.distributed.barrier()
+        start = time.perf_counter()
+        torch.distributed.all_reduce(tied)
+        sums.append(time.perf_counter() - start)
+    times = clock.times
+    result = {
+        **cfg, "rank": rank, **clock.clock.result(), "transfer_s": transfer, "tied_reduce_s": statistics.median(sums),
+        "costs": span_costs(clock.spans, rank, cfg["steps"]),
+        "times": {k: statistics.fmean(getattr(t, k) for t in times) for k in ("total", "compute", "comm_wait", "optimizer")},
+        "idle_s": statistics.fmean(t.idle for t in times),
+        "stash_mib": stats.stash_nbytes() / 2**20 if callable(stats.stash_nbytes) else stats.stash_nbytes / 2**20,
+        "params_mib": sum(p.numel() * p.element_size() for p in trainer.lightning_module.parameters()) / 2**20,
+        "peak_rss_mib": peak_rss_mib(),
+    }
+    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
+
+
+def run(cfg: dict, timeout: float) -> list[dict]:
+    """One Lightning run (this script's ``--child``); each rank's result."""
+    return run_ranks([os.path.abspath(__file__), "--child", json.dumps(cfg)], "rank*.json", f"run {cfg}", timeout)
+
+
+def predict(pair: list[dict]) -> dict:
+    """The planner's step time from the costs the run measured (each stage's mean forward, backward and optimizer
+    spans, the transfer time): without the tied embedding, and with it (the first and last stage sum its gradient
+    before every update, in the all-reduce time measured after training)."""
+    from lightning_async_pp.pipeline.simulate import simulate
+
+    r0 = pair[0]
+    schedule, m = r0["schedule"], r0["m"]
+    fwd = [r["costs"]["forward_s"] for r in pair]
+    bwd = [r["costs"]["backward_s"] for r in pair]
+    opt = [r["costs"]["optimizer_s"] for r in pair]
+    comm = max(r["transfer_s"] for r in pair)
+    untied = simulate(schedule, STAGES, m, fwd, bwd, comm_s=comm, optimizer_s=opt)
+    tied = simulate(schedule, STAGES, m, fwd, bwd, comm_s=comm, optimizer_s=opt, tied_stages=(0, STAGES - 1),
+                    tied_reduce_s=max(r["tied_reduce_s"] for r in pair))
+    return {"untied_s": untied.step_time_s, "tied_s": tied.step_time_s}
+
+
+def report(rows: list[dict], args: argparse.Namespace) -> str:
+    lines = [
+        f"## HF Llama at SmolLM-135M's width: {args.layers} layers, vocabulary {args.vocab}, {args.batch} x "
+        f"{args.seq} tokens per step, {STAGES} CPU processes through Lightning\n",
+        "| optimizer | m | schedule | s/step (median) | fwd / bwd per microbatch, stage 0 (ms) | stage 1 (ms) "
+        "| optimizer (ms, stage 0 / 1) | planner, untied | planner, tied | peak RSS MiB (rank 0 / 1) "
+        "| stashed version MiB (rank 0 / 1) | others' CPU |",
+        "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        p0, p1 = r["pair"]
+        c0, c1 = p0["costs"], p1["costs"]
+        measured = p0["mean_sec_per_step"]
+        pred = r["predicted"]
+        lines.append(
+            f"| {r['optimizer']} | {r['m']} | {r['schedule']} | {p0['sec_per_step']:.2f} | "
+            f"{c0['forward_s'] * 1e3:.0f} / {c0['backward_s'] * 1e3:.0f} | {c1['forward_s'] * 1e3:.0f} / "
+            f"{c1['backward_s'] * 1e3:.0f} | {c0['optimizer_s'] * 1e3:.0f} / {c1['optimizer_s'] * 1e3:.0f} | "
+            f"{pred['untied_s']:.2f} ({pred['untied_s'] / measured - 1:+.0%}) | "
+            f"{pred['tied_s']:.2f} ({pred['tied_s'] / measured - 1:+.0%}) | "
+            f"{p0['peak_rss_mib']:.0f} / {p1['peak_rss_mib']:.0f} | {p0['stash_mib']:.0f} / {p1['stash_mib']:.0f} | "
+            f"{others_cpu(r['pair']):.0%} |")
+    lines += ["", "Predictions are against the mean step over the timed steps (in brackets: predicted / measured - 1).", "",
+              "| optimizer | m | 2bw / 1f1b (speed-up, medians) | target | 2bw - 1f1b peak RSS, rank 0 / 1 (MiB) "
+              "| stashed version, rank 0 / 1 (MiB) |", "|---|---:|---:|---|---:|---:|"]
+    index = {(r["optimizer"], r["m"], r["schedule"]): r for r in rows}
+    for (opt, m, schedule), r in index.items():
+        other = index.get((opt, m, "1f1b"))
+        if schedule != "2bw" or other is None:
+            continue
+        a, b = r["pair"], other["pair"]
+        lines.append(f"| {opt} | {m} | {b[0]['sec_per_step'] / a[0]['sec_per_step']:.2f}x | >= 1.1 | "
+                     f"{a[0]['peak_rss_mib'] - b[0]['peak_rss_mib']:+.0f} / {a[1]['peak_rss_mib'] - b[1]['peak_rss_mib']:+.0f} | "
+                     f"{a[0]['stash_mib']:.0f} / {a[1]['stash_mib']:.0f} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--layers", type=int, default=4, help="decoder layers (SmolLM-135M has 30)")
+    ap.add_argument("--vocab", type=int, default=8192)
+    ap.add_argument("--seq", type=int, default=256)
+    ap.add_argument("--batch", type=int, default=8, help="rows per step")
+    ap.add_argument("--microbatches", type=int, nargs="+", default=[2, 4], help="m (p = 2: m = p and m = 2p)")
+    ap.add_argument("--schedules", nargs="+", default=["2bw", "1f1b"])
+    ap.add_argument("--optimizers", nargs="+", default=["adamw", "muon"], choices=["adamw", "muon"])
+    ap.add_argument("--steps", type=int, default=4, help="timed steps per run")
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--json", help="also write every measurement to this file")
+    ap.add_argument("--profile", help="write each rank's cProfile (wall clock) of the timed steps into this folder")
+    ap.add_argument("--child", help=argparse.SUPPRESS)
+    ap.add_argument("--out-dir", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.child:
+        child(json.loads(args.child), args.out_dir)
+        return
+    for m in args.microbatches:
+        if m < 1 or args.batch % m:
+            ap.error(f"--batch {args.batch} must split into m={m} equal microbatches")
+    if args.profile:
+        os.makedirs(args.profile, exist_ok=True)
+    if args.layers < STAGES - 1 or args.steps < 2 or args.warmup < 1:
+        ap.error(f"need --layers >= {STAGES - 1}, --steps >= 2 and --warmup >= 1")
+    started = time.perf_counter()
+    print(f"# torch {torch.__version__}, {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.2f}", flush=True)
+    rows = []
+    for opt in args.optimizers:
+        for m in args.microbatches:
+            for schedule in args.schedules:
+                cfg = dict(layers=args.layers, vocab=args.vocab, seq=args.seq, batch=args.batch, m=m,
+                           schedule=schedule, optimizer=opt, steps=args.steps, warmup=args.warmup,
+                           profile=os.path.abspath(args.profile) if args.profile else None)
+                pair = run(cfg, timeout=1200)
+                rows.append({"optimizer": opt, "m": m, "schedule": schedule, "pair": pair, "predicted": predict(pair)})
+                print(f"  {opt:<5} m={m} {schedule:<4} {pair[0]['sec_per_step']:.2f} s/step, predicted "
+                      f"{rows[-1]['predicted']['untied_s']:.2f} untied / {rows[-1]['predicted']['tied_s']:.2f} tied",
+                      flush=True)
+    print()
+    print(report(rows, args))
+    print(f"\n(wall time {time.perf_counter() - started:.0f}s; load average now {os.getloadavg()[0]:.2f})")
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    main()
