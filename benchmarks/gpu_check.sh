@@ -3,7 +3,8 @@
 #     bash benchmarks/gpu_check.sh            # after `make test`'s setup (creates .venv)
 # Prints each section's output; exits non-zero if a test fails. Record the results in BENCHMARKS.md.
 # With OUT set to a folder, also writes there: gpu_check.log (everything printed), pytest_cuda.xml (JUnit) and
-# throughput.json (every throughput measurement). Expected to take a few minutes on one fast GPU.
+# throughput.json (every throughput measurement), smollm_one_device.json. Expected to take under 8 minutes on one
+# fast GPU.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
@@ -44,6 +45,14 @@ checks() {
     else
         echo "pipeline_throughput.py has no --accelerator option yet: skipped"
     fi
+    section "SmolLM-135M-shaped training step on one GPU: plain Lightning vs 2 emulated stages (2bw, 1f1b); tokens/s, MFU"
+    # 30 layers, SmolLM's vocabulary, 16 x 1024 tokens per step, bf16, AdamW; three fresh runs, about 2 minutes.
+    $PY benchmarks/realistic_llama.py --one-device --accelerator cuda --precision bf16-true --peak-tflops 989 \
+        --layers 30 --vocab 49152 --seq 1024 --batch 16 --microbatches 4 --optimizers adamw --steps 10 --warmup 3 \
+        ${OUT:+--json "$OUT/smollm_one_device.json"} || status=1
+
+    section "eager vs compiled layers on CUDA (m=4)"
+    $PY benchmarks/pipeline_throughput.py --compile --accelerator cuda --microbatches 4 --wait-idle 5 || status=1
     section "done"
     return $status
 }

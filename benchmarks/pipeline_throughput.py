@@ -639,7 +639,7 @@ def run_lightning(cfg: dict, timeout: float) -> list[dict]:
                      f"Lightning run {cfg}", timeout)
 
 
-def run_ranks(argv: list[str], pattern: str, what: str, timeout: float) -> list[dict]:
+def run_ranks(argv: list[str], pattern: str, what: str, timeout: float, ranks: int = STAGES) -> list[dict]:
     """``python argv --out-dir DIR`` in a subprocess of its own session (Lightning re-executes it for the other
     ranks; all are killed together on timeout); the JSON files matching ``pattern`` each rank wrote into DIR."""
     with tempfile.TemporaryDirectory() as out_dir:
@@ -655,7 +655,7 @@ def run_ranks(argv: list[str], pattern: str, what: str, timeout: float) -> list[
             proc.communicate()
             raise TimeoutError(f"{what} did not finish within {timeout:.0f}s")
         files = sorted(Path(out_dir).glob(pattern))
-        if proc.returncode != 0 or len(files) != STAGES:
+        if proc.returncode != 0 or len(files) != ranks:
             raise RuntimeError(f"{what} failed (exit {proc.returncode}):\n{output[-4000:]}")
         return [json.loads(f.read_text()) for f in files]
 

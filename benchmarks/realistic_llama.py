@@ -47,12 +47,10 @@ def llama_config(cfg: dict) -> dict:
                 max_position_embeddings=cfg["seq"], tie_word_embeddings=True, **SMOLLM_WIDTHS)
 
 
-def child(cfg: dict, out_dir: str) -> None:
-    """One Lightning run (rank 0 here; Lightning re-executes this script for rank 1)."""
-    import lightning as L
+def model_and_data(cfg: dict) -> tuple[Any, Any]:
+    """The model (AdamW or Muon in ``configure_optimizers``) and a loader of batches made in advance."""
     from torch.utils.data import DataLoader, Dataset
 
-    from lightning_async_pp import AsyncPipelineStrategy
     from lightning_async_pp.models import HuggingFaceCausalLM
     from lightning_async_pp.optim import Muon
 
@@ -72,6 +70,63 @@ def child(cfg: dict, out_dir: str) -> None:
 
         def __getitem__(self, i: int) -> Any:
             return batches[i]
+
+    return Model(config=llama_config(cfg), lr=3e-3), DataLoader(Batches(), batch_size=None)
+
+
+def train_flops_per_token(cfg: dict) -> float:
+    """Forward + backward FLOPs per token (3x the forward's: the planner's shape formulas)."""
+    from lightning_async_pp.plan import Shape
+
+    shape = Shape(hidden=SMOLLM_WIDTHS["hidden_size"], layers=cfg["layers"], heads=SMOLLM_WIDTHS["num_attention_heads"],
+                  kv_heads=SMOLLM_WIDTHS["num_key_value_heads"], intermediate=SMOLLM_WIDTHS["intermediate_size"],
+                  vocab=cfg["vocab"], seq_len=cfg["seq"])
+    return 3.0 * (shape.layers * (shape.attention_flops() + shape.mlp_flops()) + shape.head_flops())
+
+
+def one_device_child(cfg: dict, out_dir: str) -> None:
+    """On one device: plain Lightning (``schedule == "plain"``: no strategy, the whole batch at once) or the
+    strategy's one-device emulation of ``STAGES`` stages; step time, tokens/s, MFU, peak memory."""
+    import lightning as L
+
+    from lightning_async_pp import AsyncPipelineStrategy
+
+    device = torch.device("cuda", 0) if cfg["accelerator"] == "cuda" else None
+
+    class Clock(L.Callback):
+        def __init__(self) -> None:
+            self.clock = StepClock(cfg, device)
+
+        def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+            self.clock.tick()
+
+    clock = Clock()
+    plain = cfg["schedule"] == "plain"
+    strategy = "auto" if plain else AsyncPipelineStrategy(schedule=cfg["schedule"], num_microbatches=cfg["m"],
+                                                          num_stages=STAGES)
+    model, loader = model_and_data(cfg)
+    trainer = L.Trainer(
+        strategy=strategy, accelerator=cfg["accelerator"], devices=1, precision=cfg["precision"],
+        max_steps=cfg["warmup"] + cfg["steps"] + 1, callbacks=[clock], logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,
+    )
+    trainer.fit(model, loader)
+    result = {**cfg, "rank": 0, **clock.clock.result()}
+    tokens = cfg["batch"] * cfg["seq"]
+    result["tokens_per_s"] = tokens / result["sec_per_step"]
+    result["tflops"] = result["tokens_per_s"] * train_flops_per_token(cfg) / 1e12
+    result["mfu"] = result["tflops"] / cfg["peak_tflops"] if cfg.get("peak_tflops") else None
+    Path(out_dir, "rank0.json").write_text(json.dumps(result))
+
+
+def child(cfg: dict, out_dir: str) -> None:
+    """One Lightning run (rank 0 here; Lightning re-executes this script for rank 1)."""
+    if cfg.get("one_device"):
+        one_device_child(cfg, out_dir)
+        return
+    import lightning as L
+
+    from lightning_async_pp import AsyncPipelineStrategy
 
     class Clock(L.Callback):
         """Step ends, and a trace of the timed steps (the planner's inputs)."""
@@ -101,11 +156,11 @@ def child(cfg: dict, out_dir: str) -> None:
     clock = Clock()
     trainer = L.Trainer(
         strategy=AsyncPipelineStrategy(schedule=cfg["schedule"], num_microbatches=cfg["m"]),
-        accelerator="cpu", devices=STAGES, max_steps=total, callbacks=[clock], logger=False,
+        accelerator="cpu", devices=STAGES, max_steps=cfg["warmup"] + cfg["steps"] + 1, callbacks=[clock], logger=False,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
         limit_val_batches=0, use_distributed_sampler=False,
     )
-    trainer.fit(Model(config=llama_config(cfg), lr=3e-3), DataLoader(Batches(), batch_size=None))
+    trainer.fit(*model_and_data(cfg))
     rank = trainer.global_rank
     stats = trainer.strategy.engine.stats
     # One activation crossing the boundary: (rows per microbatch, seq, hidden) float32, here as a 2-D tensor.
@@ -132,7 +187,32 @@ def child(cfg: dict, out_dir: str) -> None:
 
 def run(cfg: dict, timeout: float) -> list[dict]:
     """One Lightning run (this script's ``--child``); each rank's result."""
-    return run_ranks([os.path.abspath(__file__), "--child", json.dumps(cfg)], "rank*.json", f"run {cfg}", timeout)
+    return run_ranks([os.path.abspath(__file__), "--child", json.dumps(cfg)], "rank*.json", f"run {cfg}", timeout,
+                     ranks=1 if cfg.get("one_device") else STAGES)
+
+
+def one_device_report(rows: list[dict], args: argparse.Namespace) -> str:
+    lines = [
+        f"## HF Llama at SmolLM-135M's width on one {args.accelerator} device: {args.layers} layers, vocabulary "
+        f"{args.vocab}, {args.batch} x {args.seq} tokens per step, precision {args.precision}, optimizer "
+        f"{', '.join(args.optimizers)}\n",
+        f"Plain Lightning (no strategy, the whole batch at once) against the strategy's one-device emulation of "
+        f"{STAGES} stages (the same updates as on {STAGES} devices, no transfers). MFU against "
+        f"{args.peak_tflops or '-'} TFLOP/s; FLOPs per token from the planner's shape formulas (3x forward).\n",
+        "| optimizer | system | m | s/step (median) | tokens/s | TFLOP/s | MFU | x plain | peak memory MiB |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    plain = {r["optimizer"]: r["pair"][0] for r in rows if r["schedule"] == "plain"}
+    for r in rows:
+        x = r["pair"][0]
+        base = plain.get(r["optimizer"])
+        memory = x.get("cuda_peak_mib", x["rss_mib"])
+        mfu = f"{x['mfu']:.1%}" if x["mfu"] is not None else "-"
+        speed = f"{base['sec_per_step'] / x['sec_per_step']:.2f}" if base else "-"
+        lines.append(f"| {r['optimizer']} | {r['schedule']} | {r['m'] if r['schedule'] != 'plain' else '-'} | "
+                     f"{x['sec_per_step']:.4f} | {x['tokens_per_s']:,.0f} | {x['tflops']:.2f} | {mfu} | {speed} | "
+                     f"{memory:.0f} |")
+    return "\n".join(lines)
 
 
 def predict(pair: list[dict]) -> dict:
@@ -197,10 +277,17 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=256)
     ap.add_argument("--batch", type=int, default=8, help="rows per step")
     ap.add_argument("--microbatches", type=int, nargs="+", default=[2, 4], help="m (p = 2: m = p and m = 2p)")
-    ap.add_argument("--schedules", nargs="+", default=["2bw", "1f1b"])
+    ap.add_argument("--schedules", nargs="+", choices=["plain", "2bw", "1f1b", "gpipe"],
+                    help="default: 2bw 1f1b (--one-device: plain 2bw 1f1b)")
     ap.add_argument("--optimizers", nargs="+", default=["adamw", "muon"], choices=["adamw", "muon"])
     ap.add_argument("--steps", type=int, default=4, help="timed steps per run")
     ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--one-device", action="store_true",
+                    help=f"on one device: plain Lightning against the strategy's emulation of {STAGES} stages "
+                         f"(--schedules may include 'plain'; default: plain 2bw 1f1b)")
+    ap.add_argument("--accelerator", choices=["cpu", "cuda"], default="cpu", help="with --one-device (default cpu)")
+    ap.add_argument("--precision", default="32-true", help="with --one-device: the Trainer's precision, e.g. bf16-true")
+    ap.add_argument("--peak-tflops", type=float, help="with --one-device: the device's peak, for MFU (H200 bf16: 989)")
     ap.add_argument("--json", help="also write every measurement to this file")
     ap.add_argument("--profile", help="write each rank's cProfile (wall clock) of the timed steps into this folder")
     ap.add_argument("--child", help=argparse.SUPPRESS)
@@ -209,6 +296,14 @@ def main() -> None:
     if args.child:
         child(json.loads(args.child), args.out_dir)
         return
+    if args.schedules is None:
+        args.schedules = ["plain", "2bw", "1f1b"] if args.one_device else ["2bw", "1f1b"]
+    if "plain" in args.schedules and not args.one_device:
+        ap.error("'plain' (no strategy) is measured with --one-device only")
+    if args.accelerator == "cuda" and not args.one_device:
+        ap.error("--accelerator cuda needs --one-device (the two-process runs are gloo on CPU)")
+    if args.accelerator == "cuda" and not torch.cuda.is_available():
+        sys.exit("no CUDA device: torch.cuda.is_available() is False")
     for m in args.microbatches:
         if m < 1 or args.batch % m:
             ap.error(f"--batch {args.batch} must split into m={m} equal microbatches")
@@ -222,16 +317,25 @@ def main() -> None:
     for opt in args.optimizers:
         for m in args.microbatches:
             for schedule in args.schedules:
+                if schedule == "plain" and m != args.microbatches[0]:
+                    continue  # plain Lightning does not split the batch
                 cfg = dict(layers=args.layers, vocab=args.vocab, seq=args.seq, batch=args.batch, m=m,
                            schedule=schedule, optimizer=opt, steps=args.steps, warmup=args.warmup,
-                           profile=os.path.abspath(args.profile) if args.profile else None)
+                           profile=os.path.abspath(args.profile) if args.profile else None,
+                           one_device=args.one_device, accelerator=args.accelerator, precision=args.precision,
+                           peak_tflops=args.peak_tflops)
                 pair = run(cfg, timeout=1200)
-                rows.append({"optimizer": opt, "m": m, "schedule": schedule, "pair": pair, "predicted": predict(pair)})
+                rows.append({"optimizer": opt, "m": m, "schedule": schedule, "pair": pair})
+                if args.one_device:
+                    print(f"  {opt:<5} m={m} {schedule:<5} {pair[0]['sec_per_step']:.4f} s/step, "
+                          f"{pair[0]['tokens_per_s']:,.0f} tokens/s", flush=True)
+                    continue
+                rows[-1]["predicted"] = predict(pair)
                 print(f"  {opt:<5} m={m} {schedule:<4} {pair[0]['sec_per_step']:.2f} s/step, predicted "
                       f"{rows[-1]['predicted']['untied_s']:.2f} untied / {rows[-1]['predicted']['tied_s']:.2f} tied",
                       flush=True)
     print()
-    print(report(rows, args))
+    print(one_device_report(rows, args) if args.one_device else report(rows, args))
     print(f"\n(wall time {time.perf_counter() - started:.0f}s; load average now {os.getloadavg()[0]:.2f})")
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
