@@ -101,6 +101,7 @@ DEPTH = 8
 STAGES = 2
 SCHEDULES = ("2bw", "1f1b", "gpipe")  # under Lightning
 ENGINE_SCHEDULES = SCHEDULES + ("zb_h1",)  # on the bare engine
+ONE_PROCESS_SCHEDULES = ("2bw", "1f1b")  # the bare engine with both stages in one process, against the plain loop
 TORCH_SCHEDULES = ("Schedule1F1B", "ScheduleGPipe", "ScheduleInterleaved1F1B", "ScheduleZBVZeroBubble", "ScheduleDualPipeV")
 #: torch's schedules with two stages per rank, and which stages rank r holds (of 2 x STAGES).
 TORCH_MULTI_STAGE = {"ScheduleInterleaved1F1B": lambda r: (r, r + STAGES),
@@ -839,6 +840,9 @@ def main() -> None:
 
         record(f"single/m{m}", quiet.measure(lambda: [run_single(cfg)]))
         record(f"single_mb/m{m}", quiet.measure(lambda: [run_single(cfg, microbatched=True)]))
+        # The engine's stages in this one process on the same microbatches: its compute against the plain loop's.
+        for schedule in ONE_PROCESS_SCHEDULES:
+            record(f"onedev/{schedule}/m{m}", quiet.measure(lambda: [run_engine({**cfg, "schedule": schedule}, 0, 1)]))
         if args.only_engines:
             for pair in quiet.measure_group(_engine_worker, "engine", [{**cfg, "schedule": s} for s in ENGINE_SCHEDULES]):
                 record(f"engine/{pair[0]['schedule']}/m{m}", pair)
@@ -1044,6 +1048,7 @@ def report(results: dict, args: argparse.Namespace) -> str:
                ("one process, m microbatches accumulated", "single_mb"),
                ("2 independent processes (sum)", "ceiling")]
     systems += [(f"**{s}** (Lightning)", f"lightning/{s}") for s in SCHEDULES]
+    systems += [(f"{s} (bare engine, both stages in one process)", f"onedev/{s}") for s in ONE_PROCESS_SCHEDULES]
     if not args.no_engine:
         systems += [(f"{s} (bare engine)", f"engine/{s}") for s in ENGINE_SCHEDULES]
     systems += [(f"torch {s}", f"torch/{s}") for s in TORCH_SCHEDULES]
@@ -1058,6 +1063,9 @@ def report(results: dict, args: argparse.Namespace) -> str:
     ratio_row("2 independent processes / one process (ceiling)", "ceiling", "single", "-")
     ratio_row("2 x (one process, microbatched) / one process (no-overhead pipeline)", "single_mb", "single", "-",
               scale=lambda m: 2.0)
+    for s in ONE_PROCESS_SCHEDULES:  # the engine's per-microbatch compute against a plain loop's, no transfers
+        ratio_row(f"{s} bare engine in one process / one process, microbatched (plain loop)", f"onedev/{s}", "single_mb",
+                  ">= 0.95")
     if not args.no_engine:
         fastest_row(lines, results, ms, "2bw bare engine / torch's fastest synchronous schedule", "engine/2bw", "-")
         ratio_row("2bw bare engine / torch Schedule1F1B", "engine/2bw", "torch/Schedule1F1B", "-")
