@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from lightning_async_pp.pipeline.partition import _balanced_counts
-from lightning_async_pp.pipeline.schedule import PLANNER_SCHEDULES
+from lightning_async_pp.pipeline.schedule import PLANNER_SCHEDULES, chunks_per_device, device_of
 from lightning_async_pp.pipeline.simulate import SimulationResult, simulate
 
 
@@ -293,8 +293,9 @@ def plan(args: argparse.Namespace) -> tuple[list[str], list[dict]]:
                      f"{args.forward_s * model.backward_ratio:g} s per microbatch; transfer {model.comm_s:g} s, "
                      f"optimizer {args.optimizer_s:g} s.")
     if args.tied_reduce_s is not None:
-        lines.append(f"A tied weight on the first and the last stage: its gradient is summed in "
-                     f"{fmt_seconds(args.tied_reduce_s)} before every update, which waits for both stages' steps.")
+        lines.append(f"A tied weight on the devices of the first and the last layer: its gradient is summed in "
+                     f"{fmt_seconds(args.tied_reduce_s)} before every update, which waits for both devices' steps "
+                     f"(zbv holds both ends on device 0).")
     lines += ["", "*bubble*: share of the steady-state step a device neither computes nor updates its weights (mean "
               "over devices; the definition of PipelineMonitor's pipeline/bubble_fraction); *optimizer*: the share it "
               "spends in the optimizer's update, apart from the bubble; *x 1f1b*: 1f1b's step "
@@ -326,7 +327,7 @@ def plan(args: argparse.Namespace) -> tuple[list[str], list[dict]]:
                     results[s] = simulate(s, p, m, costs.forward_s, costs.backward_s, comm_s=costs.comm_s,
                                           optimizer_s=args.optimizer_s, steps=args.steps,
                                           virtual_stages=args.virtual_stages,
-                                          weight_grad_fraction=args.weight_grad_fraction, **tied_kwargs(args, p))
+                                          weight_grad_fraction=args.weight_grad_fraction, **tied_kwargs(args, s, p))
                 except ValueError as err:  # this (p, m) does not suit the schedule (2bw: m < p; interleaved: m % p)
                     if "needs num_microbatches" not in str(err) and "multiple of" not in str(err):
                         raise
@@ -382,12 +383,15 @@ def plan(args: argparse.Namespace) -> tuple[list[str], list[dict]]:
     return lines, records
 
 
-def tied_kwargs(args: argparse.Namespace, p: int) -> dict:
-    """``--tied-reduce-s``: the first and the last stage hold one tied parameter (an embedding tied to the head)
-    whose gradient they sum before each update, so their updates wait for each other's whole step."""
-    if args.tied_reduce_s is None or p < 2:
+def tied_kwargs(args: argparse.Namespace, schedule: str, p: int) -> dict:
+    """``--tied-reduce-s``: the devices of the model's first and last layer hold one tied parameter (an embedding
+    tied to the head) whose gradient they sum before each update, so their updates wait for each other's whole
+    step. Under ``zbv`` both ends of the V are on device 0: nothing crosses devices."""
+    first = device_of(schedule, 0, p)
+    last = device_of(schedule, p * chunks_per_device(schedule, args.virtual_stages) - 1, p)
+    if args.tied_reduce_s is None or first == last:
         return {}
-    return {"tied_stages": (0, p - 1), "tied_reduce_s": args.tied_reduce_s}
+    return {"tied_stages": (first, last), "tied_reduce_s": args.tied_reduce_s}
 
 
 def dp_row(args: argparse.Namespace, p: int, m: int, costs: Costs, schedules: list[str]) -> tuple[str, dict]:
@@ -403,7 +407,7 @@ def dp_row(args: argparse.Namespace, p: int, m: int, costs: Costs, schedules: li
             r = results[f"{s}/{mode}"] = simulate(
                 s, p, m, costs.forward_s, costs.backward_s, comm_s=costs.comm_s, optimizer_s=args.optimizer_s,
                 steps=max(args.steps, 4), dp_reduce_s=costs.dp_reduce_s, dp_overlap=mode, dp_buckets=args.dp_buckets,
-                **tied_kwargs(args, p))
+                **tied_kwargs(args, s, p))
             cells.append(f"{fmt_seconds(r.step_time_s)} ({fmt_seconds(max(r.dp_exposed_s))})")
     return "| " + " | ".join(cells) + " |", results
 

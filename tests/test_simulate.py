@@ -87,11 +87,21 @@ def test_plan_tied_reduce_s_ties_the_first_and_last_stage(capsys):
     argv = ["--layers", "8", "--forward-s", "1", "--stages", "2", "--microbatches", "4", "--schedules", "2bw", "1f1b"]
     plan.main(argv + ["--tied-reduce-s", "0.5"])
     out = capsys.readouterr().out
-    assert "A tied weight on the first and the last stage: its gradient is summed in 500 ms" in out
+    assert "A tied weight on the devices of the first and the last layer: its gradient is summed in 500 ms" in out
     rows = {c[3]: c[4] for c in ([x.strip() for x in line.strip("|").split("|")] for line in out.splitlines()
                                  if line.startswith("| 2 "))}
     # p=2, m=4, 4 layers per stage: f = 4 s, b = 8 s; 2bw: 4 x 12 + 8 + 0.5; 1f1b: (4 + 1) x 12 + 0.5.
     assert rows == {"2bw": "56.5 s", "1f1b": "60.5 s"}
+
+
+def test_plan_ties_the_devices_that_hold_the_ends_of_the_model():
+    """Interleaved: the last layer is on device p - 1, so the tie waits; ZBV's V puts both ends on device 0."""
+    args = plan.parser().parse_args(["--layers", "8", "--forward-s", "1", "--tied-reduce-s", "0"])
+    assert plan.tied_kwargs(args, "interleaved_1f1b", 4) == {"tied_stages": (0, 3), "tied_reduce_s": 0.0}
+    assert plan.tied_kwargs(args, "2bw", 4) == {"tied_stages": (0, 3), "tied_reduce_s": 0.0}
+    assert plan.tied_kwargs(args, "zbv", 4) == {}
+    assert plan.tied_kwargs(args, "1f1b", 1) == {}
+    assert plan.tied_kwargs(plan.parser().parse_args(["--layers", "8", "--forward-s", "1"]), "2bw", 4) == {}
 
 
 # ---- it runs exactly the engine's lists ----------------------------------------------------------------------------
