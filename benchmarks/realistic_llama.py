@@ -176,7 +176,7 @@ def child(cfg: dict, out_dir: str) -> None:
     result = {
         **cfg, "rank": rank, **clock.clock.result(), "transfer_s": transfer, "tied_reduce_s": statistics.median(sums),
         "costs": span_costs(clock.spans, rank, cfg["steps"]),
-        "times": {k: statistics.fmean(getattr(t, k) for t in times) for k in ("total", "compute", "comm_wait", "optimizer")},
+        "times": {k: statistics.fmean(getattr(t, k) for t in times) for k in ("total", "compute", "comm_wait", "optimizer", "tied_sum")},
         "idle_s": statistics.fmean(t.idle for t in times),
         "stash_mib": stats.stash_nbytes() / 2**20 if callable(stats.stash_nbytes) else stats.stash_nbytes / 2**20,
         "params_mib": sum(p.numel() * p.element_size() for p in trainer.lightning_module.parameters()) / 2**20,

@@ -53,7 +53,7 @@ def test_monitor_and_planner_report_the_hand_computed_bubble_with_the_optimizer_
     figures = StageFigures(2, _MEAN_FIELDS, _MAX_FIELDS)
     for s in (0, 1):
         figures.update(s, {"compute_s": 6.0, "comm_wait_s": step - 7.0, "optimizer_s": 1.0, "dp_comm_exposed_s": 0.0,
-                           "dp_comm_s": 0.0, "idle_s": 0.0, "overhead_s": 0.5, "step_time_s": step + 0.5,
+                           "dp_comm_s": 0.0, "tied_sum_s": 0.0, "idle_s": 0.0, "overhead_s": 0.5, "step_time_s": step + 0.5,
                            "tokens_per_sec": 1.0, "samples_per_sec": 1.0}, {"peak_memory_mb": 1.0})
     metrics = PipelineMonitor._metrics(figures.reduce(), per_stage=True)
     assert metrics["pipeline/bubble_fraction"] == pytest.approx(sim.bubble_fraction, abs=1e-12)
@@ -61,6 +61,24 @@ def test_monitor_and_planner_report_the_hand_computed_bubble_with_the_optimizer_
     for s in (0, 1):
         assert metrics[f"pipeline/stage{s}/bubble_fraction"] == pytest.approx(sim.stage_bubble_fractions[s], abs=1e-12)
         assert metrics[f"pipeline/stage{s}/optimizer_fraction"] == pytest.approx(opt, abs=1e-12)
+
+
+def test_monitor_and_planner_agree_on_2bw_with_an_embedding_tied_to_the_head():
+    """2BW as above with the first and last stage summing a tied gradient before each update. By hand: stage 1's
+    last backward ends 2 s before stage 0's (which waits 2 s for its gradient after the lookahead's forward), and
+    stage 1 waits those 2 s in the sum: T = 6 + 1 + 2 = 9 s, each stage busy 7 s, bubble 2/9."""
+    sim = simulate("2bw", 2, 2, [1.0, 1.0], [2.0, 2.0], comm_s=0.0, optimizer_s=1.0, steps=6, tied_stages=(0, 1))
+    assert sim.step_time_s == pytest.approx(9.0, abs=1e-12)
+    assert sim.stage_bubble_fractions == pytest.approx([2 / 9, 2 / 9], abs=1e-12)
+    figures = StageFigures(2, _MEAN_FIELDS, _MAX_FIELDS)
+    for s, (comm, tied) in enumerate([(2.0, 0.0), (0.0, 2.0)]):  # where each stage's 2 s of waiting are measured
+        figures.update(s, {"compute_s": 6.0, "comm_wait_s": comm, "optimizer_s": 1.0, "dp_comm_exposed_s": 0.0,
+                           "dp_comm_s": 0.0, "tied_sum_s": tied, "idle_s": 0.0, "overhead_s": 0.5,
+                           "step_time_s": 9.5, "tokens_per_sec": 1.0, "samples_per_sec": 1.0}, {"peak_memory_mb": 1.0})
+    metrics = PipelineMonitor._metrics(figures.reduce(), per_stage=True)
+    assert metrics["pipeline/bubble_fraction"] == pytest.approx(sim.bubble_fraction, abs=1e-12)
+    assert [metrics[f"pipeline/stage{s}/bubble_fraction"] for s in (0, 1)] == pytest.approx(sim.stage_bubble_fractions)
+    assert metrics["pipeline/stage1/tied_sum_s"] == 2.0 and metrics["pipeline/tied_sum_s"] == pytest.approx(1.0)
 
 
 def test_trace_writer_and_engine_import_no_lightning():

@@ -25,9 +25,10 @@ from lightning_async_pp.pipeline.microbatch import batch_size_of
 
 log = logging.getLogger(__name__)
 
-_TIMES = ("compute_s", "comm_wait_s", "optimizer_s", "dp_comm_exposed_s", "dp_comm_s", "idle_s", "overhead_s",
-          "step_time_s")
-_STEP_PARTS = ("compute_s", "comm_wait_s", "optimizer_s", "dp_comm_exposed_s", "idle_s")  # a stage's step, summed
+_TIMES = ("compute_s", "comm_wait_s", "optimizer_s", "dp_comm_exposed_s", "dp_comm_s", "tied_sum_s", "idle_s",
+          "overhead_s", "step_time_s")
+# A stage's step, summed.
+_STEP_PARTS = ("compute_s", "comm_wait_s", "optimizer_s", "dp_comm_exposed_s", "tied_sum_s", "idle_s")
 _MEAN_FIELDS = _TIMES + ("tokens_per_sec", "samples_per_sec")
 _MAX_FIELDS = ("peak_memory_mb",)
 _STAGE_FIELDS = _TIMES + ("bubble_fraction", "optimizer_fraction", "peak_memory_mb")
@@ -46,11 +47,14 @@ class PipelineMonitor(Callback):
     - ``dp_comm_exposed_s``: with data-parallel replicas, blocked waiting for the gradient reduction (the part of
       it the rest of the step did not hide); ``dp_comm_s`` beside it is the reduction's whole time, from its
       first bucket's start (in the batch's last backward) to the end of that wait, not a part of the step;
+    - ``tied_sum_s``: summing the gradient of a weight tied across processes (an embedding tied to the head) with
+      the other stages that hold it, which waits for them to finish the step: under 2BW the last stage's wait for
+      the first stage's last backward;
     - ``idle_s``: the rest of the pipeline's step (its step time, from the start of the step's pipeline work to
-      the end of its update, minus the four above): scheduling and Python work between actions;
+      the end of its update, minus the five above): scheduling and Python work between actions;
     - ``overhead_s``: wall time outside the pipeline's steps: Lightning's loop and hooks (including its
       per-step broadcast across ranks), data loading, logging;
-    - ``step_time_s``: wall time per step, the sum of the six.
+    - ``step_time_s``: wall time per step, the sum of the seven.
 
     These are logged per stage (``pipeline/stage{s}/...``, the mean over data-parallel replicas) and for the whole
     model (``pipeline/...``, the mean over processes). On one device all stages run in one process and are timed
@@ -60,7 +64,7 @@ class PipelineMonitor(Callback):
       computing nor updating weights, ``1 - sum_s (C_s + O_s) / (S x T)``, with ``S`` the number of stages,
       ``C_s`` the forward+backward seconds per step of stage ``s``, ``O_s`` its optimizer seconds and
       ``T = max_s T_s`` the pipeline's step time, where ``T_s = compute_s + comm_wait_s + optimizer_s +
-      dp_comm_exposed_s + idle_s`` is stage ``s``'s step from the start of its pipeline work to the end of its
+      dp_comm_exposed_s + tied_sum_s + idle_s`` is stage ``s``'s step from the start of its pipeline work to the end of its
       update (the pipeline steps at the pace of its slowest stage). This is the planner's definition
       (``lightning-async-pp-plan``'s *bubble*; ``docs/monitoring.md``, "The bubble"): fill and drain,
       waiting for neighbours, imbalance between stages. Per stage, ``pipeline/stage{s}/bubble_fraction`` is
@@ -164,6 +168,7 @@ class PipelineMonitor(Callback):
         self._excluded = 0.0
         self._steps = 0
         self._compute = self._comm_wait = self._optimizer = self._pipeline = self._dp = self._dp_exposed = 0.0
+        self._tied = 0.0
         self._tokens = self._samples = 0
 
     # ---- per batch ----------------------------------------------------------------------------------------
@@ -191,6 +196,7 @@ class PipelineMonitor(Callback):
         self._optimizer += times.optimizer
         self._dp += times.dp_comm
         self._dp_exposed += times.dp_comm_exposed
+        self._tied += times.tied_sum
         self._pipeline += times.total
         inputs = pl_module.pipeline_input(batch)
         self._tokens += sum(t.numel() for t in _tensors(inputs))
@@ -229,13 +235,14 @@ class PipelineMonitor(Callback):
         n = max(self._steps, 1)
         per_pipeline = self._rows(strategy)  # every process of a pipeline sees the same batches
         compute, comm, opt, pipeline = self._compute / n, self._comm_wait / n, self._optimizer / n, self._pipeline / n
-        dp, dp_exposed = self._dp / n, self._dp_exposed / n
+        dp, dp_exposed, tied = self._dp / n, self._dp_exposed / n, self._tied / n
         step = wall / n
         row = strategy.topology.stage if strategy.is_multiprocess else 0
         self._figures.update(row, {
             "compute_s": compute, "comm_wait_s": comm, "optimizer_s": opt,
-            "dp_comm_exposed_s": dp_exposed, "dp_comm_s": dp,
-            "idle_s": max(0.0, pipeline - compute - comm - opt - dp_exposed), "overhead_s": max(0.0, step - pipeline),
+            "dp_comm_exposed_s": dp_exposed, "dp_comm_s": dp, "tied_sum_s": tied,
+            "idle_s": max(0.0, pipeline - compute - comm - opt - dp_exposed - tied),
+            "overhead_s": max(0.0, step - pipeline),
             "step_time_s": step,
             "tokens_per_sec": self._tokens / wall / per_pipeline,
             "samples_per_sec": self._samples / wall / per_pipeline,

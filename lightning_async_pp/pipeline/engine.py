@@ -13,6 +13,7 @@ See docs/design.md for the version rule and the invariants.
 """
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -373,11 +374,19 @@ class PipelineEngine:
         return self.runtime.last_metrics
 
     def _sum_tied_gradients(self) -> None:
+        if not self._tied_slots:
+            return
+        start = time.perf_counter()
         for i, tie, group in self._tied_slots:
             g = self.runtime.gradients[i]
             if g is None:
                 g = self.runtime.gradients[i] = torch.zeros_like(tie.param)
             dist.all_reduce(g, group=group)
+        # Part of the step, as the data-parallel wait is: it holds the update back (PipelineMonitor's tied_sum_s;
+        # on CUDA the host does not wait for NCCL, so there it is mostly the launch).
+        times = self.runtime.last_times
+        times.tied_sum = time.perf_counter() - start
+        times.total += times.tied_sum
 
     def cancel_lookahead(self) -> None:
         """The batch whose forwards already ran will not be trained: drop them (see ``PipelineRuntime``)."""

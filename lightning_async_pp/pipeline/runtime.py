@@ -59,11 +59,15 @@ class StepTimes:
     optimizer: float = 0.0  # the update (set by the caller that runs the optimizer)
     dp_comm: float = 0.0  # the data-parallel gradient reduction, from its first bucket's start to the end of its wait
     dp_comm_exposed: float = 0.0  # of that, the time blocked waiting for it (what the step's other work did not hide)
+    # Summing the gradient of a weight tied across processes (an embedding tied to the head): it waits for every
+    # stage of the tie to finish the step (docs/design.md, "Tied weights").
+    tied_sum: float = 0.0
 
     @property
     def idle(self) -> float:
         """Everything else: scheduling, Python overhead, data handling."""
-        return max(0.0, self.total - self.compute - self.comm_wait - self.optimizer - self.dp_comm_exposed)
+        return max(0.0, self.total - self.compute - self.comm_wait - self.optimizer - self.dp_comm_exposed
+                   - self.tied_sum)
 
 
 class BatchMismatch(RuntimeError):

@@ -24,6 +24,7 @@ Config keys (all optional but ``steps`` or ``max_epochs``):
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 from typing import Any, Optional
@@ -330,6 +331,8 @@ def run(cfg: dict, devices: int, strategy: bool = True) -> tuple[dict, PipelineM
     engine = getattr(trainer.strategy, "engine", None)
     if engine is not None:
         result["dtypes"] = held_dtypes(engine, trainer.optimizers)
+        times = engine.stats.last_times  # the last step's
+        result["last_times"] = {**dataclasses.asdict(times), "idle": times.idle}
     if trainer.is_global_zero:
         result["state_dict"] = _cpu(model.state_dict())
         result["summary"] = next((c.recorded for c in trainer.callbacks if isinstance(c, RecordedSummary)), None)
