@@ -21,7 +21,7 @@ from typing import Any, Optional, Sequence
 
 #: Trace categories, so that Perfetto can colour and filter by kind of work.
 CATEGORIES = {"forward": "compute", "backward": "compute", "recv": "communication", "send": "communication",
-              "optimizer": "optimizer", "idle": "idle"}
+              "tied_sum": "communication", "optimizer": "optimizer", "idle": "idle"}
 
 
 def clock_offset() -> float:
@@ -127,10 +127,11 @@ SCHEDULE_KINDS = {"forward": "#1f77b4", "backward": "#ff7f0e", "weight gradient"
 
 def span_kind(name: str, args: dict) -> Optional[str]:
     """The kind :func:`schedule_figure` draws a span as (``None``: not drawn). A split backward's input part is
-    ``backward``; its weight part is ``weight gradient``; blocked receives and sends are ``wait``."""
+    ``backward``; its weight part is ``weight gradient``; blocked receives and sends, and the sum of a gradient tied
+    across processes, are ``wait``."""
     if name == "backward":
         return "weight gradient" if args.get("part") == "weight" else "backward"
-    if name in ("recv", "send"):
+    if name in ("recv", "send", "tied_sum"):
         return "wait"
     return name if name in SCHEDULE_KINDS else None
 

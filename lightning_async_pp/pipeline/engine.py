@@ -382,11 +382,7 @@ class PipelineEngine:
             if g is None:
                 g = self.runtime.gradients[i] = torch.zeros_like(tie.param)
             dist.all_reduce(g, group=group)
-        # Part of the step, as the data-parallel wait is: it holds the update back (PipelineMonitor's tied_sum_s;
-        # on CUDA the host does not wait for NCCL, so there it is mostly the launch).
-        times = self.runtime.last_times
-        times.tied_sum = time.perf_counter() - start
-        times.total += times.tied_sum
+        self.runtime.record_tied_sum(start, time.perf_counter())
 
     def cancel_lookahead(self) -> None:
         """The batch whose forwards already ran will not be trained: drop them (see ``PipelineRuntime``)."""

@@ -43,7 +43,7 @@ class Span:
     """One timed piece of work on one stage, for the timeline trace."""
 
     stage: int
-    name: str  # forward, backward, send, recv, optimizer, idle
+    name: str  # forward, backward, send, recv, tied_sum, optimizer, idle
     start: float
     end: float
     args: dict = field(default_factory=dict)
@@ -191,6 +191,16 @@ class PipelineRuntime:
     def _record_wait(self, name: str, start: float, end: float, args: dict) -> None:
         if self.trace is not None:
             self.trace.append(Span(self.stages[0].index, name, start, end, args))
+
+    def record_tied_sum(self, start: float, end: float) -> None:
+        """The engine summed the gradients of weights tied across processes from ``start`` to ``end`` (after the
+        step's pipeline work, before its update): part of the step, as the data-parallel wait is, since it holds
+        the update back (PipelineMonitor's ``tied_sum_s``; on CUDA the host does not wait for NCCL, so there it is
+        mostly the launch)."""
+        self.last_times.tied_sum = end - start
+        self.last_times.total += end - start
+        if self.trace is not None:
+            self.trace.append(Span(self.stages[0].index, "tied_sum", start, end, {}))
 
     def record_optimizer(self, start: float, end: float) -> None:
         """The caller ran the optimizer update of the last step from ``start`` to ``end``."""
