@@ -64,8 +64,10 @@ def run_ranks(cmd: list[str], processes: int, cwd: Path, env: dict, timeout: flo
             texts[-1].append(f.read())
             f.close()
     failed = [proc.returncode for proc in procs if proc.returncode != 0]
+    # A failed run's stderr names each rank's part and exit code (a rank killed by a signal has a negative one).
+    label = (lambda r: f"\n---- rank {r} (exit code {procs[r].returncode}) ----\n") if failed else (lambda r: "")
     return subprocess.CompletedProcess(cmd, failed[0] if failed else 0, "".join(t[0] for t in texts),
-                                       "".join(t[1] for t in texts))
+                                       "".join(label(r) + t[1] for r, t in enumerate(texts)))
 
 
 def free_port() -> int:

@@ -46,8 +46,10 @@ def test_sync_from_step_flushes_from_k_on_and_equals_the_one_device_run(tmp_path
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb_h1"])
 def test_synchronous_schedules_two_stages_equal_the_one_device_run(tmp_path, schedule):
-    cfg = dict(BASE, schedule=schedule, stages=2, optimizer="adamw")
+    cfg = dict(BASE, schedule=schedule, stages=2, optimizer="adamw", check_exit=True)
     assert max_difference(multiprocess_weights(cfg, tmp_path), one_device_weights(cfg)) < 1e-5
+    # The process groups are destroyed before the interpreter finalizes (gloo's worker threads aborted it then).
+    assert [(tmp_path / f"exit_{r}.txt").read_text() for r in range(2)] == ["destroyed"] * 2
 
 
 def test_clipping_uses_the_norm_over_all_stages(tmp_path):

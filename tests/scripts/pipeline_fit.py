@@ -6,9 +6,11 @@ the other ranks, which would re-run a whole pytest session if the test itself we
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import os
 import sys
+from pathlib import Path
 
 import lightning as L
 import torch
@@ -28,6 +30,11 @@ def main() -> None:
     args = parser.parse_args()
     cfg = json.loads(args.config)
     torch.set_num_threads(1)
+    if cfg.get("check_exit"):
+        # Registered before fit, so it runs after the handlers fit registers (atexit runs them last-in first-out).
+        rank = os.environ.get("LOCAL_RANK", "0")
+        atexit.register(lambda: Path(f"exit_{rank}.txt").write_text(  # in the test's tmp_path (the cwd)
+            "initialized" if torch.distributed.is_initialized() else "destroyed"))
     if cfg.get("reuse_buffers"):
         from lightning_async_pp.pipeline.comm import StageLink
 
