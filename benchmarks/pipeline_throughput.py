@@ -17,6 +17,8 @@ per process:
 - the whole model in one process (plain loop, whole batch at once): the baseline; and the same with the batch
   split into the pipeline's microbatches (gradients accumulated), which has the pipeline's matrix shapes: twice
   its rate is what two stages could reach without any overhead;
+- ``2bw`` and ``1f1b`` on the bare engine with both stages in this one process, against that microbatched loop:
+  what a stage's compute costs over a plain loop's, without transfers or a second process on the cores;
 - two independent one-process runs side by side: what two processes can reach on this machine (the ceiling).
 
 Throughput is samples (rows) per second over the steady state: ``--warmup`` steps are skipped, the next

@@ -3,7 +3,7 @@
 2bw against 1f1b at m = p and m = 2p, with AdamW and with Muon; the planner's prediction from the costs each run
 measured; peak memory and 2BW's extra weight version.
 
-    .venv/bin/python benchmarks/realistic_llama.py                 # about 6 minutes on 2 cores
+    .venv/bin/python benchmarks/realistic_llama.py                 # about 4 minutes on 2 cores
     .venv/bin/python benchmarks/realistic_llama.py --layers 8 --json out.json
 
 The model: ``LlamaForCausalLM`` through ``models.HuggingFaceCausalLM`` with SmolLM-135M's widths (hidden 576,
@@ -35,7 +35,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from pipeline_throughput import (  # noqa: E402
-    StepClock, others_cpu, peak_rss_mib, run_ranks, span_costs, transfer_seconds,
+    StepClock, others_cpu, peak_rss_mib, run_ranks, span_costs, total_steps, transfer_seconds,
 )
 
 STAGES = 2
@@ -60,9 +60,9 @@ def model_and_data(cfg: dict) -> tuple[Any, Any]:
                 return Muon(self.named_parameters(), lr=3e-3, weight_decay=0.1)
             return super().configure_optimizers()  # AdamW, decay on matrices only
 
-    total = cfg["warmup"] + cfg["steps"] + 1
     generator = torch.Generator().manual_seed(0)
-    batches = [torch.randint(cfg["vocab"], (cfg["batch"], cfg["seq"] + 1), generator=generator) for _ in range(total)]
+    batches = [torch.randint(cfg["vocab"], (cfg["batch"], cfg["seq"] + 1), generator=generator)
+               for _ in range(total_steps(cfg))]
 
     class Batches(Dataset):
         def __len__(self) -> int:
@@ -107,7 +107,7 @@ def one_device_child(cfg: dict, out_dir: str) -> None:
     model, loader = model_and_data(cfg)
     trainer = L.Trainer(
         strategy=strategy, accelerator=cfg["accelerator"], devices=1, precision=cfg["precision"],
-        max_steps=cfg["warmup"] + cfg["steps"] + 1, callbacks=[clock], logger=False, enable_checkpointing=False,
+        max_steps=total_steps(cfg), callbacks=[clock], logger=False, enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,
     )
     trainer.fit(model, loader)
@@ -156,7 +156,7 @@ def child(cfg: dict, out_dir: str) -> None:
     clock = Clock()
     trainer = L.Trainer(
         strategy=AsyncPipelineStrategy(schedule=cfg["schedule"], num_microbatches=cfg["m"]),
-        accelerator="cpu", devices=STAGES, max_steps=cfg["warmup"] + cfg["steps"] + 1, callbacks=[clock], logger=False,
+        accelerator="cpu", devices=STAGES, max_steps=total_steps(cfg), callbacks=[clock], logger=False,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
         limit_val_batches=0, use_distributed_sampler=False,
     )
@@ -178,8 +178,7 @@ def child(cfg: dict, out_dir: str) -> None:
         **cfg, "rank": rank, **clock.clock.result(), "transfer_s": transfer, "tied_reduce_s": statistics.median(sums),
         "costs": span_costs(clock.spans, rank, cfg["steps"]),
         "times": {k: statistics.fmean(getattr(t, k) for t in times) for k in ("total", "compute", "comm_wait", "optimizer", "tied_sum")},
-        "idle_s": statistics.fmean(t.idle for t in times),
-        "stash_mib": stats.stash_nbytes() / 2**20 if callable(stats.stash_nbytes) else stats.stash_nbytes / 2**20,
+        "stash_mib": stats.stash_nbytes / 2**20,
         "params_mib": sum(p.numel() * p.element_size() for p in trainer.lightning_module.parameters()) / 2**20,
         "peak_rss_mib": peak_rss_mib(),
     }
@@ -305,8 +304,11 @@ def main() -> None:
         args.schedules = ["plain", "2bw", "1f1b"] if args.one_device else ["2bw", "1f1b"]
     if "plain" in args.schedules and not args.one_device:
         ap.error("'plain' (no strategy) is measured with --one-device only")
-    if args.accelerator == "cuda" and not args.one_device:
-        ap.error("--accelerator cuda needs --one-device (the two-process runs are gloo on CPU)")
+    if not args.one_device and (args.accelerator != "cpu" or args.precision != "32-true" or args.peak_tflops):
+        ap.error("--accelerator, --precision and --peak-tflops need --one-device (the two-process runs are fp32, "
+                 "gloo on CPU)")
+    if args.one_device and args.profile:
+        ap.error("--profile profiles the two-process runs; drop --one-device or --profile")
     if args.accelerator == "cuda" and not torch.cuda.is_available():
         sys.exit("no CUDA device: torch.cuda.is_available() is False")
     for m in args.microbatches:
