@@ -54,12 +54,16 @@ def test_every_step_plan_pairs_each_send_with_its_receive_in_order_and_cannot_de
     for p, m in itertools.product(range(2, 5), (1, 2, 3, 4, 6, 8)):
         if schedule == "2bw" and m < p:
             continue
-        for (carried_in, lookahead), checks in itertools.product(_step_states(schedule), (False, True)):
-            programs = step_programs(schedule, p, m, carried_in=carried_in, lookahead=lookahead, checks=checks)
-            where = f"{schedule} p={p} m={m} carried_in={carried_in} lookahead={lookahead} checks={checks}"
+        for (carried_in, lookahead), checks, ahead in itertools.product(_step_states(schedule), (False, True),
+                                                                         (False, True)):
+            programs = step_programs(schedule, p, m, carried_in=carried_in, lookahead=lookahead, checks=checks,
+                                     last_ahead=ahead)
+            where = f"{schedule} p={p} m={m} carried_in={carried_in} lookahead={lookahead} checks={checks} " \
+                    f"last_ahead={ahead}"
             for s, program in enumerate(programs):
                 computed = [e.action for e in program if e.op == "compute"]
-                assert computed == step_actions(schedule, s, p, m, carried_in=carried_in, lookahead=lookahead), where
+                assert computed == step_actions(schedule, s, p, m, carried_in=carried_in, lookahead=lookahead,
+                                                last_ahead=ahead), where
                 losses = [e for e in program if e.message is not None and e.message.kind == "loss"]
                 assert len(losses) == (p - 1 if s == p - 1 else 1), where  # the loss reaches every stage once
             _replay(programs)
@@ -80,6 +84,24 @@ def test_2bw_lookahead_activations_are_received_in_the_step_that_sends_them():
     for s in range(1, p):
         again = [e for e in nxt[s] if e.op == "recv" and e.message.kind == "act" and e.message.batch == 0]
         assert {(0, e.message.microbatch) for e in again}.isdisjoint({(b, j) for c, b, j in carried if c == s})
+
+
+@pytest.mark.parametrize("p,m", [(2, 2), (2, 4), (3, 3), (4, 6)])
+def test_2bw_last_stage_run_ahead_sends_its_gradient_in_the_step_and_the_next_step_consumes_it_first(p, m):
+    """With ``last_ahead`` the last stage runs the next batch's first forward and backward at the end of a step: the
+    gradient it sends is received by stage p - 2 in that step, and the next step's first backward there takes it
+    without a new receive, while the last stage skips that microbatch."""
+    sent = step_programs("2bw", p, m, carried_in=True, lookahead=True, checks=True, last_ahead=True)
+    last = [e.action for e in sent[p - 1] if e.op == "compute"]
+    assert last[-2:] == [Action("F", 1, 0), Action("B", 1, 0)] and Action("F", 0, 0) not in last
+    ahead_grads = [e for e in sent[p - 2] if e.op == "recv" and e.message.kind == "grad" and e.message.batch == 1]
+    assert [e.message.microbatch for e in ahead_grads] == [0]
+    nxt = step_programs("2bw", p, m, carried_in=True, lookahead=False, checks=True, last_ahead=True)
+    assert not any(e.op == "recv" and e.message.kind == "grad" and (e.message.batch, e.message.microbatch) == (0, 0)
+                   for e in nxt[p - 2])
+    assert Action("B", 0, 0) in [e.action for e in nxt[p - 2] if e.op == "compute"]
+    with pytest.raises(ValueError, match="before the receive of its gradient"):
+        check_programs(nxt, carried_activations("2bw", p, m))  # without the carried gradient the plan is wrong
 
 
 def test_the_plan_checker_refuses_swapped_sends_a_late_receive_and_a_send_before_its_computation():

@@ -47,12 +47,19 @@ def test_2bw_steady_state_wastes_nothing(p, m):
 # ---- a weight tied across stages (an embedding tied to the head) -------------------------------------------------------
 @pytest.mark.parametrize("p,m", [(2, 2), (2, 4), (3, 3), (3, 7), (4, 8)])
 @pytest.mark.parametrize("f,b,t", [(1.0, 2.0, 0.0), (1.0, 3.0, 0.5)])
-def test_a_tied_weight_costs_2bw_p_minus_1_backwards_and_a_synchronous_schedule_only_its_sum(p, m, f, b, t):
+def test_a_tied_weight_costs_2bw_p_minus_1_backwards_less_the_last_stages_run_ahead_and_a_synchronous_schedule_only_its_sum(
+        p, m, f, b, t):
     """The first and last stage sum the tied gradient before each update, so every update waits for the first
-    stage's last backward, which comes p - 1 backwards after the last stage's: 2BW's step grows from m (f + b) to
-    m (f + b) + (p - 1) b + t; a flushing schedule already waits for it and pays only the sum's t."""
+    stage's last backward, which comes p - 1 backwards after the last stage's. Without ``last_ahead`` 2BW's step
+    grows from m (f + b) to m (f + b) + (p - 1) b + t; with it the last stage fills f + b of that wait with the next
+    batch's first microbatch: m (f + b) + max(0, (p - 1) b - (f + b)) + t. A flushing schedule already waits for
+    it and pays only the sum's t."""
     tied = dict(tied_stages=(0, p - 1), tied_reduce_s=t)
-    assert simulate("2bw", p, m, f, b, **tied).step_time_s == pytest.approx(m * (f + b) + (p - 1) * b + t)
+    assert simulate("2bw", p, m, f, b, **tied, last_ahead=False).step_time_s == pytest.approx(
+        m * (f + b) + (p - 1) * b + t)
+    assert simulate("2bw", p, m, f, b, **tied).step_time_s == pytest.approx(
+        m * (f + b) + max(0.0, (p - 1) * b - (f + b)) + t)
+    assert simulate("2bw", p, m, f, b).step_time_s == simulate("2bw", p, m, f, b, last_ahead=False).step_time_s
     for schedule in ("1f1b", "gpipe", "zb_h1"):
         assert simulate(schedule, p, m, f, b, **tied).step_time_s == pytest.approx(
             simulate(schedule, p, m, f, b).step_time_s + t)
@@ -90,8 +97,9 @@ def test_plan_tied_reduce_s_ties_the_first_and_last_stage(capsys):
     assert "A tied weight on the devices of the first and the last layer: its gradient is summed in 500 ms" in out
     rows = {c[3]: c[4] for c in ([x.strip() for x in line.strip("|").split("|")] for line in out.splitlines()
                                  if line.startswith("| 2 "))}
-    # p=2, m=4, 4 layers per stage: f = 4 s, b = 8 s; 2bw: 4 x 12 + 8 + 0.5; 1f1b: (4 + 1) x 12 + 0.5.
-    assert rows == {"2bw": "56.5 s", "1f1b": "60.5 s"}
+    # p=2, m=4, 4 layers per stage: f = 4 s, b = 8 s; 2bw: 4 x 12 + max(0, 8 - 12) + 0.5 (the last stage runs the
+    # next batch's first microbatch while the first stage runs its last backward); 1f1b: (4 + 1) x 12 + 0.5.
+    assert rows == {"2bw": "48.5 s", "1f1b": "60.5 s"}
 
 
 def test_plan_ties_the_devices_that_hold_the_ends_of_the_model():
@@ -117,12 +125,14 @@ def test_each_stage_runs_exactly_the_step_actions_the_runtime_runs(schedule, p, 
     steps = 5
     r = simulate(schedule, p, m, 1.0, 2.0, steps=steps)
     # As PipelineRuntime.train_batch across processes: 2BW starts the next batch's forwards in every step that
-    # has a next batch, and the next step is carried in; the synchronous schedules never are.
+    # has a next batch, and the next step is carried in; the synchronous schedules never are. Without data
+    # parallelism the last stage runs ahead.
     for s in range(p):
         flags = [kw for args, kw in calls if args[1] == s]
         assert all(args == (schedule, s, p, m) for args, _ in calls if args[1] == s)
         lookahead = [schedule == "2bw" and k + 1 < steps for k in range(steps)]
-        assert flags == [{"carried_in": k > 0 and lookahead[k - 1], "lookahead": lookahead[k]} for k in range(steps)]
+        assert flags == [{"carried_in": k > 0 and lookahead[k - 1], "lookahead": lookahead[k], "last_ahead": True}
+                         for k in range(steps)]
         for k, kw in enumerate(flags):
             actions = step_actions(schedule, s, p, m, **kw)
             spans = r.step_spans(s, k)
@@ -134,7 +144,7 @@ def test_each_stage_runs_exactly_the_step_actions_the_runtime_runs(schedule, p, 
 
 def test_a_changed_schedule_is_simulated_as_listed_not_by_formula(monkeypatch):
     """Give '1f1b' GPipe's list: the simulation follows the list (all forwards in flight at once)."""
-    def gpipe_lists(schedule, stage, num_stages, m, *, carried_in=False, lookahead=False):
+    def gpipe_lists(schedule, stage, num_stages, m, *, carried_in=False, lookahead=False, last_ahead=False):
         return [Action("F", 0, j) for j in range(m)] + [Action("B", 0, j) for j in range(m)]
 
     monkeypatch.setattr(simulate_module, "step_actions", gpipe_lists)
@@ -143,7 +153,7 @@ def test_a_changed_schedule_is_simulated_as_listed_not_by_formula(monkeypatch):
 
 def test_a_list_that_cannot_progress_is_reported(monkeypatch):
     """Stage 0 waits for microbatch 0's gradient, stage 1 for microbatch 1's activation: a deadlock."""
-    def crossed(schedule, stage, num_stages, m, *, carried_in=False, lookahead=False):
+    def crossed(schedule, stage, num_stages, m, *, carried_in=False, lookahead=False, last_ahead=False):
         if stage == 0:
             return [Action("F", 0, 0), Action("B", 0, 0), Action("F", 0, 1), Action("B", 0, 1)]
         return [Action("F", 0, 1), Action("B", 0, 1), Action("F", 0, 0), Action("B", 0, 0)]

@@ -18,7 +18,8 @@ nothing they wait on outstanding, however streams are shared (one per pair of ra
 it is delivered, and by induction every message is. :func:`check_programs` verifies these properties of a plan.
 
 Every message sent in a step is received in the same step, the 2BW lookahead's included (its receives are posted
-now, consumed by the next step's forwards), so an evaluation between two steps, or the end of training, finds no
+now, consumed by the next step's forwards and, with ``last_ahead``, by the first backward of the stage before the
+last), so an evaluation between two steps, or the end of training, finds no
 message in flight.
 """
 from __future__ import annotations
@@ -83,13 +84,15 @@ def plan_programs(
     lists: Sequence[Sequence[Action]],
     *,
     carried: Sequence[tuple[int, int, int]] = (),
+    carried_grads: Sequence[tuple[int, int, int]] = (),
     checks: bool = False,
     outcome: Optional[Literal["loss", "result_to_all", "result_to_first"]] = None,
     forward_kind: Kind = "act",
 ) -> list[list[Entry]]:
     """Each stage's program for one step (or evaluation) whose actions per stage are ``lists``.
 
-    ``carried``: (stage, batch, microbatch) of activations received in an earlier step (the 2BW lookahead's).
+    ``carried``: (stage, batch, microbatch) of activations received in an earlier step (the 2BW lookahead's);
+    ``carried_grads``: of gradients received in an earlier step (the last stage's ``last_ahead`` backward).
     ``checks``: a batch's first activation is preceded by its fingerprint. ``outcome``: after the last stage's
     last forward of batch 0 it sends the batch loss to every other stage (``loss``, ``result_to_all``) or the
     result to the first stage (``result_to_first``). ``forward_kind``: what forwards send (``value`` in
@@ -97,6 +100,7 @@ def plan_programs(
     p = len(lists)
     programs: list[list[Entry]] = [[] for _ in range(p)]
     arrived: dict[tuple[str, int, int, int], float] = {("act", s, b, j): 0.0 for s, b, j in carried}
+    arrived.update({("grad", s, b, j): 0.0 for s, b, j in carried_grads})
     clock = [0.0] * p
     head = [0] * p
     count = 0
@@ -172,7 +176,8 @@ def evaluation_programs(num_stages: int, num_microbatches: int,
     return tuple(tuple(program) for program in programs)
 
 
-def check_programs(programs: Sequence[Sequence[Entry]], carried: Sequence[tuple[int, int, int]] = ()) -> None:
+def check_programs(programs: Sequence[Sequence[Entry]], carried: Sequence[tuple[int, int, int]] = (),
+                   carried_grads: Sequence[tuple[int, int, int]] = ()) -> None:
     """What makes a plan right under NCCL's rules, checked: for every ordered pair of stages the sender's sends
     and the receiver's receives are the same messages in the same order; every program issues its messages in
     increasing global order; a computation comes after the receive of the message it consumes and before the
@@ -183,7 +188,7 @@ def check_programs(programs: Sequence[Sequence[Entry]], carried: Sequence[tuple[
     for s, program in enumerate(programs):
         last = -1
         received = {(b, j) for c, b, j in carried if c == s}
-        computed: set[tuple[str, int, int]] = set()
+        computed: set[tuple[str, int, int]] = {("grad", b, j) for c, b, j in carried_grads if c == s}
         for n, entry in enumerate(program):
             where = f"stage {s}, entry {n} ({entry!r})"
             if entry.op == "compute":
@@ -229,14 +234,22 @@ def carried_activations(schedule: str, num_stages: int, num_microbatches: int) -
             for j in range(lookahead_forwards(schedule, s - 1, num_stages, num_microbatches))]
 
 
+def carried_gradients(schedule: str, num_stages: int, last_ahead: bool) -> list[tuple[int, int, int]]:
+    """(stage, batch 0, microbatch) of the gradients a 2BW step finds received: with ``last_ahead``, that of the
+    last stage's backward of the batch's first microbatch, run at the end of the previous step."""
+    return [(num_stages - 2, 0, 0)] if schedule == "2bw" and last_ahead and num_stages > 1 else []
+
+
 @lru_cache(maxsize=64)
 def step_programs(schedule: str, num_stages: int, num_microbatches: int, *, carried_in: bool, lookahead: bool,
-                  checks: bool, loss: bool = True) -> tuple[tuple[Entry, ...], ...]:
+                  checks: bool, loss: bool = True, last_ahead: bool = False) -> tuple[tuple[Entry, ...], ...]:
     """Every stage's program for one training step (:func:`plan_programs` over the schedule's action lists);
-    ``loss``: the last stage sends the batch loss to the others."""
-    lists = [step_actions(schedule, s, num_stages, num_microbatches, carried_in=carried_in, lookahead=lookahead)
-             for s in range(num_stages)]
+    ``loss``: the last stage sends the batch loss to the others; ``last_ahead``: see ``step_actions``."""
+    lists = [step_actions(schedule, s, num_stages, num_microbatches, carried_in=carried_in, lookahead=lookahead,
+                          last_ahead=last_ahead) for s in range(num_stages)]
     carried = carried_activations(schedule, num_stages, num_microbatches) if carried_in else []
-    programs = plan_programs(lists, carried=carried, checks=checks, outcome="loss" if loss else None)
-    check_programs(programs, carried)
+    grads = carried_gradients(schedule, num_stages, last_ahead) if carried_in else []
+    programs = plan_programs(lists, carried=carried, carried_grads=grads, checks=checks,
+                             outcome="loss" if loss else None)
+    check_programs(programs, carried, grads)
     return tuple(tuple(program) for program in programs)

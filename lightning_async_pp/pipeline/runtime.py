@@ -128,6 +128,10 @@ class PipelineRuntime:
         self.loss_group = loss_group if loss_group is not None else dp_group
         # Data parallel: one stage per process; its gradient accumulates in the reducer's buckets.
         self.reducer = GradientReducer(self.params, dp_group, dp_size) if dp_size > 1 else None
+        # Under the lookahead the last stage also runs the next batch's first forward and backward before its
+        # update (schedule.step_actions, ``last_ahead``), so a weight tied to the first stage does not keep it
+        # idle. Not with data parallelism: the reducer's buckets hold one batch's gradient at a time.
+        self.last_ahead = self.reducer is None
         self._backwards_left = 0  # this step's backwards of the current batch still to run (data parallel)
         self.check_batches = check_batches and link is not None
         self.gradients: list[Optional[Tensor]] = []
@@ -226,7 +230,7 @@ class PipelineRuntime:
             checks[1] = fingerprint(next_batch) if lookahead else None
             self._next_check = checks[1]
         lists = {s.index: step_actions(self.schedule, s.index, self.num_stages, m, carried_in=self._carried_in,
-                                       lookahead=lookahead) for s in self.stages}
+                                       lookahead=lookahead, last_ahead=self.last_ahead) for s in self.stages}
         first, last = self.stages[0], self.stages[-1]
         if self.reducer is not None:
             # The actions that add to this batch's weight gradients: whole backwards, and a split one's weight pass.
@@ -254,7 +258,8 @@ class PipelineRuntime:
             # One stage here: its program (pipeline/messages.py) puts every send and receive at its place in the
             # order all stages agree on; operations are issued in one batch before each computation.
             program = step_programs(self.schedule, self.num_stages, m, carried_in=self._carried_in,
-                                    lookahead=lookahead, checks=self.check_batches)[first.index]
+                                    lookahead=lookahead, checks=self.check_batches,
+                                    last_ahead=self.last_ahead)[first.index]
             for entry in program:
                 if entry.op == "compute":
                     link.flush()
@@ -513,9 +518,10 @@ class PipelineRuntime:
                 m._buffers[n] = tensor
 
     def cancel_lookahead(self) -> None:
-        """Drop the next batch's forwards that already ran: Lightning will not train that batch (an epoch was cut
-        short, or training stopped). Each stage drops the activations it received for them (in the step that
-        sent them: nothing crosses into the next step)."""
+        """Drop the next batch's forwards that already ran (and the last stage's backward of its first microbatch):
+        Lightning will not train that batch (an epoch was cut short, or training stopped). Each stage drops the
+        activations and gradients it received for them (in the step that sent them: nothing crosses into the
+        next step)."""
         if not self._carried_in:
             return
         k = self.batch_index
@@ -527,6 +533,7 @@ class PipelineRuntime:
         self._trained_buffers = {}
         for key in [key for key in self._inflight if key[1] == k]:
             del self._inflight[key]
+        self._losses.pop(k, None)  # the last stage's share of it (``last_ahead``)
         for stage in self.stages:
             stage.versions.forget_batch(k)
         link = self.link

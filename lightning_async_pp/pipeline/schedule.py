@@ -74,19 +74,27 @@ def forwards_ahead(stage: int, num_stages: int, num_microbatches: int) -> int:
     return min(num_stages - 1 - stage + extra, num_microbatches)
 
 
-def lookahead_forwards(schedule: str, stage: int, num_stages: int, num_microbatches: int) -> int:
+def lookahead_forwards(schedule: str, stage: int, num_stages: int, num_microbatches: int,
+                       last_ahead: bool = False) -> int:
     """How many of the next batch's forwards ``stage`` runs during a step under the 2BW lookahead."""
-    return sum(a.batch == 1 for a in step_actions(schedule, stage, num_stages, num_microbatches,
-                                                   carried_in=True, lookahead=True))
+    return sum(a.op == "F" and a.batch == 1 for a in step_actions(
+        schedule, stage, num_stages, num_microbatches, carried_in=True, lookahead=True, last_ahead=last_ahead))
 
 
 def step_actions(
-    schedule: str, stage: int, num_stages: int, num_microbatches: int, *, carried_in: bool = False, lookahead: bool = False
+    schedule: str, stage: int, num_stages: int, num_microbatches: int, *, carried_in: bool = False,
+    lookahead: bool = False, last_ahead: bool = False,
 ) -> list[Action]:
     """Actions of ``stage`` for one training step.
 
     ``carried_in``: this step's first forwards already ran as the previous step's lookahead (2BW steady state).
     ``lookahead``: start the next batch's forwards in this step (2BW, when a next batch exists).
+    ``last_ahead``: under the lookahead the last stage also runs the next batch's first microbatch, forward and
+    backward, at the end of the step (before its update), and so skips it in the next step. That batch reads
+    ``W_k``, the version held before the update, so the numbers do not change; what changes is that the last
+    stage has work while the first stage runs the step's last backwards, which is when a weight tied across
+    them (an embedding tied to the head) keeps the last stage waiting for the sum of its gradient
+    (docs/design.md, "Schedules as data").
     ``1f1b`` is the 2BW step with neither, so it warms up and drains (flushes) every batch.
     """
     m = num_microbatches
@@ -107,6 +115,11 @@ def step_actions(
         elif lookahead:
             actions.append(Action("F", 1, t - m))
         actions.append(Action("B", 0, j))
+    if last_ahead and stage == num_stages - 1:  # its ahead is 0: the list alternates F0.j B0.j
+        if carried_in:
+            actions = actions[2:]
+        if lookahead:
+            actions += [Action("F", 1, 0), Action("B", 1, 0)]
     return actions
 
 

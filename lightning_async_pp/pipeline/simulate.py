@@ -125,6 +125,7 @@ def simulate(
     weight_grad_fraction: float = 0.5,
     tied_stages: Sequence[int] = (),
     tied_reduce_s: float = 0.0,
+    last_ahead: Optional[bool] = None,
 ) -> SimulationResult:
     """Simulate ``steps`` training steps of ``schedule`` on ``num_stages`` stages with ``num_microbatches``.
 
@@ -153,7 +154,11 @@ def simulate(
         tied_stages: the stages that hold one tied parameter (an embedding tied to the head: ``(0, p - 1)``). The
             engine sums its gradient over them before each update (an all-reduce after the step's last backward,
             ``tied_reduce_s`` seconds), so each of them starts its update only when all of them finished the step:
-            under 2BW the last stage then waits for the first stage's last backward every step.
+            under 2BW the last stage then waits for the first stage's last backward every step, less the
+            next batch's first forward and backward that it runs before its update (``last_ahead``).
+        last_ahead: under 2BW the last stage runs the next batch's first microbatch before its update
+            (``schedule.step_actions``). ``None``: as the engine does, which is without data parallelism
+            (``dp_reduce_s`` all 0) only.
     """
     p, m, fwd, bwd, comm, opt = check_inputs(
         schedule, num_stages, num_microbatches, forward_s, backward_s, comm_s, optimizer_s, steps
@@ -174,6 +179,8 @@ def simulate(
 
     tied, tied_s = _check_tied(tied_stages, tied_reduce_s, p)
     deferred = dp_overlap == "deferred" and uses_lookahead(schedule, True) and any(r > 0 for r in reduce_s)
+    if last_ahead is None:
+        last_ahead = not any(r > 0 for r in reduce_s)
     if deferred and steps < 4:
         raise ValueError(f"dp_overlap='deferred' needs steps >= 4 (the last two steps' updates are not deferred), got {steps}")
     # Each stage's work over all steps: its step lists as the runtime runs them, each followed by the update.
@@ -189,7 +196,8 @@ def simulate(
             elif schedule == "zbv":
                 actions = zbv_actions(s, p, m)
             else:
-                actions = step_actions(schedule, s, p, m, carried_in=carried_in, lookahead=lookahead)
+                actions = step_actions(schedule, s, p, m, carried_in=carried_in, lookahead=lookahead,
+                                       last_ahead=bool(last_ahead))
             for a in actions:
                 items.append((k, a.op, k + a.batch, a.microbatch, a.chunk))
                 run.append(Action(a.op, k + a.batch, a.microbatch, a.chunk))
