@@ -66,8 +66,14 @@ def test_monitor_and_planner_report_the_hand_computed_bubble_with_the_optimizer_
 def test_monitor_and_planner_agree_on_2bw_with_an_embedding_tied_to_the_head():
     """2BW as above with the first and last stage summing a tied gradient before each update. By hand: stage 1's
     last backward ends 2 s before stage 0's (which waits 2 s for its gradient after the lookahead's forward), and
-    stage 1 waits those 2 s in the sum: T = 6 + 1 + 2 = 9 s, each stage busy 7 s, bubble 2/9."""
-    sim = simulate("2bw", 2, 2, [1.0, 1.0], [2.0, 2.0], comm_s=0.0, optimizer_s=1.0, steps=6, tied_stages=(0, 1))
+    stage 1 waits those 2 s in the sum: T = 6 + 1 + 2 = 9 s, each stage busy 7 s, bubble 2/9. That is without
+    ``last_ahead`` (as under data parallelism); with it stage 1 spends those 2 s on the next batch's first
+    microbatch (F + B = 3 s), so the tie costs nothing here: T = 7 s, no bubble."""
+    ahead = simulate("2bw", 2, 2, [1.0, 1.0], [2.0, 2.0], comm_s=0.0, optimizer_s=1.0, steps=6, tied_stages=(0, 1))
+    assert ahead.step_time_s == pytest.approx(7.0, abs=1e-12)
+    assert ahead.stage_bubble_fractions == pytest.approx([0.0, 0.0], abs=1e-12)
+    sim = simulate("2bw", 2, 2, [1.0, 1.0], [2.0, 2.0], comm_s=0.0, optimizer_s=1.0, steps=6, tied_stages=(0, 1),
+                   last_ahead=False)
     assert sim.step_time_s == pytest.approx(9.0, abs=1e-12)
     assert sim.stage_bubble_fractions == pytest.approx([2 / 9, 2 / 9], abs=1e-12)
     figures = StageFigures(2, _MEAN_FIELDS, _MAX_FIELDS)
