@@ -5,6 +5,7 @@ measured; peak memory and 2BW's extra weight version.
 
     .venv/bin/python benchmarks/realistic_llama.py                 # about 4 minutes on 2 cores
     .venv/bin/python benchmarks/realistic_llama.py --layers 8 --json out.json
+    .venv/bin/python benchmarks/realistic_llama.py --memory --optimizers adamw muon muon-ef   # memory, not time
 
 The model: ``LlamaForCausalLM`` through ``models.HuggingFaceCausalLM`` with SmolLM-135M's widths (hidden 576,
 9 query / 3 key-value heads, SwiGLU 1536, tied embedding and head), ``--layers`` decoder layers (SmolLM has 30)
@@ -18,6 +19,11 @@ them, without and with the tied embedding's gradient sum (``simulate(tied_stages
 after training): the first and last stage hold the tied weight and sum its gradient before every update, so the
 last stage's update waits for the first stage's last backward. Peak RSS per rank and the stashed weight version's
 bytes (``stats.stash_nbytes``) say what 2BW's second version costs.
+
+``--memory`` runs each configuration under torch's profiler (``profile_memory``) instead, from ``Callback.setup``
+(before the stage is materialized) to the end of training: the CPU allocator's peak per process, against the
+planner's memory model (``pipeline.memory.stage_memory``) fed the parameters' bytes, the optimizer's state by its
+rule, and what one microbatch through the process's layers and one optimizer step hold in a plain loop.
 """
 from __future__ import annotations
 
@@ -28,6 +34,7 @@ import os
 import statistics
 import sys
 import time
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -52,12 +59,14 @@ def model_and_data(cfg: dict) -> tuple[Any, Any]:
     from torch.utils.data import DataLoader, Dataset
 
     from lightning_async_pp.models import HuggingFaceCausalLM
-    from lightning_async_pp.optim import Muon
+    from lightning_async_pp.optim import ErrorFeedback, Muon
 
     class Model(HuggingFaceCausalLM):
         def configure_optimizers(self) -> torch.optim.Optimizer:
             if cfg["optimizer"] == "muon":
                 return Muon(self.named_parameters(), lr=3e-3, weight_decay=0.1)
+            if cfg["optimizer"] == "muon-ef":
+                return ErrorFeedback(self.named_parameters(), optimizer=partial(Muon, lr=3e-3, weight_decay=0.1))
             return super().configure_optimizers()  # AdamW, decay on matrices only
 
     generator = torch.Generator().manual_seed(0)
@@ -119,14 +128,29 @@ def one_device_child(cfg: dict, out_dir: str) -> None:
     Path(out_dir, "rank0.json").write_text(json.dumps(result))
 
 
+def two_process_trainer(cfg: dict, callback: Any) -> Any:
+    """The Trainer of the two-process runs: the strategy's default partition, nothing but ``callback`` added."""
+    import lightning as L
+
+    from lightning_async_pp import AsyncPipelineStrategy
+
+    return L.Trainer(
+        strategy=AsyncPipelineStrategy(schedule=cfg["schedule"], num_microbatches=cfg["m"]),
+        accelerator="cpu", devices=STAGES, max_steps=total_steps(cfg), callbacks=[callback], logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+        limit_val_batches=0, use_distributed_sampler=False,
+    )
+
+
 def child(cfg: dict, out_dir: str) -> None:
     """One Lightning run (rank 0 here; Lightning re-executes this script for rank 1)."""
     if cfg.get("one_device"):
         one_device_child(cfg, out_dir)
         return
+    if cfg.get("memory"):
+        memory_child(cfg, out_dir)
+        return
     import lightning as L
-
-    from lightning_async_pp import AsyncPipelineStrategy
 
     class Clock(L.Callback):
         """Step ends, and a trace of the timed steps (the planner's inputs)."""
@@ -154,12 +178,7 @@ def child(cfg: dict, out_dir: str) -> None:
                                                                 f"rank{trainer.global_rank}.prof"))
 
     clock = Clock()
-    trainer = L.Trainer(
-        strategy=AsyncPipelineStrategy(schedule=cfg["schedule"], num_microbatches=cfg["m"]),
-        accelerator="cpu", devices=STAGES, max_steps=total_steps(cfg), callbacks=[clock], logger=False,
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
-        limit_val_batches=0, use_distributed_sampler=False,
-    )
+    trainer = two_process_trainer(cfg, clock)
     trainer.fit(*model_and_data(cfg))
     rank = trainer.global_rank
     stats = trainer.strategy.engine.stats
@@ -183,6 +202,175 @@ def child(cfg: dict, out_dir: str) -> None:
         "peak_rss_mib": peak_rss_mib(),
     }
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
+
+
+def allocator_bytes(prof: Any) -> tuple[int, int]:
+    """Net and peak bytes torch's CPU allocator handed out while ``prof`` (``profile_memory=True``) recorded: its
+    memory events (+ allocation, - free) summed in time order."""
+    results = getattr(prof.profiler, "kineto_results", None)
+    if results is None:  # the profiler's result object moved: this benchmark must follow it
+        raise RuntimeError(f"torch {torch.__version__}'s profiler has no kineto_results: update allocator_bytes()")
+    net = peak = 0
+    for _, nbytes in sorted((e.start_ns(), e.nbytes()) for e in results.events() if e.name() == "[memory]"):
+        net += nbytes
+        peak = max(peak, net)
+    return net, peak
+
+
+def tensor_bytes(tree: Any) -> int:
+    return sum(t.numel() * t.element_size() for t in torch.utils._pytree.tree_leaves(tree) if isinstance(t, torch.Tensor))
+
+
+def one_microbatch(layers: list, x: Any, loss: Any) -> tuple[int, int]:
+    """What one microbatch holds through ``layers`` in a plain loop (the memory model's inputs): what its forward
+    keeps for the backward (its input, output and saved tensors) and the peak of its forward and backward, the
+    gradients it allocates included (none if the parameters have them already: then its accumulation counts)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    x = torch.utils._pytree.tree_map(
+        lambda t: t.detach().clone().requires_grad_(t.is_floating_point()) if isinstance(t, torch.Tensor) else t, x)
+    held = tensor_bytes(x)
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        out = x
+        for layer in layers:
+            out = layer(out)
+        if loss is not None:
+            out = loss(out)
+    saved, forward_peak = allocator_bytes(prof)
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        tensors = [t for t in torch.utils._pytree.tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad]
+        torch.autograd.backward(tensors, [torch.ones_like(t) for t in tensors])
+        del tensors, out
+    _, backward_peak = allocator_bytes(prof)
+    return held + saved, held + max(forward_peak, saved + backward_peak)
+
+
+def memory_child(cfg: dict, out_dir: str) -> None:
+    """One Lightning run under torch's profiler (``profile_memory``, from ``Callback.setup``, before the stage is
+    materialized): the allocator's peak over the whole fit, what holds memory after it, and one microbatch through
+    this process's layers in a plain loop."""
+    import lightning as L
+    from torch.profiler import ProfilerActivity, profile
+
+    from lightning_async_pp.optim.error_feedback import PREV_UPDATE
+
+    class Recorder(L.Callback):
+        def __init__(self) -> None:
+            self.prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+            self.input: Any = None
+
+        def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
+            self.prof.start()
+
+        def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+            first = pl_module.pipeline_layers()[trainer.strategy.engine.own_layer_indices()[0]]
+
+            def keep(module: Any, args: tuple) -> None:  # the input one microbatch brings to this process's layers
+                if self.input is None and torch.is_grad_enabled():
+                    self.input = torch.utils._pytree.tree_map(
+                        lambda t: t.detach().clone() if isinstance(t, torch.Tensor) else t, args[0])
+
+            self.hook = first.register_forward_pre_hook(keep)
+
+        def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+            self.prof.stop()
+            self.hook.remove()
+
+    recorder = Recorder()
+    trainer = two_process_trainer(cfg, recorder)
+    model, loader = model_and_data(cfg)
+    trainer.fit(model, loader)
+    rank = trainer.global_rank
+    _, peak = allocator_bytes(recorder.prof)
+    engine = trainer.strategy.engine
+    own = engine.own_layer_indices()
+    params = [p for view in engine.stats.stages for p in view.params]
+    optimizer = trainer.optimizers[0]
+    state = {id(p): entry for p, entry in optimizer.state.items()}
+    correction = sum(tensor_bytes(entry.get(PREV_UPDATE)) for entry in state.values())
+    # What the optimizer's rule says it keeps: AdamW two moments per parameter, Muon's matrices one (its momentum),
+    # ErrorFeedback one more per parameter.
+    rule = sum((1 if group.get("use_muon") else 2) * tensor_bytes(p) for group in optimizer.param_groups
+               for p in group["params"] if id(p) in state)
+    last = rank == STAGES - 1
+    microbatch = next(iter(loader))[: cfg["batch"] // cfg["m"]]
+    layers = [model.pipeline_layers()[i] for i in own]
+    loss = (lambda out: model.pipeline_loss(out, microbatch)) if last else None
+    for p in params:
+        p.grad = None
+    saved, first_working = one_microbatch(layers, recorder.input, loss)  # the step's first: allocates the gradients
+    _, working = one_microbatch(layers, recorder.input, loss)  # a later one: accumulates into them
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        optimizer.step()  # its transient copies (the gradients exist; its state already does)
+    update = allocator_bytes(prof)[1]
+    result = {
+        **cfg, "rank": rank, "allocator_peak": peak, "peak_rss_mib": peak_rss_mib(),
+        "weights": tensor_bytes(params), "stash": engine.stats.stash_nbytes,
+        "optimizer_state": sum(tensor_bytes(entry) for entry in state.values()) - correction,
+        "optimizer_state_rule": rule, "correction": correction,
+        "correction_rule": tensor_bytes(params) if cfg["optimizer"].endswith("-ef") else 0,
+        "saved": saved, "working": working, "first_working": first_working,
+        "update": update,
+    }
+    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
+
+
+def memory_predict(pair: list[dict]) -> list[dict]:
+    """The memory model (``pipeline.memory.stage_memory``) for each rank, from the schedule's simulated timeline,
+    the parameters' bytes, the optimizer's rule and what the plain loop's microbatch and optimizer step held."""
+    from lightning_async_pp.pipeline.memory import stage_memory
+    from lightning_async_pp.pipeline.simulate import simulate
+
+    r0 = pair[0]
+    result = simulate(r0["schedule"], STAGES, r0["m"], [1.0] * STAGES, [2.0] * STAGES)  # memory needs the order only
+    return [stage_memory(result, r["rank"], weight_bytes=r["weights"], saved_bytes=r["saved"],
+                         working_bytes=r["working"], first_working_bytes=r["first_working"],
+                         optimizer_state_bytes=r["optimizer_state_rule"], correction_bytes=r["correction_rule"],
+                         update_bytes=r["update"]).as_dict() | {"in_flight": result.peak_activations[r["rank"]]}
+            for r in pair]
+
+
+def memory_report(rows: list[dict], args: argparse.Namespace) -> str:
+    mib = 2**20
+    lines = [
+        f"## Memory per process: HF Llama at SmolLM-135M's width, {args.layers} layers, vocabulary {args.vocab} "
+        f"({'head of its own' if args.untied else 'tied'}), {args.batch} x {args.seq} tokens per step, {STAGES} "
+        f"CPU processes through Lightning\n",
+        "Measured: the CPU allocator's peak over the whole fit (torch's profiler, `profile_memory`, from "
+        "`Callback.setup`), and what holds memory after it (the stage's parameters, `stats.stash_nbytes`, the "
+        "optimizer's state tensors). Model: `pipeline.memory.stage_memory` from the simulated in-flight "
+        "timeline, the parameters, the optimizer's rule (AdamW 2, Muon's matrices 1, ErrorFeedback +1 per "
+        "parameter) and what one microbatch through the process's layers in a plain loop holds (what it keeps / its "
+        "peak with the gradients there / its peak allocating them) and one optimizer step's transient peak. *gradients*, *activations*: what "
+        "the model holds at its peak. MiB.\n",
+        "| optimizer | m | schedule | rank | weights | versions (model / stash) | gradients (model) | optimizer state "
+        "(model / held) | correction (model / held) | in flight | microbatch keeps / peak / first peak | update "
+        "transient | activations (model) "
+        "| model total | allocator peak | model / measured | peak RSS |",
+        "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        for x, model in zip(r["pair"], r["model"]):
+            lines.append(
+                f"| {r['optimizer']} | {r['m']} | {r['schedule']} | {x['rank']} | {x['weights'] / mib:.0f} | "
+                f"{model['versions'] / mib:.0f} / {x['stash'] / mib:.0f} | {model['gradients'] / mib:.0f} | "
+                f"{model['optimizer_state'] / mib:.0f} / {x['optimizer_state'] / mib:.0f} | "
+                f"{model['correction'] / mib:.0f} / {x['correction'] / mib:.0f} | {model['in_flight']} | "
+                f"{x['saved'] / mib:.0f} / {x['working'] / mib:.0f} / {x['first_working'] / mib:.0f} | "
+                f"{x['update'] / mib:.0f} | {model['activations'] / mib:.0f} | "
+                f"{model['total'] / mib:.0f} | {x['allocator_peak'] / mib:.0f} | "
+                f"{model['total'] / x['allocator_peak']:.3f} | {x['peak_rss_mib']:.0f} |")
+    lines += ["", "2bw's extra over 1f1b (allocator peak, measured / model), MiB:", "",
+              "| optimizer | m | rank 0 | rank 1 |", "|---|---:|---:|---:|"]
+    index = {(r["optimizer"], r["m"], r["schedule"]): r for r in rows}
+    for (opt, m, schedule), r in index.items():
+        other = index.get((opt, m, "1f1b"))
+        if schedule != "2bw" or other is None:
+            continue
+        cells = [f"{(a['allocator_peak'] - b['allocator_peak']) / mib:+.0f} / {(ma['total'] - mb['total']) / mib:+.0f}"
+                 for a, b, ma, mb in zip(r["pair"], other["pair"], r["model"], other["model"])]
+        lines.append(f"| {opt} | {m} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
 
 
 def run(cfg: dict, timeout: float) -> list[dict]:
@@ -283,7 +471,8 @@ def main() -> None:
     ap.add_argument("--microbatches", type=int, nargs="+", default=[2, 4], help="m (p = 2: m = p and m = 2p)")
     ap.add_argument("--schedules", nargs="+", choices=["plain", "2bw", "1f1b", "gpipe"],
                     help="default: 2bw 1f1b (--one-device: plain 2bw 1f1b)")
-    ap.add_argument("--optimizers", nargs="+", default=["adamw", "muon"], choices=["adamw", "muon"])
+    ap.add_argument("--optimizers", nargs="+", default=["adamw", "muon"], choices=["adamw", "muon", "muon-ef"],
+                    help="muon-ef: ErrorFeedback(Muon)")
     ap.add_argument("--steps", type=int, default=4, help="timed steps per run")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--one-device", action="store_true",
@@ -292,6 +481,8 @@ def main() -> None:
     ap.add_argument("--accelerator", choices=["cpu", "cuda"], default="cpu", help="with --one-device (default cpu)")
     ap.add_argument("--precision", default="32-true", help="with --one-device: the Trainer's precision, e.g. bf16-true")
     ap.add_argument("--peak-tflops", type=float, help="with --one-device: the device's peak, for MFU (H200 bf16: 989)")
+    ap.add_argument("--memory", action="store_true",
+                    help="instead of timing: each process's memory, measured and by the planner's memory model")
     ap.add_argument("--json", help="also write every measurement to this file")
     ap.add_argument("--profile", help="write each rank's cProfile (wall clock) of the timed steps into this folder")
     ap.add_argument("--child", help=argparse.SUPPRESS)
@@ -307,6 +498,8 @@ def main() -> None:
     if not args.one_device and (args.accelerator != "cpu" or args.precision != "32-true" or args.peak_tflops):
         ap.error("--accelerator, --precision and --peak-tflops need --one-device (the two-process runs are fp32, "
                  "gloo on CPU)")
+    if args.memory and (args.one_device or args.profile):
+        ap.error("--memory measures the two-process runs under torch's profiler: drop --one-device and --profile")
     if args.one_device and args.profile:
         ap.error("--profile profiles the two-process runs; drop --one-device or --profile")
     if args.accelerator == "cuda" and not torch.cuda.is_available():
@@ -330,9 +523,15 @@ def main() -> None:
                            schedule=schedule, optimizer=opt, steps=args.steps, warmup=args.warmup,
                            profile=os.path.abspath(args.profile) if args.profile else None,
                            one_device=args.one_device, accelerator=args.accelerator, precision=args.precision,
-                           peak_tflops=args.peak_tflops, untied=args.untied)
+                           peak_tflops=args.peak_tflops, untied=args.untied, memory=args.memory)
                 pair = run(cfg, timeout=1200)
                 rows.append({"optimizer": opt, "m": m, "schedule": schedule, "pair": pair})
+                if args.memory:
+                    rows[-1]["model"] = memory_predict(pair)
+                    print(f"  {opt:<7} m={m} {schedule:<4} allocator peak "
+                          + ", ".join(f"{x['allocator_peak'] / 2**20:.0f}" for x in pair) + " MiB, model "
+                          + ", ".join(f"{y['total'] / 2**20:.0f}" for y in rows[-1]["model"]) + " MiB", flush=True)
+                    continue
                 if args.one_device:
                     print(f"  {opt:<5} m={m} {schedule:<5} {pair[0]['sec_per_step']:.4f} s/step, "
                           f"{pair[0]['tokens_per_s']:,.0f} tokens/s", flush=True)
@@ -342,7 +541,8 @@ def main() -> None:
                       f"{rows[-1]['predicted']['untied_s']:.2f} untied / {rows[-1]['predicted']['tied_s']:.2f} tied",
                       flush=True)
     print()
-    print(one_device_report(rows, args) if args.one_device else report(rows, args))
+    print(one_device_report(rows, args) if args.one_device else memory_report(rows, args) if args.memory
+          else report(rows, args))
     print(f"\n(wall time {time.perf_counter() - started:.0f}s; load average now {os.getloadavg()[0]:.2f})")
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
