@@ -250,7 +250,7 @@ def build_strategy(cfg: dict) -> AsyncPipelineStrategy:
     if "partition" in cfg:
         kwargs["partition"] = cfg["partition"]
     return AsyncPipelineStrategy(schedule=cfg.get("schedule", "2bw"), num_microbatches=cfg.get("microbatches", 4),
-                                 pipeline_timeout=cfg.get("timeout", 30.0), **kwargs)
+                                 pipeline_timeout=cfg.get("timeout", 60.0), **kwargs)
 
 
 class RecordedSummary(L.pytorch.callbacks.ModelSummary):
