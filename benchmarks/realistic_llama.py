@@ -17,8 +17,10 @@ Each run reports the median step time on rank 0 over the timed steps and, from a
 stage's mean forward, backward and optimizer span; the planner (``pipeline.simulate``) predicts the step time from
 them, without and with the tied embedding's gradient sum (``simulate(tied_stages=...)``, the all-reduce timed
 after training): the first and last stage hold the tied weight and sum its gradient before every update, so the
-last stage's update waits for the first stage's last backward. Peak RSS per rank and the stashed weight version's
-bytes (``stats.stash_nbytes``) say what 2BW's second version costs.
+last stage's update waits for the first stage's last backward. Each stage's forward + backward per microbatch is
+set against the same layers run on one microbatch in a plain loop after training (both processes at once, as
+during training): the engine's cost over a plain loop's at this shape. Peak RSS per rank and the stashed weight
+version's bytes (``stats.stash_nbytes``) say what 2BW's second version costs.
 
 ``--memory`` runs each configuration under torch's profiler (``profile_memory``) instead, from ``Callback.setup``
 (before the stage is materialized) to the end of training: the CPU allocator's peak per process, against the
@@ -142,6 +144,42 @@ def two_process_trainer(cfg: dict, callback: Any) -> Any:
     )
 
 
+def keep_stage_input(trainer: Any, pl_module: Any, holder: Any) -> Any:
+    """Keep in ``holder.input`` a copy of the first training input that reaches this process's first layer (the
+    tokens on the first stage, the received activation on the others); returns the hook's handle."""
+    first = pl_module.pipeline_layers()[trainer.strategy.engine.own_layer_indices()[0]]
+
+    def keep(module: Any, args: tuple) -> None:
+        if holder.input is None and torch.is_grad_enabled():
+            holder.input = torch.utils._pytree.tree_map(
+                lambda t: t.detach().clone() if isinstance(t, torch.Tensor) else t, args[0])
+
+    return first.register_forward_pre_hook(keep)
+
+
+def plain_microbatch_seconds(model: Any, own: list[int], x: Any, microbatch: Any, last: bool, rounds: int = 5) -> float:
+    """One microbatch's forward and backward through this process's layers (the loss on the last) in a plain loop:
+    the median of ``rounds`` after one warm-up, each started at a barrier so the other process runs its own beside
+    it, as during training. The engine's forward + backward spans per microbatch are set against it."""
+    layers = [model.pipeline_layers()[i] for i in own]
+    x = torch.utils._pytree.tree_map(
+        lambda t: t.detach().clone().requires_grad_(t.is_floating_point()) if isinstance(t, torch.Tensor) else t, x)
+    times = []
+    for _ in range(rounds + 1):
+        torch.distributed.barrier()
+        start = time.perf_counter()
+        out = x
+        for layer in layers:
+            out = layer(out)
+        if last:
+            out = model.pipeline_loss(out, microbatch)
+        tensors = [t for t in torch.utils._pytree.tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad]
+        torch.autograd.backward(tensors, [torch.ones_like(t) for t in tensors])
+        times.append(time.perf_counter() - start)
+        del out, tensors
+    return statistics.median(times[1:])
+
+
 def child(cfg: dict, out_dir: str) -> None:
     """One Lightning run (rank 0 here; Lightning re-executes this script for rank 1)."""
     if cfg.get("one_device"):
@@ -160,6 +198,13 @@ def child(cfg: dict, out_dir: str) -> None:
             self.times: list[Any] = []
             self.spans: list[Any] = []
             self.prof = cProfile.Profile(time.perf_counter) if cfg.get("profile") else None
+            self.input: Any = None
+
+        def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+            self.hook = keep_stage_input(trainer, pl_module, self)
+
+        def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+            self.hook.remove()
 
         def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
             engine = trainer.strategy.engine
@@ -179,9 +224,12 @@ def child(cfg: dict, out_dir: str) -> None:
 
     clock = Clock()
     trainer = two_process_trainer(cfg, clock)
-    trainer.fit(*model_and_data(cfg))
+    model, loader = model_and_data(cfg)
+    trainer.fit(model, loader)
     rank = trainer.global_rank
     stats = trainer.strategy.engine.stats
+    plain = plain_microbatch_seconds(model, trainer.strategy.engine.own_layer_indices(), clock.input,
+                                     next(iter(loader))[: cfg["batch"] // cfg["m"]], rank == STAGES - 1)
     # One activation crossing the boundary: (rows per microbatch, seq, hidden) float32, here as a 2-D tensor.
     transfer = transfer_seconds(rank, cfg["batch"] // cfg["m"] * cfg["seq"], SMOLLM_WIDTHS["hidden_size"], rounds=10)
     tied = torch.zeros(cfg["vocab"] * SMOLLM_WIDTHS["hidden_size"])  # the embedding tied to the head, fp32 (timed
@@ -195,7 +243,7 @@ def child(cfg: dict, out_dir: str) -> None:
     times = clock.times
     result = {
         **cfg, "rank": rank, **clock.clock.result(), "transfer_s": transfer, "tied_reduce_s": statistics.median(sums),
-        "costs": span_costs(clock.spans, rank, cfg["steps"]),
+        "costs": span_costs(clock.spans, rank, cfg["steps"]), "plain_microbatch_s": plain,
         "times": {k: statistics.fmean(getattr(t, k) for t in times) for k in ("total", "compute", "comm_wait", "optimizer", "tied_sum")},
         "stash_mib": stats.stash_nbytes / 2**20,
         "params_mib": sum(p.numel() * p.element_size() for p in trainer.lightning_module.parameters()) / 2**20,
@@ -263,14 +311,7 @@ def memory_child(cfg: dict, out_dir: str) -> None:
             self.prof.start()
 
         def on_train_start(self, trainer: Any, pl_module: Any) -> None:
-            first = pl_module.pipeline_layers()[trainer.strategy.engine.own_layer_indices()[0]]
-
-            def keep(module: Any, args: tuple) -> None:  # the input one microbatch brings to this process's layers
-                if self.input is None and torch.is_grad_enabled():
-                    self.input = torch.utils._pytree.tree_map(
-                        lambda t: t.detach().clone() if isinstance(t, torch.Tensor) else t, args[0])
-
-            self.hook = first.register_forward_pre_hook(keep)
+            self.hook = keep_stage_input(trainer, pl_module, self)
 
         def on_train_end(self, trainer: Any, pl_module: Any) -> None:
             self.prof.stop()
@@ -427,11 +468,15 @@ def report(rows: list[dict], args: argparse.Namespace) -> str:
         f"({'head of its own' if args.untied else 'tied embedding and head'}), {args.batch} x "
         f"{args.seq} tokens per step, {STAGES} CPU processes through Lightning\n",
         "| optimizer | m | schedule | s/step (median) | fwd / bwd per microbatch, stage 0 (ms) | stage 1 (ms) "
-        "| optimizer (ms, stage 0 / 1) | tied sum (ms, stage 0 / 1) | planner, untied | planner, tied "
+        "| engine fwd + bwd / plain loop's (stage 0 / 1) | optimizer (ms, stage 0 / 1) | tied sum (ms, stage 0 / 1) | planner, untied | planner, tied "
         "| peak RSS MiB (rank 0 / 1) "
         "| stashed version MiB (rank 0 / 1) | others' CPU |",
-        "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
+
+    def overhead(x: dict) -> str:  # the engine's compute per microbatch over the plain loop's on the same layers
+        return f"{(x['costs']['forward_s'] + x['costs']['backward_s']) / x['plain_microbatch_s']:.3f}"
+
     for r in rows:
         p0, p1 = r["pair"]
         c0, c1 = p0["costs"], p1["costs"]
@@ -440,7 +485,7 @@ def report(rows: list[dict], args: argparse.Namespace) -> str:
         lines.append(
             f"| {r['optimizer']} | {r['m']} | {r['schedule']} | {p0['sec_per_step']:.2f} | "
             f"{c0['forward_s'] * 1e3:.0f} / {c0['backward_s'] * 1e3:.0f} | {c1['forward_s'] * 1e3:.0f} / "
-            f"{c1['backward_s'] * 1e3:.0f} | {c0['optimizer_s'] * 1e3:.0f} / {c1['optimizer_s'] * 1e3:.0f} | "
+            f"{c1['backward_s'] * 1e3:.0f} | {overhead(p0)} / {overhead(p1)} | {c0['optimizer_s'] * 1e3:.0f} / {c1['optimizer_s'] * 1e3:.0f} | "
             f"{p0['times']['tied_sum'] * 1e3:.0f} / {p1['times']['tied_sum'] * 1e3:.0f} | "
             f"{pred['untied_s']:.2f} ({pred['untied_s'] / measured - 1:+.0%}) | "
             f"{pred['tied_s']:.2f} ({pred['tied_s'] / measured - 1:+.0%}) | "
