@@ -157,26 +157,41 @@ def keep_stage_input(trainer: Any, pl_module: Any, holder: Any) -> Any:
     return first.register_forward_pre_hook(keep)
 
 
-def plain_microbatch_seconds(model: Any, own: list[int], x: Any, microbatch: Any, last: bool, rounds: int = 5) -> float:
-    """One microbatch's forward and backward through this process's layers (the loss on the last) in a plain loop:
-    the median of ``rounds`` after one warm-up, each started at a barrier so the other process runs its own beside
-    it, as during training. The engine's forward + backward spans per microbatch are set against it."""
-    layers = [model.pipeline_layers()[i] for i in own]
-    x = torch.utils._pytree.tree_map(
+def own_layers_and_loss(model: Any, engine: Any, loader: Any, cfg: dict, rank: int) -> tuple[list, Any]:
+    """This process's layers and, on the last stage, the loss on the first microbatch: what the plain loop runs."""
+    microbatch = next(iter(loader))[: cfg["batch"] // cfg["m"]]
+    layers = [model.pipeline_layers()[i] for i in engine.own_layer_indices()]
+    return layers, (lambda out: model.pipeline_loss(out, microbatch)) if rank == STAGES - 1 else None
+
+
+def leaf_input(x: Any) -> Any:
+    """A fresh copy of a stage's input whose floating tensors are leaves that need a gradient, as received ones do."""
+    return torch.utils._pytree.tree_map(
         lambda t: t.detach().clone().requires_grad_(t.is_floating_point()) if isinstance(t, torch.Tensor) else t, x)
+
+
+def forward_through(layers: list, x: Any, loss: Any) -> Any:
+    for layer in layers:
+        x = layer(x)
+    return x if loss is None else loss(x)
+
+
+def backward_from(out: Any) -> None:
+    tensors = [t for t in torch.utils._pytree.tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad]
+    torch.autograd.backward(tensors, [torch.ones_like(t) for t in tensors])
+
+
+def plain_microbatch_seconds(layers: list, x: Any, loss: Any, rounds: int = 5) -> float:
+    """One microbatch's forward and backward through ``layers`` (and ``loss``) in a plain loop: the median of
+    ``rounds`` after one warm-up, each started at a barrier so the other process runs its own beside it, as during
+    training. The engine's forward + backward spans per microbatch are set against it."""
+    x = leaf_input(x)
     times = []
     for _ in range(rounds + 1):
         torch.distributed.barrier()
         start = time.perf_counter()
-        out = x
-        for layer in layers:
-            out = layer(out)
-        if last:
-            out = model.pipeline_loss(out, microbatch)
-        tensors = [t for t in torch.utils._pytree.tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad]
-        torch.autograd.backward(tensors, [torch.ones_like(t) for t in tensors])
+        backward_from(forward_through(layers, x, loss))
         times.append(time.perf_counter() - start)
-        del out, tensors
     return statistics.median(times[1:])
 
 
@@ -228,8 +243,8 @@ def child(cfg: dict, out_dir: str) -> None:
     trainer.fit(model, loader)
     rank = trainer.global_rank
     stats = trainer.strategy.engine.stats
-    plain = plain_microbatch_seconds(model, trainer.strategy.engine.own_layer_indices(), clock.input,
-                                     next(iter(loader))[: cfg["batch"] // cfg["m"]], rank == STAGES - 1)
+    layers, loss = own_layers_and_loss(model, trainer.strategy.engine, loader, cfg, rank)
+    plain = plain_microbatch_seconds(layers, clock.input, loss)
     # One activation crossing the boundary: (rows per microbatch, seq, hidden) float32, here as a 2-D tensor.
     transfer = transfer_seconds(rank, cfg["batch"] // cfg["m"] * cfg["seq"], SMOLLM_WIDTHS["hidden_size"], rounds=10)
     tied = torch.zeros(cfg["vocab"] * SMOLLM_WIDTHS["hidden_size"])  # the embedding tied to the head, fp32 (timed
@@ -275,20 +290,14 @@ def one_microbatch(layers: list, x: Any, loss: Any) -> tuple[int, int]:
     gradients it allocates included (none if the parameters have them already: then its accumulation counts)."""
     from torch.profiler import ProfilerActivity, profile
 
-    x = torch.utils._pytree.tree_map(
-        lambda t: t.detach().clone().requires_grad_(t.is_floating_point()) if isinstance(t, torch.Tensor) else t, x)
+    x = leaf_input(x)
     held = tensor_bytes(x)
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        out = x
-        for layer in layers:
-            out = layer(out)
-        if loss is not None:
-            out = loss(out)
+        out = forward_through(layers, x, loss)
     saved, forward_peak = allocator_bytes(prof)
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        tensors = [t for t in torch.utils._pytree.tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad]
-        torch.autograd.backward(tensors, [torch.ones_like(t) for t in tensors])
-        del tensors, out
+        backward_from(out)
+        del out
     _, backward_peak = allocator_bytes(prof)
     return held + saved, held + max(forward_peak, saved + backward_peak)
 
@@ -324,7 +333,6 @@ def memory_child(cfg: dict, out_dir: str) -> None:
     rank = trainer.global_rank
     _, peak = allocator_bytes(recorder.prof)
     engine = trainer.strategy.engine
-    own = engine.own_layer_indices()
     params = [p for view in engine.stats.stages for p in view.params]
     optimizer = trainer.optimizers[0]
     state = {id(p): entry for p, entry in optimizer.state.items()}
@@ -333,10 +341,7 @@ def memory_child(cfg: dict, out_dir: str) -> None:
     # ErrorFeedback one more per parameter.
     rule = sum((1 if group.get("use_muon") else 2) * tensor_bytes(p) for group in optimizer.param_groups
                for p in group["params"] if id(p) in state)
-    last = rank == STAGES - 1
-    microbatch = next(iter(loader))[: cfg["batch"] // cfg["m"]]
-    layers = [model.pipeline_layers()[i] for i in own]
-    loss = (lambda out: model.pipeline_loss(out, microbatch)) if last else None
+    layers, loss = own_layers_and_loss(model, engine, loader, cfg, rank)
     for p in params:
         p.grad = None
     saved, first_working = one_microbatch(layers, recorder.input, loss)  # the step's first: allocates the gradients
@@ -403,15 +408,20 @@ def memory_report(rows: list[dict], args: argparse.Namespace) -> str:
                 f"{model['total'] / x['allocator_peak']:.3f} | {x['peak_rss_mib']:.0f} |")
     lines += ["", "2bw's extra over 1f1b (allocator peak, measured / model), MiB:", "",
               "| optimizer | m | rank 0 | rank 1 |", "|---|---:|---:|---:|"]
-    index = {(r["optimizer"], r["m"], r["schedule"]): r for r in rows}
-    for (opt, m, schedule), r in index.items():
-        other = index.get((opt, m, "1f1b"))
-        if schedule != "2bw" or other is None:
-            continue
+    for opt, m, r, other in schedule_pairs(rows):
         cells = [f"{(a['allocator_peak'] - b['allocator_peak']) / mib:+.0f} / {(ma['total'] - mb['total']) / mib:+.0f}"
                  for a, b, ma, mb in zip(r["pair"], other["pair"], r["model"], other["model"])]
         lines.append(f"| {opt} | {m} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def schedule_pairs(rows: list[dict]) -> Any:
+    """Each (optimizer, m) measured under both 2bw and 1f1b: ``(optimizer, m, 2bw's row, 1f1b's row)``."""
+    index = {(r["optimizer"], r["m"], r["schedule"]): r for r in rows}
+    for (opt, m, schedule), r in index.items():
+        other = index.get((opt, m, "1f1b"))
+        if schedule == "2bw" and other is not None:
+            yield opt, m, r, other
 
 
 def run(cfg: dict, timeout: float) -> list[dict]:
@@ -494,11 +504,7 @@ def report(rows: list[dict], args: argparse.Namespace) -> str:
     lines += ["", "Predictions are against the mean step over the timed steps (in brackets: predicted / measured - 1).", "",
               "| optimizer | m | 2bw / 1f1b (speed-up, medians) | target | 2bw - 1f1b peak RSS, rank 0 / 1 (MiB) "
               "| stashed version, rank 0 / 1 (MiB) |", "|---|---:|---:|---|---:|---:|"]
-    index = {(r["optimizer"], r["m"], r["schedule"]): r for r in rows}
-    for (opt, m, schedule), r in index.items():
-        other = index.get((opt, m, "1f1b"))
-        if schedule != "2bw" or other is None:
-            continue
+    for opt, m, r, other in schedule_pairs(rows):
         a, b = r["pair"], other["pair"]
         lines.append(f"| {opt} | {m} | {b[0]['sec_per_step'] / a[0]['sec_per_step']:.2f}x | >= 1.1 | "
                      f"{a[0]['peak_rss_mib'] - b[0]['peak_rss_mib']:+.0f} / {a[1]['peak_rss_mib'] - b[1]['peak_rss_mib']:+.0f} | "
