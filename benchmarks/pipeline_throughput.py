@@ -17,14 +17,21 @@ per process:
 - the whole model in one process (plain loop, whole batch at once): the baseline; and the same with the batch
   split into the pipeline's microbatches (gradients accumulated), which has the pipeline's matrix shapes: twice
   its rate is what two stages could reach without any overhead;
-- ``2bw`` and ``1f1b`` on the bare engine with both stages in this one process, against that microbatched loop:
-  what a stage's compute costs over a plain loop's, without transfers or a second process on the cores;
+- every schedule of the bare engine with both stages in this one process, against that microbatched loop and
+  against the same loop cut where the stages meet (a detached input and two backward calls per microbatch, as in
+  any pipeline): what a stage's compute costs over a plain loop's, without transfers or a second process on the
+  cores. These run in one process taking steps in turn (step ``i`` of each system, then step ``i + 1``), and the
+  ratio is the median of the per-step ratios: a shared VM's speed drifts by 10-90% within minutes, which a ratio
+  between two runs made one after the other would also measure;
 - two independent one-process runs side by side: what two processes can reach on this machine (the ceiling).
 
 Throughput is samples (rows) per second over the steady state: ``--warmup`` steps are skipped, the next
 ``--steps`` are timed between the ends of consecutive steps on rank 0, and one more step runs untimed after them
 (2BW drains there). For ``2bw`` under Lightning it also prints where each stage's wall time went
 (``strategy.engine.stats.last_times``) and every process's peak RSS.
+
+``--rounds N`` measures everything N times in turn; the tables show each system's median round, and a table of
+the targets gives each round's ratios (both sides from the same round) and their median.
 
 Other processes on the machine distort such numbers, so before each measurement the benchmark waits (up to
 ``--wait-idle`` seconds) for an idle machine, records which share of the CPUs others used during the timed window
@@ -103,7 +110,7 @@ DEPTH = 8
 STAGES = 2
 SCHEDULES = ("2bw", "1f1b", "gpipe")  # under Lightning
 ENGINE_SCHEDULES = SCHEDULES + ("zb_h1",)  # on the bare engine
-ONE_PROCESS_SCHEDULES = ("2bw", "1f1b")  # the bare engine with both stages in one process, against the plain loop
+ONE_PROCESS_SCHEDULES = ENGINE_SCHEDULES  # the bare engine with both stages in one process, against the plain loop
 TORCH_SCHEDULES = ("Schedule1F1B", "ScheduleGPipe", "ScheduleInterleaved1F1B", "ScheduleZBVZeroBubble", "ScheduleDualPipeV")
 #: torch's schedules with two stages per rank, and which stages rank r holds (of 2 x STAGES).
 TORCH_MULTI_STAGE = {"ScheduleInterleaved1F1B": lambda r: (r, r + STAGES),
@@ -257,24 +264,45 @@ def one_thread() -> None:
 # ---------------------------------------------------------------------------------------------------------------
 
 
+class PlainLoop:
+    """The whole model in this process, one step per :meth:`step`: the whole batch at once, or (``microbatched``)
+    as the pipeline splits it, accumulating the microbatch gradients; the latter has the pipeline's matrix shapes,
+    so twice its rate is what two stages could reach with no overhead at all. ``split`` also cuts each
+    microbatch's autograd graph where the stages meet (a detached input, two backward calls), as every pipeline
+    must: what that costs alone."""
+
+    def __init__(self, cfg: dict, device: torch.device, microbatched: bool = False, split: bool = False) -> None:
+        self.model = nn.Sequential(*make_layers(cfg["width"])).to(device)
+        self.opt = make_optimizer(self.model.parameters(), cfg["optimizer"])
+        self.batches = make_batches(cfg, device)
+        self.parts = cfg["m"] if microbatched else 1
+        self.split = split
+
+    def step(self, i: int) -> None:
+        x, y = self.batches[i]
+        self.opt.zero_grad(set_to_none=True)
+        for xs, ys in zip(x.chunk(self.parts), y.chunk(self.parts)):
+            if not self.split:
+                (mse(self.model(xs), ys) / self.parts).backward()
+                continue
+            cut = DEPTH // STAGES
+            h = self.model[:cut](xs)
+            received = h.detach().requires_grad_()
+            (mse(self.model[cut:](received), ys) / self.parts).backward()
+            h.backward(received.grad)
+        self.opt.step()
+
+
 def run_single(cfg: dict, microbatched: bool = False, rank: int = 0) -> dict:
-    """The whole model in this process: the whole batch at once, or (``microbatched``) as the pipeline splits it,
-    accumulating the microbatch gradients; the latter has the pipeline's matrix shapes, so twice its rate is what
-    two stages could reach with no overhead at all."""
+    """:class:`PlainLoop` over every batch, timed."""
     setup_threads(cfg)
     device = device_of(cfg, rank)
     if device.type == "cuda":
         torch.cuda.set_device(device)  # in a spawned process of the ceiling, nothing lands on another rank's GPU
-    model = nn.Sequential(*make_layers(cfg["width"])).to(device)
-    opt = make_optimizer(model.parameters(), cfg["optimizer"])
-    batches = make_batches(cfg, device)
+    loop = PlainLoop(cfg, device, microbatched)
     clock = StepClock(cfg, device)
-    parts = cfg["m"] if microbatched else 1
-    for x, y in batches:
-        opt.zero_grad(set_to_none=True)
-        for xs, ys in zip(x.chunk(parts), y.chunk(parts)):
-            (mse(model(xs), ys) / parts).backward()
-        opt.step()
+    for i in range(len(loop.batches)):
+        loop.step(i)
         clock.tick()
     return clock.result()
 
@@ -442,45 +470,58 @@ def _engine_worker(rank: int, port: int, cfgs: list[dict], out_dir: str, profile
     dist.destroy_process_group()
 
 
-def run_engine(cfg: dict, rank: int, world_size: int, profile: bool = False,
-               transfer_s: Optional[float] = None) -> dict:
-    """This package's ``PipelineEngine`` driven by a plain loop doing what the strategy does, without Lightning:
-    this process's stage of ``world_size`` processes or, with ``world_size=1``, all ``STAGES`` stages in this one
-    process (on one GPU the stages cannot overlap: this measures the engine's overhead)."""
-    from lightning_async_pp.pipeline.config import PipelineConfig
-    from lightning_async_pp.pipeline.engine import PipelineEngine
+class EngineLoop:
+    """This package's ``PipelineEngine`` driven by a plain loop doing what the strategy does, without Lightning,
+    one step per :meth:`step`: this process's stage of ``world_size`` processes or, with ``world_size=1``, all
+    ``STAGES`` stages in this one process (on one GPU the stages cannot overlap: this measures the engine's
+    overhead)."""
 
-    device = device_of(cfg, rank)
-    # What the Lightning runs give AsyncPipelineStrategy, with the timeout the other pairs use.
-    config = PipelineConfig(schedule=cfg["schedule"], num_microbatches=cfg["m"], partition="uniform",
-                            pipeline_timeout=120.0, num_stages=STAGES if world_size == 1 else None,
-                            compile=cfg.get("compile", False))
-    root = nn.ModuleList(make_layers(cfg["width"]))
-    engine = PipelineEngine.build(root, list(root), config, input_fn=lambda b: b[0],
-                                  loss_fn=lambda out, b: mse(out, b[1]), device=device,
-                                  world_size=world_size, rank=rank)
-    root.to(device)
-    engine.start()
-    opt = make_optimizer(engine.params, cfg["optimizer"])
-    batches = make_batches(cfg, device)
-    prof = cProfile.Profile(time.thread_time) if profile else None
-    clock, times, spans = StepClock(cfg, device), [], None
-    for i, batch in enumerate(batches):
-        timed = clock.in_window()
-        if cfg.get("trace") and i == cfg["warmup"]:  # the timed steps, traced
-            engine.start_trace()
-        if prof is not None and timed:
-            prof.enable()
+    def __init__(self, cfg: dict, rank: int, world_size: int, device: torch.device) -> None:
+        from lightning_async_pp.pipeline.config import PipelineConfig
+        from lightning_async_pp.pipeline.engine import PipelineEngine
+
+        # What the Lightning runs give AsyncPipelineStrategy, with the timeout the other pairs use.
+        config = PipelineConfig(schedule=cfg["schedule"], num_microbatches=cfg["m"], partition="uniform",
+                                pipeline_timeout=120.0, num_stages=STAGES if world_size == 1 else None,
+                                compile=cfg.get("compile", False))
+        root = nn.ModuleList(make_layers(cfg["width"]))
+        self.engine = PipelineEngine.build(root, list(root), config, input_fn=lambda b: b[0],
+                                           loss_fn=lambda out, b: mse(out, b[1]), device=device,
+                                           world_size=world_size, rank=rank)
+        root.to(device)
+        self.engine.start()
+        self.opt = make_optimizer(self.engine.params, cfg["optimizer"])
+        self.batches = make_batches(cfg, device)
+
+    def step(self, i: int) -> None:
+        engine, batches = self.engine, self.batches
         # As AsyncPipelineStrategy.train_loss: the next batch is the 2BW lookahead, except on the last step.
         last = i + 1 == len(batches)
-        engine.train_step(batch, None if last or not engine.uses_lookahead() else batches[i + 1])
+        engine.train_step(batches[i], None if last or not engine.uses_lookahead() else batches[i + 1])
         # As AsyncPipelineStrategy.backward and optimizer_step.
         for p, g in zip(engine.params, engine.gradients):
             p.grad = g
         engine.prepare_update()
         t = time.perf_counter()
-        opt.step()
+        self.opt.step()
         engine.record_optimizer(t, time.perf_counter())
+
+
+def run_engine(cfg: dict, rank: int, world_size: int, profile: bool = False,
+               transfer_s: Optional[float] = None) -> dict:
+    """:class:`EngineLoop` over every batch, timed (and, as ``cfg`` and ``profile`` ask, traced or profiled)."""
+    device = device_of(cfg, rank)
+    loop = EngineLoop(cfg, rank, world_size, device)
+    engine = loop.engine
+    prof = cProfile.Profile(time.thread_time) if profile else None
+    clock, times, spans = StepClock(cfg, device), [], None
+    for i in range(len(loop.batches)):
+        timed = clock.in_window()
+        if cfg.get("trace") and i == cfg["warmup"]:  # the timed steps, traced
+            engine.start_trace()
+        if prof is not None and timed:
+            prof.enable()
+        loop.step(i)
         clock.tick()
         if prof is not None and timed:
             prof.disable()
@@ -497,6 +538,48 @@ def run_engine(cfg: dict, rank: int, world_size: int, profile: bool = False,
         result["profile"] = _profile_text(prof)
         result["cpu_profile"] = _profile_summary(prof, cfg["steps"])
     return result
+
+
+def run_interleaved(cfg: dict, schedules: tuple[str, ...]) -> dict[str, list[dict]]:
+    """The plain loop on the pipeline's microbatches and the bare engine with both stages, one per schedule, all
+    in this one process (CPU), taking steps in turn: step ``i`` of each, in an order that rotates with ``i``.
+
+    A ratio between two runs measured one after the other also measures how the machine's speed moved between
+    them (on a shared VM by 10-90% within minutes); steps taken in turn see the same machine, so the median of
+    the per-step ratios (plain loop's step over the engine's step ``i``) is the engine's cost over a plain loop's
+    alone. The plain loop split where the stages meet (``single_split``) runs in turn with them: the part of the
+    engine's cost that any pipeline pays. Returns ``{"single_mb": [result], "single_split": [result], schedule:
+    [result], ...}``; each result but the first adds ``paired_ratio``.
+    """
+    setup_threads(cfg)
+    device = torch.device("cpu")
+    loops: dict[str, Any] = {"single_mb": PlainLoop(cfg, device, microbatched=True),
+                             "single_split": PlainLoop(cfg, device, microbatched=True, split=True)}
+    loops.update({s: EngineLoop({**cfg, "schedule": s}, 0, 1, device) for s in schedules})
+    names = list(loops)
+    times: dict[str, list[float]] = {n: [] for n in names}
+    first, last = cfg["warmup"], cfg["warmup"] + cfg["steps"]
+    for i in range(total_steps(cfg)):
+        if i == first:
+            start = (time.perf_counter(), _own_cpu_seconds(), _system_busy_seconds())
+        for name in names[i % len(names):] + names[: i % len(names)]:
+            t = time.perf_counter()
+            loops[name].step(i)
+            times[name].append(time.perf_counter() - t)
+        if i == last - 1:
+            end = (time.perf_counter(), _own_cpu_seconds(), _system_busy_seconds())
+    # The machine-wide window is shared: each system gets it whole (others' CPU is then the same for all).
+    window = {"wall_s": end[0] - start[0], "cpu_s": end[1] - start[1], "system_busy_s": end[2] - start[2],
+              "rss_mib": peak_rss_mib()}
+    timed = {n: t[first:last] for n, t in times.items()}
+    out = {}
+    for name in names:
+        result = {**window, "sec_per_step": statistics.median(timed[name]),
+                  "mean_sec_per_step": statistics.fmean(timed[name])}
+        if name != "single_mb":
+            result["paired_ratio"] = statistics.median(p / e for p, e in zip(timed["single_mb"], timed[name]))
+        out[name] = [result]
+    return out
 
 
 def _times_dict(t: Any) -> dict:
@@ -706,17 +789,22 @@ class Quiet:
             if busy < 0.1 or time.monotonic() > deadline:
                 return
 
-    def measure(self, run: Callable[[], list[dict]]) -> list[dict]:
-        best: Optional[list[dict]] = None
+    def measure(self, run: Callable[[], Any], disturbance: Callable[[Any], float] = others_cpu) -> Any:
+        """``run()`` on a quiet machine, again (``retries`` times) while ``disturbance(result)`` (by default others'
+        CPU share of a list of per-process results) exceeds 5%; the least disturbed result."""
+        best: Any = None
         for _ in range(1 + self.retries):
             self.wait()
             res = run()
-            if best is None or others_cpu(res) < others_cpu(best):
+            if best is None or disturbance(res) < disturbance(best):
                 best = res
-            if others_cpu(best) <= DISTURBED:
+            if disturbance(best) <= DISTURBED:
                 break
-        assert best is not None
         return best
+
+    def measure_keyed(self, run: Callable[[], dict[str, list[dict]]]) -> dict[str, list[dict]]:
+        """:meth:`measure` for a run that measures several systems in one window: ``{system: [result]}``."""
+        return self.measure(run, lambda res: max(others_cpu(v) for v in res.values()))
 
     def measure_group(self, worker: Callable, name: str, cfgs: list[dict]) -> list[list[dict]]:
         """Several configurations in one process pair; the disturbed ones are measured again."""
@@ -745,6 +833,53 @@ def _rate(key: str, procs: list[dict], rows: int) -> float:
 # ---------------------------------------------------------------------------------------------------------------
 
 
+def measure_round(args: argparse.Namespace, base: dict, quiet: "Quiet") -> dict[str, list[dict]]:
+    """Every system at every ``--microbatches``, once: ``{"<system>/m<m>": [result per process]}``."""
+    runs: dict[str, list[dict]] = {}
+    for m in args.microbatches:
+        cfg = {**base, "m": m}
+        rows = cfg["rows"] * m
+
+        def record(key: str, res: list[dict]) -> None:
+            runs[key] = res
+            sec = rows / _rate(key, res, rows)
+            extra = f"   plain loop / engine, paired steps {res[0]['paired_ratio']:.3f}" if "paired_ratio" in res[0] else ""
+            print(f"  m={m} {key.split('/m')[0]:<26} {sec * 1e3:8.1f} ms/step {rows / sec:9.0f} samples/s   "
+                  f"others' CPU {others_cpu(res):5.1%}{extra}", flush=True)
+
+        record(f"single/m{m}", quiet.measure(lambda: [run_single(cfg)]))
+        # The engine's stages in this one process on the same microbatches, against the plain loop, steps in turn.
+        mixed = quiet.measure_keyed(lambda: run_interleaved(cfg, ONE_PROCESS_SCHEDULES))
+        record(f"single_mb/m{m}", mixed["single_mb"])
+        record(f"single_split/m{m}", mixed["single_split"])
+        for schedule in ONE_PROCESS_SCHEDULES:
+            record(f"onedev/{schedule}/m{m}", mixed[schedule])
+        if args.only_engines:
+            for pair in quiet.measure_group(_engine_worker, "engine", [{**cfg, "schedule": s} for s in ENGINE_SCHEDULES]):
+                record(f"engine/{pair[0]['schedule']}/m{m}", pair)
+            for pair in quiet.measure_group(_torchpp_worker, "torchpp", [{**cfg, "schedule": s} for s in TORCH_SCHEDULES]):
+                record(f"torch/{pair[0]['schedule']}/m{m}", pair)
+            continue
+        record(f"ceiling/m{m}", quiet.measure(lambda: run_ceiling(cfg, CHILD_TIMEOUT)))
+        for schedule in SCHEDULES:
+            record(f"lightning/{schedule}/m{m}", quiet.measure(lambda: run_lightning({**cfg, "schedule": schedule}, CHILD_TIMEOUT)))
+        groups = [("torch", _torchpp_worker, "torchpp", TORCH_SCHEDULES)]
+        if not args.no_engine:
+            groups.insert(0, ("engine", _engine_worker, "engine", ENGINE_SCHEDULES))
+        for prefix, worker, name, schedules in groups:
+            for pair in quiet.measure_group(worker, name, [{**cfg, "schedule": s} for s in schedules]):
+                record(f"{prefix}/{pair[0]['schedule']}/m{m}", pair)
+    return runs
+
+
+def median_runs(rounds: list[dict[str, list[dict]]], rows: int) -> dict[str, list[dict]]:
+    """Per system, the run of the round with the median rate (the lower middle one of an even count)."""
+    if not rounds:
+        return {}
+    return {key: sorted((r[key] for r in rounds), key=lambda res: _rate(key, res, rows))[(len(rounds) - 1) // 2]
+            for key in rounds[0]}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--microbatches", type=int, nargs="+", default=[4, 8], help="microbatches per batch (m)")
@@ -768,6 +903,9 @@ def main() -> None:
                         help="only the bare engine's schedules, eager layers against compiled ones (compile=True)")
     parser.add_argument("--profile", action="store_true", help="also profile one stage of torch 1F1B and ours")
     parser.add_argument("--profile-only", action="store_true", help="only the profiles (at the first --microbatches)")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="measure every system this many times, in turn; the tables show each system's median "
+                             "round and the targets each round's ratios (on CPU)")
     parser.add_argument("--json", help="also write every measurement to this file")
     parser.add_argument("--wait-idle", type=float, default=20.0,
                         help="before each measurement wait up to this many seconds for the machine to be idle")
@@ -789,8 +927,8 @@ def main() -> None:
     if args.quick:
         args.microbatches, args.steps, args.warmup = [4], min(args.steps, 10), min(args.warmup, 3)
         args.no_engine = args.no_engine or not cuda  # on CUDA the bare engine stands in for Lightning: kept
-    if args.warmup < 1 or args.steps < 1:
-        parser.error("--warmup and --steps must be >= 1")
+    if args.warmup < 1 or args.steps < 1 or args.rounds < 1:
+        parser.error(f"--warmup, --steps and --rounds must be >= 1, got {args.warmup}, {args.steps} and {args.rounds}")
     if args.width < 1 or args.rows_per_microbatch < 1:
         parser.error(f"--width and --rows-per-microbatch must be >= 1, got {args.width} and {args.rows_per_microbatch}")
     if cuda:
@@ -830,36 +968,13 @@ def main() -> None:
         if args.json:
             Path(args.json).write_text(json.dumps(results, indent=1))
         return
-    for m in [] if args.profile_only else args.microbatches:
-        cfg = {**base, "m": m}
-        rows = cfg["rows"] * m
-
-        def record(key: str, res: list[dict]) -> None:
-            runs[key] = res
-            sec = rows / _rate(key, res, rows)
-            print(f"  m={m} {key.split('/m')[0]:<26} {sec * 1e3:8.1f} ms/step {rows / sec:9.0f} samples/s   "
-                  f"others' CPU {others_cpu(res):5.1%}", flush=True)
-
-        record(f"single/m{m}", quiet.measure(lambda: [run_single(cfg)]))
-        record(f"single_mb/m{m}", quiet.measure(lambda: [run_single(cfg, microbatched=True)]))
-        # The engine's stages in this one process on the same microbatches: its compute against the plain loop's.
-        for schedule in ONE_PROCESS_SCHEDULES:
-            record(f"onedev/{schedule}/m{m}", quiet.measure(lambda: [run_engine({**cfg, "schedule": schedule}, 0, 1)]))
-        if args.only_engines:
-            for pair in quiet.measure_group(_engine_worker, "engine", [{**cfg, "schedule": s} for s in ENGINE_SCHEDULES]):
-                record(f"engine/{pair[0]['schedule']}/m{m}", pair)
-            for pair in quiet.measure_group(_torchpp_worker, "torchpp", [{**cfg, "schedule": s} for s in TORCH_SCHEDULES]):
-                record(f"torch/{pair[0]['schedule']}/m{m}", pair)
-            continue
-        record(f"ceiling/m{m}", quiet.measure(lambda: run_ceiling(cfg, CHILD_TIMEOUT)))
-        for schedule in SCHEDULES:
-            record(f"lightning/{schedule}/m{m}", quiet.measure(lambda: run_lightning({**cfg, "schedule": schedule}, CHILD_TIMEOUT)))
-        groups = [("torch", _torchpp_worker, "torchpp", TORCH_SCHEDULES)]
-        if not args.no_engine:
-            groups.insert(0, ("engine", _engine_worker, "engine", ENGINE_SCHEDULES))
-        for prefix, worker, name, schedules in groups:
-            for pair in quiet.measure_group(worker, name, [{**cfg, "schedule": s} for s in schedules]):
-                record(f"{prefix}/{pair[0]['schedule']}/m{m}", pair)
+    rounds: list[dict[str, list[dict]]] = []
+    for rnd in range(0 if args.profile_only else args.rounds):
+        if args.rounds > 1:
+            print(f"# round {rnd + 1} of {args.rounds}", flush=True)
+        rounds.append(measure_round(args, base, quiet))
+    results["rounds"] = rounds
+    runs.update(median_runs(rounds, base["rows"]))
 
     if args.profile or args.profile_only:
         m = args.microbatches[0]
@@ -1040,6 +1155,37 @@ def cuda_report(results: dict, args: argparse.Namespace, two: bool) -> str:
     return "\n".join(lines)
 
 
+def round_targets(runs: dict, cfg: dict, m: int) -> list[tuple[str, float, str]]:
+    """Issue 33's targets at ``m`` as one round measured them: ``(label, value, target)``."""
+    rows = cfg["rows"] * m
+    rate = lambda key: _rate(f"{key}/m{m}", runs[f"{key}/m{m}"], rows)  # noqa: E731
+    best = fastest_synchronous({"runs": runs, "config": cfg}, m)
+    out = [("2bw (Lightning) / torch's fastest synchronous schedule", rate("lightning/2bw") / rate(best), ">= 1.1"),
+           ("2bw (Lightning) / one process, microbatched", rate("lightning/2bw") / rate("single_mb"), ">= 1.9")]
+    out += [(f"{s} bare engine in one process / plain loop, steps in turn", runs[f"onedev/{s}/m{m}"][0]["paired_ratio"],
+             ">= 0.95") for s in ONE_PROCESS_SCHEDULES]
+    return out
+
+
+def rounds_table(lines: list[str], results: dict, ms: list[int]) -> None:
+    """The targets round by round, each ratio within its round (both sides measured minutes apart at most), and
+    their median: the machine's speed drifts between rounds, a ratio inside a round much less."""
+    rounds, cfg = results["rounds"], results["config"]
+    lines.append(f"\n## Targets round by round ({len(rounds)} rounds; each ratio between systems of the same round)\n")
+    lines.append("| m | ratio | " + " | ".join(f"round {i + 1}" for i in range(len(rounds))) + " | median | target |")
+    lines.append("|---:|---|" + "---:|" * (len(rounds) + 1) + "---|")
+    for m in ms:
+        per_round = [round_targets(r, cfg, m) for r in rounds]
+        fastest = [fastest_synchronous({"runs": r, "config": cfg}, m).split("/")[1].removeprefix("Schedule")
+                   for r in rounds]
+        for j, (label, _, target) in enumerate(per_round[0]):
+            vals = [pr[j][1] for pr in per_round]
+            if j == 0:  # which schedule was torch's fastest, round by round
+                label += " (" + ", ".join(fastest) + ")"
+            lines.append(f"| {m} | {label} | " + " | ".join(f"{v:.2f}" for v in vals)
+                         + f" | {statistics.median(vals):.2f} | {target} |")
+
+
 def report(results: dict, args: argparse.Namespace) -> str:
     runs, cfg = results["runs"], results["config"]
     lines = []
@@ -1048,6 +1194,7 @@ def report(results: dict, args: argparse.Namespace) -> str:
                  "the timed window (0% on an otherwise idle machine).\n")
     systems = [("one process, whole batch (baseline)", "single"),
                ("one process, m microbatches accumulated", "single_mb"),
+               ("one process, microbatched, split where the stages meet", "single_split"),
                ("2 independent processes (sum)", "ceiling")]
     systems += [(f"**{s}** (Lightning)", f"lightning/{s}") for s in SCHEDULES]
     systems += [(f"{s} (bare engine, both stages in one process)", f"onedev/{s}") for s in ONE_PROCESS_SCHEDULES]
@@ -1065,14 +1212,20 @@ def report(results: dict, args: argparse.Namespace) -> str:
     ratio_row("2 independent processes / one process (ceiling)", "ceiling", "single", "-")
     ratio_row("2 x (one process, microbatched) / one process (no-overhead pipeline)", "single_mb", "single", "-",
               scale=lambda m: 2.0)
-    for s in ONE_PROCESS_SCHEDULES:  # the engine's per-microbatch compute against a plain loop's, no transfers
-        ratio_row(f"{s} bare engine in one process / one process, microbatched (plain loop)", f"onedev/{s}", "single_mb",
-                  ">= 0.95")
+    # The engine's per-microbatch compute against a plain loop's, no transfers: steps in turn, medians over rounds.
+    for label, key, target in [("plain loop split where the stages meet", "single_split", "-")] + [
+            (f"{s} bare engine in one process", f"onedev/{s}", ">= 0.95") for s in ONE_PROCESS_SCHEDULES]:
+        vals = [statistics.median(r[f"{key}/m{m}"][0]["paired_ratio"] for r in results["rounds"]) for m in ms]
+        lines.append(f"| {label} / one process, microbatched (plain loop), steps in turn | "
+                     + " | ".join(f"{v:.2f}" for v in vals) + f" | {target} |")
     if not args.no_engine:
         fastest_row(lines, results, ms, "2bw bare engine / torch's fastest synchronous schedule", "engine/2bw", "-")
         ratio_row("2bw bare engine / torch Schedule1F1B", "engine/2bw", "torch/Schedule1F1B", "-")
         ratio_row("zb_h1 bare engine / torch Schedule1F1B", "engine/zb_h1", "torch/Schedule1F1B", "-")
         ratio_row("2bw Lightning / 2bw bare engine", "lightning/2bw", "engine/2bw", "-")
+
+    if len(results["rounds"]) > 1:
+        rounds_table(lines, results, ms)
 
     lines.append("\n## 2bw under Lightning: where each stage's wall time goes (steady state, per step)\n")
     lines.append("Fractions of the wall time between consecutive step ends. *in engine, other* is the engine's own "
@@ -1101,7 +1254,7 @@ def report(results: dict, args: argparse.Namespace) -> str:
     lines.append("|---|" + "---:|" * len(ms))
     lines.append("| one process (each of the 2 independent runs, fresh processes) | " + " | ".join(
         " / ".join(f"{r['rss_mib']:.0f}" for r in runs[f"ceiling/m{m}"]) for m in ms) + " |")
-    for label, key in systems[3:]:
+    for label, key in systems[4:]:  # after the one-process rows and the ceiling (above)
         lines.append(f"| {label} | " + " | ".join(
             " / ".join(f"{r['rss_mib']:.0f}" for r in runs[f"{key}/m{m}"]) for m in ms) + " |")
 
