@@ -1,34 +1,99 @@
 #!/usr/bin/env python
-"""Paired rounds on CPU: the bare engine's 2bw, then each of torch's synchronous schedules, at one m, round after
-round, with ``pipeline_throughput.py``'s own workers, waits and disturbance check. Prints one JSON line per
-round (seconds per step on rank 0 and others' CPU share per system); BENCHMARKS.md reads 2bw's ratio to the
-fastest synchronous schedule of each round from them.
+"""2bw against torch's synchronous schedules on CPU, paired so that the host's drift in speed cancels.
+
+Rounds (the default): the bare engine's 2bw, then each of torch's synchronous schedules, at one m, round after
+round, with ``pipeline_throughput.py``'s own workers, waits and disturbance check (each system in a process pair
+of its own, about 30 s per round). Prints one JSON line per round (seconds per step on rank 0 and others' CPU
+share per system); BENCHMARKS.md reads 2bw's ratio to the fastest synchronous schedule of each round from them.
+
+``--blocks N``: every system in one process pair instead (torch's schedules each on a process group of their
+own), taking blocks of ``--block-steps`` steps in turn, N blocks each, the order rotating from block to block.
+The first step of a block is not counted (the other rank may still be finishing the previous system's step).
+Prints one JSON line per block round (each system's median step time on rank 0 in its block) and the median over
+rounds of 2bw's ratio to the round's fastest synchronous schedule: systems a second apart see the same machine.
 
     PYTHONPATH=$PWD .venv/bin/python benchmarks/paired_rounds.py --rounds 3 --microbatches 4
+    PYTHONPATH=$PWD .venv/bin/python benchmarks/paired_rounds.py --blocks 10 --microbatches 4
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import statistics
 import sys
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import pipeline_throughput as bench  # noqa: E402  (sets one thread per process before torch is imported)
 
 
+def _blocks_worker(rank: int, port: int, cfgs: list[dict], out_dir: str, profile: bool) -> None:
+    """Every system in this process pair, in blocks of steps taken in turn (see the module's docstring)."""
+    import torch.distributed as dist
+
+    cfg = cfgs[0]
+    bench.setup_threads(cfg)
+    bench.init_group(rank, port, cfg)
+    device = bench.device_of(cfg, rank)
+    loops = {"2bw": bench.EngineLoop({**cfg, "schedule": "2bw"}, rank, bench.STAGES, device)}
+    for s in bench.TORCH_SCHEDULES:  # each on a group of its own: its traffic never meets another system's
+        loops[s] = bench.TorchLoop({**cfg, "schedule": s}, rank, device, group=dist.new_group(backend="gloo"))
+    names, k = list(loops), cfg["block_steps"]
+    done = {n: 0 for n in names}
+    rounds = []
+    for b in range(cfg["blocks"] + 1):  # block round 0 warms every system up; not reported
+        medians = {}
+        for name in names[b % len(names):] + names[: b % len(names)]:
+            ends = [time.perf_counter()]
+            for _ in range(k):
+                loops[name].step(done[name])
+                done[name] += 1
+                ends.append(time.perf_counter())
+            steps = [e - s for s, e in zip(ends[1:], ends[2:])]  # the block's first step is not counted
+            medians[name] = statistics.median(steps)
+        if b:
+            rounds.append(medians)
+    dist.barrier()
+    Path(out_dir, f"blocks{rank}.json").write_text(json.dumps([rounds]))
+    dist.destroy_process_group()
+
+
+def run_blocks(base: dict, blocks: int, block_steps: int) -> None:
+    # Batches for every step any system takes, plus 2BW's lookahead: warmup + steps + 1 (total_steps).
+    cfg = dict(base, blocks=blocks, block_steps=block_steps, warmup=0, steps=(blocks + 1) * block_steps)
+    (rank0, _), = bench.run_pairs(_blocks_worker, [cfg], "blocks", False, bench.CHILD_TIMEOUT * 2)
+    ratios = []
+    for i, medians in enumerate(rank0):
+        sync = {n: t for n, t in medians.items() if n != "2bw"}
+        best = min(sync, key=sync.get)
+        ratios.append(sync[best] / medians["2bw"])
+        print(json.dumps({"block_round": i, "ms": {n: round(t * 1e3, 2) for n, t in medians.items()},
+                          "fastest": best, "2bw_over_fastest": round(ratios[-1], 3)}), flush=True)
+    print(f"2bw / torch's fastest synchronous schedule, median of {len(ratios)} block rounds: "
+          f"{statistics.median(ratios):.3f} (range {min(ratios):.3f}-{max(ratios):.3f})", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--microbatches", type=int, default=4)
+    ap.add_argument("--blocks", type=int, help="every system in one process pair, this many blocks each (see above)")
+    ap.add_argument("--block-steps", type=int, default=6, help="steps per block, the first not counted (default 6)")
     ap.add_argument("--wait-idle", type=float, default=30.0)
     ap.add_argument("--retries", type=int, default=2)
     args = ap.parse_args()
+    if args.blocks is not None and (args.blocks < 1 or args.block_steps < 3):
+        ap.error(f"--blocks must be >= 1 and --block-steps >= 3, got {args.blocks} and {args.block_steps}")
     bench.one_thread()
     base = dict(rows=128, steps=bench.CPU_STEPS[0], warmup=bench.CPU_STEPS[1], optimizer="sgd", width=bench.WIDTH,
                 accelerator="cpu", m=args.microbatches)
     quiet = bench.Quiet(args.wait_idle, args.retries)
+    if args.blocks is not None:
+        quiet.wait()
+        run_blocks(base, args.blocks, args.block_steps)
+        return
     for rnd in range(args.rounds):
         row = {"round": rnd, "load": os.getloadavg()[0]}
         (eng,) = quiet.measure_group(bench._engine_worker, "engine", [dict(base, schedule="2bw")])

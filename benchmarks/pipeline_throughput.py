@@ -357,52 +357,66 @@ def init_group(rank: int, port: int, cfg: dict) -> None:
     )
 
 
-def _torchpp_worker(rank: int, port: int, cfgs: list[dict], out_dir: str, profile: bool) -> None:
-    setup_threads(cfgs[0])
-    init_group(rank, port, cfgs[0])
-    import torch.distributed.pipelining as pipelining
-    from torch.distributed.pipelining import PipelineStage
+class TorchLoop:
+    """``torch.distributed.pipelining``'s schedule ``cfg["schedule"]`` over ``PipelineStage``s on ``group`` (the
+    default one when ``None``), this rank's part, one step per :meth:`step`. A multi-stage schedule holds two
+    stages per rank, each a quarter of the same layers: the same model and work per rank."""
 
-    device = device_of(cfgs[0], rank)
-    results = []
-    for cfg in cfgs:
+    def __init__(self, cfg: dict, rank: int, device: torch.device, group: Any = None) -> None:
+        import torch.distributed.pipelining as pipelining
+        from torch.distributed.pipelining import PipelineStage
+
         cls = getattr(pipelining, cfg["schedule"])
         layers = make_layers(cfg["width"])
         if cfg["schedule"] in TORCH_MULTI_STAGE:
-            # Two stages per rank, each a quarter of the same layers: the same model and work per rank.
             held = TORCH_MULTI_STAGE[cfg["schedule"]](rank)
             per = DEPTH // (2 * STAGES)
             modules = [nn.Sequential(*layers[i * per:(i + 1) * per]).to(device) for i in held]
-            stages = [PipelineStage(mod, i, 2 * STAGES, device=device) for mod, i in zip(modules, held)]
-            schedule = cls(stages, cfg["m"], loss_fn=mse)
-            module = nn.ModuleList(modules)
-            first, last = 0 in held, 2 * STAGES - 1 in held
+            self.stage = [PipelineStage(mod, i, 2 * STAGES, device=device, group=group) for mod, i in zip(modules, held)]
+            self.schedule = cls(self.stage, cfg["m"], loss_fn=mse)
+            module: nn.Module = nn.ModuleList(modules)
+            self.first, self.last = 0 in held, 2 * STAGES - 1 in held
         else:
             module = nn.Sequential(*stage_layers(layers, rank)).to(device)
-            stage = PipelineStage(module, rank, STAGES, device=device)
-            schedule = cls(stage, cfg["m"], loss_fn=mse)
-            first, last = rank == 0, rank == STAGES - 1
-        opt = make_optimizer(module.parameters(), cfg["optimizer"])
-        split = _TorchSplit(stage) if profile else None
+            self.stage = PipelineStage(module, rank, STAGES, device=device, group=group)
+            self.schedule = cls(self.stage, cfg["m"], loss_fn=mse)
+            self.first, self.last = rank == 0, rank == STAGES - 1
+        self.opt = make_optimizer(module.parameters(), cfg["optimizer"])
+        self.batches = make_batches(cfg, device)
+        self.optimizer_s = 0.0  # the last step's
+
+    def step(self, i: int) -> None:
+        x, y = self.batches[i]
+        self.opt.zero_grad(set_to_none=True)
+        inputs = (x,) if self.first else ()
+        if self.last:
+            self.schedule.step(*inputs, target=y, losses=[], return_outputs=False)
+        else:
+            self.schedule.step(*inputs)
+        t = time.perf_counter()
+        self.opt.step()
+        self.optimizer_s = time.perf_counter() - t
+
+
+def _torchpp_worker(rank: int, port: int, cfgs: list[dict], out_dir: str, profile: bool) -> None:
+    setup_threads(cfgs[0])
+    init_group(rank, port, cfgs[0])
+    device = device_of(cfgs[0], rank)
+    results = []
+    for cfg in cfgs:
+        loop = TorchLoop(cfg, rank, device)
+        split = _TorchSplit(loop.stage) if profile else None
         prof = cProfile.Profile(time.thread_time) if profile else None
-        batches = make_batches(cfg, device)
         clock, opt_s = StepClock(cfg, device), 0.0
-        for x, y in batches:
+        for i in range(len(loop.batches)):
             timed = clock.in_window()
             if split is not None:
                 split.active = timed
             if prof is not None and timed:
                 prof.enable()
-            opt.zero_grad(set_to_none=True)
-            inputs = (x,) if first else ()
-            if last:
-                schedule.step(*inputs, target=y, losses=[], return_outputs=False)
-            else:
-                schedule.step(*inputs)
-            t = time.perf_counter()
-            opt.step()
+            loop.step(i)
             if timed:
-                opt_s += time.perf_counter() - t
+                opt_s += loop.optimizer_s
             clock.tick()
             if prof is not None and timed:
                 prof.disable()
