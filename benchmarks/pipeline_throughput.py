@@ -717,16 +717,52 @@ def lightning_child(cfg: dict, out_dir: str) -> None:
         def __getitem__(self, i: int) -> Any:
             return self.batches[i]
 
+    class TorchBlocks(L.Callback):
+        """``cfg["blocks"]``: after every ``block_steps`` Lightning steps, ``block_steps`` steps of each of torch's
+        schedules in these same processes (each on a process group of its own), the order rotating; each system's
+        median step per block round on rank 0, the first step of each block not counted (the other rank may still
+        be finishing the previous system's step). See ``benchmarks/paired_rounds.py --blocks --lightning``."""
+
+        def __init__(self) -> None:
+            self.k, self.ends, self.rounds, self.loops = cfg["block_steps"], [], [], {}
+
+        def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
+            for s in TORCH_SCHEDULES:  # every rank creates the groups in the same order
+                self.loops[s] = TorchLoop({**cfg, "schedule": s}, trainer.global_rank, torch.device("cpu"),
+                                          group=dist.new_group(backend="gloo"))
+            self.done = 0
+
+        def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+            self.ends.append(time.perf_counter())
+            if len(self.ends) < self.k + 1:  # a block: k + 1 step ends give k steps, the first not counted
+                return
+            medians = {"lightning/2bw": statistics.median(b - a for a, b in zip(self.ends[1:], self.ends[2:]))}
+            names = list(self.loops)
+            turn = len(self.rounds) % len(names)
+            for name in names[turn:] + names[:turn]:
+                ends = [time.perf_counter()]
+                for _ in range(self.k):
+                    self.loops[name].step(self.done % (len(self.loops[name].batches) - 1))
+                    ends.append(time.perf_counter())
+                medians[name] = statistics.median(b - a for a, b in zip(ends[1:], ends[2:]))
+            self.done += self.k
+            self.rounds.append(medians)
+            self.ends = [time.perf_counter()]  # the next Lightning step starts here
+
     loader = DataLoader(Batches(make_batches(cfg)), batch_size=None, shuffle=False)
+    blocks = TorchBlocks() if cfg.get("blocks") else None
     clock = Clock()
     trainer = L.Trainer(
         strategy=AsyncPipelineStrategy(schedule=cfg["schedule"], num_microbatches=cfg["m"], partition="uniform"),
-        accelerator="cpu", devices=STAGES, max_steps=total_steps(cfg), callbacks=[clock],
+        accelerator="cpu", devices=STAGES, max_steps=total_steps(cfg), callbacks=[clock if blocks is None else blocks],
         logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
         num_sanity_val_steps=0, limit_val_batches=0, use_distributed_sampler=False,
     )
     trainer.fit(MLPRegressor(), loader)
-    result = {**cfg, "rank": trainer.global_rank, **clock.clock.result(), "times": _mean_times(clock.times)}
+    if blocks is not None:
+        result = {**cfg, "rank": trainer.global_rank, "block_rounds": blocks.rounds[1:]}  # round 0 warms up
+    else:
+        result = {**cfg, "rank": trainer.global_rank, **clock.clock.result(), "times": _mean_times(clock.times)}
     if clock.prof is not None:
         result["profile"] = _profile_text(clock.prof, sort="tottime", limit=30)
         result["cpu_profile"] = _profile_summary(clock.prof, cfg["steps"])
