@@ -22,73 +22,26 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import pipeline_throughput as bench  # noqa: E402  (sets one thread per process before torch is imported)
 
 
-def _blocks_worker(rank: int, port: int, cfgs: list[dict], out_dir: str, profile: bool) -> None:
-    """Every system in this process pair, in blocks of steps taken in turn (see the module's docstring)."""
-    import torch.distributed as dist
-
-    cfg = cfgs[0]
-    bench.setup_threads(cfg)
-    bench.init_group(rank, port, cfg)
-    device = bench.device_of(cfg, rank)
-    loops = {"2bw": bench.EngineLoop({**cfg, "schedule": "2bw"}, rank, bench.STAGES, device)}
-    for s in bench.TORCH_SCHEDULES:  # each on a group of its own: its traffic never meets another system's
-        loops[s] = bench.TorchLoop({**cfg, "schedule": s}, rank, device, group=dist.new_group(backend="gloo"))
-    names, k = list(loops), cfg["block_steps"]
-    done = {n: 0 for n in names}
-    rounds = []
-    for b in range(cfg["blocks"] + 1):  # block round 0 warms every system up; not reported
-        medians = {}
-        for name in names[b % len(names):] + names[: b % len(names)]:
-            ends = [time.perf_counter()]
-            for _ in range(k):
-                loops[name].step(done[name])
-                done[name] += 1
-                ends.append(time.perf_counter())
-            steps = [e - s for s, e in zip(ends[1:], ends[2:])]  # the block's first step is not counted
-            medians[name] = statistics.median(steps)
-        if b:
-            rounds.append(medians)
-    dist.barrier()
-    Path(out_dir, f"blocks{rank}.json").write_text(json.dumps([rounds]))
-    dist.destroy_process_group()
-
-
 def run_blocks(base: dict, blocks: int, block_steps: int, lightning: bool) -> None:
-    # Batches for every step any system takes, plus 2BW's lookahead: warmup + steps + 1 (total_steps).
-    cfg = dict(base, blocks=blocks, block_steps=block_steps, warmup=0, steps=(blocks + 1) * block_steps + 1)
-    if lightning:  # 2bw under Lightning, torch's schedules run from a callback between its blocks
-        rank0 = bench.run_lightning(dict(cfg, schedule="2bw"), bench.CHILD_TIMEOUT * 2)[0]["block_rounds"]
-        ours = "lightning/2bw"
-    else:
-        (rank0, _), = bench.run_pairs(_blocks_worker, [cfg], "blocks", False, bench.CHILD_TIMEOUT * 2)
-        ours = "2bw"
-    ratios = []
-    for i, medians in enumerate(rank0):
+    res = bench.run_paired_blocks(base, blocks, block_steps, lightning)
+    ours = res["ours"]
+    for i, medians in enumerate(res["rounds"]):
         sync = {n: t for n, t in medians.items() if n != ours}
         best = min(sync, key=sync.get)
-        ratios.append(sync[best] / medians[ours])
         print(json.dumps({"block_round": i, "ms": {n: round(t * 1e3, 2) for n, t in medians.items()},
-                          "fastest": best, "2bw_over_fastest": round(ratios[-1], 3)}), flush=True)
-    # Per schedule: the median over rounds of its step over 2bw's in the same round. The fastest schedule is the
-    # one with the lowest median step; the round-by-round fastest (the minimum of five noisy times) favours torch.
-    paired = {n: statistics.median(r[n] / r[ours] for r in rank0) for n in bench.TORCH_SCHEDULES}
-    step = {n: statistics.median(r[n] for r in rank0) for n in bench.TORCH_SCHEDULES}
+                          "fastest": best, "2bw_over_fastest": round(sync[best] / medians[ours], 3)}), flush=True)
     for n in bench.TORCH_SCHEDULES:
-        print(f"{ours} / {n}: {paired[n]:.3f} (median of {len(rank0)} paired rounds; its median step "
-              f"{step[n] * 1e3:.1f} ms, {ours}'s {statistics.median(r[ours] for r in rank0) * 1e3:.1f})", flush=True)
-    fastest = min(step, key=step.get)
-    print(f"{ours} / torch's fastest synchronous schedule ({fastest}, by median step): {paired[fastest]:.3f}; "
-          f"against each round's fastest: median {statistics.median(ratios):.3f} (range {min(ratios):.3f}-"
-          f"{max(ratios):.3f})", flush=True)
+        print(f"{ours} / {n}: {res['paired'][n]:.3f} (median of {len(res['rounds'])} paired rounds; its median step "
+              f"{res['step'][n] * 1e3:.1f} ms, {ours}'s {res['ours_step'] * 1e3:.1f})", flush=True)
+    print(f"{ours} / torch's fastest synchronous schedule ({res['fastest']}, by median step): "
+          f"{res['paired'][res['fastest']]:.3f}", flush=True)
 
 
 def main() -> None:

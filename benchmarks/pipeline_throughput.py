@@ -30,6 +30,11 @@ Throughput is samples (rows) per second over the steady state: ``--warmup`` step
 (2BW drains there). For ``2bw`` under Lightning it also prints where each stage's wall time went
 (``strategy.engine.stats.last_times``) and every process's peak RSS.
 
+Last (not with ``--quick`` or ``--no-paired``), per m, 2bw under Lightning and torch's five schedules in one
+process pair, taking blocks of 6 steps in turn (torch's schedules run from a callback between Lightning's
+blocks, each on a process group of its own): each schedule's step over 2bw's a second apart, the median over 12
+block rounds (``run_paired_blocks``; ``benchmarks/paired_rounds.py --blocks`` prints the rounds).
+
 ``--rounds N`` measures everything N times in turn; the tables show each system's median round, and a table of
 the targets gives each round's ratios (both sides from the same round) and their median.
 
@@ -803,6 +808,56 @@ def run_pairs(target: Callable, cfgs: list[dict], name: str, profile: bool, time
     return [list(pair) for pair in zip(*per_rank)]  # one [rank0, rank1] per config
 
 
+def _blocks_worker(rank: int, port: int, cfgs: list[dict], out_dir: str, profile: bool) -> None:
+    """The bare engine's 2bw and torch's schedules in this process pair, blocks of steps in turn (see
+    :func:`run_paired_blocks`)."""
+    cfg = cfgs[0]
+    setup_threads(cfg)
+    init_group(rank, port, cfg)
+    device = device_of(cfg, rank)
+    loops: dict[str, Any] = {"2bw": EngineLoop({**cfg, "schedule": "2bw"}, rank, STAGES, device)}
+    for s in TORCH_SCHEDULES:  # each on a group of its own: its traffic never meets another system's
+        loops[s] = TorchLoop({**cfg, "schedule": s}, rank, device, group=dist.new_group(backend="gloo"))
+    names, k = list(loops), cfg["block_steps"]
+    done = {n: 0 for n in names}
+    rounds = []
+    for b in range(cfg["blocks"] + 1):  # block round 0 warms every system up; not reported
+        medians = {}
+        for name in names[b % len(names):] + names[: b % len(names)]:
+            ends = [time.perf_counter()]
+            for _ in range(k):
+                loops[name].step(done[name])
+                done[name] += 1
+                ends.append(time.perf_counter())
+            medians[name] = statistics.median(e - s for s, e in zip(ends[1:], ends[2:]))  # the first not counted
+        if b:
+            rounds.append(medians)
+    dist.barrier()
+    Path(out_dir, f"blocks{rank}.json").write_text(json.dumps([rounds]))
+    dist.destroy_process_group()
+
+
+def run_paired_blocks(base: dict, blocks: int = 12, block_steps: int = 6, lightning: bool = True) -> dict:
+    """2bw (through Lightning, or on the bare engine) and torch's five schedules in one process pair (torch's each
+    on a process group of its own), taking blocks of ``block_steps`` steps in turn, ``blocks`` block rounds, the
+    order rotating; the first step of each block is not counted (the other rank may still be finishing the
+    previous system's step). Per schedule: the median over rounds of its step time over 2bw's in the same round
+    (``paired``), and its median step (``step``); ``fastest`` is the schedule with the lowest median step. Systems
+    a second apart see the same machine, which on a shared VM two runs minutes apart do not."""
+    # Batches for every step any system takes, plus 2BW's lookahead (total_steps adds one).
+    cfg = dict(base, blocks=blocks, block_steps=block_steps, warmup=0, steps=(blocks + 1) * block_steps + 1)
+    if lightning:  # torch's schedules run from a callback between Lightning's blocks (lightning_child)
+        rounds = run_lightning(dict(cfg, schedule="2bw"), CHILD_TIMEOUT * 2)[0]["block_rounds"]
+        ours = "lightning/2bw"
+    else:
+        (rounds, _), = run_pairs(_blocks_worker, [cfg], "blocks", False, CHILD_TIMEOUT * 2)
+        ours = "2bw"
+    paired = {n: statistics.median(r[n] / r[ours] for r in rounds) for n in TORCH_SCHEDULES}
+    step = {n: statistics.median(r[n] for r in rounds) for n in TORCH_SCHEDULES}
+    return {"ours": ours, "rounds": rounds, "paired": paired, "step": step, "fastest": min(step, key=step.get),
+            "ours_step": statistics.median(r[ours] for r in rounds)}
+
+
 def run_ceiling(cfg: dict, timeout: float) -> list[dict]:
     with tempfile.TemporaryDirectory() as out_dir:
         spawn_pair(_single_worker, (cfg, out_dir), timeout)
@@ -956,6 +1011,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=1,
                         help="measure every system this many times, in turn; the tables show each system's median "
                              "round and the targets each round's ratios (on CPU)")
+    parser.add_argument("--no-paired", action="store_true",
+                        help="skip 2bw (Lightning) against torch's schedules in blocks of steps in turn in one process "
+                             "pair (about 1.5 minutes per m; skipped with --quick)")
     parser.add_argument("--json", help="also write every measurement to this file")
     parser.add_argument("--wait-idle", type=float, default=20.0,
                         help="before each measurement wait up to this many seconds for the machine to be idle")
@@ -1025,6 +1083,15 @@ def main() -> None:
         rounds.append(measure_round(args, base, quiet))
     results["rounds"] = rounds
     runs.update(median_runs(rounds, base["rows"]))
+    if not (args.quick or args.no_paired or args.only_engines or args.profile_only):
+        # The >= 1.1 target, measured so that the host's drift cancels: 2bw under Lightning and torch's schedules
+        # in one process pair, blocks of steps in turn.
+        results["paired"] = {}
+        for m in args.microbatches:
+            quiet.wait()
+            res = results["paired"][str(m)] = run_paired_blocks({**base, "m": m})
+            print(f"  m={m} paired blocks: 2bw (Lightning) / torch's fastest ({res['fastest']}) "
+                  f"{res['paired'][res['fastest']]:.3f}", flush=True)
 
     if args.profile or args.profile_only:
         m = args.microbatches[0]
@@ -1236,6 +1303,22 @@ def rounds_table(lines: list[str], results: dict, ms: list[int]) -> None:
                          + f" | {statistics.median(vals):.2f} | {target} |")
 
 
+def paired_table(lines: list[str], paired: dict, ms: list[int]) -> None:
+    """2bw (Lightning) against each of torch's schedules, paired a second apart (:func:`run_paired_blocks`)."""
+    lines.append("\n## 2bw (Lightning) against torch's schedules, paired a second apart\n")
+    lines.append("Both in one process pair, blocks of 6 steps in turn (12 block rounds, the first step of each block "
+                 "not counted): the median over rounds of the schedule's step over 2bw's in the same round. The "
+                 "host's drift between runs minutes apart does not enter these ratios.\n")
+    lines.append("| m | " + " | ".join(s.removeprefix("Schedule") for s in TORCH_SCHEDULES)
+                 + " | against the fastest (lowest median step) | target |")
+    lines.append("|---:|" + "---:|" * (len(TORCH_SCHEDULES) + 1) + "---|")
+    for m in ms:
+        res = paired[str(m)]
+        cells = [f"{res['paired'][s]:.2f}" for s in TORCH_SCHEDULES]
+        lines.append(f"| {m} | " + " | ".join(cells) + f" | {res['paired'][res['fastest']]:.2f} "
+                     f"({res['fastest'].removeprefix('Schedule')}) | >= 1.1 |")
+
+
 def report(results: dict, args: argparse.Namespace) -> str:
     runs, cfg = results["runs"], results["config"]
     lines = []
@@ -1276,6 +1359,8 @@ def report(results: dict, args: argparse.Namespace) -> str:
 
     if len(results["rounds"]) > 1:
         rounds_table(lines, results, ms)
+    if "paired" in results:
+        paired_table(lines, results["paired"], ms)
 
     lines.append("\n## 2bw under Lightning: where each stage's wall time goes (steady state, per step)\n")
     lines.append("Fractions of the wall time between consecutive step ends. *in engine, other* is the engine's own "
