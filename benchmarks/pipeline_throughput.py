@@ -559,6 +559,22 @@ def run_engine(cfg: dict, rank: int, world_size: int, profile: bool = False,
     return result
 
 
+def in_turn(names: list[str], turn: int) -> list[str]:
+    """``names`` rotated by ``turn``: systems taking steps (or blocks) in turn start with another one each time."""
+    turn %= len(names)
+    return names[turn:] + names[:turn]
+
+
+def block_median(loop: Any, first: int, k: int) -> float:
+    """Steps ``first .. first + k - 1`` of ``loop``; the median step time, the block's first step not counted (in a
+    process pair the other rank may still be finishing the previous system's step)."""
+    ends = [time.perf_counter()]
+    for i in range(first, first + k):
+        loop.step(i)
+        ends.append(time.perf_counter())
+    return statistics.median(b - a for a, b in zip(ends[1:], ends[2:]))
+
+
 def run_interleaved(cfg: dict, schedules: tuple[str, ...]) -> dict[str, list[dict]]:
     """The plain loop on the pipeline's microbatches and the bare engine with both stages, one per schedule, all
     in this one process (CPU), taking steps in turn: step ``i`` of each, in an order that rotates with ``i``.
@@ -581,7 +597,7 @@ def run_interleaved(cfg: dict, schedules: tuple[str, ...]) -> dict[str, list[dic
     for i in range(total_steps(cfg)):
         if i == first:
             start = (time.perf_counter(), _own_cpu_seconds(), _system_busy_seconds())
-        for name in names[i % len(names):] + names[: i % len(names)]:
+        for name in in_turn(names, i):
             t = time.perf_counter()
             loops[name].step(i)
             times[name].append(time.perf_counter() - t)
@@ -735,22 +751,15 @@ def lightning_child(cfg: dict, out_dir: str) -> None:
             for s in TORCH_SCHEDULES:  # every rank creates the groups in the same order
                 self.loops[s] = TorchLoop({**cfg, "schedule": s}, trainer.global_rank, torch.device("cpu"),
                                           group=dist.new_group(backend="gloo"))
-            self.done = 0
 
         def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
             self.ends.append(time.perf_counter())
             if len(self.ends) < self.k + 1:  # a block: k + 1 step ends give k steps, the first not counted
                 return
             medians = {"lightning/2bw": statistics.median(b - a for a, b in zip(self.ends[1:], self.ends[2:]))}
-            names = list(self.loops)
-            turn = len(self.rounds) % len(names)
-            for name in names[turn:] + names[:turn]:
-                ends = [time.perf_counter()]
-                for _ in range(self.k):
-                    self.loops[name].step(self.done % (len(self.loops[name].batches) - 1))
-                    ends.append(time.perf_counter())
-                medians[name] = statistics.median(b - a for a, b in zip(ends[1:], ends[2:]))
-            self.done += self.k
+            done = len(self.rounds)  # block rounds of torch's schedules so far, k steps each
+            for name in in_turn(list(self.loops), done):
+                medians[name] = block_median(self.loops[name], done * self.k, self.k)
             self.rounds.append(medians)
             self.ends = [time.perf_counter()]  # the next Lightning step starts here
 
@@ -818,18 +827,9 @@ def _blocks_worker(rank: int, port: int, cfgs: list[dict], out_dir: str, profile
     loops: dict[str, Any] = {"2bw": EngineLoop({**cfg, "schedule": "2bw"}, rank, STAGES, device)}
     for s in TORCH_SCHEDULES:  # each on a group of its own: its traffic never meets another system's
         loops[s] = TorchLoop({**cfg, "schedule": s}, rank, device, group=dist.new_group(backend="gloo"))
-    names, k = list(loops), cfg["block_steps"]
-    done = {n: 0 for n in names}
-    rounds = []
+    k, rounds = cfg["block_steps"], []
     for b in range(cfg["blocks"] + 1):  # block round 0 warms every system up; not reported
-        medians = {}
-        for name in names[b % len(names):] + names[: b % len(names)]:
-            ends = [time.perf_counter()]
-            for _ in range(k):
-                loops[name].step(done[name])
-                done[name] += 1
-                ends.append(time.perf_counter())
-            medians[name] = statistics.median(e - s for s, e in zip(ends[1:], ends[2:]))  # the first not counted
+        medians = {name: block_median(loops[name], b * k, k) for name in in_turn(list(loops), b)}
         if b:
             rounds.append(medians)
     dist.barrier()
