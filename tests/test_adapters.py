@@ -80,6 +80,31 @@ def test_hf_adapter_gives_the_upstream_logits_and_loss_with_the_upstream_keys(ca
     assert (ours.lm_head.weight is ours.model.embed_tokens.weight) == tied
 
 
+@pytest.mark.parametrize("case", list(HF_CASES))
+def test_hf_decoder_layers_get_the_attention_mask_the_upstream_forward_gives_them(case):
+    # Under SDPA upstream passes no mask (causal attention, the flash kernel where there is one); a mask built
+    # anyway gives the same logits at this size but attends through it, slower and holding more per layer.
+    config = hf_config(case)
+    ours = built(HuggingFaceCausalLM(config, init_seed=3)).eval()
+    upstream = AutoModelForCausalLM.from_config(config).eval()
+    masks: dict[str, list] = {"ours": [], "upstream": []}
+
+    def record(name):
+        return lambda module, args, kwargs: masks[name].append(kwargs.get("attention_mask"))
+
+    ours.model.layers[0].register_forward_pre_hook(record("ours"), with_kwargs=True)
+    upstream.model.layers[0].register_forward_pre_hook(record("upstream"), with_kwargs=True)
+    batch = tokens()
+    with torch.no_grad():
+        ours(batch)
+        upstream(batch[:, :-1])
+    (mine,), (theirs,) = masks["ours"], masks["upstream"]
+    if theirs is None:
+        assert mine is None, f"{case}: the adapter built a {tuple(mine.shape)} mask where upstream passes none"
+    else:
+        assert mine is not None and torch.equal(mine, theirs), case
+
+
 def test_hf_sliding_window_of_mistral_is_applied():
     # Guards the test above: with T = 16 a window of 4 changes the logits, so the adapter's mask is checked there.
     windowed = built(HuggingFaceCausalLM(hf_config("mistral-window-4"), init_seed=3)).eval()

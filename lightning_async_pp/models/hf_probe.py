@@ -135,12 +135,12 @@ CPU_ATTENTION = ("eager", "sdpa")
 TRAIN_SEED = 0
 
 
-def check_exact(adapter_class: type, config: Any) -> None:
+def check_exact(adapter_class: type, config: Any) -> bool:
     """Raises ``ValueError`` unless ``adapter_class`` on a tiny copy of ``config`` gives the upstream logits and
     training loss (``model(ids, labels=ids).loss``) at the same weights, on the CPU, in eval mode and in training
     mode with both models' random draws started from one seed: work upstream does outside the decoder layers only
     while training (an embedding dropout) changes the training-mode numbers (the config's dropout rates are kept).
-    The global RNG is left as it was."""
+    The global RNG is left as it was. Returns :func:`causal_without_mask`, which the adapter's layers follow."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -171,6 +171,8 @@ def check_exact(adapter_class: type, config: Any) -> None:
             ours.init_weights()
             upstream.load_state_dict(ours.state_dict(), strict=True)
             batch = torch.randint(0, tiny.vocab_size, (2, 17), generator=torch.Generator().manual_seed(0))
+            without_mask = causal_without_mask(upstream, batch)
+            ours._mask_as_upstream(without_mask)
             runs = {mode: _both(ours, upstream, batch, training) for mode, training in (("", False), (" in training mode", True))}
         except Exception as err:
             raise ValueError(f"HuggingFaceCausalLM cannot run {name} as pipeline layers: on a tiny copy of its "
@@ -189,6 +191,28 @@ def check_exact(adapter_class: type, config: Any) -> None:
                     f"weights{mode or ''}{' (random draws from one seed)' if mode else ''}: the family does work "
                     f"outside its decoder layers (or in its loss){' while training' if mode else ''} that the "
                     f"adapter does not reproduce")
+    return without_mask
+
+
+def causal_without_mask(upstream: Any, batch: Any) -> bool:
+    """Whether ``upstream``'s forward gives its first decoder layer no mask, and is causal so (its logits do not
+    change when a token is appended). It passes none where it has a cache (SDPA then runs its causal kernel);
+    without one transformers checks the positions for packed sequences and always builds the mask. The adapter's
+    layers then build theirs alike, and the check compares them so; a family that attends to later tokens without
+    a mask keeps the mask, and the check refuses it."""
+    import torch
+
+    masks: list[Any] = []
+    hook = upstream.model.layers[0].register_forward_pre_hook(
+        lambda module, args, kwargs: masks.append(kwargs.get("attention_mask")), with_kwargs=True)
+    try:
+        upstream.eval()
+        with torch.no_grad():
+            shorter = upstream(batch[:, :-1]).logits
+            longer = upstream(batch).logits[:, :-1]
+    finally:
+        hook.remove()
+    return bool(masks) and masks[0] is None and bool((shorter - longer).abs().max() <= TOLERANCE)
 
 
 def _both(ours: Any, upstream: Any, batch: Any, training: bool) -> tuple[Any, Any, Any]:

@@ -59,8 +59,11 @@ class DecoderLayerInputs:
     The names follow the installed transformers: 4.x passes ``cache_position`` and ``past_key_values`` (and the
     mask helpers take ``input_embeds``), 5.x passes neither (and takes ``inputs_embeds``, ``cache``)."""
 
-    def __init__(self, config: Any, rotary: nn.Module, make_mask: Callable[..., Any], layer: nn.Module) -> None:
+    def __init__(self, config: Any, rotary: nn.Module, make_mask: Callable[..., Any], layer: nn.Module,
+                 causal_without_mask: bool = False) -> None:
         self.config, self.rotary, self.make_mask = config, rotary, make_mask
+        #: Whether upstream's forward gives the layers no mask where it can (``hf_probe.causal_without_mask``).
+        self.causal_without_mask = causal_without_mask
         self.pipeline_call = False
         mask_args = inspect.signature(make_mask).parameters
         self.embeds_name = "inputs_embeds" if "inputs_embeds" in mask_args else "input_embeds"
@@ -77,7 +80,12 @@ class DecoderLayerInputs:
         position_ids = cache_position.unsqueeze(0)
         if any(b.device != hidden.device for b in self.rotary.buffers()):
             self.rotary.to(hidden.device)  # once per process: the rotary module is shared by its layers
-        mask_kwargs = dict(config=self.config, attention_mask=None, position_ids=position_ids, **self.mask_cache)
+        # Given positions and no cache, transformers looks for packed sequences in them and then never lets SDPA
+        # skip the causal mask: every layer builds a (B, 1, T, T) mask and attends through it (no flash kernel,
+        # key/value heads repeated). Where upstream's forward has a cache it passes no mask and SDPA runs causal;
+        # then the positions are not given here (they are 0..T-1: nothing is packed).
+        mask_kwargs = dict(config=self.config, attention_mask=None,
+                           position_ids=None if self.causal_without_mask else position_ids, **self.mask_cache)
         mask_kwargs[self.embeds_name] = hidden
         if self.mask_takes_cache_position:
             mask_kwargs["cache_position"] = cache_position
@@ -136,6 +144,8 @@ class HuggingFaceCausalLM(AdoptedCausalLM):
         self._router_loss: Optional[RouterLoss] = None  # MoE with output_router_logits (models/moe.py)
         #: configure_model first checks the family on a tiny copy of the config (hf_probe.check_exact).
         self.check_exact = True
+        self._causal_without_mask = False  # what the check found; unchecked, the layers build every mask
+        self._layer_inputs: list[DecoderLayerInputs] = []  # each decoder layer's pre-hook
 
     def build_upstream(self) -> list[nn.Module]:
         from transformers import AutoModelForCausalLM
@@ -178,8 +188,9 @@ class HuggingFaceCausalLM(AdoptedCausalLM):
             if attention not in masks:
                 raise ValueError(f"HuggingFaceCausalLM cannot split {name}: its layers use {attention!r} attention; "
                                  f"supported: {', '.join(masks)}")
-            inputs = DecoderLayerInputs(base.config, rotary, masks[attention], block)
+            inputs = DecoderLayerInputs(base.config, rotary, masks[attention], block, self._causal_without_mask)
             block.register_forward_pre_hook(inputs, with_kwargs=True)
+            self._layer_inputs.append(inputs)
             block.register_forward_hook(inputs.unwrap)
         # Embedding scales, logit scales, soft-capping: on the first and last pipeline layers.
         hf_outside.attach(hf_outside.outside_work(base, upstream, self.config), base.embed_tokens, upstream.lm_head,
@@ -195,8 +206,14 @@ class HuggingFaceCausalLM(AdoptedCausalLM):
         if self._layers is None and self.check_exact:
             # Before the real build: refuses a family whose pipeline layers differ from the upstream forward.
             # The adapter itself, not a subclass: a subclass may take other constructor arguments.
-            hf_probe.check_exact(HuggingFaceCausalLM, self.config)
+            self._causal_without_mask = hf_probe.check_exact(HuggingFaceCausalLM, self.config)
         super().configure_model()
+
+    def _mask_as_upstream(self, causal_without_mask: bool) -> None:
+        """Give the decoder layers no mask where SDPA can run causal without one, as upstream's forward does."""
+        self._causal_without_mask = causal_without_mask
+        for inputs in self._layer_inputs:
+            inputs.causal_without_mask = causal_without_mask
 
     def init_module(self, module: nn.Module) -> None:
         assert self._init_weights is not None
