@@ -45,6 +45,7 @@ HF_CASES = {
     "llama-untied": dict(model_type="llama", tie_word_embeddings=False),
     "llama-eager": dict(model_type="llama", tie_word_embeddings=True, attn_implementation="eager"),  # a real mask
     "mistral-window-4": dict(model_type="mistral", sliding_window=4, tie_word_embeddings=False),
+    "mistral-window-32": dict(model_type="mistral", sliding_window=32, tie_word_embeddings=False),  # > T: no mask
     "qwen2": dict(model_type="qwen2", tie_word_embeddings=True),  # biases on q, k, v
 }
 

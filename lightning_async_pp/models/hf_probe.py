@@ -195,11 +195,12 @@ def check_exact(adapter_class: type, config: Any) -> bool:
 
 
 def causal_without_mask(upstream: Any, batch: Any) -> bool:
-    """Whether ``upstream``'s forward gives its first decoder layer no mask, and is causal so (its logits do not
-    change when a token is appended). It passes none where it has a cache (SDPA then runs its causal kernel);
-    without one transformers checks the positions for packed sequences and always builds the mask. The adapter's
-    layers then build theirs alike, and the check compares them so; a family that attends to later tokens without
-    a mask keeps the mask, and the check refuses it."""
+    """Whether ``upstream``'s forward makes its masks with a cache, and is causal without one. Seen on two tokens
+    (inside any sliding window): its first decoder layer then gets no mask only with a cache (SDPA then runs its
+    causal kernel; without a cache transformers checks the positions for packed sequences and always builds the
+    mask), and its logits must not change when a third token is appended. The adapter's layers then make their
+    masks alike, and the check compares them so; a family that attends to later tokens without a mask keeps the
+    mask, and the check refuses it."""
     import torch
 
     masks: list[Any] = []
@@ -208,8 +209,8 @@ def causal_without_mask(upstream: Any, batch: Any) -> bool:
     try:
         upstream.eval()
         with torch.no_grad():
-            shorter = upstream(batch[:, :-1]).logits
-            longer = upstream(batch).logits[:, :-1]
+            shorter = upstream(batch[:, :2]).logits
+            longer = upstream(batch[:, :3]).logits[:, :2]
     finally:
         hook.remove()
     return bool(masks) and masks[0] is None and bool((shorter - longer).abs().max() <= TOLERANCE)

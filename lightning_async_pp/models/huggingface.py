@@ -62,7 +62,7 @@ class DecoderLayerInputs:
     def __init__(self, config: Any, rotary: nn.Module, make_mask: Callable[..., Any], layer: nn.Module,
                  causal_without_mask: bool = False) -> None:
         self.config, self.rotary, self.make_mask = config, rotary, make_mask
-        #: Whether upstream's forward gives the layers no mask where it can (``hf_probe.causal_without_mask``).
+        #: Whether upstream's forward makes its masks with a cache (``hf_probe.causal_without_mask``).
         self.causal_without_mask = causal_without_mask
         self.pipeline_call = False
         mask_args = inspect.signature(make_mask).parameters
@@ -210,7 +210,8 @@ class HuggingFaceCausalLM(AdoptedCausalLM):
         super().configure_model()
 
     def _mask_as_upstream(self, causal_without_mask: bool) -> None:
-        """Give the decoder layers no mask where SDPA can run causal without one, as upstream's forward does."""
+        """Make the decoder layers' masks as upstream's forward does with its cache: none where SDPA can run
+        causal without one."""
         self._causal_without_mask = causal_without_mask
         for inputs in self._layer_inputs:
             inputs.causal_without_mask = causal_without_mask
