@@ -274,14 +274,22 @@ class PlainLoop:
     as the pipeline splits it, accumulating the microbatch gradients; the latter has the pipeline's matrix shapes,
     so twice its rate is what two stages could reach with no overhead at all. ``split`` also cuts each
     microbatch's autograd graph where the stages meet (a detached input, two backward calls), as every pipeline
-    must: what that costs alone."""
+    must: what that costs alone. ``split_backward`` (with ``split``) also splits the last stage's backward in an
+    input pass and a weight pass, with the package's ``backward_input`` / ``backward_weight`` (torch's graph
+    surgery), as zb_h1 does; the first stage's input is data, so its backward stays whole there too."""
 
-    def __init__(self, cfg: dict, device: torch.device, microbatched: bool = False, split: bool = False) -> None:
+    def __init__(self, cfg: dict, device: torch.device, microbatched: bool = False, split: bool = False,
+                 split_backward: bool = False) -> None:
         self.model = nn.Sequential(*make_layers(cfg["width"])).to(device)
         self.opt = make_optimizer(self.model.parameters(), cfg["optimizer"])
         self.batches = make_batches(cfg, device)
         self.parts = cfg["m"] if microbatched else 1
-        self.split = split
+        self.split = split or split_backward
+        self.split_backward = split_backward
+        if split_backward:
+            from lightning_async_pp.pipeline.backward import backward_input, backward_weight
+
+            self.backward_input, self.backward_weight = backward_input, backward_weight
 
     def step(self, i: int) -> None:
         x, y = self.batches[i]
@@ -293,8 +301,14 @@ class PlainLoop:
             cut = DEPTH // STAGES
             h = self.model[:cut](xs)
             received = h.detach().requires_grad_()
-            (mse(self.model[cut:](received), ys) / self.parts).backward()
+            loss = mse(self.model[cut:](received), ys) / self.parts
+            if not self.split_backward:
+                loss.backward()
+                h.backward(received.grad)
+                continue
+            pending = self.backward_input([loss], [None], [received], list(self.model[cut:].parameters()))
             h.backward(received.grad)
+            self.backward_weight(pending)
         self.opt.step()
 
 
@@ -583,13 +597,16 @@ def run_interleaved(cfg: dict, schedules: tuple[str, ...]) -> dict[str, list[dic
     them (on a shared VM by 10-90% within minutes); steps taken in turn see the same machine, so the median of
     the per-step ratios (plain loop's step over the engine's step ``i``) is the engine's cost over a plain loop's
     alone. The plain loop split where the stages meet (``single_split``) runs in turn with them: the part of the
-    engine's cost that any pipeline pays. Returns ``{"single_mb": [result], "single_split": [result], schedule:
-    [result], ...}``; each result but the first adds ``paired_ratio``.
+    engine's cost that any pipeline pays; so does the cut loop with zb_h1's split backward (``single_split_bw``),
+    zb_h1's own reference. Returns ``{"single_mb": [result], "single_split": [result], "single_split_bw":
+    [result], schedule: [result], ...}``; each result but the first adds ``paired_ratio``, and each schedule's
+    ``paired_ratio_split_bw`` (``single_split_bw``'s step over its own).
     """
     setup_threads(cfg)
     device = torch.device("cpu")
     loops: dict[str, Any] = {"single_mb": PlainLoop(cfg, device, microbatched=True),
-                             "single_split": PlainLoop(cfg, device, microbatched=True, split=True)}
+                             "single_split": PlainLoop(cfg, device, microbatched=True, split=True),
+                             "single_split_bw": PlainLoop(cfg, device, microbatched=True, split_backward=True)}
     loops.update({s: EngineLoop({**cfg, "schedule": s}, 0, 1, device) for s in schedules})
     names = list(loops)
     times: dict[str, list[float]] = {n: [] for n in names}
@@ -613,6 +630,9 @@ def run_interleaved(cfg: dict, schedules: tuple[str, ...]) -> dict[str, list[dic
                   "mean_sec_per_step": statistics.fmean(timed[name])}
         if name != "single_mb":
             result["paired_ratio"] = statistics.median(p / e for p, e in zip(timed["single_mb"], timed[name]))
+        if name in schedules:
+            result["paired_ratio_split_bw"] = statistics.median(
+                p / e for p, e in zip(timed["single_split_bw"], timed[name]))
         out[name] = [result]
     return out
 
@@ -957,6 +977,7 @@ def measure_round(args: argparse.Namespace, base: dict, quiet: "Quiet") -> dict[
         mixed = quiet.measure_keyed(lambda: run_interleaved(cfg, ONE_PROCESS_SCHEDULES))
         record(f"single_mb/m{m}", mixed["single_mb"])
         record(f"single_split/m{m}", mixed["single_split"])
+        record(f"single_split_bw/m{m}", mixed["single_split_bw"])
         for schedule in ONE_PROCESS_SCHEDULES:
             record(f"onedev/{schedule}/m{m}", mixed[schedule])
         if args.only_engines:
@@ -1328,6 +1349,7 @@ def report(results: dict, args: argparse.Namespace) -> str:
     systems = [("one process, whole batch (baseline)", "single"),
                ("one process, m microbatches accumulated", "single_mb"),
                ("one process, microbatched, split where the stages meet", "single_split"),
+               ("the same, the last stage's backward split in input and weight passes (zb_h1's)", "single_split_bw"),
                ("2 independent processes (sum)", "ceiling")]
     systems += [(f"**{s}** (Lightning)", f"lightning/{s}") for s in SCHEDULES]
     systems += [(f"{s} (bare engine, both stages in one process)", f"onedev/{s}") for s in ONE_PROCESS_SCHEDULES]
@@ -1346,11 +1368,17 @@ def report(results: dict, args: argparse.Namespace) -> str:
     ratio_row("2 x (one process, microbatched) / one process (no-overhead pipeline)", "single_mb", "single", "-",
               scale=lambda m: 2.0)
     # The engine's per-microbatch compute against a plain loop's, no transfers: steps in turn, medians over rounds.
-    for label, key, target in [("plain loop split where the stages meet", "single_split", "-")] + [
+    for label, key, target in [("plain loop split where the stages meet", "single_split", "-"),
+                               ("the same with zb_h1's split backward", "single_split_bw", "-")] + [
             (f"{s} bare engine in one process", f"onedev/{s}", ">= 0.95") for s in ONE_PROCESS_SCHEDULES]:
         vals = [statistics.median(r[f"{key}/m{m}"][0]["paired_ratio"] for r in results["rounds"]) for m in ms]
         lines.append(f"| {label} / one process, microbatched (plain loop), steps in turn | "
                      + " | ".join(f"{v:.2f}" for v in vals) + f" | {target} |")
+    if "zb_h1" in ONE_PROCESS_SCHEDULES:  # zb_h1 against the plain loop with the same split backward
+        vals = [statistics.median(r[f"onedev/zb_h1/m{m}"][0]["paired_ratio_split_bw"] for r in results["rounds"])
+                for m in ms]
+        lines.append("| zb_h1 bare engine in one process / the plain loop with zb_h1's split backward, steps in turn | "
+                     + " | ".join(f"{v:.2f}" for v in vals) + " | - |")
     if not args.no_engine:
         fastest_row(lines, results, ms, "2bw bare engine / torch's fastest synchronous schedule", "engine/2bw", "-")
         ratio_row("2bw bare engine / torch Schedule1F1B", "engine/2bw", "torch/Schedule1F1B", "-")
