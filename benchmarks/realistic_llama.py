@@ -356,7 +356,7 @@ def memory_child(cfg: dict, out_dir: str) -> None:
         "optimizer_state_rule": rule, "correction": correction,
         "correction_rule": tensor_bytes(params) if cfg["optimizer"].endswith("-ef") else 0,
         "saved": saved, "working": working, "first_working": first_working,
-        "update": update,
+        "update": update, "pipeline_layers": len(layers),
     }
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
 
@@ -374,6 +374,24 @@ def memory_predict(pair: list[dict]) -> list[dict]:
                          optimizer_state_bytes=r["optimizer_state_rule"], correction_bytes=r["correction_rule"],
                          update_bytes=r["update"]).as_dict() | {"in_flight": result.peak_activations[r["rank"]]}
             for r in pair]
+
+
+def shape_model(pair: list[dict], args: argparse.Namespace) -> list[Any]:
+    """The planner's memory table from the shape alone (``plan.device_memory``: no measured input), each rank's
+    decoder layers as the run split them (the embedding with the first, the final norm and the head with the
+    last): what ``lightning-async-pp-plan`` prints for this shape and split."""
+    from lightning_async_pp.plan import Shape, device_memory
+    from lightning_async_pp.pipeline.simulate import simulate
+
+    r0 = pair[0]
+    shape = Shape(hidden=SMOLLM_WIDTHS["hidden_size"], layers=args.layers, heads=SMOLLM_WIDTHS["num_attention_heads"],
+                  kv_heads=SMOLLM_WIDTHS["num_key_value_heads"], intermediate=SMOLLM_WIDTHS["intermediate_size"],
+                  vocab=args.vocab, seq_len=args.seq)
+    counts = [r["pipeline_layers"] - (r["rank"] == 0) - 2 * (r["rank"] == STAGES - 1) for r in pair]
+    result = simulate(r0["schedule"], STAGES, r0["m"], [1.0] * STAGES, [2.0] * STAGES)
+    states = {"adamw": 2, "muon": 1, "muon-ef": 1}[r0["optimizer"]]
+    return device_memory(shape, counts, result, tokens=args.batch // r0["m"] * args.seq, value_bytes=4, param_bytes=4,
+                         optimizer_states=states)
 
 
 def memory_report(rows: list[dict], args: argparse.Namespace) -> str:
@@ -406,6 +424,17 @@ def memory_report(rows: list[dict], args: argparse.Namespace) -> str:
                 f"{x['update'] / mib:.0f} | {model['activations'] / mib:.0f} | "
                 f"{model['total'] / mib:.0f} | {x['allocator_peak'] / mib:.0f} | "
                 f"{model['total'] / x['allocator_peak']:.3f} | {x['peak_rss_mib']:.0f} |")
+    if all("pipeline_layers" in x for r in rows for x in r["pair"]):
+        lines += ["", "From the shape alone: `lightning-async-pp-plan`'s memory table (`plan.device_memory`: the "
+                  "shape's per-layer parameters and activations, fp32, the optimizer's state by its rule, no "
+                  "measured input; ErrorFeedback's buffers are not in it) against the allocator's peak, MiB:", "",
+                  "| optimizer | m | schedule | rank | activations (shape) | total (shape) | allocator peak | "
+                  "shape / measured |", "|---|---:|---|---:|---:|---:|---:|---:|"]
+        for r in rows:
+            for x, shaped in zip(r["pair"], shape_model(r["pair"], args)):
+                lines.append(f"| {r['optimizer']} | {r['m']} | {r['schedule']} | {x['rank']} | "
+                             f"{shaped.activations / mib:.0f} | {shaped.total / mib:.0f} | "
+                             f"{x['allocator_peak'] / mib:.0f} | {shaped.total / x['allocator_peak']:.3f} |")
     lines += ["", "2bw's extra over 1f1b (allocator peak, measured / model), MiB:", "",
               "| optimizer | m | rank 0 | rank 1 |", "|---|---:|---:|---:|"]
     for opt, m, r, other in schedule_pairs(rows):

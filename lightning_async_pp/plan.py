@@ -13,6 +13,10 @@ peak activations and weight copies per device. The costs come from one of:
   --intermediate --vocab --seq-len``): FLOPs per layer, an accelerator rate (``--tflops`` x ``--mfu``) and a
   link bandwidth (``--link-gbps``) give the times; blocks are split to balance FLOPs.
 
+A shape also gives a table of each schedule's peak memory per device (:func:`device_memory`: the memory model,
+``pipeline.memory.stage_memory``, fed the shape's per-layer parameters and activations, ``--param-bytes``,
+``--optimizer-states``, ``--bytes-per-value``).
+
 ``--data-parallel R`` adds a table of the data-parallel gradient reduction (each stage's gradient all-reduced
 over its ``R`` replicas with a ring: ``2 (R-1)/R`` x its bytes over ``--dp-gbps``, plus ``2 (R-1)`` latencies)
 with no overlap, overlapped from the last backward (what the engine does), and, for 2BW, deferred to batch
@@ -31,6 +35,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Optional, Sequence
 
+from lightning_async_pp.pipeline.memory import StageMemory, stage_memory
 from lightning_async_pp.pipeline.partition import _balanced_counts
 from lightning_async_pp.pipeline.schedule import PLANNER_SCHEDULES, chunks_per_device, device_of
 from lightning_async_pp.pipeline.simulate import SimulationResult, simulate
@@ -80,6 +85,37 @@ class Shape:
         params[0] += self.vocab * h
         params[-1] += self.vocab * h + h
         return params
+
+    def layer_saved_bytes(self, split_blocks: bool, tokens: int, value_bytes: int) -> list[int]:
+        """Bytes each pipeline layer keeps for its backward over a microbatch of ``tokens`` (whole sequences), as
+        transformers' Llama layers do under SDPA's causal kernel (``HuggingFaceCausalLM``; a test counts them):
+        an RMSNorm its input in fp32, the reciprocal RMS (fp32) and two tensors of ``value_bytes``; attention the
+        rotated queries and its output, the rotated keys and the values, a log-sum-exp per head (fp32) and the
+        rotary cos and sin once per position; the SwiGLU MLP four intermediate-wide tensors; the embedding the
+        token ids; the last layer the final norm, the head's input and the loss's log-probabilities (fp32)."""
+        h, v = self.hidden, value_bytes
+        norm = tokens * (4 * h + 4 + 2 * v * h)
+        rotary = 2 * v * self.head_dim * self.seq_len  # cos and sin, once per position
+        attention = norm + tokens * (2 * v * h + 2 * v * self.kv_dim + 4 * self.heads) + rotary
+        mlp = norm + tokens * 4 * v * self.intermediate
+        saved = [n for _ in range(self.layers) for n in ((attention, mlp) if split_blocks else (attention + mlp,))]
+        saved[0] += tokens * 8
+        saved[-1] += tokens * (4 * h + 4 + 2 * v * h + 4 * self.vocab + 8)
+        return saved
+
+    def layer_transient_bytes(self, split_blocks: bool, tokens: int, value_bytes: int) -> list[int]:
+        """What each pipeline layer's backward allocates beyond what it keeps, at its peak (an estimate): a block's
+        MLP and attention gradients, about ``2 (intermediate + hidden)`` values per token; the last layer the
+        loss's gradients of the log-probabilities and of the logits, ``8 x vocab`` bytes per token."""
+        v = value_bytes
+        block = tokens * 2 * v * (self.intermediate + self.hidden)
+        transient = [block] * (self.layers * (2 if split_blocks else 1))
+        transient[-1] = max(transient[-1], tokens * 8 * self.vocab)
+        return transient
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
 
     def pipeline_layers(self, split_blocks: bool) -> list[int]:
         """Forward FLOPs per token of each pipeline layer: one per block (``split_blocks``: attention and MLP
@@ -308,6 +344,7 @@ def plan(args: argparse.Namespace) -> tuple[list[str], list[dict]]:
     lines += ["| " + " | ".join(head) + " |", "|" + "---:|" * 3 + "---|" + "---:|" * (len(head) - 4)]
 
     records: list[dict] = []
+    memory_lines: list[str] = []
     dp_lines: list[str] = []
     written: list[str] = []
     figures: list[str] = []
@@ -356,10 +393,30 @@ def plan(args: argparse.Namespace) -> tuple[list[str], list[dict]]:
                              f"{r.peak_activation_memory:.3g} | {weights} |")
             records.append({"p": p, "m": m, "layers_per_stage": counts, "best_sync": best,
                             "results": {s: r for s, r in results.items() if s in schedules}})
+            if model.shape is not None and counts is not None:
+                tokens = args.microbatch_size * model.shape.seq_len
+                memory = {s: device_memory(model.shape, counts, results[s], tokens=tokens,
+                                           value_bytes=args.bytes_per_value, param_bytes=args.param_bytes,
+                                           optimizer_states=args.optimizer_states, split_blocks=args.split_blocks)
+                          for s in schedules if results[s] is not None}
+                records[-1]["memory"] = memory
+                memory_lines += [memory_row(p, m, label(s, args), per_device) for s, per_device in memory.items()]
             if costs.dp_reduce_s:
                 dp = dp_row(args, p, m, costs, [s for s in schedules if results[s] is not None])
                 dp_lines.append(dp[0])
                 records[-1]["data_parallel"] = dp[1]
+    if memory_lines:
+        lines += ["", "## Memory per device (peak, GiB)", "",
+                  f"The device with the largest peak, by what holds it (`pipeline.memory.stage_memory` over the "
+                  f"simulated timeline): parameters and gradients at {args.param_bytes} bytes each, "
+                  f"{args.optimizer_states:g} optimizer state tensors per parameter (AdamW 2, Muon 1, SGD 0); "
+                  f"activations at {args.bytes_per_value} bytes per value as transformers' Llama layers keep them "
+                  f"under SDPA's causal kernel (in one dtype throughout; under autocast each matmul also keeps a "
+                  f"bf16 copy of its input), a microbatch's input and output, and its "
+                  f"backward's largest transient, an estimate; a batch's first backward allocates its gradients as it "
+                  f"frees activations (the larger of the two counts). docs/guide/planning.md, \"Memory\".", "",
+                  "| p | m | schedule | device | weights | versions | gradients | optimizer state | activations | "
+                  "total |", "|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|", *memory_lines]
     if dp_lines:
         r = args.data_parallel
         gbps = args.dp_gbps if args.dp_gbps is not None else args.link_gbps
@@ -381,6 +438,39 @@ def plan(args: argparse.Namespace) -> tuple[list[str], list[dict]]:
         lines += ["", f"Timelines (PNG) drawn to {figures[0]}"
                   + (f" and {len(figures) - 1} more files beside it" if len(figures) > 1 else "")]
     return lines, records
+
+
+def device_memory(shape: Shape, counts: list[int], result: SimulationResult, *, tokens: int, value_bytes: int,
+                  param_bytes: int, optimizer_states: float, split_blocks: bool = False) -> list[StageMemory]:
+    """Each device's peak by :func:`~lightning_async_pp.pipeline.memory.stage_memory`, the shape's pipeline layers
+    split by ``counts`` (a chunked schedule's device holds the same share in chunks), microbatches of ``tokens``."""
+    params = shape.layer_parameters(split_blocks)
+    saved = shape.layer_saved_bytes(split_blocks, tokens, value_bytes)
+    transient = shape.layer_transient_bytes(split_blocks, tokens, value_bytes)
+    if sum(counts) != len(params):
+        raise ValueError(f"counts {counts} split {sum(counts)} layers; the shape has {len(params)}")
+    boundary = tokens * shape.hidden * value_bytes  # the activation received or sent, kept until the backward
+    out, start = [], 0
+    for device, count in enumerate(counts):
+        end = start + count
+        weights = sum(params[start:end]) * param_bytes
+        kept = sum(saved[start:end]) + boundary * ((device > 0) + (device < len(counts) - 1))
+        working = kept + max(transient[start:end])
+        # A batch's first backward allocates the gradients as it frees the activations: its peak is taken as the
+        # larger of the two (the allocator measured it within 1% of a later backward's at SmolLM's width).
+        out.append(stage_memory(result, device, weight_bytes=weights, saved_bytes=kept, working_bytes=working,
+                                first_working_bytes=max(working, weights),
+                                optimizer_state_bytes=round(optimizer_states * weights)))
+        start = end
+    return out
+
+
+def memory_row(p: int, m: int, schedule: str, per_device: list[StageMemory]) -> str:
+    device = max(range(len(per_device)), key=lambda d: per_device[d].total)
+    peak = per_device[device]
+    gib = [f"{b / 2**30:.2f}" for b in (peak.weights, peak.versions, peak.gradients, peak.optimizer_state,
+                                         peak.activations, peak.total)]
+    return f"| {p} | {m} | {schedule} | {device} | " + " | ".join(gib) + " |"
 
 
 def tied_kwargs(args: argparse.Namespace, schedule: str, p: int) -> dict:
@@ -433,15 +523,15 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--figure", help="draw the timelines as a PNG here, as PipelineMonitor draws an executed step "
                                      "(several: one file per schedule, p, m; needs matplotlib)")
     c = ap.add_argument_group("costs per layer or per stage (seconds per microbatch)")
-    c.add_argument("--forward-s", type=_seconds, help="forward time of one layer")
-    c.add_argument("--backward-s", type=_seconds, help="backward time of one layer (default: --backward-ratio x forward)")
-    c.add_argument("--stage-forward-s", nargs="+", type=_seconds, help="forward time of each stage (fixes p)")
-    c.add_argument("--stage-backward-s", nargs="+", type=_seconds, help="backward time of each stage")
-    c.add_argument("--comm-s", type=_seconds, help="transfer time of one activation or gradient between stages "
+    c.add_argument("--forward-s", type=_non_negative, help="forward time of one layer")
+    c.add_argument("--backward-s", type=_non_negative, help="backward time of one layer (default: --backward-ratio x forward)")
+    c.add_argument("--stage-forward-s", nargs="+", type=_non_negative, help="forward time of each stage (fixes p)")
+    c.add_argument("--stage-backward-s", nargs="+", type=_non_negative, help="backward time of each stage")
+    c.add_argument("--comm-s", type=_non_negative, help="transfer time of one activation or gradient between stages "
                    "(default 0, or computed from the model shape and --link-gbps)")
-    c.add_argument("--optimizer-s", type=_seconds, default=0.0, help="optimizer update per stage and step (default 0)")
+    c.add_argument("--optimizer-s", type=_non_negative, default=0.0, help="optimizer update per stage and step (default 0)")
     c.add_argument("--backward-ratio", type=_positive, default=2.0, help="backward / forward time (default 2)")
-    c.add_argument("--tied-reduce-s", type=_seconds,
+    c.add_argument("--tied-reduce-s", type=_non_negative,
                    help="the first and last stage share a tied weight (embedding and head) whose gradient they "
                         "all-reduce in this many seconds before every update (default: no tie)")
     s = ap.add_argument_group("costs from a model shape")
@@ -456,13 +546,18 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--mfu", type=_fraction, default=0.4, help="share of the peak reached (default 0.4)")
     s.add_argument("--link-gbps", type=_positive, default=25.0, help="link bandwidth between stages, GB/s (default 25)")
     s.add_argument("--bytes-per-value", type=_positive_int, default=2, help="bytes per activation value (default 2)")
+    s.add_argument("--param-bytes", type=_positive_int, default=4,
+                   help="bytes per parameter and per gradient value, for the memory table (default 4: fp32, as "
+                        "bf16-mixed keeps them)")
+    s.add_argument("--optimizer-states", type=_non_negative, default=2.0,
+                   help="optimizer state tensors per parameter, for the memory table (default 2: AdamW; Muon 1, SGD 0)")
     d = ap.add_argument_group("data parallelism (a second table)")
     d.add_argument("--data-parallel", "-r", type=_positive_int, default=1, help="replicas of each stage (default 1)")
     d.add_argument("--dp-gbps", type=_positive, help="bandwidth of the replicas' link, GB/s (default --link-gbps)")
-    d.add_argument("--dp-latency-s", type=_seconds, default=5e-6, help="latency per ring step (default 5 µs)")
+    d.add_argument("--dp-latency-s", type=_non_negative, default=5e-6, help="latency per ring step (default 5 µs)")
     d.add_argument("--grad-bytes", type=_positive_int, default=4, help="bytes per gradient value (default 4, fp32)")
     d.add_argument("--dp-buckets", type=_positive_int, default=8, help="buckets the overlapped reduction uses (default 8)")
-    d.add_argument("--dp-reduce-s", type=_seconds, help="seconds of one stage's reduction (without a model shape)")
+    d.add_argument("--dp-reduce-s", type=_non_negative, help="seconds of one stage's reduction (without a model shape)")
     return ap
 
 
@@ -476,7 +571,7 @@ def _positive_int(text: str) -> int:
     return value
 
 
-def _seconds(text: str) -> float:
+def _non_negative(text: str) -> float:
     try:
         value = float(text)
     except ValueError:
@@ -487,21 +582,21 @@ def _seconds(text: str) -> float:
 
 
 def _positive(text: str) -> float:
-    value = _seconds(text)
+    value = _non_negative(text)
     if value <= 0:
         raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}")
     return value
 
 
 def _fraction(text: str) -> float:
-    value = _seconds(text)
+    value = _non_negative(text)
     if not 0 < value <= 1:
         raise argparse.ArgumentTypeError(f"expected a fraction in (0, 1], got {text!r}")
     return value
 
 
 def _open_fraction(text: str) -> float:
-    value = _seconds(text)
+    value = _non_negative(text)
     if not 0 < value < 1:
         raise argparse.ArgumentTypeError(f"expected a fraction in (0, 1), got {text!r}")
     return value

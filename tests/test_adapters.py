@@ -372,3 +372,39 @@ def test_adapter_config_trains_two_steps_in_one_process(name, cls, tmp_path, mon
     assert isinstance(cli.model, cls) and cli.trainer.global_step == 2
     assert len(cli.model.pipeline_layers()) == 7 and cli.trainer.strategy.num_stages == 2
     assert torch.isfinite(cli.trainer.callback_metrics["val_loss"])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kv_heads", [2, 4])
+def test_the_planners_activation_bytes_are_what_the_hf_llama_layers_keep(dtype, kv_heads):
+    # lightning-async-pp-plan's memory table takes each pipeline layer's saved bytes from a model shape
+    # (plan.Shape.layer_saved_bytes): here they are counted, storage by storage, as the adapter's layers keep them.
+    from lightning_async_pp.plan import Shape
+
+    seq, rows = 32, 3
+    config = hf_config("llama-tied", num_key_value_heads=kv_heads, max_position_embeddings=seq)
+    model = built(HuggingFaceCausalLM(config, init_seed=3)).to(dtype)
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    batch = tokens(b=rows, t=seq)
+    x, counted = model.pipeline_input(batch), []
+    for index, layer in enumerate(model.pipeline_layers()):
+        kept: dict[int, int] = {}
+
+        def pack(t):
+            if t.untyped_storage().data_ptr() not in params:
+                kept[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            x = layer(x)
+            if index == len(model.pipeline_layers()) - 1:
+                model.pipeline_loss(x, batch)
+        counted.append(sum(kept.values()))
+    # The shape's layers are the blocks, the embedding with the first and the final norm and head with the last.
+    # Beyond the shape's count the ids' storage holds the batch's target column and the loss keeps a scalar.
+    counted = [counted[0] + counted[1] - 8 * rows, *counted[2:-3], sum(counted[-3:]) - 4]
+    shape = Shape(hidden=TINY["hidden_size"], layers=TINY["num_hidden_layers"], heads=TINY["num_attention_heads"],
+                  kv_heads=kv_heads, intermediate=TINY["intermediate_size"], vocab=VOCAB, seq_len=seq)
+    assert shape.layer_saved_bytes(False, rows * seq, dtype.itemsize) == counted
+    split = shape.layer_saved_bytes(True, rows * seq, dtype.itemsize)
+    assert [split[0] + split[1], *(a + b for a, b in zip(split[2::2], split[3::2]))] == counted

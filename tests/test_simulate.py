@@ -310,6 +310,38 @@ def test_plan_from_a_model_shape_balances_flops_and_derives_the_transfer():
     assert last.stage_bubble_fractions[-1] == pytest.approx(0.0, abs=1e-9) and last.bubble_fraction > 0.5
 
 
+def test_plan_from_a_model_shape_prints_each_devices_peak_memory_by_what_holds_it(capsys):
+    # The memory model (tests/test_memory_model.py) fed what device 0 holds, worked out here from the shape's
+    # per-layer numbers (tests/test_adapters.py counts those against the layers).
+    from lightning_async_pp.pipeline.memory import stage_memory
+
+    argv = ["--hidden", "64", "--layers", "4", "--heads", "4", "--kv-heads", "2", "--intermediate", "128",
+            "--vocab", "256", "--seq-len", "32", "--microbatch-size", "3", "--stages", "2", "--microbatches", "2",
+            "--schedules", "2bw", "1f1b", "--bytes-per-value", "4", "--optimizer-states", "1"]
+    args = plan.parser().parse_args(argv)
+    _, records = plan.plan(args)
+    shape, counts = plan.CostModel(args).shape, records[0]["layers_per_stage"]
+    first = counts[0]
+    tokens = 3 * 32
+    weights = sum(shape.layer_parameters(False)[:first]) * 4
+    kept = sum(shape.layer_saved_bytes(False, tokens, 4)[:first]) + tokens * 64 * 4  # and its output
+    working = kept + max(shape.layer_transient_bytes(False, tokens, 4)[:first])
+    one, two = records[0]["memory"]["1f1b"][0], records[0]["memory"]["2bw"][0]
+    assert one == stage_memory(records[0]["results"]["1f1b"], 0, weight_bytes=weights, saved_bytes=kept,
+                               working_bytes=working, first_working_bytes=max(working, weights),
+                               optimizer_state_bytes=weights)
+    assert (one.weights, one.versions, one.optimizer_state) == (weights, 0, weights)
+    assert two.versions == weights and two.total > one.total  # 2bw stashes one more version
+    plan.main(argv)
+    out = capsys.readouterr().out
+    table = out[out.index("## Memory per device"):]
+    row = next(line for line in table.splitlines() if line.startswith("| 2 | 2 | 1f1b |"))
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    device = max(range(2), key=lambda d: records[0]["memory"]["1f1b"][d].total)
+    assert cells[3] == str(device)
+    assert float(cells[-1]) == pytest.approx(records[0]["memory"]["1f1b"][device].total / 2**30, abs=0.006)
+
+
 def test_plan_writes_the_timelines_as_the_monitors_chrome_trace(tmp_path):
     path = tmp_path / "plan.json"
     plan.main(["--stage-forward-s", "1", "1.5", "--stage-backward-s", "2", "3", "--microbatches", "4",
