@@ -953,6 +953,13 @@ def _rate(key: str, procs: list[dict], rows: int) -> float:
     return rows / procs[0]["sec_per_step"]
 
 
+def print_run(m: int, key: str, res: list[dict], rows: int, detail: str, digits: int = 1) -> None:
+    """One line of the progress a run prints as each system finishes: its step time, rate and ``detail``."""
+    sec = rows / _rate(key, res, rows)
+    print(f"  m={m} {key.split('/m')[0]:<26} {sec * 1e3:8.{digits}f} ms/step {rows / sec:9.0f} samples/s   {detail}",
+          flush=True)
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # The report.
 # ---------------------------------------------------------------------------------------------------------------
@@ -967,10 +974,8 @@ def measure_round(args: argparse.Namespace, base: dict, quiet: "Quiet") -> dict[
 
         def record(key: str, res: list[dict]) -> None:
             runs[key] = res
-            sec = rows / _rate(key, res, rows)
             extra = f"   plain loop / engine, paired steps {res[0]['paired_ratio']:.3f}" if "paired_ratio" in res[0] else ""
-            print(f"  m={m} {key.split('/m')[0]:<26} {sec * 1e3:8.1f} ms/step {rows / sec:9.0f} samples/s   "
-                  f"others' CPU {others_cpu(res):5.1%}{extra}", flush=True)
+            print_run(m, key, res, rows, f"others' CPU {others_cpu(res):5.1%}{extra}")
 
         record(f"single/m{m}", quiet.measure(lambda: [run_single(cfg)]))
         # The engine's stages in this one process on the same microbatches, against the plain loop, steps in turn.
@@ -1174,10 +1179,8 @@ def main_cuda(args: argparse.Namespace) -> None:
 
         def record(key: str, res: list[dict]) -> None:
             runs[key] = res
-            sec = rows / _rate(key, res, rows)
             peak = " / ".join(f"{r['cuda_peak_mib']:,.0f}" for r in res)
-            print(f"  m={m} {key.split('/m')[0]:<26} {sec * 1e3:8.2f} ms/step {rows / sec:9.0f} samples/s   "
-                  f"peak GPU memory {peak} MiB   others' CPU {others_cpu(res):5.1%}", flush=True)
+            print_run(m, key, res, rows, f"peak GPU memory {peak} MiB   others' CPU {others_cpu(res):5.1%}", digits=2)
 
         record(f"single/m{m}", quiet.measure(lambda: in_process(lambda: run_single(cfg))))
         record(f"single_mb/m{m}", quiet.measure(lambda: in_process(lambda: run_single(cfg, microbatched=True))))
