@@ -389,9 +389,8 @@ def shape_model(pair: list[dict], args: argparse.Namespace) -> list[Any]:
                   vocab=args.vocab, seq_len=args.seq)
     counts = [r["pipeline_layers"] - (r["rank"] == 0) - 2 * (r["rank"] == STAGES - 1) for r in pair]
     result = simulate(r0["schedule"], STAGES, r0["m"], [1.0] * STAGES, [2.0] * STAGES)
-    states = {"adamw": 2, "muon": 1, "muon-ef": 1}[r0["optimizer"]]
     return device_memory(shape, counts, result, tokens=args.batch // r0["m"] * args.seq, value_bytes=4, param_bytes=4,
-                         optimizer_states=states)
+                         optimizer=r0["optimizer"].removesuffix("-ef"), correction_buffers=float(r0["optimizer"].endswith("-ef")))
 
 
 def memory_report(rows: list[dict], args: argparse.Namespace) -> str:
@@ -426,8 +425,9 @@ def memory_report(rows: list[dict], args: argparse.Namespace) -> str:
                 f"{model['total'] / x['allocator_peak']:.3f} | {x['peak_rss_mib']:.0f} |")
     if all("pipeline_layers" in x for r in rows for x in r["pair"]):
         lines += ["", "From the shape alone: `lightning-async-pp-plan`'s memory table (`plan.device_memory`: the "
-                  "shape's per-layer parameters and activations, fp32, the optimizer's state by its rule, no "
-                  "measured input; ErrorFeedback's buffers are not in it) against the allocator's peak, MiB:", "",
+                  "shape's per-layer parameters and activations, fp32, the optimizer's state by its rule, "
+                  "ErrorFeedback's buffer and its update's copy per parameter, no measured input) against the "
+                  "allocator's peak, MiB:", "",
                   "| optimizer | m | schedule | rank | activations (shape) | total (shape) | allocator peak | "
                   "shape / measured |", "|---|---:|---|---:|---:|---:|---:|---:|"]
         for r in rows:

@@ -15,7 +15,7 @@ peak activations and weight copies per device. The costs come from one of:
 
 A shape also gives a table of each schedule's peak memory per device (:func:`device_memory`: the memory model,
 ``pipeline.memory.stage_memory``, fed the shape's per-layer parameters and activations, ``--param-bytes``,
-``--optimizer-states``, ``--bytes-per-value``).
+``--optimizer``, ``--correction-buffers``, ``--bytes-per-value``).
 
 ``--data-parallel R`` adds a table of the data-parallel gradient reduction (each stage's gradient all-reduced
 over its ``R`` replicas with a ring: ``2 (R-1)/R`` x its bytes over ``--dp-gbps``, plus ``2 (R-1)`` latencies)
@@ -85,6 +85,13 @@ class Shape:
         params[0] += self.vocab * h
         params[-1] += self.vocab * h + h
         return params
+
+    def layer_matrix_parameters(self, split_blocks: bool) -> list[int]:
+        """Of :meth:`layer_parameters`, those in the blocks' hidden matrices (the projections: what Muon
+        orthogonalizes); the rest are the embedding, the head and the norms."""
+        h = self.hidden
+        attention, mlp = 2 * h * h + 2 * h * self.kv_dim, 3 * h * self.intermediate
+        return [n for _ in range(self.layers) for n in ((attention, mlp) if split_blocks else (attention + mlp,))]
 
     def layer_saved_bytes(self, split_blocks: bool, tokens: int, value_bytes: int) -> list[int]:
         """Bytes each pipeline layer keeps for its backward over a microbatch of ``tokens`` (whole sequences), as
@@ -397,7 +404,8 @@ def plan(args: argparse.Namespace) -> tuple[list[str], list[dict]]:
                 tokens = args.microbatch_size * model.shape.seq_len
                 memory = {s: device_memory(model.shape, counts, results[s], tokens=tokens,
                                            value_bytes=args.bytes_per_value, param_bytes=args.param_bytes,
-                                           optimizer_states=args.optimizer_states, split_blocks=args.split_blocks)
+                                           optimizer=args.optimizer,
+                                           correction_buffers=args.correction_buffers, split_blocks=args.split_blocks)
                           for s in schedules if results[s] is not None}
                 records[-1]["memory"] = memory
                 memory_lines += [memory_row(p, m, label(s, args), per_device) for s, per_device in memory.items()]
@@ -409,14 +417,16 @@ def plan(args: argparse.Namespace) -> tuple[list[str], list[dict]]:
         lines += ["", "## Memory per device (peak, GiB)", "",
                   f"The device with the largest peak, by what holds it (`pipeline.memory.stage_memory` over the "
                   f"simulated timeline): parameters and gradients at {args.param_bytes} bytes each, "
-                  f"{args.optimizer_states:g} optimizer state tensors per parameter (AdamW 2, Muon 1, SGD 0); "
+                  f"the optimizer's state as {args.optimizer} keeps it ({OPTIMIZER_STATE_RULES[args.optimizer]}), "
+                  f"{args.correction_buffers:g} correction buffers per parameter (ErrorFeedback 1) and as many "
+                  f"transient copies in its update; "
                   f"activations at {args.bytes_per_value} bytes per value as transformers' Llama layers keep them "
                   f"under SDPA's causal kernel (in one dtype throughout; under autocast each matmul also keeps a "
                   f"bf16 copy of its input), a microbatch's input and output, and its "
                   f"backward's largest transient, an estimate; a batch's first backward allocates its gradients as it "
                   f"frees activations (the larger of the two counts). docs/guide/planning.md, \"Memory\".", "",
-                  "| p | m | schedule | device | weights | versions | gradients | optimizer state | activations | "
-                  "total |", "|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|", *memory_lines]
+                  "| p | m | schedule | device | weights | versions | gradients | optimizer state | correction | "
+                  "activations | total |", "|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|", *memory_lines]
     if dp_lines:
         r = args.data_parallel
         gbps = args.dp_gbps if args.dp_gbps is not None else args.link_gbps
@@ -441,10 +451,11 @@ def plan(args: argparse.Namespace) -> tuple[list[str], list[dict]]:
 
 
 def device_memory(shape: Shape, counts: list[int], result: SimulationResult, *, tokens: int, value_bytes: int,
-                  param_bytes: int, optimizer_states: float, split_blocks: bool = False) -> list[StageMemory]:
+                  param_bytes: int, optimizer: str = "adamw", correction_buffers: float = 0.0,
+                  split_blocks: bool = False) -> list[StageMemory]:
     """Each device's peak by :func:`~lightning_async_pp.pipeline.memory.stage_memory`, the shape's pipeline layers
     split by ``counts`` (a chunked schedule's device holds the same share in chunks), microbatches of ``tokens``."""
-    params = shape.layer_parameters(split_blocks)
+    params, matrices = shape.layer_parameters(split_blocks), shape.layer_matrix_parameters(split_blocks)
     saved = shape.layer_saved_bytes(split_blocks, tokens, value_bytes)
     transient = shape.layer_transient_bytes(split_blocks, tokens, value_bytes)
     if sum(counts) != len(params):
@@ -460,16 +471,37 @@ def device_memory(shape: Shape, counts: list[int], result: SimulationResult, *, 
         # larger of the two (the allocator measured it within 1% of a later backward's at SmolLM's width).
         out.append(stage_memory(result, device, weight_bytes=weights, saved_bytes=kept, working_bytes=working,
                                 first_working_bytes=max(working, weights),
-                                optimizer_state_bytes=round(optimizer_states * weights)))
+                                optimizer_state_bytes=optimizer_state_bytes(optimizer, params[start:end],
+                                                                            matrices[start:end], param_bytes),
+                                # ErrorFeedback keeps one buffer per parameter and its update one more copy
+                                correction_bytes=round(correction_buffers * weights),
+                                update_bytes=round(correction_buffers * weights)))
         start = end
     return out
+
+
+#: What each ``--optimizer`` keeps per parameter (``optim.Muon`` hands embeddings, the head and norms to AdamW).
+OPTIMIZER_STATE_RULES = {"adamw": "two moments per parameter",
+                         "muon": "a momentum per hidden matrix, AdamW's two moments for the rest",
+                         "sgd": "a momentum per parameter"}
+
+
+def optimizer_state_bytes(optimizer: str, params: Sequence[int], matrices: Sequence[int], param_bytes: int) -> int:
+    """Bytes of ``optimizer``'s state over layers of ``params`` parameters, ``matrices`` of them in hidden matrices."""
+    if optimizer == "adamw":
+        return 2 * sum(params) * param_bytes
+    if optimizer == "muon":
+        return (sum(matrices) + 2 * (sum(params) - sum(matrices))) * param_bytes
+    if optimizer == "sgd":
+        return sum(params) * param_bytes
+    raise ValueError(f"optimizer {optimizer!r} is not one of {sorted(OPTIMIZER_STATE_RULES)}")
 
 
 def memory_row(p: int, m: int, schedule: str, per_device: list[StageMemory]) -> str:
     device = max(range(len(per_device)), key=lambda d: per_device[d].total)
     peak = per_device[device]
     gib = [f"{b / 2**30:.2f}" for b in (peak.weights, peak.versions, peak.gradients, peak.optimizer_state,
-                                         peak.activations, peak.total)]
+                                         peak.correction, peak.activations, peak.total)]
     return f"| {p} | {m} | {schedule} | {device} | " + " | ".join(gib) + " |"
 
 
@@ -549,8 +581,10 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--param-bytes", type=_positive_int, default=4,
                    help="bytes per parameter and per gradient value, for the memory table (default 4: fp32, as "
                         "bf16-mixed keeps them)")
-    s.add_argument("--optimizer-states", type=_non_negative, default=2.0,
-                   help="optimizer state tensors per parameter, for the memory table (default 2: AdamW; Muon 1, SGD 0)")
+    s.add_argument("--correction-buffers", type=_non_negative, default=0.0,
+                   help="a delay correction's buffers per parameter, for the memory table (default 0; ErrorFeedback 1)")
+    s.add_argument("--optimizer", choices=sorted(OPTIMIZER_STATE_RULES), default="adamw",
+                   help="whose state the memory table counts (default adamw)")
     d = ap.add_argument_group("data parallelism (a second table)")
     d.add_argument("--data-parallel", "-r", type=_positive_int, default=1, help="replicas of each stage (default 1)")
     d.add_argument("--dp-gbps", type=_positive, help="bandwidth of the replicas' link, GB/s (default --link-gbps)")

@@ -408,3 +408,31 @@ def test_the_planners_activation_bytes_are_what_the_hf_llama_layers_keep(dtype, 
     assert shape.layer_saved_bytes(False, rows * seq, dtype.itemsize) == counted
     split = shape.layer_saved_bytes(True, rows * seq, dtype.itemsize)
     assert [split[0] + split[1], *(a + b for a, b in zip(split[2::2], split[3::2]))] == counted
+
+
+@pytest.mark.parametrize("name", ["adamw", "muon", "sgd"])
+def test_the_planners_optimizer_state_is_what_the_optimizer_keeps_for_an_hf_llama(name):
+    # lightning-async-pp-plan's memory table counts each optimizer's state from a shape's parameters
+    # (plan.optimizer_state_bytes); here it is what the optimizer holds after a step on the adapter's model. The
+    # shape's layers hold the tied embedding twice (with the first and with the last stage); the model once.
+    from lightning_async_pp.optim import Muon
+    from lightning_async_pp.plan import Shape, optimizer_state_bytes
+
+    model = built(HuggingFaceCausalLM(hf_config("llama-tied"), init_seed=3))
+    optimizer = {"adamw": lambda: torch.optim.AdamW(model.parameters()),
+                 "muon": lambda: Muon(model.named_parameters(), lr=0.02),
+                 "sgd": lambda: torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)}[name]()
+    batch = tokens()
+    x = model.pipeline_input(batch)
+    for layer in model.pipeline_layers():
+        x = layer(x)
+    model.pipeline_loss(x, batch).backward()
+    optimizer.step()
+    parts = [optimizer.muon, optimizer.adamw] if isinstance(optimizer, Muon) else [optimizer]
+    held = sum(t.nbytes for part in parts for state in part.state.values() for t in state.values()
+               if isinstance(t, torch.Tensor) and t.dim() > 0)
+    shape = Shape(hidden=TINY["hidden_size"], layers=TINY["num_hidden_layers"], heads=TINY["num_attention_heads"],
+                  kv_heads=TINY["num_key_value_heads"], intermediate=TINY["intermediate_size"], vocab=VOCAB, seq_len=16)
+    counted = optimizer_state_bytes(name, shape.layer_parameters(False), shape.layer_matrix_parameters(False), 4)
+    tied_copy = {"adamw": 2, "muon": 2, "sgd": 1}[name] * VOCAB * TINY["hidden_size"] * 4
+    assert counted - tied_copy == held

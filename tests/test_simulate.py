@@ -312,25 +312,30 @@ def test_plan_from_a_model_shape_balances_flops_and_derives_the_transfer():
 
 def test_plan_from_a_model_shape_prints_each_devices_peak_memory_by_what_holds_it(capsys):
     # The memory model (tests/test_memory_model.py) fed what device 0 holds, worked out here from the shape's
-    # per-layer numbers (tests/test_adapters.py counts those against the layers).
+    # per-layer numbers (tests/test_adapters.py counts those against the layers), under Muon and with
+    # ErrorFeedback's buffer (and its update's transient copy) per parameter.
     from lightning_async_pp.pipeline.memory import stage_memory
 
     argv = ["--hidden", "64", "--layers", "4", "--heads", "4", "--kv-heads", "2", "--intermediate", "128",
             "--vocab", "256", "--seq-len", "32", "--microbatch-size", "3", "--stages", "2", "--microbatches", "2",
-            "--schedules", "2bw", "1f1b", "--bytes-per-value", "4", "--optimizer-states", "1"]
+            "--schedules", "2bw", "1f1b", "--bytes-per-value", "4", "--optimizer", "muon",
+            "--correction-buffers", "1"]
     args = plan.parser().parse_args(argv)
     _, records = plan.plan(args)
     shape, counts = plan.CostModel(args).shape, records[0]["layers_per_stage"]
     first = counts[0]
     tokens = 3 * 32
     weights = sum(shape.layer_parameters(False)[:first]) * 4
+    # Muon's momentum for the blocks' projections, AdamW's two moments for the embedding and the norms:
+    matrices = first * (2 * 64 * 64 + 2 * 64 * 32 + 3 * 64 * 128) * 4
+    state = matrices + 2 * (weights - matrices)
     kept = sum(shape.layer_saved_bytes(False, tokens, 4)[:first]) + tokens * 64 * 4  # and its output
     working = kept + max(shape.layer_transient_bytes(False, tokens, 4)[:first])
     one, two = records[0]["memory"]["1f1b"][0], records[0]["memory"]["2bw"][0]
     assert one == stage_memory(records[0]["results"]["1f1b"], 0, weight_bytes=weights, saved_bytes=kept,
                                working_bytes=working, first_working_bytes=max(working, weights),
-                               optimizer_state_bytes=weights)
-    assert (one.weights, one.versions, one.optimizer_state) == (weights, 0, weights)
+                               optimizer_state_bytes=state, correction_bytes=weights, update_bytes=weights)
+    assert (one.weights, one.versions, one.optimizer_state, one.correction) == (weights, 0, state, weights)
     assert two.versions == weights and two.total > one.total  # 2bw stashes one more version
     plan.main(argv)
     out = capsys.readouterr().out
