@@ -61,7 +61,7 @@ def phases(stage: nn.Module, x: torch.Tensor, y: torch.Tensor) -> dict[str, Call
     return {"whole": whole, "split": split, "input only": input_only}
 
 
-def measure(width: int, rows: int, steps: int) -> dict[str, list[float]]:
+def measure(width: int, rows: int, steps: int) -> dict[str, float]:
     """Median seconds of each part: ``{"whole": ..., "split B": ..., "split W": ..., "input only": ...}``."""
     stage = nn.Sequential(*stage_layers(make_layers(width), STAGES - 1))
     g = torch.Generator().manual_seed(0)
