@@ -85,13 +85,18 @@ def model_and_data(cfg: dict) -> tuple[Any, Any]:
     return Model(config=llama_config(cfg), lr=3e-3), DataLoader(Batches(), batch_size=None)
 
 
-def train_flops_per_token(cfg: dict) -> float:
-    """Forward + backward FLOPs per token (3x the forward's: the planner's shape formulas)."""
+def smollm_shape(layers: int, vocab: int, seq: int) -> Any:
+    """The planner's ``Shape`` of the model this benchmark trains: SmolLM-135M's widths, ``layers`` deep."""
     from lightning_async_pp.plan import Shape
 
-    shape = Shape(hidden=SMOLLM_WIDTHS["hidden_size"], layers=cfg["layers"], heads=SMOLLM_WIDTHS["num_attention_heads"],
-                  kv_heads=SMOLLM_WIDTHS["num_key_value_heads"], intermediate=SMOLLM_WIDTHS["intermediate_size"],
-                  vocab=cfg["vocab"], seq_len=cfg["seq"])
+    return Shape(hidden=SMOLLM_WIDTHS["hidden_size"], layers=layers, heads=SMOLLM_WIDTHS["num_attention_heads"],
+                 kv_heads=SMOLLM_WIDTHS["num_key_value_heads"], intermediate=SMOLLM_WIDTHS["intermediate_size"],
+                 vocab=vocab, seq_len=seq)
+
+
+def train_flops_per_token(cfg: dict) -> float:
+    """Forward + backward FLOPs per token (3x the forward's: the planner's shape formulas)."""
+    shape = smollm_shape(cfg["layers"], cfg["vocab"], cfg["seq"])
     return 3.0 * (shape.layers * (shape.attention_flops() + shape.mlp_flops()) + shape.head_flops())
 
 
@@ -380,13 +385,11 @@ def shape_model(pair: list[dict], args: argparse.Namespace) -> list[Any]:
     """The planner's memory table from the shape alone (``plan.device_memory``: no measured input), each rank's
     decoder layers as the run split them (the embedding with the first, the final norm and the head with the
     last): what ``lightning-async-pp-plan`` prints for this shape and split."""
-    from lightning_async_pp.plan import Shape, device_memory
+    from lightning_async_pp.plan import device_memory
     from lightning_async_pp.pipeline.simulate import simulate
 
     r0 = pair[0]
-    shape = Shape(hidden=SMOLLM_WIDTHS["hidden_size"], layers=args.layers, heads=SMOLLM_WIDTHS["num_attention_heads"],
-                  kv_heads=SMOLLM_WIDTHS["num_key_value_heads"], intermediate=SMOLLM_WIDTHS["intermediate_size"],
-                  vocab=args.vocab, seq_len=args.seq)
+    shape = smollm_shape(args.layers, args.vocab, args.seq)
     counts = [r["pipeline_layers"] - (r["rank"] == 0) - 2 * (r["rank"] == STAGES - 1) for r in pair]
     result = simulate(r0["schedule"], STAGES, r0["m"], [1.0] * STAGES, [2.0] * STAGES)
     return device_memory(shape, counts, result, tokens=args.batch // r0["m"] * args.seq, value_bytes=4, param_bytes=4,

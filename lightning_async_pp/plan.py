@@ -81,7 +81,7 @@ class Shape:
         held (and its gradient reduced) by the first and by the last layer's stage; the final norm goes last."""
         h = self.hidden
         attention, mlp = 2 * h * h + 2 * h * self.kv_dim + h, 3 * h * self.intermediate + h
-        params = [n for _ in range(self.layers) for n in ((attention, mlp) if split_blocks else (attention + mlp,))]
+        params = self._per_layer(attention, mlp, split_blocks)
         params[0] += self.vocab * h
         params[-1] += self.vocab * h + h
         return params
@@ -91,7 +91,7 @@ class Shape:
         orthogonalizes); the rest are the embedding, the head and the norms."""
         h = self.hidden
         attention, mlp = 2 * h * h + 2 * h * self.kv_dim, 3 * h * self.intermediate
-        return [n for _ in range(self.layers) for n in ((attention, mlp) if split_blocks else (attention + mlp,))]
+        return self._per_layer(attention, mlp, split_blocks)
 
     def layer_saved_bytes(self, split_blocks: bool, tokens: int, value_bytes: int) -> list[int]:
         """Bytes each pipeline layer keeps for its backward over a microbatch of ``tokens`` (whole sequences), as
@@ -105,7 +105,7 @@ class Shape:
         rotary = 2 * v * self.head_dim * self.seq_len  # cos and sin, once per position
         attention = norm + tokens * (2 * v * h + 2 * v * self.kv_dim + 4 * self.heads) + rotary
         mlp = norm + tokens * 4 * v * self.intermediate
-        saved = [n for _ in range(self.layers) for n in ((attention, mlp) if split_blocks else (attention + mlp,))]
+        saved = self._per_layer(attention, mlp, split_blocks)
         saved[0] += tokens * 8
         saved[-1] += tokens * (4 * h + 4 + 2 * v * h + 4 * self.vocab + 8)
         return saved
@@ -124,13 +124,14 @@ class Shape:
     def head_dim(self) -> int:
         return self.hidden // self.heads
 
+    def _per_layer(self, attention: int, mlp: int, split_blocks: bool) -> list[int]:
+        """A block's attention and MLP amounts as pipeline layers: one per block, or (``split_blocks``) two."""
+        return [n for _ in range(self.layers) for n in ((attention, mlp) if split_blocks else (attention + mlp,))]
+
     def pipeline_layers(self, split_blocks: bool) -> list[int]:
         """Forward FLOPs per token of each pipeline layer: one per block (``split_blocks``: attention and MLP
         apart). The embedding (a lookup, no FLOPs) goes with the first layer, the head with the last."""
-        if split_blocks:
-            flops = [f for _ in range(self.layers) for f in (self.attention_flops(), self.mlp_flops())]
-        else:
-            flops = [self.attention_flops() + self.mlp_flops()] * self.layers
+        flops = self._per_layer(self.attention_flops(), self.mlp_flops(), split_blocks)
         flops[-1] += self.head_flops()
         return flops
 
@@ -467,6 +468,7 @@ def device_memory(shape: Shape, counts: list[int], result: SimulationResult, *, 
         weights = sum(params[start:end]) * param_bytes
         kept = sum(saved[start:end]) + boundary * ((device > 0) + (device < len(counts) - 1))
         working = kept + max(transient[start:end])
+        correction = round(correction_buffers * weights)
         # A batch's first backward allocates the gradients as it frees the activations: its peak is taken as the
         # larger of the two (the allocator measured it within 1% of a later backward's at SmolLM's width).
         out.append(stage_memory(result, device, weight_bytes=weights, saved_bytes=kept, working_bytes=working,
@@ -474,8 +476,7 @@ def device_memory(shape: Shape, counts: list[int], result: SimulationResult, *, 
                                 optimizer_state_bytes=optimizer_state_bytes(optimizer, params[start:end],
                                                                             matrices[start:end], param_bytes),
                                 # ErrorFeedback keeps one buffer per parameter and its update one more copy
-                                correction_bytes=round(correction_buffers * weights),
-                                update_bytes=round(correction_buffers * weights)))
+                                correction_bytes=correction, update_bytes=correction))
         start = end
     return out
 

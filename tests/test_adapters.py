@@ -374,13 +374,19 @@ def test_adapter_config_trains_two_steps_in_one_process(name, cls, tmp_path, mon
     assert torch.isfinite(cli.trainer.callback_metrics["val_loss"])
 
 
+def tiny_shape(kv_heads: int, seq_len: int):
+    """The planner's ``Shape`` of the TINY configs."""
+    from lightning_async_pp.plan import Shape
+
+    return Shape(hidden=TINY["hidden_size"], layers=TINY["num_hidden_layers"], heads=TINY["num_attention_heads"],
+                 kv_heads=kv_heads, intermediate=TINY["intermediate_size"], vocab=VOCAB, seq_len=seq_len)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("kv_heads", [2, 4])
 def test_the_planners_activation_bytes_are_what_the_hf_llama_layers_keep(dtype, kv_heads):
     # lightning-async-pp-plan's memory table takes each pipeline layer's saved bytes from a model shape
     # (plan.Shape.layer_saved_bytes): here they are counted, storage by storage, as the adapter's layers keep them.
-    from lightning_async_pp.plan import Shape
-
     seq, rows = 32, 3
     config = hf_config("llama-tied", num_key_value_heads=kv_heads, max_position_embeddings=seq)
     model = built(HuggingFaceCausalLM(config, init_seed=3)).to(dtype)
@@ -403,8 +409,7 @@ def test_the_planners_activation_bytes_are_what_the_hf_llama_layers_keep(dtype, 
     # The shape's layers are the blocks, the embedding with the first and the final norm and head with the last.
     # Beyond the shape's count the ids' storage holds the batch's target column and the loss keeps a scalar.
     counted = [counted[0] + counted[1] - 8 * rows, *counted[2:-3], sum(counted[-3:]) - 4]
-    shape = Shape(hidden=TINY["hidden_size"], layers=TINY["num_hidden_layers"], heads=TINY["num_attention_heads"],
-                  kv_heads=kv_heads, intermediate=TINY["intermediate_size"], vocab=VOCAB, seq_len=seq)
+    shape = tiny_shape(kv_heads, seq)
     assert shape.layer_saved_bytes(False, rows * seq, dtype.itemsize) == counted
     split = shape.layer_saved_bytes(True, rows * seq, dtype.itemsize)
     assert [split[0] + split[1], *(a + b for a, b in zip(split[2::2], split[3::2]))] == counted
@@ -416,7 +421,7 @@ def test_the_planners_optimizer_state_is_what_the_optimizer_keeps_for_an_hf_llam
     # (plan.optimizer_state_bytes); here it is what the optimizer holds after a step on the adapter's model. The
     # shape's layers hold the tied embedding twice (with the first and with the last stage); the model once.
     from lightning_async_pp.optim import Muon
-    from lightning_async_pp.plan import Shape, optimizer_state_bytes
+    from lightning_async_pp.plan import optimizer_state_bytes
 
     model = built(HuggingFaceCausalLM(hf_config("llama-tied"), init_seed=3))
     optimizer = {"adamw": lambda: torch.optim.AdamW(model.parameters()),
@@ -431,8 +436,7 @@ def test_the_planners_optimizer_state_is_what_the_optimizer_keeps_for_an_hf_llam
     parts = [optimizer.muon, optimizer.adamw] if isinstance(optimizer, Muon) else [optimizer]
     held = sum(t.nbytes for part in parts for state in part.state.values() for t in state.values()
                if isinstance(t, torch.Tensor) and t.dim() > 0)
-    shape = Shape(hidden=TINY["hidden_size"], layers=TINY["num_hidden_layers"], heads=TINY["num_attention_heads"],
-                  kv_heads=TINY["num_key_value_heads"], intermediate=TINY["intermediate_size"], vocab=VOCAB, seq_len=16)
+    shape = tiny_shape(TINY["num_key_value_heads"], 16)
     counted = optimizer_state_bytes(name, shape.layer_parameters(False), shape.layer_matrix_parameters(False), 4)
     tied_copy = {"adamw": 2, "muon": 2, "sgd": 1}[name] * VOCAB * TINY["hidden_size"] * 4
     assert counted - tied_copy == held
