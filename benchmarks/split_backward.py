@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Callable
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from pipeline_throughput import STAGES, make_layers, mse, one_thread, stage_layers  # noqa: E402
+from pipeline_throughput import STAGES, in_turn, make_layers, mse, one_thread, stage_layers  # noqa: E402
 
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
@@ -73,7 +73,7 @@ def measure(width: int, rows: int, steps: int) -> dict[str, float]:
 
     def steps_in_turn(first: int, count: int, timed: bool) -> None:
         for step in range(first, first + count):
-            for way in order[step % len(order):] + order[:step % len(order)]:
+            for way in in_turn(order, step):
                 for name, part in zip(names[way], ways[way]()):
                     start = time.perf_counter()
                     part()
