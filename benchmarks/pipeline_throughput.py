@@ -211,6 +211,9 @@ class StepClock:
         self._start = self._end = (0.0, 0.0)
         self.cuda = device if device is not None and device.type == "cuda" else None
         if self.cuda is not None:
+            # The allocator's statistics exist only once CUDA is initialized on that device; a process that has
+            # not touched the GPU yet gets "Invalid device argument" from reset_peak_memory_stats.
+            torch.cuda.init()
             torch.cuda.reset_peak_memory_stats(self.cuda)
 
     def in_window(self) -> bool:
