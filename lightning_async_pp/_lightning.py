@@ -52,7 +52,7 @@ def replace_sigterm_broadcast(trainer: Any, check: Callable[[], None]) -> None:
     """Replace the per-step SIGTERM broadcast from rank 0 with ``check``.
 
     Relies on: ``_TrainingEpochLoop.advance`` calling ``self._broadcast_sigterm_tensor()`` at the start of every
-    training step when ``torch.distributed`` is initialized (Lightning >= 2.5.2). That broadcast is a barrier
+    training step when ``torch.distributed`` is initialized. That broadcast is a barrier
     across all stages, which would put a bubble back into 2BW.
     """
     trainer.fit_loop.epoch_loop._broadcast_sigterm_tensor = check
