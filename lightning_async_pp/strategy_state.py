@@ -125,7 +125,11 @@ class PipelineStateHooks:
         if ckpt.is_sharded(path):
             self._source = ckpt.ShardedSource(path)
             return ckpt.read_meta(path)
-        checkpoint = super().load_checkpoint(path, weights_only=weights_only)
+        ckpt.check_file(path)
+        try:
+            checkpoint = super().load_checkpoint(path, weights_only=weights_only)
+        except Exception as err:
+            raise ckpt.unreadable_file(path, err) from err
         self._source = ckpt.file_source(checkpoint)
         return checkpoint
 

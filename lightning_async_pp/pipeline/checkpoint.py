@@ -19,6 +19,7 @@ import ctypes
 import os
 import pickle
 import shutil
+import zipfile
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Callable, Optional
 
@@ -126,7 +127,7 @@ class MemorySource(TensorSource):
 class ShardedSource(TensorSource):
     def __init__(self, path: str) -> None:
         self.path = path
-        metadata = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+        metadata = check_sharded(path).state_dict_metadata
         self.shapes = {k: (m.size, m.properties.dtype) if hasattr(m, "size") else None for k, m in metadata.items()}
 
     def read(self, keys: Iterable[str]) -> dict[str, Any]:
@@ -136,8 +137,89 @@ class ShardedSource(TensorSource):
             shape = self.shapes[k]
             out[k] = torch.empty(shape[0], dtype=shape[1]) if shape is not None else b""
         # Without a process group (one device, consolidation) each process reads alone.
-        dcp.load(out, checkpoint_id=self.path, no_dist=not torch.distributed.is_initialized())
+        try:
+            dcp.load(out, checkpoint_id=self.path, no_dist=not torch.distributed.is_initialized())
+        except Exception as err:  # DCP's CheckpointException names neither the file nor the cause's kind
+            raise UnreadableCheckpoint(self.path, f"reading its shards failed ({_first_line(err)}): a shard is "
+                                       "damaged") from err
         return out
+
+
+# ---- damaged checkpoints: say which file, what is wrong and what to do ----------------------------------------------
+class UnreadableCheckpoint(ValueError):
+    """A checkpoint that cannot be read: cut short, damaged, or not a checkpoint. The message names the file or
+    directory, what is wrong with it and the way out."""
+
+    def __init__(self, path: str, problem: str, way_out: Optional[str] = None) -> None:
+        self.path = path
+        super().__init__(f"cannot read the checkpoint {path!r}: {problem}. {way_out or DAMAGED}")
+
+
+#: The way out of a checkpoint that was cut short or damaged.
+DAMAGED = ("Use another checkpoint (ModelCheckpoint(save_top_k=...) keeps earlier ones beside it), or copy this one "
+           "again from where it was written")
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip()
+    # DCP's CheckpointException lists each rank's traceback: its last line is the cause.
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    line = (lines[-1] if type(err).__name__ == "CheckpointException" and lines else lines[0] if lines else "")
+    return f"{type(err).__name__}: {line[:200]}" if line else type(err).__name__
+
+
+def check_sharded(path: str) -> Any:
+    """The ``torch.distributed.checkpoint`` metadata of the sharded checkpoint directory ``path``, once every file it
+    needs is there and long enough: ``.metadata``, ``meta.pt`` and each shard up to the last byte the metadata
+    places in it. A :class:`UnreadableCheckpoint` names the first file that is missing or cut short."""
+    index = os.path.join(path, ".metadata")
+    if not os.path.isfile(index):
+        raise UnreadableCheckpoint(path, "the directory has no .metadata (torch.distributed.checkpoint's index of the "
+                                   "shards), so it is not a sharded checkpoint or its save never finished")
+    try:
+        metadata = dcp.FileSystemReader(path).read_metadata()
+    except Exception as err:
+        raise UnreadableCheckpoint(index, f"torch.distributed.checkpoint cannot read it ({_first_line(err)})") from err
+    if not os.path.isfile(os.path.join(path, META_FILE)):
+        raise UnreadableCheckpoint(path, f"the directory has no {META_FILE} (the loops' and callbacks' state)")
+    ends: dict[str, int] = {}
+    for info in (getattr(metadata, "storage_data", None) or {}).values():
+        relative, end = getattr(info, "relative_path", None), getattr(info, "offset", 0) + getattr(info, "length", 0)
+        if relative is not None:
+            ends[relative] = max(ends.get(relative, 0), end)
+    for relative, end in sorted(ends.items()):
+        shard = os.path.join(path, relative)
+        if not os.path.isfile(shard):
+            raise UnreadableCheckpoint(shard, "the shard is missing (.metadata places tensors in it)")
+        size = os.path.getsize(shard)
+        if size < end:
+            raise UnreadableCheckpoint(shard, f"the shard is {size} bytes, but .metadata places tensors in it up to "
+                                       f"byte {end}: it was cut short")
+    return metadata
+
+
+def check_file(path: str) -> None:
+    """Refuse, before ``torch.load`` reads it, a checkpoint file that is not a ``torch.save`` archive (a zip file with
+    its index at the end): one cut short, or not a checkpoint at all."""
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"no checkpoint at {path!r}")
+    if not zipfile.is_zipfile(path):
+        raise UnreadableCheckpoint(path, f"it is not a torch.save archive ({os.path.getsize(path)} bytes without the "
+                                   "zip index torch.save writes at its end): it was cut short (a copy or a save "
+                                   "interrupted, a full disk), or it is not a checkpoint")
+
+
+def unreadable_file(path: str, err: BaseException) -> UnreadableCheckpoint:
+    """The error to raise when ``torch.load`` of the checkpoint file ``path`` failed with ``err``. A refusal of
+    ``weights_only`` loading names what it refused and the safe way to allow it."""
+    if isinstance(err, pickle.UnpicklingError) and "weights_only" in str(err).lower():
+        refused = [line.strip() for line in str(err).splitlines() if "GLOBAL" in line or "Unsupported" in line]
+        return UnreadableCheckpoint(
+            path, f"it holds an object that torch.load(weights_only=True) will not build "
+            f"({refused[0][:200] if refused else _first_line(err)})",
+            "If the file is yours and holds such an object on purpose, allow exactly that class with "
+            "torch.serialization.add_safe_globals([...]) before loading; otherwise do not load it")
+    return UnreadableCheckpoint(path, f"torch.load failed ({_first_line(err)}): it is damaged")
 
 
 # ---- loading into a layout ---------------------------------------------------------------------------------------
@@ -369,7 +451,11 @@ def resolve(path: str) -> str:
 
 
 def read_meta(path: str) -> dict[str, Any]:
-    return torch.load(os.path.join(resolve(path), META_FILE), weights_only=False, map_location="cpu")
+    meta = os.path.join(resolve(path), META_FILE)
+    try:
+        return torch.load(meta, weights_only=False, map_location="cpu")
+    except Exception as err:
+        raise unreadable_file(meta, err) from err
 
 
 def consolidate(src: str, dst: str) -> dict[str, Any]:
@@ -377,8 +463,8 @@ def consolidate(src: str, dst: str) -> dict[str, Any]:
     weights, under every name a tied parameter has) plus the rest of the flat dictionary, so the file loads with
     ``load_from_checkpoint`` anywhere and still resumes a pipeline in any layout. Returns the checkpoint."""
     src = resolve(src)
-    checkpoint = read_meta(src)
     source = ShardedSource(src)
+    checkpoint = read_meta(src)
     flat = source.read(source.shapes)
     checkpoint.update(single_file_parts(flat, checkpoint["async_pipeline"]))
     tmp = f"{dst}.tmp-{os.getpid()}"
@@ -391,8 +477,8 @@ def read_model_state(src: str) -> tuple[dict[str, Any], dict[str, Tensor]]:
     """The sharded checkpoint ``src``'s non-tensor part (hyperparameters and the rest) and its module ``state_dict``
     (newest weights, aliases included), without reading the optimizer states."""
     src = resolve(src)
-    checkpoint = read_meta(src)
     source = ShardedSource(src)
+    checkpoint = read_meta(src)
     flat = source.read([k for k in source.shapes if k.startswith(MODEL)])
     return checkpoint, single_file_parts(flat, checkpoint["async_pipeline"])["state_dict"]
 
@@ -414,7 +500,7 @@ def file_source(checkpoint: Mapping[str, Any]) -> MemorySource:
         raise ValueError(
             f"this checkpoint was written by an earlier version of lightning-async-pp (checkpoint format "
             f"{saved.get('format', 0)}, this version reads {FORMAT}); its weights still load with "
-            f"model.load_state_dict(torch.load(path, weights_only=False)['state_dict'])"
+            f"model.load_state_dict(torch.load(path, weights_only=True)['state_dict'])"
         )
     aliases = checkpoint.get("async_pipeline", {}).get("aliases", {})
     flat = {MODEL + k: v for k, v in checkpoint["state_dict"].items() if k not in aliases}
