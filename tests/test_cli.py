@@ -32,7 +32,7 @@ def demo_config(tmp_path: Path) -> Path:
         config["trainer"]["strategy"] = "auto"
     # One process: under pytest, Lightning's launcher would re-run the whole test session for a second rank.
     config["trainer"].update(devices=1, max_steps=2, limit_val_batches=2, val_check_interval=2, log_every_n_steps=1)
-    config["trainer"]["callbacks"][1]["init_args"]["trace_steps"] = [0, 1]
+    config["trainer"]["callbacks"][1]["init_args"].update(trace_steps=[0, 0], schedule_image_every_n_steps=2)
     config["trainer"]["logger"]["init_args"]["save_dir"] = str(tmp_path / "logs")
     config["trainer"]["default_root_dir"] = str(tmp_path)
     config["model"]["init_args"].update(block_size=32, n_layer=2, n_head=2, n_embd=32)
@@ -51,6 +51,9 @@ def test_demo_config_describes_the_pipeline_run():
     assert config["trainer"]["accelerator"] == "cpu" and config["trainer"]["devices"] == 2  # two stages
     monitors = [c["class_path"] for c in config["trainer"]["callbacks"]]
     assert monitors == ["lightning_async_pp.callbacks.StalenessMonitor", "lightning_async_pp.callbacks.PipelineMonitor"]
+    # The picture of the executed schedule, at steps k with (k + 1) % n == 0: several within the run.
+    n = config["trainer"]["callbacks"][1]["init_args"]["schedule_image_every_n_steps"]
+    assert len([k for k in range(config["trainer"]["max_steps"]) if (k + 1) % n == 0]) >= 2
     assert config["model"]["class_path"] == "lightning_async_pp.models.GPT"
     assert config["model"]["init_args"]["block_size"] == config["data"]["block_size"]
     assert config["trainer"]["logger"]["class_path"].endswith("TensorBoardLogger")
@@ -73,8 +76,9 @@ def test_demo_config_trains_two_steps_and_says_where_the_logs_are(tmp_path, monk
     # the demo's monitors write their figures and trace there
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    tags = EventAccumulator(str(log_dir)).Reload().Tags()["scalars"]
-    assert {"staleness/drift", "staleness/delay", "pipeline/tokens_per_sec", "pipeline/bubble_fraction"} <= set(tags)
+    tags = EventAccumulator(str(log_dir)).Reload().Tags()
+    assert {"staleness/drift", "staleness/delay", "pipeline/tokens_per_sec", "pipeline/bubble_fraction"} <= set(tags["scalars"])
+    assert "pipeline/schedule" in tags["images"]  # the picture of the executed schedule
     assert (log_dir / "pipeline_trace.json").exists()
     out = capsys.readouterr().out
     assert out.count(f"tensorboard --logdir {tmp_path / 'logs' / 'demo'}") == 2  # before and after fit
