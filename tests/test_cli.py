@@ -182,3 +182,27 @@ def test_consolidate_help_says_its_whole_first_sentence(capsys):
     assert ("Turn a sharded checkpoint into one Lightning checkpoint file (the newest weights and everything else), "
             "or into the upstream library's folder.") in text
     assert "python -m lightning_async_pp.consolidate SRC DST --hf [--tokenizer PATH]" in text
+
+
+def test_ckpt_path_last_on_the_command_line_resumes_to_the_uninterrupted_weights(tmp_path, monkeypatch):
+    """docs/guide/cli.md, "Saving and resuming": ModelCheckpoint(save_last=True) in the config, then the same command
+    with ``--ckpt_path last``: 2 steps, stopped, resumed to 4, equal the 4 steps of a run that never stopped."""
+    monkeypatch.chdir(tmp_path)
+    config = yaml.safe_load(demo_config(tmp_path).read_text())
+    config["trainer"]["callbacks"].append({"class_path": "lightning.pytorch.callbacks.ModelCheckpoint", "init_args": {
+        "dirpath": str(tmp_path / "checkpoints"), "every_n_train_steps": 2, "save_last": True}})
+    config["trainer"].update(enable_progress_bar=False, limit_val_batches=0)
+    path = tmp_path / "resumable.yaml"
+    path.write_text(yaml.safe_dump(config))
+    AsyncPipelineCLI(args=["fit", "--config", str(path)])  # 2 steps
+    assert (tmp_path / "checkpoints" / "last.ckpt").is_dir()
+    resumed = AsyncPipelineCLI(args=["fit", "--config", str(path), "--ckpt_path", "last", "--trainer.max_steps=4"])
+    assert resumed.trainer.ckpt_path == str(tmp_path / "checkpoints" / "last.ckpt")
+    config["trainer"]["callbacks"].pop()
+    config["trainer"].update(max_steps=4, enable_checkpointing=False)
+    path.write_text(yaml.safe_dump(config))
+    uninterrupted = AsyncPipelineCLI(args=["fit", "--config", str(path)])
+    assert resumed.trainer.global_step == uninterrupted.trainer.global_step == 4
+    expected = uninterrupted.model.state_dict()
+    for name, value in resumed.model.state_dict().items():
+        torch.testing.assert_close(value, expected[name], rtol=0, atol=1e-6, msg=name)

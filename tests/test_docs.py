@@ -152,3 +152,34 @@ def test_the_monitoring_pages_examples_run_as_shown_on_one_and_two_processes_wit
         for result in (one[page], two[page]):
             assert {"staleness/drift", "pipeline/bubble_fraction"} <= set(result["metrics"]), (page, result["metrics"])
         assert max_difference(two[page]["state_dict"], reference[page]["state_dict"]) <= 1e-6, page
+
+
+@pytest.mark.hf
+def test_the_export_pages_logits_check_runs_as_shown_on_a_trained_checkpoint(tmp_path, monkeypatch):
+    """docs/guide/data.md, "Check the exported model against the trained one": its example, run as written on a
+    tiny HuggingFaceCausalLM trained two steps (a sharded checkpoint) and exported with ``consolidate --hf``."""
+    import sys
+
+    pytest.importorskip("transformers")
+    import torch
+
+    sys.path.insert(0, str(ROOT / "tests" / "scripts"))
+    from adapter_fit import build_model, run
+    from pipeline_runs import run_here_on_one_device
+
+    from lightning_async_pp.consolidate import main as consolidate
+
+    monkeypatch.chdir(tmp_path)
+    run_here_on_one_device(run, dict(checkpoint_dir="checkpoints", steps=2))
+    assert consolidate(["checkpoints/epoch=0-step=2.ckpt", "my-model", "--hf"]) == 0
+    section = (DOCS / "guide" / "data.md").read_text().split("### Check the exported model against the trained one")[1]
+    example = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    assert example.count("checkpoints/epoch=0-step=2000.ckpt") == 1
+    namespace: dict = {}
+    exec(compile(example.replace("step=2000", "step=2"), "docs/guide/data.md", "exec"), namespace)
+    # What it compared is the trained model: the two updates moved the weights away from the initialization.
+    initial = build_model({})
+    initial.configure_model()
+    trained = namespace["trained"].state_dict()
+    assert max(float((trained[k] - v).abs().max()) for k, v in initial.state_dict().items()) > 1e-4
+    assert torch.equal(namespace["exported"].state_dict()["model.norm.weight"], trained["model.norm.weight"])
