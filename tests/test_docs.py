@@ -194,3 +194,41 @@ def test_the_export_pages_logits_check_runs_as_shown_on_a_trained_checkpoint(tmp
     trained = namespace["trained"].state_dict()
     assert max(float((trained[k] - v).abs().max()) for k, v in initial.state_dict().items()) > 1e-4
     assert torch.equal(namespace["exported"].state_dict()["model.norm.weight"], trained["model.norm.weight"])
+
+
+def page_values(page: str, namespace: dict) -> list:
+    """The value of every expression statement of the page's Python blocks, run in order in ``namespace``."""
+    import ast
+
+    values = []
+    for block in re.findall(r"```python\n(.*?)```", (DOCS / page).read_text(), re.S):
+        for node in ast.parse(block).body:
+            if isinstance(node, ast.Expr):
+                values.append(eval(compile(ast.Expression(node.value), page, "eval"), namespace))
+            else:
+                exec(compile(ast.Module([node], []), page, "exec"), namespace)
+    return values
+
+
+def test_the_optimizer_and_strategy_fragments_of_the_guide_build_what_they_name():
+    """docs/guide/optimizers.md and gpus.md show constructors alone: each builds, for the optimizers over every
+    parameter of a model once (the quick start's, in the namespace as ``model``)."""
+    import torch
+    from torch import nn
+
+    from lightning_async_pp import AsyncPipelineStrategy
+    from lightning_async_pp.optim import ErrorFeedback, Muon
+
+    class Model(nn.Module):  # embedding, hidden matrices, head, biases: both of Muon's parts get parameters
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed, self.hidden, self.head = nn.Embedding(16, 8), nn.Linear(8, 8), nn.Linear(8, 16)
+
+    model = Model()
+    optimizers = page_values("guide/optimizers.md", {"model": model, "torch": torch})
+    assert [type(o) for o in optimizers] == [Muon, ErrorFeedback, ErrorFeedback]
+    for optimizer in optimizers:
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        assert len(params) == len({id(p) for p in params}) and {id(p) for p in params} == {id(p) for p in model.parameters()}
+    strategies = page_values("guide/gpus.md", {"AsyncPipelineStrategy": AsyncPipelineStrategy})
+    assert [type(s) for s in strategies] == [AsyncPipelineStrategy] * 2
