@@ -40,7 +40,7 @@ def read_checkpoint(path: str | os.PathLike) -> tuple[dict[str, Any], dict[str, 
         return _checkpoint.read_model_state(path)
     _checkpoint.check_file(path)
     try:
-        checkpoint = torch.load(path, weights_only=False, map_location="cpu", mmap=True)
+        checkpoint = torch.load(path, weights_only=True, map_location="cpu", mmap=True)
     except Exception as err:
         raise _checkpoint.unreadable_file(path, err) from err
     return checkpoint, checkpoint["state_dict"]

@@ -124,7 +124,7 @@ class PipelineStateHooks:
         path = ckpt.resolve(os.fspath(checkpoint_path))
         if ckpt.is_sharded(path):
             self._source = ckpt.ShardedSource(path)
-            return ckpt.read_meta(path)
+            return ckpt.read_meta(path, weights_only)
         ckpt.check_file(path)
         try:
             checkpoint = super().load_checkpoint(path, weights_only=weights_only)

@@ -184,6 +184,55 @@ def test_a_file_cut_short_or_not_a_checkpoint_is_refused_naming_it_and_never_adv
     assert "weights_only=False" not in message
 
 
+class RunsCode:
+    """Unpickling it runs code: it appends to the file ``path`` (what a checkpoint crafted by someone else could do)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = str(path)
+
+    def __reduce__(self):
+        return (exec, (f"open({self.path!r}, 'a').write('ran')",))
+
+
+def test_no_part_of_a_checkpoint_runs_code_it_names_on_resume_consolidation_or_export(saved, tmp_path):
+    """A sharded checkpoint whose meta.pt, a pickled optimizer setting, or a non-tensor value in its shards names a
+    function to call is refused, naming the checkpoint and the function, and nothing runs (torch.distributed.checkpoint
+    reads non-tensor values with weights_only=False by default; the settings were a plain pickle)."""
+    import pickle
+
+    import torch.distributed.checkpoint as dcp
+
+    from lightning_async_pp import export
+
+    ran = tmp_path / "ran"
+    source = ckpt.ShardedSource(str(saved / "last.ckpt"))
+    flat = source.read(source.shapes)
+    group = next(k for k in flat if k.endswith("/" + ckpt.GROUP))
+    crafted = {}
+    for name, change in [("group", {group: pickle.dumps(RunsCode(ran))}), ("value", {group: RunsCode(ran)})]:
+        crafted[name] = tmp_path / f"{name}.ckpt"
+        dcp.save({**flat, **change}, storage_writer=dcp.FileSystemWriter(str(crafted[name])), no_dist=True)
+        shutil.copy(saved / "last.ckpt" / ckpt.META_FILE, crafted[name] / ckpt.META_FILE)
+    crafted["meta"] = tmp_path / "meta.ckpt"
+    shutil.copytree(saved / "last.ckpt", crafted["meta"])
+    meta = torch.load(crafted["meta"] / ckpt.META_FILE, weights_only=True)
+    torch.save({**meta, "extra": RunsCode(ran)}, crafted["meta"] / ckpt.META_FILE)
+    for name, path in crafted.items():
+        calls = [lambda: run(dict(steps=5, resume=str(path)))]
+        if name != "group":  # consolidation copies the settings' bytes without reading them
+            calls.append(lambda: ckpt.consolidate(str(path), str(tmp_path / "one.ckpt")))
+        if name == "meta":  # export reads the weights and meta.pt only
+            calls.append(lambda: export.read_checkpoint(path))
+        for call in calls:
+            message = refusal(call)
+            assert "exec" in message and (str(path) in message or group in message), (name, message)
+            assert "weights_only=False" not in message
+            assert not ran.exists(), name
+    # Written now: the settings as torch.save's format, which weights_only loading reads back.
+    settings = {"lr": torch.tensor(0.01), "betas": (0.9, 0.999), "param_names": ["a.weight"], "foreach": None}
+    assert ckpt.read_settings(ckpt.settings_bytes(settings), group) == settings
+
+
 # ---- a stage killed under torchrun ---------------------------------------------------------------------------------
 @pytest.mark.multiprocess
 @pytest.mark.slow
