@@ -52,7 +52,7 @@ def replace_sigterm_broadcast(trainer: Any, check: Callable[[], None]) -> None:
     """Replace the per-step SIGTERM broadcast from rank 0 with ``check``.
 
     Relies on: ``_TrainingEpochLoop.advance`` calling ``self._broadcast_sigterm_tensor()`` at the start of every
-    training step when ``torch.distributed`` is initialized (Lightning >= 2.5.2). That broadcast is a barrier
+    training step when ``torch.distributed`` is initialized. That broadcast is a barrier
     across all stages, which would put a bubble back into 2BW.
     """
     trainer.fit_loop.epoch_loop._broadcast_sigterm_tensor = check
@@ -136,3 +136,26 @@ def summarize_within(trainer: Any, context: Callable[[], ContextManager[Any]]) -
                     hook(callback, trainer, pl_module)
 
             callback.on_fit_start = on_fit_start
+
+
+def epoch_title_without_epoch_limit(trainer: Any) -> None:
+    """Make ``RichProgressBar`` title the training bar ``Epoch 3`` when training has no epoch limit, instead of
+    ``Epoch 3/-2``: Lightning sets ``max_epochs=-1`` when only ``max_steps`` is given and the bar prints
+    ``max_epochs - 1`` as the last epoch (plain Lightning shows the same title).
+
+    Relies on: ``RichProgressBar._get_train_description(current_epoch)`` making the title, padded to the
+    validation bar's, from ``trainer.max_epochs``. The instance's method is replaced, so a later ``fit`` replaces
+    it instead of nesting it."""
+    from lightning.pytorch.callbacks import RichProgressBar
+
+    for callback in trainer.callbacks:
+        if isinstance(callback, RichProgressBar):
+            describe = type(callback)._get_train_description
+
+            def title(current_epoch: int, callback: Any = callback, describe: Any = describe) -> str:
+                text = describe(callback, current_epoch)
+                if callback.trainer.max_epochs == -1:
+                    text = text.replace(f"Epoch {current_epoch}/-2", f"Epoch {current_epoch}", 1).ljust(len(text))
+                return text
+
+            callback._get_train_description = title

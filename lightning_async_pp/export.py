@@ -38,9 +38,11 @@ def read_checkpoint(path: str | os.PathLike) -> tuple[dict[str, Any], dict[str, 
     path = os.fspath(path)
     if _checkpoint.is_sharded(path):
         return _checkpoint.read_model_state(path)
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"no checkpoint at {path!r}")
-    checkpoint = torch.load(path, weights_only=False, map_location="cpu", mmap=True)
+    _checkpoint.check_file(path)
+    try:
+        checkpoint = torch.load(path, weights_only=True, map_location="cpu", mmap=True)
+    except Exception as err:
+        raise _checkpoint.unreadable_file(path, err) from err
     return checkpoint, checkpoint["state_dict"]
 
 

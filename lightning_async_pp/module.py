@@ -135,7 +135,7 @@ class PipelineModule(PassesFetchedBatches, L.LightningModule):
                 f"this checkpoint was saved by AsyncPipelineStrategy ({checkpoint['async_pipeline'].get('num_stages')} "
                 f"pipeline stage(s)); its optimizer states are saved by parameter name, so resume it with "
                 f"AsyncPipelineStrategy (any number of stages), or load only the weights: "
-                f"model.load_state_dict(torch.load(path, weights_only=False)['state_dict'])"
+                f"model.load_state_dict(torch.load(path, weights_only=True)['state_dict'])"
             )
 
     def training_step(self, batch: Any, batch_idx: int) -> Tensor:

@@ -325,6 +325,7 @@ class AsyncPipelineStrategy(PipelineStateHooks, DDPStrategy):
         module._pipeline_executor = self
         self._in_trainer_call = True
         if trainer.state.fn == TrainerFn.FITTING:
+            _lightning.epoch_title_without_epoch_limit(trainer)
             if self.is_multiprocess:
                 # Each process holds only its stage: the model summary counts the whole model's parameters.
                 _lightning.summarize_within(trainer, self.engine.whole_model)

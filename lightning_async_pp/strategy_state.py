@@ -5,6 +5,7 @@ trainer call. A mixin, so that ``strategy.py`` keeps the run itself; see docs/de
 from __future__ import annotations
 
 import os
+import pickle
 import sys
 from collections.abc import Mapping
 from typing import Any, Optional
@@ -124,8 +125,16 @@ class PipelineStateHooks:
         path = ckpt.resolve(os.fspath(checkpoint_path))
         if ckpt.is_sharded(path):
             self._source = ckpt.ShardedSource(path)
-            return ckpt.read_meta(path)
-        checkpoint = super().load_checkpoint(path, weights_only=weights_only)
+            return ckpt.read_meta(path, weights_only)
+        local = "://" not in path  # a remote file (fsspec: s3://, http://) is Lightning's to fetch
+        if local:
+            ckpt.check_file(path)
+        try:
+            checkpoint = super().load_checkpoint(path, weights_only=weights_only)
+        except Exception as err:
+            if local or isinstance(err, pickle.UnpicklingError):  # not a remote fetch's own error
+                raise ckpt.unreadable_file(path, err) from err
+            raise
         self._source = ckpt.file_source(checkpoint)
         return checkpoint
 

@@ -32,7 +32,7 @@ def demo_config(tmp_path: Path) -> Path:
         config["trainer"]["strategy"] = "auto"
     # One process: under pytest, Lightning's launcher would re-run the whole test session for a second rank.
     config["trainer"].update(devices=1, max_steps=2, limit_val_batches=2, val_check_interval=2, log_every_n_steps=1)
-    config["trainer"]["callbacks"][1]["init_args"]["trace_steps"] = [0, 1]
+    config["trainer"]["callbacks"][1]["init_args"].update(trace_steps=[0, 0], schedule_image_every_n_steps=2)
     config["trainer"]["logger"]["init_args"]["save_dir"] = str(tmp_path / "logs")
     config["trainer"]["default_root_dir"] = str(tmp_path)
     config["model"]["init_args"].update(block_size=32, n_layer=2, n_head=2, n_embd=32)
@@ -51,6 +51,9 @@ def test_demo_config_describes_the_pipeline_run():
     assert config["trainer"]["accelerator"] == "cpu" and config["trainer"]["devices"] == 2  # two stages
     monitors = [c["class_path"] for c in config["trainer"]["callbacks"]]
     assert monitors == ["lightning_async_pp.callbacks.StalenessMonitor", "lightning_async_pp.callbacks.PipelineMonitor"]
+    # The picture of the executed schedule, at steps k with (k + 1) % n == 0: several within the run.
+    n = config["trainer"]["callbacks"][1]["init_args"]["schedule_image_every_n_steps"]
+    assert len([k for k in range(config["trainer"]["max_steps"]) if (k + 1) % n == 0]) >= 2
     assert config["model"]["class_path"] == "lightning_async_pp.models.GPT"
     assert config["model"]["init_args"]["block_size"] == config["data"]["block_size"]
     assert config["trainer"]["logger"]["class_path"].endswith("TensorBoardLogger")
@@ -73,8 +76,9 @@ def test_demo_config_trains_two_steps_and_says_where_the_logs_are(tmp_path, monk
     # the demo's monitors write their figures and trace there
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    tags = EventAccumulator(str(log_dir)).Reload().Tags()["scalars"]
-    assert {"staleness/drift", "staleness/delay", "pipeline/tokens_per_sec", "pipeline/bubble_fraction"} <= set(tags)
+    tags = EventAccumulator(str(log_dir)).Reload().Tags()
+    assert {"staleness/drift", "staleness/delay", "pipeline/tokens_per_sec", "pipeline/bubble_fraction"} <= set(tags["scalars"])
+    assert "pipeline/schedule" in tags["images"]  # the picture of the executed schedule
     assert (log_dir / "pipeline_trace.json").exists()
     out = capsys.readouterr().out
     assert out.count(f"tensorboard --logdir {tmp_path / 'logs' / 'demo'}") == 2  # before and after fit
@@ -178,3 +182,27 @@ def test_consolidate_help_says_its_whole_first_sentence(capsys):
     assert ("Turn a sharded checkpoint into one Lightning checkpoint file (the newest weights and everything else), "
             "or into the upstream library's folder.") in text
     assert "python -m lightning_async_pp.consolidate SRC DST --hf [--tokenizer PATH]" in text
+
+
+def test_ckpt_path_last_on_the_command_line_resumes_to_the_uninterrupted_weights(tmp_path, monkeypatch):
+    """docs/guide/cli.md, "Saving and resuming": ModelCheckpoint(save_last=True) in the config, then the same command
+    with ``--ckpt_path last``: 2 steps, stopped, resumed to 4, equal the 4 steps of a run that never stopped."""
+    monkeypatch.chdir(tmp_path)
+    config = yaml.safe_load(demo_config(tmp_path).read_text())
+    config["trainer"]["callbacks"].append({"class_path": "lightning.pytorch.callbacks.ModelCheckpoint", "init_args": {
+        "dirpath": str(tmp_path / "checkpoints"), "every_n_train_steps": 2, "save_last": True}})
+    config["trainer"].update(enable_progress_bar=False, limit_val_batches=0)
+    path = tmp_path / "resumable.yaml"
+    path.write_text(yaml.safe_dump(config))
+    AsyncPipelineCLI(args=["fit", "--config", str(path)])  # 2 steps
+    assert (tmp_path / "checkpoints" / "last.ckpt").is_dir()
+    resumed = AsyncPipelineCLI(args=["fit", "--config", str(path), "--ckpt_path", "last", "--trainer.max_steps=4"])
+    assert resumed.trainer.ckpt_path == str(tmp_path / "checkpoints" / "last.ckpt")
+    config["trainer"]["callbacks"].pop()
+    config["trainer"].update(max_steps=4, enable_checkpointing=False)
+    path.write_text(yaml.safe_dump(config))
+    uninterrupted = AsyncPipelineCLI(args=["fit", "--config", str(path)])
+    assert resumed.trainer.global_step == uninterrupted.trainer.global_step == 4
+    expected = uninterrupted.model.state_dict()
+    for name, value in resumed.model.state_dict().items():
+        torch.testing.assert_close(value, expected[name], rtol=0, atol=1e-6, msg=name)

@@ -5,6 +5,8 @@
   before ``mkdocs build --strict`` fails on it);
 - every page is in the site's navigation;
 - commands quoted in the pages that are cheap to run are run, and what the page says they print is compared;
+- the guide's Trainer examples (monitoring, the quick start's own model) run as shown on one device and on two
+  processes (tests/scripts/guide_fit.py);
 - README.md is a front page: the two quick-start commands, links into the site that resolve.
 """
 from __future__ import annotations
@@ -129,3 +131,104 @@ def test_paths_named_in_the_pages_exist(page):
     text = (DOCS / page).read_text()
     for path in set(re.findall(r"`((?:examples|studies|configs|benchmarks|tests)/[\w./-]+\.(?:py|yaml|sbatch|sh))`", text)):
         assert (ROOT / path).exists(), (page, path)
+
+
+# ---- the guide's Trainer examples run as shown, on one device and across processes -----------------------------
+@pytest.mark.multiprocess
+def test_the_guides_trainer_examples_run_as_shown_on_one_and_two_processes_to_the_one_device_weights(tmp_path):
+    """Each page's ``L.Trainer(...)`` example (tests/scripts/guide_fit.py: the monitoring pages', the quick start's
+    own model) on one device and on two processes; the monitors log their figures, and the weights are those of
+    the same run without the monitors on one device, the stages in one process (the rule two processes follow)."""
+    import sys
+
+    sys.path.insert(0, str(ROOT / "tests" / "scripts"))
+    from guide_fit import PAGES, run
+    from pipeline_runs import max_difference, run_here_on_one_device, script_ranks
+
+    import torch
+
+    pages = sorted(PAGES)
+    # One thread, as each of the processes runs: with two, matmuls round differently in the last bits, which the
+    # quick start's Muon (Newton-Schulz) amplifies to 6e-4 in 3 steps.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        reference = run_here_on_one_device(run, dict(pages=pages, callbacks=False, num_stages=2))
+        one = run_here_on_one_device(run, dict(pages=pages))
+    finally:
+        torch.set_num_threads(threads)
+    two = script_ranks(ROOT / "tests" / "scripts" / "guide_fit.py", dict(pages=pages, devices=2), tmp_path)[0]
+    for page in pages:
+        if "monitoring" in page:
+            for result in (one[page], two[page]):
+                assert {"staleness/drift", "pipeline/bubble_fraction"} <= set(result["metrics"]), (page, result["metrics"])
+        assert max_difference(two[page]["state_dict"], reference[page]["state_dict"]) <= 1e-5, page
+
+
+@pytest.mark.hf
+def test_the_export_pages_logits_check_runs_as_shown_on_a_trained_checkpoint(tmp_path, monkeypatch):
+    """docs/guide/data.md, "Check the exported model against the trained one": its example, run as written on a
+    tiny HuggingFaceCausalLM trained two steps (a sharded checkpoint) and exported with ``consolidate --hf``."""
+    import sys
+
+    pytest.importorskip("transformers")
+    import torch
+
+    sys.path.insert(0, str(ROOT / "tests" / "scripts"))
+    from adapter_fit import build_model, run
+    from pipeline_runs import run_here_on_one_device
+
+    from lightning_async_pp.consolidate import main as consolidate
+
+    monkeypatch.chdir(tmp_path)
+    run_here_on_one_device(run, dict(checkpoint_dir="checkpoints", steps=2))
+    assert consolidate(["checkpoints/epoch=0-step=2.ckpt", "my-model", "--hf"]) == 0
+    section = (DOCS / "guide" / "data.md").read_text().split("### Check the exported model against the trained one")[1]
+    example = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    assert example.count("checkpoints/epoch=0-step=2000.ckpt") == 1
+    namespace: dict = {}
+    exec(compile(example.replace("step=2000", "step=2"), "docs/guide/data.md", "exec"), namespace)
+    # What it compared is the trained model: the two updates moved the weights away from the initialization.
+    initial = build_model({})
+    initial.configure_model()
+    trained = namespace["trained"].state_dict()
+    assert max(float((trained[k] - v).abs().max()) for k, v in initial.state_dict().items()) > 1e-4
+    assert torch.equal(namespace["exported"].state_dict()["model.norm.weight"], trained["model.norm.weight"])
+
+
+def page_values(page: str, namespace: dict) -> list:
+    """The value of every expression statement of the page's Python blocks, run in order in ``namespace``."""
+    import ast
+
+    values = []
+    for block in re.findall(r"```python\n(.*?)```", (DOCS / page).read_text(), re.S):
+        for node in ast.parse(block).body:
+            if isinstance(node, ast.Expr):
+                values.append(eval(compile(ast.Expression(node.value), page, "eval"), namespace))
+            else:
+                exec(compile(ast.Module([node], []), page, "exec"), namespace)
+    return values
+
+
+def test_the_optimizer_and_strategy_fragments_of_the_guide_build_what_they_name():
+    """docs/guide/optimizers.md and gpus.md show constructors alone: each builds, for the optimizers over every
+    parameter of a model once (the quick start's, in the namespace as ``model``)."""
+    import torch
+    from torch import nn
+
+    from lightning_async_pp import AsyncPipelineStrategy
+    from lightning_async_pp.optim import ErrorFeedback, Muon
+
+    class Model(nn.Module):  # embedding, hidden matrices, head, biases: both of Muon's parts get parameters
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed, self.hidden, self.head = nn.Embedding(16, 8), nn.Linear(8, 8), nn.Linear(8, 16)
+
+    model = Model()
+    optimizers = page_values("guide/optimizers.md", {"model": model, "torch": torch})
+    assert [type(o) for o in optimizers] == [Muon, ErrorFeedback, ErrorFeedback]
+    for optimizer in optimizers:
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        assert len(params) == len({id(p) for p in params}) and {id(p) for p in params} == {id(p) for p in model.parameters()}
+    strategies = page_values("guide/gpus.md", {"AsyncPipelineStrategy": AsyncPipelineStrategy})
+    assert [type(s) for s in strategies] == [AsyncPipelineStrategy] * 2

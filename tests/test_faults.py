@@ -128,6 +128,111 @@ def test_last_as_a_link_to_a_sharded_checkpoint_directory_resumes_to_the_uninter
     assert max_difference(result["state_dict"], uninterrupted) <= 1e-6
 
 
+# ---- a damaged checkpoint is refused, naming the file, what is wrong and the way out ----------------------------------
+class NotAWeight:
+    """An object torch.load(weights_only=True) does not build."""
+
+
+def damaged_copy(saved: Path, tmp_path: Path) -> tuple[Path, Path]:
+    """A copy of the sharded ``last.ckpt`` with its first shard cut in half; returns the copy and that shard."""
+    copy = tmp_path / "cut.ckpt"
+    shutil.copytree(saved / "last.ckpt", copy)
+    shard = sorted(copy.glob("*.distcp"))[0]
+    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
+    return copy, shard
+
+
+def refusal(call, *args) -> str:
+    """The message of the error that ``call(*args)`` raises (consolidate's command line: argparse's exit)."""
+    with pytest.raises((Exception, SystemExit)) as caught:
+        call(*args)
+    return str(caught.value)
+
+
+def test_a_shard_cut_short_is_refused_naming_the_shard_by_resume_consolidation_and_export(saved, tmp_path, capsys):
+    from lightning_async_pp import export
+    from lightning_async_pp.consolidate import main as consolidate
+
+    copy, shard = damaged_copy(saved, tmp_path)
+    resume = lambda: run(dict(steps=5, resume=str(copy)))  # noqa: E731
+    for message in (refusal(resume), refusal(export.read_checkpoint, copy)):
+        assert str(shard) in message and "cut short" in message and "another checkpoint" in message, message
+    refusal(consolidate, [str(copy), str(tmp_path / "one.ckpt")])  # argparse's error: exit code 2, message on stderr
+    assert str(shard) in capsys.readouterr().err and not (tmp_path / "one.ckpt").exists()
+    shard.unlink()
+    assert "the shard is missing" in refusal(export.read_checkpoint, copy)
+    (copy / ".metadata").unlink()
+    assert f"{str(copy)!r}: the directory has no .metadata" in refusal(export.read_checkpoint, copy)
+
+
+def test_a_file_cut_short_or_not_a_checkpoint_is_refused_naming_it_and_never_advising_weights_only_false(
+        saved, tmp_path):
+    from lightning_async_pp import export
+
+    whole = tmp_path / "one.ckpt"
+    ckpt.consolidate(str(saved / "last.ckpt"), str(whole))
+    cut, garbage, odd = tmp_path / "cut.ckpt", tmp_path / "notes.ckpt", tmp_path / "odd.ckpt"
+    cut.write_bytes(whole.read_bytes()[: whole.stat().st_size // 2])
+    garbage.write_text("not a checkpoint\n" * 20)
+    torch.save({**torch.load(whole, weights_only=True), "extra": NotAWeight()}, odd)
+    for path in (cut, garbage):
+        for message in (refusal(lambda: run(dict(steps=5, resume=str(path)))), refusal(export.read_checkpoint, path)):
+            assert f"{str(path)!r}: it is not a torch.save archive" in message and "cut short" in message, message
+            assert "weights_only=False" not in message
+    message = refusal(lambda: run(dict(steps=5, resume=str(odd))))
+    assert str(odd) in message and "NotAWeight" in message and "add_safe_globals" in message, message
+    assert "weights_only=False" not in message
+
+
+class RunsCode:
+    """Unpickling it runs code: it appends to the file ``path`` (what a checkpoint crafted by someone else could do)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = str(path)
+
+    def __reduce__(self):
+        return (exec, (f"open({self.path!r}, 'a').write('ran')",))
+
+
+def test_no_part_of_a_checkpoint_runs_code_it_names_on_resume_consolidation_or_export(saved, tmp_path):
+    """A sharded checkpoint whose meta.pt, a pickled optimizer setting, or a non-tensor value in its shards names a
+    function to call is refused, naming the checkpoint and the function, and nothing runs (torch.distributed.checkpoint
+    reads non-tensor values with weights_only=False by default; the settings were a plain pickle)."""
+    import pickle
+
+    import torch.distributed.checkpoint as dcp
+
+    from lightning_async_pp import export
+
+    ran = tmp_path / "ran"
+    source = ckpt.ShardedSource(str(saved / "last.ckpt"))
+    flat = source.read(source.shapes)
+    group = next(k for k in flat if k.endswith("/" + ckpt.GROUP))
+    crafted = {}
+    for name, change in [("group", {group: pickle.dumps(RunsCode(ran))}), ("value", {group: RunsCode(ran)})]:
+        crafted[name] = tmp_path / f"{name}.ckpt"
+        dcp.save({**flat, **change}, storage_writer=dcp.FileSystemWriter(str(crafted[name])), no_dist=True)
+        shutil.copy(saved / "last.ckpt" / ckpt.META_FILE, crafted[name] / ckpt.META_FILE)
+    crafted["meta"] = tmp_path / "meta.ckpt"
+    shutil.copytree(saved / "last.ckpt", crafted["meta"])
+    meta = torch.load(crafted["meta"] / ckpt.META_FILE, weights_only=True)
+    torch.save({**meta, "extra": RunsCode(ran)}, crafted["meta"] / ckpt.META_FILE)
+    for name, path in crafted.items():
+        calls = [lambda: run(dict(steps=5, resume=str(path)))]
+        if name != "group":  # consolidation copies the settings' bytes without reading them
+            calls.append(lambda: ckpt.consolidate(str(path), str(tmp_path / "one.ckpt")))
+        if name == "meta":  # export reads the weights and meta.pt only
+            calls.append(lambda: export.read_checkpoint(path))
+        for call in calls:
+            message = refusal(call)
+            assert "exec" in message and (str(path) in message or group in message), (name, message)
+            assert "weights_only=False" not in message
+            assert not ran.exists(), name
+    # Written now: the settings as torch.save's format, which weights_only loading reads back.
+    settings = {"lr": torch.tensor(0.01), "betas": (0.9, 0.999), "param_names": ["a.weight"], "foreach": None}
+    assert ckpt.read_settings(ckpt.settings_bytes(settings), group) == settings
+
+
 # ---- a stage killed under torchrun ---------------------------------------------------------------------------------
 @pytest.mark.multiprocess
 @pytest.mark.slow

@@ -7,6 +7,7 @@ from __future__ import annotations
 import inspect
 
 import lightning as L
+import pytest
 import torch
 from helpers import TinyLM, make_dataset
 from lightning.pytorch.loops.training_epoch_loop import _TrainingEpochLoop
@@ -195,3 +196,21 @@ def test_the_model_summary_is_taken_in_on_fit_start_inside_the_context_given_to_
     assert entered == [True, True]
     assert [total for total, _ in summary.totals] == [own + 20, own + 20]
     assert summary.totals[0][1][-1].strip() == "20"  # its own row
+
+
+def test_rich_bar_titles_an_epoch_without_limit_epoch_n_not_epoch_n_of_minus_two():
+    from lightning.pytorch.callbacks import RichProgressBar
+
+    pytest.importorskip("rich")
+    loader = DataLoader(make_dataset(32), batch_size=8)
+    titles = {}
+    for name, strategy, limits in [("plain", "auto", dict(max_steps=3)),
+                                   ("pipeline", AsyncPipelineStrategy("2bw", num_microbatches=4), dict(max_steps=3)),
+                                   ("epochs", AsyncPipelineStrategy("2bw", num_microbatches=4), dict(max_epochs=2))]:
+        bar = RichProgressBar()
+        trainer = L.Trainer(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False, callbacks=[bar],
+                            enable_model_summary=False, num_sanity_val_steps=0, strategy=strategy, **limits)
+        trainer.fit(TinyLM(), loader)
+        titles[name] = bar._get_train_description(0).rstrip()
+    assert titles["plain"] == "Epoch 0/-2"  # Lightning's own title, which the strategy's replacement rewrites
+    assert titles["pipeline"] == "Epoch 0" and titles["epochs"] == "Epoch 0/1"

@@ -12,6 +12,9 @@ tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
 PYPROJECT = Path(__file__).resolve().parent.parent / "pyproject.toml"
 #: Compromised Lightning releases (advisory GHSA-w37p-236h-pfx3, yanked from PyPI).
 COMPROMISED_LIGHTNING = ("2.6.2", "2.6.3")
+#: Lightning releases whose ``load_from_checkpoint`` imports modules a checkpoint names (``_instantiator``),
+#: bypassing ``weights_only`` (CVE-2026-58659, PYSEC-2026-3624, GHSA-qqmf-gpg7-g8gw); fixed in 2.6.6.
+CODE_FROM_CHECKPOINT_LIGHTNING = ("2.5.2", "2.6.0", "2.6.1", "2.6.4", "2.6.5")
 
 
 def requirement(name: str) -> Requirement:
@@ -20,9 +23,10 @@ def requirement(name: str) -> Requirement:
     return found
 
 
-def test_lightning_requirement_excludes_the_compromised_releases_and_admits_the_installed_one():
+def test_lightning_requirement_admits_no_release_that_runs_code_from_a_checkpoint_nor_a_compromised_one():
     lightning = requirement("lightning")
-    for bad in COMPROMISED_LIGHTNING:
+    for bad in COMPROMISED_LIGHTNING + CODE_FROM_CHECKPOINT_LIGHTNING:
         assert not lightning.specifier.contains(bad, prereleases=True), f"{lightning} admits lightning {bad}"
-    assert lightning.specifier.contains("2.6.1") and lightning.specifier.contains("2.6.4")  # the neighbours stay
+    assert lightning.specifier.contains("2.6.6") and lightning.specifier.contains("2.6.9")  # the fixed ones stay
+    assert not lightning.specifier.contains("2.7.0")  # beyond the tested range of tests/test_lightning_private.py
     assert lightning.specifier.contains(version("lightning")), f"installed lightning {version('lightning')} not in {lightning}"

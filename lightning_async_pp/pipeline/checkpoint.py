@@ -7,17 +7,20 @@ saved with any number of stages, data-parallel size or partition loads into any 
     model.<name>                      the module's state: parameters at the newest version W_k, and buffers
     stash.<o>.<name>                  the older weight version W_{k-o} a stage holds (o = 1 .. its delay)
     optim.<i>/<name>/<key>            per-parameter state of optimizer i (moments, the ErrorFeedback buffer, ...)
-    optim.<i>/<name>/@group           the hyperparameters of that parameter's group (pickled)
+    optim.<i>/<name>/@group           the hyperparameters of that parameter's group (torch.save bytes)
 
 Each stage contributes the keys of its own parameters; a sharded checkpoint is that dictionary written through
 ``torch.distributed.checkpoint`` (each process writes its own tensors), plus ``meta.pt`` with what is not a
-tensor (the loops' and data state, written once). A single file holds the same dictionary.
+tensor (the loops' and data state, written once). A single file holds the same dictionary. Nothing of a checkpoint is read
+with ``weights_only=False`` (:class:`WeightsOnlyLoadPlanner`, :func:`read_settings`, :func:`read_meta`).
 """
 from __future__ import annotations
 
 import ctypes
+import io
 import os
 import pickle
+import re
 import shutil
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Callable, Optional
@@ -25,6 +28,8 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed.checkpoint as dcp
 from torch import Tensor, nn
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
 from lightning_async_pp.pipeline.sharding import local_optimizer, sync_group_settings
 
@@ -65,13 +70,58 @@ def _state_by_name(state: Mapping[str, Any], name_of: Mapping[int, str], prefix:
     """A torch optimizer ``state_dict`` (keyed by parameter index) as flat keys of parameter names."""
     out: dict[str, Any] = {}
     for saved in state["param_groups"]:
-        hyper = pickle.dumps({k: v for k, v in saved.items() if k != "params"})
+        hyper = settings_bytes({k: v for k, v in saved.items() if k != "params"})
         for index in saved["params"]:
             name = name_of[index]
             out[f"{prefix}{name}/{GROUP}"] = hyper
             for key, value in state["state"].get(index, {}).items():
                 out[f"{prefix}{name}/{key}"] = value
     return out
+
+
+# ---- nothing in a checkpoint runs code: what is not a tensor is read with torch.load(weights_only=True) ------------
+def settings_bytes(settings: Mapping[str, Any]) -> bytes:
+    """A param group's hyperparameters as the bytes stored under ``optim.<i>/<name>/@group``: ``torch.save``'s
+    format, which :func:`read_settings` reads with ``weights_only=True``."""
+    buffer = io.BytesIO()
+    torch.save(dict(settings), buffer)
+    return buffer.getvalue()
+
+
+class _NoGlobals(pickle.Unpickler):
+    """Reads a plain pickle of numbers, strings, tuples, lists and dicts; refuses any class or function it names."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        raise pickle.UnpicklingError(f"weights_only: a checkpoint's optimizer settings name {module}.{name}, which is "
+                                     f"not loaded from a checkpoint")
+
+
+def read_settings(data: bytes, key: str) -> dict[str, Any]:
+    """The hyperparameters :func:`settings_bytes` stored under ``key`` (or, written by earlier versions, a plain
+    pickle of them), without running code the checkpoint names."""
+    try:
+        if data[:2] == b"PK":  # torch.save's zip format
+            return torch.load(io.BytesIO(data), weights_only=True, map_location="cpu")
+        return _NoGlobals(io.BytesIO(data)).load()
+    except Exception as err:
+        raise ValueError(f"cannot read the optimizer settings {key!r} of the checkpoint: "
+                         f"{_first_line(err)}") from err
+
+
+class WeightsOnlyLoadPlanner(DefaultLoadPlanner):
+    """``torch.distributed.checkpoint``'s default planner, but its values that are not tensors (written with
+    ``torch.save``) are read with ``weights_only=True``: the default reads them with ``weights_only=False``, which
+    runs whatever code a checkpoint names."""
+
+    def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
+        obj = torch.load(value, weights_only=True, map_location="cpu")
+        fqn = read_item.dest_index.fqn
+        # Where the default puts it: the caller's dictionary, along the path its flattening recorded.
+        path = self.mappings.get(fqn, (fqn,)) if self.flatten_state_dict else (fqn,)
+        target: Any = self.original_state_dict if self.flatten_state_dict else self.state_dict
+        for part in path[:-1]:
+            target = target[part]
+        target[path[-1]] = obj
 
 
 def plain_optimizer_tensors(optimizer_states: Sequence[Mapping[str, Any]], names: Sequence[Sequence[str]]) -> dict[str, Any]:
@@ -126,7 +176,7 @@ class MemorySource(TensorSource):
 class ShardedSource(TensorSource):
     def __init__(self, path: str) -> None:
         self.path = path
-        metadata = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+        metadata = check_sharded(path).state_dict_metadata
         self.shapes = {k: (m.size, m.properties.dtype) if hasattr(m, "size") else None for k, m in metadata.items()}
 
     def read(self, keys: Iterable[str]) -> dict[str, Any]:
@@ -136,8 +186,116 @@ class ShardedSource(TensorSource):
             shape = self.shapes[k]
             out[k] = torch.empty(shape[0], dtype=shape[1]) if shape is not None else b""
         # Without a process group (one device, consolidation) each process reads alone.
-        dcp.load(out, checkpoint_id=self.path, no_dist=not torch.distributed.is_initialized())
+        try:
+            dcp.load(out, checkpoint_id=self.path, planner=WeightsOnlyLoadPlanner(),
+                     no_dist=not torch.distributed.is_initialized())
+        except (Exception, CheckpointException) as err:  # DCP's names neither the file nor the cause's kind
+            refused = _refused_global(str(err))
+            if refused is not None:
+                raise UnreadableCheckpoint(
+                    self.path, f"a value in its shards that is not a tensor names {refused}, which "
+                    f"torch.load(weights_only=True) will not build", SAFE_GLOBALS) from err
+            raise UnreadableCheckpoint(self.path, f"reading its shards failed ({_first_line(err)}): a shard is "
+                                       "damaged") from err
         return out
+
+
+# ---- damaged checkpoints: say which file, what is wrong and what to do ----------------------------------------------
+class UnreadableCheckpoint(ValueError):
+    """A checkpoint that cannot be read: cut short, damaged, or not a checkpoint. The message names the file or
+    directory, what is wrong with it and the way out."""
+
+    def __init__(self, path: str, problem: str, way_out: Optional[str] = None) -> None:
+        self.path = path
+        super().__init__(f"cannot read the checkpoint {path!r}: {problem}. {way_out or DAMAGED}")
+
+
+#: The way out of a checkpoint that was cut short or damaged.
+DAMAGED = ("Use another checkpoint (ModelCheckpoint(save_top_k=...) keeps earlier ones beside it), or copy this one "
+           "again from where it was written")
+
+
+#: The way out of an object that ``weights_only`` loading refuses.
+SAFE_GLOBALS = ("If the checkpoint is yours and holds such an object on purpose, allow exactly that class with "
+                "torch.serialization.add_safe_globals([...]) before loading; otherwise do not load it")
+
+
+def _refused_global(text: str) -> Optional[str]:
+    """The global that torch's ``weights_only`` unpickler refused, named in its error ``text``."""
+    found = re.search(r"Unsupported global: GLOBAL ([\w.]+)", text) or re.search(r"name (\S+), which is not loaded", text)
+    return found.group(1) if found else None
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip()
+    # DCP's CheckpointException lists each rank's traceback: its last line is the cause.
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    line = (lines[-1] if type(err).__name__ == "CheckpointException" and lines else lines[0] if lines else "")
+    return f"{type(err).__name__}: {line[:200]}" if line else type(err).__name__
+
+
+def check_sharded(path: str) -> Any:
+    """The ``torch.distributed.checkpoint`` metadata of the sharded checkpoint directory ``path``, once every file it
+    needs is there and long enough: ``.metadata``, ``meta.pt`` and each shard up to the last byte the metadata
+    places in it. A :class:`UnreadableCheckpoint` names the first file that is missing or cut short."""
+    index = os.path.join(path, ".metadata")
+    if not os.path.isfile(index):
+        raise UnreadableCheckpoint(path, "the directory has no .metadata (torch.distributed.checkpoint's index of the "
+                                   "shards), so it is not a sharded checkpoint or its save never finished")
+    try:
+        metadata = dcp.FileSystemReader(path).read_metadata()
+    except Exception as err:
+        raise UnreadableCheckpoint(index, f"torch.distributed.checkpoint cannot read it ({_first_line(err)})") from err
+    if not os.path.isfile(os.path.join(path, META_FILE)):
+        raise UnreadableCheckpoint(path, f"the directory has no {META_FILE} (the loops' and callbacks' state)")
+    ends: dict[str, int] = {}
+    for info in (getattr(metadata, "storage_data", None) or {}).values():
+        relative, end = getattr(info, "relative_path", None), getattr(info, "offset", 0) + getattr(info, "length", 0)
+        if relative is not None:
+            ends[relative] = max(ends.get(relative, 0), end)
+    for relative, end in sorted(ends.items()):
+        shard = os.path.join(path, relative)
+        if not os.path.isfile(shard):
+            raise UnreadableCheckpoint(shard, "the shard is missing (.metadata places tensors in it)")
+        size = os.path.getsize(shard)
+        if size < end:
+            raise UnreadableCheckpoint(shard, f"the shard is {size} bytes, but .metadata places tensors in it up to "
+                                       f"byte {end}: it was cut short")
+    return metadata
+
+
+def check_file(path: str) -> None:
+    """Refuse, before ``torch.load`` reads it, a checkpoint file that is not a ``torch.save`` archive (a zip file with
+    its index at the end): one cut short, or not a checkpoint at all."""
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"no checkpoint at {path!r}")
+    if not _ends_with_zip_index(path):
+        raise UnreadableCheckpoint(path, f"it is not a torch.save archive ({os.path.getsize(path)} bytes without the "
+                                   "zip index torch.save writes at its end): it was cut short (a copy or a save "
+                                   "interrupted, a full disk), or it is not a checkpoint")
+
+
+def _ends_with_zip_index(path: str) -> bool:
+    """Whether the file ends with a zip archive's end record, as every ``torch.save`` file does (it writes no
+    archive comment). A file cut short may still hold such records of archives saved inside it (the optimizer
+    settings are ``torch.save`` bytes), so only the file's last 22 bytes count."""
+    size = os.path.getsize(path)
+    if size < 22:
+        return False
+    with open(path, "rb") as f:
+        f.seek(size - 22)
+        return f.read(4) == b"PK\x05\x06"
+
+
+def unreadable_file(path: str, err: BaseException) -> UnreadableCheckpoint:
+    """The error to raise when ``torch.load`` of the checkpoint file ``path`` failed with ``err``. A refusal of
+    ``weights_only`` loading names what it refused and the safe way to allow it."""
+    if isinstance(err, pickle.UnpicklingError) and "weights_only" in str(err).lower():
+        refused = _refused_global(str(err))
+        return UnreadableCheckpoint(
+            path, f"it holds an object that torch.load(weights_only=True) will not build"
+            f"{f' ({refused})' if refused else f' ({_first_line(err)})'}", SAFE_GLOBALS)
+    return UnreadableCheckpoint(path, f"torch.load failed ({_first_line(err)}): it is damaged")
 
 
 # ---- loading into a layout ---------------------------------------------------------------------------------------
@@ -219,7 +377,7 @@ def load_optimizers(optimizers: Sequence[torch.optim.Optimizer], names: Mapping[
                 hyper = next((saved[(prefix, names[id(p)])][GROUP] for p in group["params"]
                               if GROUP in saved.get((prefix, names[id(p)]), {})), None)
                 if hyper is not None:
-                    group.update(pickle.loads(hyper))
+                    group.update(read_settings(hyper, f"{prefix}/{names[id(group['params'][0])]}/{GROUP}"))
         state: dict[int, dict[str, Any]] = {}
         groups, index = [], 0
         for group in optimizer.param_groups:
@@ -229,7 +387,8 @@ def load_optimizers(optimizers: Sequence[torch.optim.Optimizer], names: Mapping[
             if GROUP in first:
                 # The saved group's hyperparameters, but not its member list: in another layout the group holds
                 # other parameters, and ``param_names`` must stay this group's own.
-                hyper.update({k: v for k, v in pickle.loads(first[GROUP]).items() if k != "param_names"})
+                settings = read_settings(first[GROUP], f"{prefix}/{names[id(params[0])]}/{GROUP}")
+                hyper.update({k: v for k, v in settings.items() if k != "param_names"})
             groups.append({**hyper, "params": list(range(index, index + len(params)))})
             for p in params:
                 entry = {k: v for k, v in saved.get((prefix, names[id(p)]), {}).items() if k != GROUP}
@@ -368,8 +527,14 @@ def resolve(path: str) -> str:
     return path
 
 
-def read_meta(path: str) -> dict[str, Any]:
-    return torch.load(os.path.join(resolve(path), META_FILE), weights_only=False, map_location="cpu")
+def read_meta(path: str, weights_only: Optional[bool] = None) -> dict[str, Any]:
+    """A sharded checkpoint's ``meta.pt``, read with ``weights_only=True`` unless the caller passes ``False`` (as
+    ``Trainer.fit(weights_only=False)`` does, for a checkpoint the user trusts)."""
+    meta = os.path.join(resolve(path), META_FILE)
+    try:
+        return torch.load(meta, weights_only=weights_only is not False, map_location="cpu")
+    except Exception as err:
+        raise unreadable_file(meta, err) from err
 
 
 def consolidate(src: str, dst: str) -> dict[str, Any]:
@@ -377,8 +542,8 @@ def consolidate(src: str, dst: str) -> dict[str, Any]:
     weights, under every name a tied parameter has) plus the rest of the flat dictionary, so the file loads with
     ``load_from_checkpoint`` anywhere and still resumes a pipeline in any layout. Returns the checkpoint."""
     src = resolve(src)
-    checkpoint = read_meta(src)
     source = ShardedSource(src)
+    checkpoint = read_meta(src)
     flat = source.read(source.shapes)
     checkpoint.update(single_file_parts(flat, checkpoint["async_pipeline"]))
     tmp = f"{dst}.tmp-{os.getpid()}"
@@ -391,8 +556,8 @@ def read_model_state(src: str) -> tuple[dict[str, Any], dict[str, Tensor]]:
     """The sharded checkpoint ``src``'s non-tensor part (hyperparameters and the rest) and its module ``state_dict``
     (newest weights, aliases included), without reading the optimizer states."""
     src = resolve(src)
-    checkpoint = read_meta(src)
     source = ShardedSource(src)
+    checkpoint = read_meta(src)
     flat = source.read([k for k in source.shapes if k.startswith(MODEL)])
     return checkpoint, single_file_parts(flat, checkpoint["async_pipeline"])["state_dict"]
 
@@ -414,7 +579,7 @@ def file_source(checkpoint: Mapping[str, Any]) -> MemorySource:
         raise ValueError(
             f"this checkpoint was written by an earlier version of lightning-async-pp (checkpoint format "
             f"{saved.get('format', 0)}, this version reads {FORMAT}); its weights still load with "
-            f"model.load_state_dict(torch.load(path, weights_only=False)['state_dict'])"
+            f"model.load_state_dict(torch.load(path, weights_only=True)['state_dict'])"
         )
     aliases = checkpoint.get("async_pipeline", {}).get("aliases", {})
     flat = {MODEL + k: v for k, v in checkpoint["state_dict"].items() if k not in aliases}
