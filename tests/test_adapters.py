@@ -268,6 +268,29 @@ def test_litgpt_consolidated_checkpoint_loads_strictly_into_litgpt_gpt(tmp_path)
     torch.testing.assert_close(upstream(batch[:, :-1]), ours(batch), rtol=0, atol=0)
 
 
+# ---- Lightning's fine-tuning callbacks: the modules exist (on meta) before configure_model ----------------------
+FINETUNE = {"finetune": True, "steps": 8, "samples": 32, "batch": 8}  # 4 batches an epoch
+EMBEDDING = {"hf": "model.embed_tokens.weight", "litgpt": "transformer.wte.weight"}
+
+
+@pytest.mark.parametrize("adapter", ["hf", pytest.param("litgpt", marks=needs_litgpt)])
+def test_base_finetuning_freezing_the_embedding_in_setup_equals_plain_lightning(adapter):
+    # BaseFinetuning freezes the embedding (model.embed_tokens; transformer.wte) in setup, before configure_model
+    # (HF: with it the tied head), and unfreezes it into a new parameter group at epoch 1. 2 stages in one process
+    # under gpipe against plain Lightning, both on SGD (AdamW would scale the two runs' rounding in near-zero
+    # gradients up to ~1e-5).
+    cfg = {**FINETUNE, "adapter": adapter, "sgd": True, "lr": 0.1, "schedule": "gpipe", "partition": [2, 3]}
+    plain = one_device({**cfg, "strategy": False})
+    piped = one_device(cfg)
+    assert piped["global_step"] == plain["global_step"] == 8
+    assert max_difference(piped["state_dict"], plain["state_dict"]) < TOL
+    # Frozen through epoch 0 (its value at the unfreeze is the initial one), trained in epoch 1.
+    initial = built(adapter_fit.build_model(cfg)).state_dict()[EMBEDDING[adapter]]
+    for run in (plain, piped):
+        assert torch.equal(run["frozen_embedding"], initial)
+        assert (run["state_dict"][EMBEDDING[adapter]] - initial).abs().max() > 1e-3
+
+
 # ---- two processes -----------------------------------------------------------------------------------------------
 def run_two_processes(cfg: dict, tmp_path: Path) -> list[dict]:
     return script_ranks(SCRIPT, cfg, tmp_path)
@@ -343,6 +366,21 @@ def test_trainer_calls_after_fit_with_the_tie_across_processes_equal_one_device(
     assert abs(got[0]["val_loss"] - want[0]["val_loss"]) < TOL
     torch.testing.assert_close(got[1], want[1], rtol=0, atol=TOL)
     assert max_difference(got[2], want[2]) < TOL
+
+
+@pytest.mark.multiprocess
+def test_hf_base_finetuning_on_two_processes_equals_one_device(tmp_path):
+    # The same freeze in setup and unfreeze at epoch 1 under 2bw, with the adapter's own AdamW (the callback adds
+    # its group to it), the tied embedding and head on different processes.
+    cfg = {**FINETUNE, "adapter": "hf", "partition": [2, 3]}
+    ranks = run_two_processes(cfg, tmp_path)
+    assert [r["global_step"] for r in ranks] == [8, 8]
+    reference = one_device(cfg)
+    assert max_difference(ranks[0]["state_dict"], reference["state_dict"]) < TOL
+    initial = built(adapter_fit.build_model(cfg)).state_dict()["model.embed_tokens.weight"]
+    for rank in ranks:  # both hold a copy of the tied matrix: frozen through epoch 0 on both
+        assert torch.equal(rank["frozen_embedding"], initial)
+    assert (ranks[0]["state_dict"]["model.embed_tokens.weight"] - initial).abs().max() > 1e-3
 
 
 # ---- the YAML configs --------------------------------------------------------------------------------------------

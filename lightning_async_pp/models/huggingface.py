@@ -1,7 +1,8 @@
 """``HuggingFaceCausalLM``: a transformers decoder-only causal LM of the Llama family's layout as a ``PipelineModule``.
 
-The upstream model (``AutoModelForCausalLM.from_config(config)``) is built in ``configure_model()``; its children
-``model`` and ``lm_head`` become this module's, so ``state_dict()`` keys are exactly the upstream ones and a
+The upstream model (``AutoModelForCausalLM.from_config(config)``) is built in ``__init__``, its parameters on the
+meta device until ``configure_model()`` gives them memory (``models/meta_built.py``); its children ``model`` and
+``lm_head`` become this module's, so ``state_dict()`` keys are exactly the upstream ones and a
 consolidated checkpoint loads with ``strict=True`` into ``AutoModelForCausalLM.from_config(config)``. Pipeline
 layers: ``model.embed_tokens``, each of ``model.layers``, ``model.norm``, ``lm_head``. A decoder layer called with
 the hidden state alone gets the rest of what ``model.forward`` gives it (positions, rotary cos/sin, the causal or
@@ -13,9 +14,9 @@ the upstream value whatever device the layers were built on. ``tie_word_embeddin
 
 Work the upstream ``forward`` does outside the layers (embedding scales, logit scales, soft-capping) is done by
 hooks on the embedding and the head (``hf_outside``); layers returning tuples give their hidden state to the
-pipeline. Before building, ``configure_model`` checks the family on a tiny copy of the config against the upstream
-forward and loss (``hf_probe.check_exact``) and refuses it on any difference or failure: every family is exact or
-refused when built (see docs/design.md, 'Adapters of upstream models'; the table: docs/models.md).
+pipeline. Before the parameters get memory, ``configure_model`` checks the family on a tiny copy of the config
+against the upstream forward and loss (``hf_probe.check_exact``) and refuses it on any difference or failure: every
+family is exact or refused before training (see docs/design.md, 'Adapters of upstream models'; the table: docs/models.md).
 """
 from __future__ import annotations
 
@@ -138,14 +139,15 @@ class HuggingFaceCausalLM(AdoptedCausalLM):
         # A plain mapping, so that load_from_checkpoint rebuilds the config without unpickling transformers objects.
         self.save_hyperparameters({"config": self.config.to_dict(), "lr": lr, "weight_decay": weight_decay, "init_seed": init_seed,
                                    "pretrained": pretrained})
-        self.model: Optional[nn.Module] = None  # built in configure_model()
-        self.lm_head: Optional[nn.Module] = None
         self._init_weights: Optional[Callable[[nn.Module], None]] = None
         self._router_loss: Optional[RouterLoss] = None  # MoE with output_router_logits (models/moe.py)
         #: configure_model first checks the family on a tiny copy of the config (hf_probe.check_exact).
         self.check_exact = True
         self._causal_without_mask = False  # what the check found; unchecked, the layers build every mask
         self._layer_inputs: list[DecoderLayerInputs] = []  # each decoder layer's pre-hook
+        self.model: nn.Module
+        self.lm_head: nn.Module
+        self._build()  # model and lm_head, parameters on the meta device until configure_model()
 
     def build_upstream(self) -> list[nn.Module]:
         from transformers import AutoModelForCausalLM
@@ -204,9 +206,9 @@ class HuggingFaceCausalLM(AdoptedCausalLM):
 
     def configure_model(self) -> None:
         if self._layers is None and self.check_exact:
-            # Before the real build: refuses a family whose pipeline layers differ from the upstream forward.
+            # Before any layer gets memory: refuses a family whose pipeline layers differ from the upstream forward.
             # The adapter itself, not a subclass: a subclass may take other constructor arguments.
-            self._causal_without_mask = hf_probe.check_exact(HuggingFaceCausalLM, self.config)
+            self._mask_as_upstream(hf_probe.check_exact(HuggingFaceCausalLM, self.config))
         super().configure_model()
 
     def _mask_as_upstream(self, causal_without_mask: bool) -> None:

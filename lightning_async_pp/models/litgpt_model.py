@@ -1,6 +1,7 @@
 """``LitGPT``: litgpt's ``GPT`` as a ``PipelineModule``.
 
-The upstream ``litgpt.GPT(config)`` is built in ``configure_model()``; its children ``transformer`` and ``lm_head``
+The upstream ``litgpt.GPT(config)`` is built in ``__init__``, its parameters on the meta device until
+``configure_model()`` gives them memory (``models/meta_built.py``); its children ``transformer`` and ``lm_head``
 become this module's, so ``state_dict()`` keys are litgpt's and a consolidated checkpoint loads with
 ``strict=True`` into ``litgpt.GPT(config)``. Pipeline layers: ``transformer.wte``, each of ``transformer.h``,
 ``transformer.ln_f``, ``lm_head``. A block called with the hidden state alone gets the rope cos/sin for positions
@@ -112,9 +113,10 @@ class LitGPT(AdoptedCausalLM):
             )
         self.save_hyperparameters({"config": dataclasses.asdict(self.config), "lr": lr, "weight_decay": weight_decay,
                                    "init_seed": init_seed, "pretrained": pretrained})
-        self.transformer: Optional[nn.Module] = None  # built in configure_model()
-        self.lm_head: Optional[nn.Module] = None
         self._init_weights: Any = None
+        self.transformer: nn.Module
+        self.lm_head: nn.Module
+        self._build()  # transformer and lm_head, parameters on the meta device until configure_model()
 
     def build_upstream(self) -> list[nn.Module]:
         from litgpt import GPT
