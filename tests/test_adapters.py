@@ -176,6 +176,21 @@ def test_hf_config_may_be_a_mapping_with_model_type_and_rebuilds_from_its_hyperp
         HuggingFaceCausalLM({"hidden_size": 32})
 
 
+def test_hf_config_mapping_with_a_misspelt_key_is_refused_and_legitimate_extras_are_kept():
+    # The finding: hiden_size: 256 trained the family's default width (4096) without a word.
+    with pytest.raises(ValueError, match=r"'llama'.*no key 'hiden_size' \(did you mean 'hidden_size'"):
+        HuggingFaceCausalLM({**TINY, "model_type": "llama", "hiden_size": 256})
+    # Keys the family's constructor takes without keeping them as given, PretrainedConfig's common ones, rope.
+    extras = dict(attn_implementation="eager", torch_dtype="float32", tie_word_embeddings=False, use_cache=False,
+                  rope_scaling={"rope_type": "linear", "factor": 2.0}, rope_theta=500.0, pad_token_id=0)
+    model = HuggingFaceCausalLM({**TINY, "model_type": "llama", **extras})
+    expected = AutoConfig.for_model("llama", **TINY, **extras)
+    assert model.config.to_dict() == expected.to_dict()
+    assert model.config._attn_implementation == "eager"
+    sizes = {n: tuple(p.shape) for n, p in model.named_parameters()}
+    assert sizes == {n: tuple(p.shape) for n, p in AutoModelForCausalLM.from_config(expected).named_parameters()}
+
+
 def test_hf_refuses_an_architecture_it_cannot_split_naming_what_is_missing():
     gpt2 = AutoConfig.for_model("gpt2", n_layer=2, n_embd=32, n_head=4, vocab_size=VOCAB)
     with pytest.raises(ValueError, match=r"GPT2LMHeadModel.*no model\.embed_tokens, model\.layers, model\.norm, model\.rotary_emb"):
@@ -230,6 +245,9 @@ def test_litgpt_config_by_name_or_mapping_and_unsupported_configs_are_refused():
     assert again.config == model.config
     with pytest.raises(ValueError, match="scale_embeddings"):
         LitGPT({"name": "pythia-14m", "scale_embeddings": True})
+    for mapping in ({"name": "pythia-14m", "n_embdd": 64}, {"n_embdd": 64}):  # a misspelt field names the one meant
+        with pytest.raises(ValueError, match=r"no field 'n_embdd' \(did you mean 'n_embd'\?\)"):
+            LitGPT(mapping)
 
 
 # ---- under the pipeline: one device against the written-out rule ---------------------------------------------------

@@ -113,6 +113,32 @@ def test_the_refusal_names_the_family_and_what_it_cannot_do():
         assert "tiny copy" in results["doge"][1] and "logits" in results["doge"][1]
 
 
+def test_every_familys_default_config_passes_the_key_check_and_a_misspelt_key_is_refused():
+    # The check (huggingface.check_config_keys) must not refuse a key a family knows: each family's own default
+    # config, as a mapping with model_type (what YAML gives), builds the same config; with one key misspelt it is
+    # refused, naming the key meant.
+    from lightning_async_pp.models.huggingface import as_pretrained_config
+
+    checked = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for model_type in sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES):
+            try:
+                fields = AutoConfig.for_model(model_type).to_dict()
+                AutoConfig.for_model(**fields)  # the family's own round trip; a few families fail it
+            except Exception:
+                continue
+            width = next((k for k in ("hidden_size", "n_embd", "d_model") if isinstance(fields.get(k), int)), None)
+            assert as_pretrained_config(fields).to_dict() == AutoConfig.for_model(**fields).to_dict(), model_type
+            if width is not None:
+                typo = {**{k: v for k, v in fields.items() if k != width}, width[:3] + width[4:]: fields[width] // 2}
+                meant = rf"'{re.escape(fields['model_type'])}'.*no key '{width[:3] + width[4:]}' \(did you mean '{width}'"
+                with pytest.raises(ValueError, match=meant):
+                    as_pretrained_config(typo)
+            checked.append(model_type)
+    assert len(checked) > 0.8 * len(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES), sorted(set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES) - set(checked))
+
+
 @pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
 def test_a_router_loss_family_passes_the_build_time_check_with_its_balancing_term(family, monkeypatch):
     """The tiny-copy check compares the loss with upstream's, router term included (models/moe.py): it runs and

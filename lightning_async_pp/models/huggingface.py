@@ -20,6 +20,7 @@ family is exact or refused before training (see docs/design.md, 'Adapters of ups
 """
 from __future__ import annotations
 
+import difflib
 import inspect
 import os
 from collections.abc import Mapping
@@ -49,8 +50,65 @@ def as_pretrained_config(config: Any) -> Any:
         if "model_type" not in config:
             raise ValueError(f"a HuggingFaceCausalLM config mapping needs a 'model_type' (e.g. llama, mistral, qwen2); got keys {sorted(config)}")
         rest = {k: v for k, v in config.items() if k != "model_type"}
-        return AutoConfig.for_model(config["model_type"], **rest)
+        made = AutoConfig.for_model(config["model_type"], **rest)
+        check_config_keys(made, rest)
+        return made
     raise TypeError(f"config must be a transformers.PretrainedConfig or a mapping with 'model_type', got {type(config).__name__}")
+
+
+#: Keys a config mapping may hold that the family's signature and defaults need not show: the rope settings,
+#: which transformers 4.x and 5.x spell differently and move between each other.
+ROPE_KEYS = ("rope_theta", "rope_scaling", "rope_parameters")
+
+
+def config_keys(config_class: type, common: bool = True) -> set[str]:
+    """The keys ``config_class`` names: its constructor's and its bases' (``PretrainedConfig``'s common ones unless
+    ``common=False``) and its ``attribute_map``'s."""
+    from transformers import PretrainedConfig
+
+    names: set[str] = set(getattr(config_class, "attribute_map", {}) or {})
+    variadic = (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
+    for klass in config_class.__mro__:
+        if not common and not (issubclass(klass, PretrainedConfig) and klass is not PretrainedConfig):
+            continue
+        init = klass.__dict__.get("__init__")
+        if init is None:
+            continue
+        try:
+            parameters = inspect.signature(init).parameters.values()
+        except (TypeError, ValueError):
+            continue
+        names.update(p.name for p in parameters if p.kind not in variadic and p.name != "self")
+    return names
+
+
+def check_config_keys(config: Any, keys: Mapping[str, Any]) -> None:
+    """Raises ``ValueError`` for a key of ``keys`` (what ``config`` was made from) that its family does not know:
+    transformers keeps such a key as an attribute nothing reads, so ``hiden_size: 256`` would train the family's
+    default width without a word. A key is known if the config class names it (:func:`config_keys`), its default
+    config has it, the constructor took it (it is not kept as given: ``torch_dtype``, ``attn_implementation``), or it
+    is a rope setting (:data:`ROPE_KEYS`)."""
+    config_class = type(config)
+    known = config_keys(config_class)
+    try:
+        default: Any = config_class()
+    except Exception:  # a family whose defaults do not build: its signature and attribute_map alone
+        default = None
+    own = vars(config)
+    unknown = [key for key in keys if key not in known and key not in ROPE_KEYS and key in own
+               and (default is None or not hasattr(default, key))]
+    if not unknown:
+        return
+    names = sorted(known | (set(default.to_dict()) if default is not None else set()))
+    hints = []
+    for key in unknown:
+        close = difflib.get_close_matches(key, names, n=3, cutoff=0.6)
+        hints.append(f"{key!r}" + (f" (did you mean {' or '.join(repr(c) for c in close)}?)" if close else ""))
+    raise ValueError(
+        f"HuggingFaceCausalLM: the {config.model_type!r} config ({config_class.__name__}) has no key "
+        f"{', '.join(hints)}; transformers would keep it unused and build the family's default instead. Its keys: "
+        f"{', '.join(sorted(config_keys(config_class, common=False)))}, and PretrainedConfig's common ones "
+        f"(tie_word_embeddings, bos_token_id, ...)")
 
 
 class DecoderLayerInputs:

@@ -12,6 +12,7 @@ outside the module tree.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import os
 from collections.abc import Mapping
 from typing import Any, Optional, Union
@@ -42,6 +43,12 @@ def as_litgpt_config(config: Any) -> Any:
         return Config.from_name(config)
     if isinstance(config, Mapping):
         rest = {k: v for k, v in config.items() if k != "name"}
+        fields = {f.name for f in dataclasses.fields(Config) if f.init}
+        unknown = [k for k in rest if k not in fields]
+        if unknown:  # litgpt raises a TypeError naming the key; this also names the key meant
+            hints = [f"{k!r}" + "".join(f" (did you mean {c!r}?)" for c in difflib.get_close_matches(k, fields, n=1))
+                     for k in unknown]
+            raise ValueError(f"LitGPT: litgpt.Config has no field {', '.join(hints)}; its fields: {', '.join(sorted(fields))}")
         return Config.from_name(config["name"], **rest) if "name" in config else Config(**rest)
     raise TypeError(f"config must be a litgpt.Config, a config name or a mapping, got {type(config).__name__}")
 
