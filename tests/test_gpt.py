@@ -103,7 +103,7 @@ def test_a_layer_unfrozen_by_base_finetuning_joins_the_models_adamw_and_steps_as
     m = tiny_gpt()
     BaseFinetuning.freeze(m.embedding)
     opt = m.configure_optimizers()
-    BaseFinetuning.unfreeze_and_add_param_group(m.embedding, opt, lr=1e-2, initial_denom_lr=1.0)
+    BaseFinetuning.unfreeze_and_add_param_group(m.embedding, opt, lr=1e-2)
     before = [p.detach().clone() for p in m.embedding.parameters()]
     copies = [p.detach().clone().requires_grad_() for p in m.embedding.parameters()]
     reference = torch.optim.AdamW(copies, lr=1e-2, betas=(0.9, 0.95))  # the model's AdamW defaults
