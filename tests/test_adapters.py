@@ -189,6 +189,11 @@ def test_hf_config_mapping_with_a_misspelt_key_is_refused_and_legitimate_extras_
     assert model.config._attn_implementation == "eager"
     sizes = {n: tuple(p.shape) for n, p in model.named_parameters()}
     assert sizes == {n: tuple(p.shape) for n, p in AutoModelForCausalLM.from_config(expected).named_parameters()}
+    # A config transformers wrote is taken as it is: a real config.json may hold keys its class does not name
+    # (SmolLM's: is_llama_config), and the checkpoint's hyperparameters (to_dict) rebuild it for load_from_checkpoint.
+    written = HuggingFaceCausalLM(AutoConfig.for_model("llama", **TINY, is_llama_config=True))
+    again = HuggingFaceCausalLM(**written.hparams)
+    assert again.config.to_dict() == written.config.to_dict() and again.config.is_llama_config is True
 
 
 def test_hf_refuses_an_architecture_it_cannot_split_naming_what_is_missing():

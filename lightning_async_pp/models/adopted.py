@@ -46,6 +46,8 @@ class AdoptedCausalLM(BuiltInInit, PipelineModule):
         self.lr, self.weight_decay, self.init_seed = lr, weight_decay, init_seed
         self._layers: Optional[list[nn.Module]] = None  # set by configure_model()
         self._built_layers: list[nn.Module] = []  # by _build(), in __init__
+        self._constructor_values: dict[str, Tensor] = {}  # by _build(): vectors' values from their constructors
+        self._layer_paths: list[str] = []  # by configure_model()
         self.pretrained: Optional[str] = None  # set by subclasses that start from a weights file
         self._pretrained_tensors: Optional[PretrainedTensors] = None
 
@@ -62,7 +64,7 @@ class AdoptedCausalLM(BuiltInInit, PipelineModule):
     # ---- building ----------------------------------------------------------------------------------------------
     def _build(self) -> None:
         """The upstream model's tree, parameters on the meta device (the end of a subclass's ``__init__``)."""
-        self._built_layers = self._build_on_meta(self.build_upstream)
+        self._built_layers, self._constructor_values = self._build_on_meta_keeping_vectors(self.build_upstream)
 
     def _is_configured(self) -> bool:
         return self._layers is not None
@@ -72,6 +74,7 @@ class AdoptedCausalLM(BuiltInInit, PipelineModule):
             return
         self._materialize()  # what a model built here would get; keeps requires_grad (a layer frozen in setup)
         self._layers = self._built_layers
+        self._layer_paths = layer_paths(self, self._layers)  # while the model is whole
         if self.pretrained is not None:
             self._open_pretrained_tensors(self.pretrained)
         self.init_weights()
@@ -116,6 +119,13 @@ class AdoptedCausalLM(BuiltInInit, PipelineModule):
         """The upstream rule for every submodule of pipeline layer ``index``, drawing from the global RNG seeded by
         ``init_seed`` (default ``torch.initial_seed()``) and ``index`` (the global RNG is left as it was). With pretrained
         weights the file's values then replace every tensor of the layer."""
+        # First the values the constructors gave the vectors (norms at 1), as upstream's model has them before its
+        # init rule runs: a rule that leaves a norm to its constructor would leave it uninitialized on meta.
+        prefix = f"{self._layer_paths[index]}." if self._layer_paths[index] else ""
+        for name, p in layer.named_parameters(remove_duplicate=False):
+            value = self._constructor_values.get(prefix + name)
+            if value is not None and not p.is_meta:
+                p.copy_(value)
         devices = [p.device for p in layer.parameters() if p.device.type == "cuda"][:1]
         with torch.random.fork_rng(devices=devices):
             torch.manual_seed(layer_seed(index, self.init_seed))

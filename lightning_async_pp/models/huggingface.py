@@ -39,7 +39,11 @@ LAYOUT = ("model.embed_tokens", "model.layers", "model.norm", "model.rotary_emb"
 
 
 def as_pretrained_config(config: Any) -> Any:
-    """A ``transformers.PretrainedConfig`` from one, or from a mapping with ``model_type`` (``AutoConfig.for_model``)."""
+    """A ``transformers.PretrainedConfig`` from one, or from a mapping with ``model_type`` (``AutoConfig.for_model``).
+
+    A mapping's keys are checked (:func:`check_config_keys`) unless it holds ``transformers_version``: a config
+    transformers wrote (``to_dict()``, as the checkpoint's hyperparameters hold it; a ``config.json``) is taken as
+    it is, extra keys included (SmolLM's ``config.json`` has keys no ``LlamaConfig`` names)."""
     try:
         from transformers import AutoConfig, PretrainedConfig
     except ImportError as err:
@@ -51,7 +55,8 @@ def as_pretrained_config(config: Any) -> Any:
             raise ValueError(f"a HuggingFaceCausalLM config mapping needs a 'model_type' (e.g. llama, mistral, qwen2); got keys {sorted(config)}")
         rest = {k: v for k, v in config.items() if k != "model_type"}
         made = AutoConfig.for_model(config["model_type"], **rest)
-        check_config_keys(made, rest)
+        if "transformers_version" not in config:  # written by hand; one transformers wrote may hold extra keys
+            check_config_keys(made, rest)
         return made
     raise TypeError(f"config must be a transformers.PretrainedConfig or a mapping with 'model_type', got {type(config).__name__}")
 

@@ -48,6 +48,31 @@ class BuiltInInit:
         with parameters_on_meta():
             return build()
 
+    def _build_on_meta_keeping_vectors(self, build: Callable[[], T]) -> tuple[T, dict[str, torch.Tensor]]:
+        """:meth:`_build_on_meta`, and the value each parameter of at most one dimension (norm gains, biases,
+        scalars: small) had when its constructor registered it, by its names in this module: an upstream init
+        rule may leave the constructor's value (``torch.ones``) to a norm, which a build on the meta device loses."""
+        kept: dict[int, torch.Tensor] = {}
+        on_meta: Callable[..., None]  # parameters_on_meta's register_parameter, set inside it
+
+        def register_keeping(module: nn.Module, name: str, param: Any) -> None:
+            value = param.detach().clone() if param is not None and not param.is_meta and param.dim() <= 1 else None
+            on_meta(module, name, param)
+            if value is not None:
+                kept[id(module._parameters[name])] = value
+
+        self._built_dtype = torch.get_default_dtype()
+        with parameters_on_meta():
+            on_meta = nn.Module.register_parameter
+            nn.Module.register_parameter = register_keeping  # type: ignore[method-assign]
+            try:
+                built = build()
+            finally:
+                nn.Module.register_parameter = on_meta  # type: ignore[method-assign]
+        assert isinstance(self, nn.Module)
+        values = {name: kept[id(p)] for name, p in self.named_parameters(remove_duplicate=False) if id(p) in kept}
+        return built, values
+
     def _materialize(self) -> None:
         """Give the meta parameters (and buffers) memory where the calling context creates parameters; nothing
         under a context that creates them on the meta device."""
