@@ -176,10 +176,21 @@ def test_hf_config_may_be_a_mapping_with_model_type_and_rebuilds_from_its_hyperp
         HuggingFaceCausalLM({"hidden_size": 32})
 
 
-def test_hf_config_mapping_with_a_misspelt_key_is_refused_and_legitimate_extras_are_kept():
+def test_hf_config_mapping_with_a_misspelt_key_is_refused_and_legitimate_extras_are_kept(monkeypatch):
     # The finding: hiden_size: 256 trained the family's default width (4096) without a word.
     with pytest.raises(ValueError, match=r"'llama'.*no key 'hiden_size' \(did you mean 'hidden_size'"):
         HuggingFaceCausalLM({**TINY, "model_type": "llama", "hiden_size": 256})
+    with monkeypatch.context() as patched:  # a transformers that refuses an unknown key itself: the key meant too
+        real = AutoConfig.for_model
+
+        def strict(model_type, **kwargs):
+            if "hiden_size" in kwargs:
+                raise TypeError("LlamaConfig.__init__() got an unexpected keyword argument 'hiden_size'")
+            return real(model_type, **kwargs)
+
+        patched.setattr(AutoConfig, "for_model", strict)
+        with pytest.raises(ValueError, match=r"no key 'hiden_size' \(did you mean 'hidden_size'.*building it fails"):
+            HuggingFaceCausalLM({**TINY, "model_type": "llama", "hiden_size": 256})
     # Keys the family's constructor takes without keeping them as given, PretrainedConfig's common ones, rope.
     extras = dict(attn_implementation="eager", torch_dtype="float32", tie_word_embeddings=False, use_cache=False,
                   rope_scaling={"rope_type": "linear", "factor": 2.0}, rope_theta=500.0, pad_token_id=0)

@@ -1,9 +1,9 @@
 """What the adapters of upstream language models share (``HuggingFaceCausalLM``, ``LitGPT``).
 
-An adapter builds the upstream model in ``__init__`` with its parameters on the meta device (so callbacks' ``setup``,
-which Lightning runs before ``configure_model``, finds the modules: ``models/meta_built.py``), adopts its top-level
-children as its own (so its ``state_dict()`` keys are the upstream model's), and lists the upstream embedding, blocks, final norm and output
-head as pipeline layers. What crosses a stage boundary is the hidden state (B, T, C): each block gets what the
+An adapter builds the upstream model in ``__init__`` with its parameters on the meta device (so callbacks'
+``setup``, which Lightning runs before ``configure_model``, finds the modules: ``models/meta_built.py``), adopts
+its top-level children as its own (so its ``state_dict()`` keys are the upstream model's), and lists the upstream
+embedding, blocks, final norm and output head as pipeline layers. What crosses a stage boundary is the hidden state (B, T, C): each block gets what the
 upstream model's ``forward`` would give it (rotary tables, the causal mask) from a forward pre-hook that fills
 them in when the block is called with the hidden state alone, so the upstream modules run unchanged (their class,
 code and key paths stay the upstream ones). Each layer is initialized by the upstream model's own rule, from the

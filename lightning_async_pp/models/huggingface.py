@@ -54,9 +54,17 @@ def as_pretrained_config(config: Any) -> Any:
         if "model_type" not in config:
             raise ValueError(f"a HuggingFaceCausalLM config mapping needs a 'model_type' (e.g. llama, mistral, qwen2); got keys {sorted(config)}")
         rest = {k: v for k, v in config.items() if k != "model_type"}
-        made = AutoConfig.for_model(config["model_type"], **rest)
-        if "transformers_version" not in config:  # written by hand; one transformers wrote may hold extra keys
-            check_config_keys(made, rest)
+        by_hand = "transformers_version" not in config  # one transformers wrote may hold extra keys
+        try:
+            made = AutoConfig.for_model(config["model_type"], **rest)
+        except Exception as err:  # a transformers that refuses unknown keys itself: still name the key meant
+            from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+            if by_hand and config["model_type"] in CONFIG_MAPPING:
+                check_config_keys(CONFIG_MAPPING[config["model_type"]], rest, None, err)
+            raise
+        if by_hand:
+            check_config_keys(type(made), rest, made)
         return made
     raise TypeError(f"config must be a transformers.PretrainedConfig or a mapping with 'model_type', got {type(config).__name__}")
 
@@ -87,21 +95,21 @@ def config_keys(config_class: type, common: bool = True) -> set[str]:
     return names
 
 
-def check_config_keys(config: Any, keys: Mapping[str, Any]) -> None:
-    """Raises ``ValueError`` for a key of ``keys`` (what ``config`` was made from) that its family does not know:
-    transformers keeps such a key as an attribute nothing reads, so ``hiden_size: 256`` would train the family's
-    default width without a word. A key is known if the config class names it (:func:`config_keys`), its default
-    config has it, the constructor took it (it is not kept as given: ``torch_dtype``, ``attn_implementation``), or it
-    is a rope setting (:data:`ROPE_KEYS`)."""
-    config_class = type(config)
+def check_config_keys(config_class: type, keys: Mapping[str, Any], made: Any, error: Optional[Exception] = None) -> None:
+    """Raises ``ValueError`` for a key of ``keys`` that the family of ``config_class`` does not know: transformers
+    keeps such a key in the config ``made`` from ``keys`` as an attribute nothing reads, so ``hiden_size: 256``
+    would train the family's default width without a word. A key is known if the config class names it
+    (:func:`config_keys`), its default config has it, it is a rope setting (:data:`ROPE_KEYS`), or the constructor
+    took it (it is not kept in ``made`` as given: ``torch_dtype``, ``attn_implementation``). ``made=None``: the
+    constructor failed with ``error``; the keys the class does not name that the error names are reported with it."""
     known = config_keys(config_class)
     try:
         default: Any = config_class()
     except Exception:  # a family whose defaults do not build: its signature and attribute_map alone
         default = None
-    own = vars(config)
-    unknown = [key for key in keys if key not in known and key not in ROPE_KEYS and key in own
-               and (default is None or not hasattr(default, key))]
+    unknown = [key for key in keys if key not in known and key not in ROPE_KEYS
+               and (default is None or not hasattr(default, key))
+               and (key in vars(made) if made is not None else key in str(error))]
     if not unknown:
         return
     names = sorted(known | (set(default.to_dict()) if default is not None else set()))
@@ -109,11 +117,12 @@ def check_config_keys(config: Any, keys: Mapping[str, Any]) -> None:
     for key in unknown:
         close = difflib.get_close_matches(key, names, n=3, cutoff=0.6)
         hints.append(f"{key!r}" + (f" (did you mean {' or '.join(repr(c) for c in close)}?)" if close else ""))
+    consequence = (f"building it fails with {type(error).__name__}: {error}" if made is None else
+                   "transformers would keep it unused and build the family's default instead")
     raise ValueError(
-        f"HuggingFaceCausalLM: the {config.model_type!r} config ({config_class.__name__}) has no key "
-        f"{', '.join(hints)}; transformers would keep it unused and build the family's default instead. Its keys: "
-        f"{', '.join(sorted(config_keys(config_class, common=False)))}, and PretrainedConfig's common ones "
-        f"(tie_word_embeddings, bos_token_id, ...)")
+        f"HuggingFaceCausalLM: the {getattr(config_class, 'model_type', '')!r} config ({config_class.__name__}) has "
+        f"no key {', '.join(hints)}; {consequence}. Its keys: {', '.join(sorted(config_keys(config_class, common=False)))}, "
+        f"and PretrainedConfig's common ones (tie_word_embeddings, bos_token_id, ...)") from error
 
 
 class DecoderLayerInputs:

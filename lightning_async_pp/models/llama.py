@@ -8,7 +8,8 @@ SmolLM's shapes. As in SmolLM, the output projection reuses the embedding matrix
 Layers are built in ``__init__`` with their parameters on the meta device (so callbacks' ``setup``, which Lightning
 runs before ``configure_model``, finds them: a fine-tuning callback can freeze ``embed``), and ``configure_model()``
 gives them memory where the context creates parameters, so Lightning (or a pipeline strategy) decides where and when
-they are materialized (``models/meta_built.py``). Rotary tables are computed on the fly, so there is no buffer to save, move or re-initialize.
+they are materialized (``models/meta_built.py``). Rotary tables are computed on the fly, so there is no buffer to
+save, move or re-initialize.
 """
 from __future__ import annotations
 
