@@ -200,6 +200,10 @@ def test_hf_config_mapping_with_a_misspelt_key_is_refused_and_legitimate_extras_
     assert model.config._attn_implementation == "eager"
     sizes = {n: tuple(p.shape) for n, p in model.named_parameters()}
     assert sizes == {n: tuple(p.shape) for n, p in AutoModelForCausalLM.from_config(expected).named_parameters()}
+    # A key the class does not name but the family's modeling code reads (Qwen3-MoE's head_dim, with a default).
+    moe = HuggingFaceCausalLM({**TINY, "model_type": "qwen3_moe", "head_dim": 16, "num_experts": 2,
+                               "num_experts_per_tok": 1, "moe_intermediate_size": 32})
+    assert moe.model.layers[0].self_attn.q_proj.weight.shape == (TINY["num_attention_heads"] * 16, TINY["hidden_size"])
     # A config transformers wrote is taken as it is: a real config.json may hold keys its class does not name
     # (SmolLM's: is_llama_config), and the checkpoint's hyperparameters (to_dict) rebuild it for load_from_checkpoint.
     written = HuggingFaceCausalLM(AutoConfig.for_model("llama", **TINY, is_llama_config=True))

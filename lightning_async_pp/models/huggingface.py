@@ -21,8 +21,11 @@ family is exact or refused before training (see docs/design.md, 'Adapters of ups
 from __future__ import annotations
 
 import difflib
+import functools
+import importlib
 import inspect
 import os
+import re
 from collections.abc import Mapping
 from typing import Any, Callable, Optional, Union
 
@@ -95,14 +98,35 @@ def config_keys(config_class: type, common: bool = True) -> set[str]:
     return names
 
 
+#: transformers' modules that read a family's config besides its own modeling module (rope parameters, masks).
+SHARED_READERS = ("transformers.modeling_rope_utils", "transformers.masking_utils")
+_ATTRIBUTE_READ = re.compile(r"\bconfig\.(\w+)|\b(?:get|has)attr\(\s*[\w.]*config\w*\s*,\s*[\"'](\w+)[\"']")
+
+
+@functools.lru_cache(maxsize=None)
+def read_by_the_code(config_class: type) -> frozenset[str]:
+    """The config attributes the family's modeling code (and :data:`SHARED_READERS`) reads, as
+    ``config.name`` or ``getattr(config, "name", ...)``: a family may use a key its config class does not name
+    (Qwen3-MoE's ``head_dim``, read with a default)."""
+    modules = [config_class.__module__.replace(".configuration_", ".modeling_"), *SHARED_READERS]
+    names: set[str] = set()
+    for name in modules:
+        try:
+            source = inspect.getsource(importlib.import_module(name))
+        except Exception:  # a family without such a module; a transformers without such a helper
+            continue
+        names.update(a or b for a, b in _ATTRIBUTE_READ.findall(source))
+    return frozenset(names)
+
+
 def check_config_keys(config_class: type, keys: Mapping[str, Any], made: Any, error: Optional[Exception] = None) -> None:
     """Raises ``ValueError`` for a key of ``keys`` that the family of ``config_class`` does not know: transformers
     keeps such a key in the config ``made`` from ``keys`` as an attribute nothing reads, so ``hiden_size: 256``
     would train the family's default width without a word. A key is known if the config class names it
-    (:func:`config_keys`), its default config has it, it is a rope setting (:data:`ROPE_KEYS`), or the constructor
+    (:func:`config_keys`), its modeling code reads it (:func:`read_by_the_code`), its default config has it, it is a rope setting (:data:`ROPE_KEYS`), or the constructor
     took it (it is not kept in ``made`` as given: ``torch_dtype``, ``attn_implementation``). ``made=None``: the
     constructor failed with ``error``; the keys the class does not name that the error names are reported with it."""
-    known = config_keys(config_class)
+    known = config_keys(config_class) | read_by_the_code(config_class)
     try:
         default: Any = config_class()
     except Exception:  # a family whose defaults do not build: its signature and attribute_map alone
