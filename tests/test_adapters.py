@@ -176,6 +176,41 @@ def test_hf_config_may_be_a_mapping_with_model_type_and_rebuilds_from_its_hyperp
         HuggingFaceCausalLM({"hidden_size": 32})
 
 
+def test_hf_config_mapping_with_a_misspelt_key_is_refused_and_legitimate_extras_are_kept(monkeypatch):
+    # The finding: hiden_size: 256 trained the family's default width (4096) without a word.
+    with pytest.raises(ValueError, match=r"'llama'.*no key 'hiden_size' \(did you mean 'hidden_size'"):
+        HuggingFaceCausalLM({**TINY, "model_type": "llama", "hiden_size": 256})
+    with monkeypatch.context() as patched:  # a transformers that refuses an unknown key itself: the key meant too
+        real = AutoConfig.for_model
+
+        def strict(model_type, **kwargs):
+            if "hiden_size" in kwargs:
+                raise TypeError("LlamaConfig.__init__() got an unexpected keyword argument 'hiden_size'")
+            return real(model_type, **kwargs)
+
+        patched.setattr(AutoConfig, "for_model", strict)
+        with pytest.raises(ValueError, match=r"no key 'hiden_size' \(did you mean 'hidden_size'.*building it fails"):
+            HuggingFaceCausalLM({**TINY, "model_type": "llama", "hiden_size": 256})
+    # Keys the family's constructor takes without keeping them as given, PretrainedConfig's common ones, rope.
+    extras = dict(attn_implementation="eager", torch_dtype="float32", tie_word_embeddings=False, use_cache=False,
+                  rope_scaling={"rope_type": "linear", "factor": 2.0}, rope_theta=500.0, pad_token_id=0)
+    model = HuggingFaceCausalLM({**TINY, "model_type": "llama", **extras})
+    expected = AutoConfig.for_model("llama", **TINY, **extras)
+    assert model.config.to_dict() == expected.to_dict()
+    assert model.config._attn_implementation == "eager"
+    sizes = {n: tuple(p.shape) for n, p in model.named_parameters()}
+    assert sizes == {n: tuple(p.shape) for n, p in AutoModelForCausalLM.from_config(expected).named_parameters()}
+    # A key the class does not name but the family's modeling code reads (Qwen3-MoE's head_dim, with a default).
+    moe = HuggingFaceCausalLM({**TINY, "model_type": "qwen3_moe", "head_dim": 16, "num_experts": 2,
+                               "num_experts_per_tok": 1, "moe_intermediate_size": 32})
+    assert moe.model.layers[0].self_attn.q_proj.weight.shape == (TINY["num_attention_heads"] * 16, TINY["hidden_size"])
+    # A config transformers wrote is taken as it is: a real config.json may hold keys its class does not name
+    # (SmolLM's: is_llama_config), and the checkpoint's hyperparameters (to_dict) rebuild it for load_from_checkpoint.
+    written = HuggingFaceCausalLM(AutoConfig.for_model("llama", **TINY, is_llama_config=True))
+    again = HuggingFaceCausalLM(**written.hparams)
+    assert again.config.to_dict() == written.config.to_dict() and again.config.is_llama_config is True
+
+
 def test_hf_refuses_an_architecture_it_cannot_split_naming_what_is_missing():
     gpt2 = AutoConfig.for_model("gpt2", n_layer=2, n_embd=32, n_head=4, vocab_size=VOCAB)
     with pytest.raises(ValueError, match=r"GPT2LMHeadModel.*no model\.embed_tokens, model\.layers, model\.norm, model\.rotary_emb"):
@@ -230,6 +265,9 @@ def test_litgpt_config_by_name_or_mapping_and_unsupported_configs_are_refused():
     assert again.config == model.config
     with pytest.raises(ValueError, match="scale_embeddings"):
         LitGPT({"name": "pythia-14m", "scale_embeddings": True})
+    for mapping in ({"name": "pythia-14m", "n_embdd": 64}, {"n_embdd": 64}):  # a misspelt field names the one meant
+        with pytest.raises(ValueError, match=r"no field 'n_embdd' \(did you mean 'n_embd'\?\)"):
+            LitGPT(mapping)
 
 
 # ---- under the pipeline: one device against the written-out rule ---------------------------------------------------
@@ -266,6 +304,29 @@ def test_litgpt_consolidated_checkpoint_loads_strictly_into_litgpt_gpt(tmp_path)
     ours.load_state_dict(state, strict=True)
     batch = tokens()
     torch.testing.assert_close(upstream(batch[:, :-1]), ours(batch), rtol=0, atol=0)
+
+
+# ---- Lightning's fine-tuning callbacks: the modules exist (on meta) before configure_model ----------------------
+FINETUNE = {"finetune": True, "steps": 8, "samples": 32, "batch": 8}  # 4 batches an epoch
+EMBEDDING = {"hf": "model.embed_tokens.weight", "litgpt": "transformer.wte.weight"}
+
+
+@pytest.mark.parametrize("adapter", ["hf", pytest.param("litgpt", marks=needs_litgpt)])
+def test_base_finetuning_freezing_the_embedding_in_setup_equals_plain_lightning(adapter):
+    # BaseFinetuning freezes the embedding (model.embed_tokens; transformer.wte) in setup, before configure_model
+    # (HF: with it the tied head), and unfreezes it into a new parameter group at epoch 1. 2 stages in one process
+    # under gpipe against plain Lightning, both on SGD (AdamW would scale the two runs' rounding in near-zero
+    # gradients up to ~1e-5).
+    cfg = {**FINETUNE, "adapter": adapter, "sgd": True, "lr": 0.1, "schedule": "gpipe", "partition": [2, 3]}
+    plain = one_device({**cfg, "strategy": False})
+    piped = one_device(cfg)
+    assert piped["global_step"] == plain["global_step"] == 8
+    assert max_difference(piped["state_dict"], plain["state_dict"]) < TOL
+    # Frozen through epoch 0 (its value at the unfreeze is the initial one), trained in epoch 1.
+    initial = built(adapter_fit.build_model(cfg)).state_dict()[EMBEDDING[adapter]]
+    for run in (plain, piped):
+        assert torch.equal(run["frozen_embedding"], initial)
+        assert (run["state_dict"][EMBEDDING[adapter]] - initial).abs().max() > 1e-3
 
 
 # ---- two processes -----------------------------------------------------------------------------------------------
@@ -343,6 +404,21 @@ def test_trainer_calls_after_fit_with_the_tie_across_processes_equal_one_device(
     assert abs(got[0]["val_loss"] - want[0]["val_loss"]) < TOL
     torch.testing.assert_close(got[1], want[1], rtol=0, atol=TOL)
     assert max_difference(got[2], want[2]) < TOL
+
+
+@pytest.mark.multiprocess
+def test_hf_base_finetuning_on_two_processes_equals_one_device(tmp_path):
+    # The same freeze in setup and unfreeze at epoch 1 under 2bw, with the adapter's own AdamW (the callback adds
+    # its group to it), the tied embedding and head on different processes.
+    cfg = {**FINETUNE, "adapter": "hf", "partition": [2, 3]}
+    ranks = run_two_processes(cfg, tmp_path)
+    assert [r["global_step"] for r in ranks] == [8, 8]
+    reference = one_device(cfg)
+    assert max_difference(ranks[0]["state_dict"], reference["state_dict"]) < TOL
+    initial = built(adapter_fit.build_model(cfg)).state_dict()["model.embed_tokens.weight"]
+    for rank in ranks:  # both hold a copy of the tied matrix: frozen through epoch 0 on both
+        assert torch.equal(rank["frozen_embedding"], initial)
+    assert (ranks[0]["state_dict"]["model.embed_tokens.weight"] - initial).abs().max() > 1e-3
 
 
 # ---- the YAML configs --------------------------------------------------------------------------------------------

@@ -300,7 +300,18 @@ def render() -> str:
                      f"{text} |\n")
     lines.append("\nBase classes with no behaviour of their own, exercised through their subclasses: "
                  + ", ".join(f"`{b}` ({s})" for b, s in sorted(BASES.items())) + ".\n")
+    lines.append(FINETUNING_ON_THE_MODELS)
     return "".join(lines)
+
+
+#: The fine-tuning rows on the package's own models (their tests are elsewhere).
+FINETUNING_ON_THE_MODELS = (
+    "\nThe fine-tuning callbacks work on the package's models too (`Llama`, `HuggingFaceCausalLM`, `LitGPT`): their "
+    "modules exist from `__init__` (parameters on the meta device until `configure_model`), so a layer frozen in "
+    "`setup` is there to freeze. `BaseFinetuning` freezing the embedding in setup and unfreezing it at epoch 1 gives "
+    "plain Lightning's weights (`tests/test_adapters.py`, `tests/test_llama.py`) and, for `HuggingFaceCausalLM` on 2 "
+    "processes, the one-device run's. A recipe starting from pretrained weights: [the models guide](guide/models.md), "
+    "'Fine-tuning'.\n")
 
 
 def test_the_callback_table_in_the_docs_is_current():

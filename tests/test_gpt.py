@@ -88,10 +88,33 @@ def test_optimizer_decays_matrices_but_not_biases_or_norms():
     decayed, plain = opt.param_groups
     assert decayed["weight_decay"] == 0.1 and plain["weight_decay"] == 0.0
     assert all(p.dim() >= 2 for p in decayed["params"]) and all(p.dim() == 1 for p in plain["params"])
-    names = set(decayed["param_names"]) | set(plain["param_names"])
-    assert names == {n for n, _ in m.named_parameters()}
-    assert "head.norm.weight" in plain["param_names"] and "blocks.0.attn.qkv.bias" in plain["param_names"]
+    name = {id(p): n for n, p in m.named_parameters()}
+    decayed_names, plain_names = ({name[id(p)] for p in g["params"]} for g in (decayed, plain))
+    assert decayed_names | plain_names == set(name.values())
+    assert "head.norm.weight" in plain_names and "blocks.0.attn.qkv.bias" in plain_names
     assert opt.defaults["lr"] == 1e-3
+
+
+def test_a_layer_unfrozen_by_base_finetuning_joins_the_models_adamw_and_steps_as_adamw():
+    # Lightning's BaseFinetuning adds the layer it unfreezes as a parameter group without names: the model's own
+    # groups must be without names too (torch refuses to mix), and the group then steps as a plain AdamW would.
+    from lightning.pytorch.callbacks import BaseFinetuning
+
+    m = tiny_gpt()
+    BaseFinetuning.freeze(m.embedding)
+    opt = m.configure_optimizers()
+    BaseFinetuning.unfreeze_and_add_param_group(m.embedding, opt, lr=1e-2)
+    before = [p.detach().clone() for p in m.embedding.parameters()]
+    copies = [p.detach().clone().requires_grad_() for p in m.embedding.parameters()]
+    reference = torch.optim.AdamW(copies, lr=1e-2, betas=(0.9, 0.95))  # the model's AdamW defaults
+    m.pipeline_loss(m(batch()), batch()).backward()
+    for copy, p in zip(copies, m.embedding.parameters()):
+        copy.grad = p.grad.clone()
+    opt.step()
+    reference.step()
+    for copy, p, was in zip(copies, m.embedding.parameters(), before):
+        assert not torch.equal(p, was)  # it trained
+        torch.testing.assert_close(p, copy, rtol=0, atol=0)
 
 
 def test_a_few_steps_overfit_one_batch():

@@ -113,6 +113,57 @@ def test_the_refusal_names_the_family_and_what_it_cannot_do():
         assert "tiny copy" in results["doge"][1] and "logits" in results["doge"][1]
 
 
+def test_every_familys_default_config_passes_the_key_check_and_a_misspelt_key_is_refused():
+    # The check (huggingface.check_config_keys) must not refuse a key a family knows: each family's own default
+    # config, as a mapping with model_type (what YAML gives), builds the same config; with one key misspelt it is
+    # refused, naming the key meant.
+    from lightning_async_pp.models.huggingface import as_pretrained_config
+
+    checked = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for model_type in sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES):
+            try:
+                fields = AutoConfig.for_model(model_type).to_dict()
+                del fields["transformers_version"]  # a mapping written by hand (one transformers wrote is not checked)
+                AutoConfig.for_model(**fields)  # the family's own round trip; a few families fail it
+            except Exception:
+                continue
+            width = next((k for k in ("hidden_size", "n_embd", "d_model") if isinstance(fields.get(k), int)), None)
+            assert as_pretrained_config(fields).to_dict() == AutoConfig.for_model(**fields).to_dict(), model_type
+            if width is not None:
+                typo = {**{k: v for k, v in fields.items() if k != width}, width[:3] + width[4:]: fields[width] // 2}
+                meant = rf"'{re.escape(fields['model_type'])}'.*no key '{width[:3] + width[4:]}' \(did you mean '{width}'"
+                with pytest.raises(ValueError, match=meant):
+                    as_pretrained_config(typo)
+            checked.append(model_type)
+    assert len(checked) > 0.8 * len(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES), sorted(set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES) - set(checked))
+
+
+def test_a_family_whose_init_leaves_its_norms_to_their_constructors_is_exact_built_on_meta_as_under_the_strategy():
+    # HunYuan's _init_weights sets only linear and embedding weights; its RMSNorm gains keep the constructor's ones.
+    # Built on the meta device (the model's __init__, the strategy's configure_model) those values were lost: the
+    # norms were uninitialized memory, and the build-time check refused the family under the strategy only.
+    from lightning_async_pp.pipeline.placement import materialize_layers, parameters_on_meta
+
+    if "hunyuan_v1_dense" not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        pytest.skip("this transformers has no hunyuan_v1_dense")
+    config = tiny_config(AutoConfig.for_model("hunyuan_v1_dense"))
+    ours = HuggingFaceCausalLM(config, init_seed=0)
+    with parameters_on_meta():  # as AsyncPipelineStrategy's tensor_init_context; the check runs here too
+        ours.configure_model()
+    layers = ours.pipeline_layers()
+    assert all(p.is_meta for p in ours.parameters())
+    materialize_layers(layers, list(range(len(layers))), torch.device("cpu"), ours.init_layer)
+    upstream = AutoModelForCausalLM.from_config(config).eval()
+    norms = [n for n in upstream.state_dict() if "norm" in n]
+    assert norms and all(torch.equal(ours.state_dict()[n], upstream.state_dict()[n]) for n in norms)  # ones
+    upstream.load_state_dict(ours.state_dict(), strict=True)
+    batch = batch_of(config.vocab_size)
+    with torch.no_grad():
+        torch.testing.assert_close(ours.eval()(batch), upstream(batch[:, :-1]).logits, rtol=0, atol=TOL)
+
+
 @pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
 def test_a_router_loss_family_passes_the_build_time_check_with_its_balancing_term(family, monkeypatch):
     """The tiny-copy check compares the loss with upstream's, router term included (models/moe.py): it runs and

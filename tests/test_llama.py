@@ -7,6 +7,7 @@ import lightning as L
 import pytest
 import torch
 import yaml
+from lightning.pytorch.callbacks import BaseFinetuning
 from torch import nn
 from torch.utils.data import DataLoader
 
@@ -55,12 +56,16 @@ def test_layers_are_embedding_blocks_and_head_without_biases():
     assert {"embed.weight", "head.norm.weight", "head.proj.weight", "blocks.3.mlp.down_proj.weight"} <= set(m.state_dict())
 
 
-def test_layers_are_built_in_configure_model_once():
+def test_layers_exist_on_meta_from_init_and_get_memory_in_configure_model_once():
+    # The tree exists from __init__ (callbacks' setup, before configure_model, may freeze a layer), without memory.
     m = Llama("tiny")
-    assert list(m.parameters()) == []
+    assert list(m.parameters()) and all(p.is_meta for p in m.parameters())
     with pytest.raises(RuntimeError, match="configure_model"):
         m.pipeline_layers()
+    with pytest.raises(RuntimeError, match=r"load_state_dict\(\) before configure_model"):
+        m.load_state_dict(built().state_dict())  # it would copy nothing into meta tensors
     m.configure_model()
+    assert not any(p.is_meta for p in m.parameters())
     layers = list(m.pipeline_layers())
     weights = {n: p.detach().clone() for n, p in m.named_parameters()}
     m.configure_model()  # Lightning calls the hook on every trainer entry point: a second call changes nothing
@@ -225,6 +230,42 @@ def test_checkpoint_round_trip_keeps_weights_and_tie(tmp_path):
         assert torch.equal(p, q), name
 
 
+class FreezeEmbeddingUntilEpoch1(BaseFinetuning):
+    """BaseFinetuning as Lightning's docs show it: ``embed`` (and the tied head) frozen in setup, which Lightning runs
+    before configure_model; unfrozen into a new parameter group at epoch 1."""
+
+    def freeze_before_training(self, pl_module: L.LightningModule) -> None:
+        self.freeze(pl_module.embed)
+
+    def finetune_function(self, pl_module: L.LightningModule, epoch: int, optimizer: torch.optim.Optimizer) -> None:
+        if epoch == 1:
+            pl_module.frozen_embedding = pl_module.embed.weight.detach().clone()
+            self.unfreeze_and_add_param_group(pl_module.embed, optimizer, lr=0.05)
+
+
+def finetuned(strategy: object) -> Llama:
+    m = Llama("tiny", num_layers=2, init_seed=0)
+    # SGD: plain Lightning's and the pipeline's rounding stay ~1e-7 apart (AdamW scales it up in tiny gradients).
+    m.configure_optimizers = lambda: torch.optim.SGD([p for p in m.parameters() if p.requires_grad], lr=0.1)
+    L.Trainer(accelerator="cpu", devices=1, max_steps=4, logger=False, enable_checkpointing=False,
+              enable_progress_bar=False, enable_model_summary=False, strategy=strategy,
+              callbacks=[FreezeEmbeddingUntilEpoch1()]).fit(m, loader(tokens(b=8, seed=2), batch_size=4))
+    return m
+
+
+def test_base_finetuning_freezing_the_embedding_in_setup_equals_plain_lightning():
+    from lightning_async_pp import AsyncPipelineStrategy
+
+    plain = finetuned("auto")
+    piped = finetuned(AsyncPipelineStrategy(num_stages=2, num_microbatches=2, schedule="gpipe"))
+    initial = built(num_layers=2, init_seed=0).embed.weight
+    for m in (plain, piped):
+        assert torch.equal(m.frozen_embedding, initial)  # frozen through epoch 0
+        assert (m.embed.weight - initial).abs().max() > 1e-3  # trained in epoch 1
+    for (name, p), (_, q) in zip(piped.named_parameters(), plain.named_parameters()):
+        torch.testing.assert_close(p, q, rtol=0, atol=1e-5, msg=name)
+
+
 # ---- initialization, loss, optimizer -----------------------------------------------------------------------------
 def test_initialization_is_deterministic_per_layer():
     a, b = built(seed=3), built(seed=3)
@@ -270,8 +311,10 @@ def test_optimizer_decays_matrices_but_not_norms():
     decayed, plain = opt.param_groups
     assert decayed["weight_decay"] == 0.1 and plain["weight_decay"] == 0.0
     assert all(p.dim() == 2 for p in decayed["params"]) and all(p.dim() == 1 for p in plain["params"])
-    assert set(decayed["param_names"]) | set(plain["param_names"]) == {n for n, _ in m.named_parameters()}
-    assert "head.norm.weight" in plain["param_names"] and "embed.weight" in decayed["param_names"]
+    name = {id(p): n for n, p in m.named_parameters()}
+    decayed_names, plain_names = ({name[id(p)] for p in g["params"]} for g in (decayed, plain))
+    assert decayed_names | plain_names == set(name.values())
+    assert "head.norm.weight" in plain_names and "embed.weight" in decayed_names
     assert sum(len(g["params"]) for g in opt.param_groups) == len(list(m.parameters()))  # tied matrix once
 
 

@@ -386,3 +386,44 @@ def test_consolidate_litgpt_writes_a_tokenizer_config_litgpts_tokenizer_reads_th
     assert consolidate_main([str(tmp_path / "one.ckpt"), str(out), "--litgpt", "--tokenizer", str(tok)]) == 0
     loaded = Tokenizer(out)
     assert (loaded.eos_id, loaded.bos_id, loaded.encode("the stage sends").tolist()) == (3, 3, [4, 5, 6])
+
+
+# ---- the guide's fine-tuning recipe -------------------------------------------------------------------------------
+GUIDE = Path(__file__).resolve().parents[1] / "docs" / "guide" / "models.md"
+
+
+def recipe_code() -> str:
+    section = GUIDE.read_text().split("## Fine-tuning: pretrained weights, part of the model frozen", 1)[1]
+    return section.split("```python\n", 1)[1].split("```", 1)[0]
+
+
+def test_the_guides_fine_tuning_recipe_trains_the_upper_layers_from_the_file_and_keeps_the_lower_ones(tmp_path):
+    # The recipe's code as the page shows it, on a tiny sharded save_pretrained folder, one device (2 stages), one
+    # epoch: the frozen embedding (tied head) and first decoder layer end exactly at the file's values, the rest
+    # moved from them; at epoch 1 the callback adds the frozen layers as a group at a tenth of the model's rate.
+    folder = hf_folder(tmp_path / "SmolLM-135M")
+    code = recipe_code()
+    for old, new in [('"checkpoints/SmolLM-135M"', repr(str(folder))),
+                     ("num_microbatches=4)", "num_microbatches=4, num_stages=2)"),
+                     ("devices=2, max_epochs=2", "devices=1, max_epochs=1, accelerator='cpu', logger=False, "
+                                                 "enable_checkpointing=False, enable_progress_bar=False")]:
+        assert code.count(old) == 1, old
+        code = code.replace(old, new)
+    namespace = {"train_loader": adapter_fit.loader({"samples": 16, "batch": 8})}
+    exec(compile(code, str(GUIDE), "exec"), namespace)
+    model, trainer = namespace["model"], namespace["trainer"]
+    assert trainer.global_step == 2
+    file = hf_file_tensors(folder)
+    weights = {k: v.detach() for k, v in model.state_dict().items()}
+    lower = [k for k in weights if k.startswith(("model.embed_tokens.", "model.layers.0.", "lm_head."))]
+    assert len(lower) > 3 and not equals_file({k: weights[k] for k in lower}, file, HF_TIED)
+    upper = [k for k in weights if k not in lower]
+    assert sorted(equals_file({k: weights[k] for k in upper}, file, HF_TIED)) == sorted(upper)  # all trained
+    callback = namespace["FreezeLowerLayersForAnEpoch"]()
+    optimizer = model.configure_optimizers()
+    before = len(optimizer.param_groups)
+    callback.finetune_function(model, 1, optimizer)
+    added = optimizer.param_groups[before:]
+    assert len(added) == 1 and added[0]["lr"] == pytest.approx(1e-5)
+    lower_params = {id(p) for m in callback.lower(model) for p in m.parameters()}
+    assert {id(p) for p in added[0]["params"]} == lower_params

@@ -1,12 +1,15 @@
 """What the adapters of upstream language models share (``HuggingFaceCausalLM``, ``LitGPT``).
 
-An adapter builds the upstream model in ``configure_model()``, adopts its top-level children as its own (so its
-``state_dict()`` keys are the upstream model's), and lists the upstream embedding, blocks, final norm and output
-head as pipeline layers. What crosses a stage boundary is the hidden state (B, T, C): each block gets what the
+An adapter builds the upstream model in ``__init__`` with its parameters on the meta device (so callbacks'
+``setup``, which Lightning runs before ``configure_model``, finds the modules: ``models/meta_built.py``), adopts
+its top-level children as its own (so its ``state_dict()`` keys are the upstream model's), and lists the upstream
+embedding, blocks, final norm and output head as pipeline layers. What crosses a stage boundary is the hidden state (B, T, C): each block gets what the
 upstream model's ``forward`` would give it (rotary tables, the causal mask) from a forward pre-hook that fills
 them in when the block is called with the hidden state alone, so the upstream modules run unchanged (their class,
 code and key paths stay the upstream ones). Each layer is initialized by the upstream model's own rule, from the
 global RNG seeded by the layer's index, so a layer's weights do not depend on which process builds it.
+``configure_model()`` gives the parameters memory where the context creates them (under the strategy: nowhere; the
+engine materializes each process's stage) and initializes the materialized layers.
 """
 from __future__ import annotations
 
@@ -18,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from lightning_async_pp.models.meta_built import BuiltInInit
 from lightning_async_pp.models.pretrained import PretrainedTensors, load_layer, tensor_aliases, unused_keys
 from lightning_async_pp.module import PipelineModule, layer_seed
 from lightning_async_pp.optim.groups import decay_matrices_only
@@ -28,19 +32,22 @@ def missing_package(package: str, extra: str) -> ImportError:
     return ImportError(f"this model needs the {package!r} package: pip install 'lightning-async-pp[{extra}]'")
 
 
-class AdoptedCausalLM(PipelineModule):
+class AdoptedCausalLM(BuiltInInit, PipelineModule):
     """Base of the upstream-model adapters: batches are LongTensors (B, T + 1) of token ids; inputs are all but the
     last token, targets all but the first (as :class:`~lightning_async_pp.models.Llama`).
 
     Subclasses implement :meth:`build_upstream` (assign the upstream children, return the pipeline layers) and
     :meth:`init_module` (the upstream initialization of one submodule), and :meth:`open_pretrained` where they take
-    pretrained weights (``self.pretrained``, a path).
+    pretrained weights (``self.pretrained``, a path); their ``__init__`` ends with :meth:`_build`.
     """
 
     def __init__(self, lr: float = 3e-4, weight_decay: float = 0.1, init_seed: Optional[int] = None) -> None:
         super().__init__()
         self.lr, self.weight_decay, self.init_seed = lr, weight_decay, init_seed
-        self._layers: Optional[list[nn.Module]] = None
+        self._layers: Optional[list[nn.Module]] = None  # set by configure_model()
+        self._built_layers: list[nn.Module] = []  # by _build(), in __init__
+        self._constructor_values: dict[str, Tensor] = {}  # by _build(): vectors' values from their constructors
+        self._layer_paths: list[str] = []  # by configure_model()
         self.pretrained: Optional[str] = None  # set by subclasses that start from a weights file
         self._pretrained_tensors: Optional[PretrainedTensors] = None
 
@@ -55,10 +62,19 @@ class AdoptedCausalLM(PipelineModule):
         raise NotImplementedError(f"{type(self).__name__} takes no pretrained weights")
 
     # ---- building ----------------------------------------------------------------------------------------------
+    def _build(self) -> None:
+        """The upstream model's tree, parameters on the meta device (the end of a subclass's ``__init__``)."""
+        self._built_layers, self._constructor_values = self._build_on_meta_keeping_vectors(self.build_upstream)
+
+    def _is_configured(self) -> bool:
+        return self._layers is not None
+
     def configure_model(self) -> None:
         if self._layers is not None:  # Lightning calls this hook on every trainer entry point
             return
-        self._layers = self.build_upstream()
+        self._materialize()  # what a model built here would get; keeps requires_grad (a layer frozen in setup)
+        self._layers = self._built_layers
+        self._layer_paths = layer_paths(self, self._layers)  # while the model is whole
         if self.pretrained is not None:
             self._open_pretrained_tensors(self.pretrained)
         self.init_weights()
@@ -103,6 +119,13 @@ class AdoptedCausalLM(PipelineModule):
         """The upstream rule for every submodule of pipeline layer ``index``, drawing from the global RNG seeded by
         ``init_seed`` (default ``torch.initial_seed()``) and ``index`` (the global RNG is left as it was). With pretrained
         weights the file's values then replace every tensor of the layer."""
+        # First the values the constructors gave the vectors (norms at 1), as upstream's model has them before its
+        # init rule runs: a rule that leaves a norm to its constructor would leave it uninitialized on meta.
+        prefix = f"{self._layer_paths[index]}." if self._layer_paths[index] else ""
+        for name, p in layer.named_parameters(remove_duplicate=False):
+            value = self._constructor_values.get(prefix + name)
+            if value is not None and not p.is_meta:
+                p.copy_(value)
         devices = [p.device for p in layer.parameters() if p.device.type == "cuda"][:1]
         with torch.random.fork_rng(devices=devices):
             torch.manual_seed(layer_seed(index, self.init_seed))
@@ -115,7 +138,7 @@ class AdoptedCausalLM(PipelineModule):
     # ---- the PipelineModule contract -------------------------------------------------------------------------
     def pipeline_layers(self) -> Sequence[nn.Module]:
         if self._layers is None:
-            raise RuntimeError(f"{type(self).__name__}'s layers are built in configure_model(); call it (or let the Trainer) first")
+            raise RuntimeError(f"{type(self).__name__}'s layers get memory in configure_model(); call it (or let the Trainer) first")
         return self._layers
 
     def pipeline_input(self, batch: Tensor) -> Tensor:

@@ -153,9 +153,9 @@ def check_exact(adapter_class: type, config: Any) -> bool:
         raise ValueError(f"HuggingFaceCausalLM cannot check {name} on a tiny copy of its config "
                          f"({type(err).__name__}: {err}), so it is refused") from err
     with torch.device("cpu"), torch.random.fork_rng(devices=[]), _float32_default():
-        ours = adapter_class(tiny, init_seed=0)
-        ours.check_exact = False
         try:
+            ours = adapter_class(tiny, init_seed=0)  # built here, on the meta device
+            ours.check_exact = False
             ours.configure_model()  # the adapter's own refusals (ValueError) name what they cannot do
         except ValueError:
             raise

@@ -1,7 +1,8 @@
 """``HuggingFaceCausalLM``: a transformers decoder-only causal LM of the Llama family's layout as a ``PipelineModule``.
 
-The upstream model (``AutoModelForCausalLM.from_config(config)``) is built in ``configure_model()``; its children
-``model`` and ``lm_head`` become this module's, so ``state_dict()`` keys are exactly the upstream ones and a
+The upstream model (``AutoModelForCausalLM.from_config(config)``) is built in ``__init__``, its parameters on the
+meta device until ``configure_model()`` gives them memory (``models/meta_built.py``); its children ``model`` and
+``lm_head`` become this module's, so ``state_dict()`` keys are exactly the upstream ones and a
 consolidated checkpoint loads with ``strict=True`` into ``AutoModelForCausalLM.from_config(config)``. Pipeline
 layers: ``model.embed_tokens``, each of ``model.layers``, ``model.norm``, ``lm_head``. A decoder layer called with
 the hidden state alone gets the rest of what ``model.forward`` gives it (positions, rotary cos/sin, the causal or
@@ -13,14 +14,18 @@ the upstream value whatever device the layers were built on. ``tie_word_embeddin
 
 Work the upstream ``forward`` does outside the layers (embedding scales, logit scales, soft-capping) is done by
 hooks on the embedding and the head (``hf_outside``); layers returning tuples give their hidden state to the
-pipeline. Before building, ``configure_model`` checks the family on a tiny copy of the config against the upstream
-forward and loss (``hf_probe.check_exact``) and refuses it on any difference or failure: every family is exact or
-refused when built (see docs/design.md, 'Adapters of upstream models'; the table: docs/models.md).
+pipeline. Before the parameters get memory, ``configure_model`` checks the family on a tiny copy of the config
+against the upstream forward and loss (``hf_probe.check_exact``) and refuses it on any difference or failure: every
+family is exact or refused before training (see docs/design.md, 'Adapters of upstream models'; the table: docs/models.md).
 """
 from __future__ import annotations
 
+import difflib
+import functools
+import importlib
 import inspect
 import os
+import re
 from collections.abc import Mapping
 from typing import Any, Callable, Optional, Union
 
@@ -37,7 +42,11 @@ LAYOUT = ("model.embed_tokens", "model.layers", "model.norm", "model.rotary_emb"
 
 
 def as_pretrained_config(config: Any) -> Any:
-    """A ``transformers.PretrainedConfig`` from one, or from a mapping with ``model_type`` (``AutoConfig.for_model``)."""
+    """A ``transformers.PretrainedConfig`` from one, or from a mapping with ``model_type`` (``AutoConfig.for_model``).
+
+    A mapping's keys are checked (:func:`check_config_keys`) unless it holds ``transformers_version``: a config
+    transformers wrote (``to_dict()``, as the checkpoint's hyperparameters hold it; a ``config.json``) is taken as
+    it is, extra keys included (SmolLM's ``config.json`` has keys no ``LlamaConfig`` names)."""
     try:
         from transformers import AutoConfig, PretrainedConfig
     except ImportError as err:
@@ -48,8 +57,96 @@ def as_pretrained_config(config: Any) -> Any:
         if "model_type" not in config:
             raise ValueError(f"a HuggingFaceCausalLM config mapping needs a 'model_type' (e.g. llama, mistral, qwen2); got keys {sorted(config)}")
         rest = {k: v for k, v in config.items() if k != "model_type"}
-        return AutoConfig.for_model(config["model_type"], **rest)
+        by_hand = "transformers_version" not in config  # one transformers wrote may hold extra keys
+        try:
+            made = AutoConfig.for_model(config["model_type"], **rest)
+        except Exception as err:  # a transformers that refuses unknown keys itself: still name the key meant
+            from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+            if by_hand and config["model_type"] in CONFIG_MAPPING:
+                check_config_keys(CONFIG_MAPPING[config["model_type"]], rest, None, err)
+            raise
+        if by_hand:
+            check_config_keys(type(made), rest, made)
+        return made
     raise TypeError(f"config must be a transformers.PretrainedConfig or a mapping with 'model_type', got {type(config).__name__}")
+
+
+#: Keys a config mapping may hold that the family's signature and defaults need not show: the rope settings,
+#: which transformers 4.x and 5.x spell differently and move between each other.
+ROPE_KEYS = ("rope_theta", "rope_scaling", "rope_parameters")
+
+
+def config_keys(config_class: type, common: bool = True) -> set[str]:
+    """The keys ``config_class`` names: its constructor's and its bases' (``PretrainedConfig``'s common ones unless
+    ``common=False``) and its ``attribute_map``'s."""
+    from transformers import PretrainedConfig
+
+    names: set[str] = set(getattr(config_class, "attribute_map", {}) or {})
+    variadic = (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
+    for klass in config_class.__mro__:
+        if not common and not (issubclass(klass, PretrainedConfig) and klass is not PretrainedConfig):
+            continue
+        init = klass.__dict__.get("__init__")
+        if init is None:
+            continue
+        try:
+            parameters = inspect.signature(init).parameters.values()
+        except (TypeError, ValueError):
+            continue
+        names.update(p.name for p in parameters if p.kind not in variadic and p.name != "self")
+    return names
+
+
+#: transformers' modules that read a family's config besides its own modeling module (rope parameters, masks).
+SHARED_READERS = ("transformers.modeling_rope_utils", "transformers.masking_utils")
+_ATTRIBUTE_READ = re.compile(r"\bconfig\.(\w+)|\b(?:get|has)attr\(\s*[\w.]*config\w*\s*,\s*[\"'](\w+)[\"']")
+
+
+@functools.lru_cache(maxsize=None)
+def read_by_the_code(config_class: type) -> frozenset[str]:
+    """The config attributes the family's modeling code (and :data:`SHARED_READERS`) reads, as
+    ``config.name`` or ``getattr(config, "name", ...)``: a family may use a key its config class does not name
+    (Qwen3-MoE's ``head_dim``, read with a default)."""
+    modules = [config_class.__module__.replace(".configuration_", ".modeling_"), *SHARED_READERS]
+    names: set[str] = set()
+    for name in modules:
+        try:
+            source = inspect.getsource(importlib.import_module(name))
+        except Exception:  # a family without such a module; a transformers without such a helper
+            continue
+        names.update(a or b for a, b in _ATTRIBUTE_READ.findall(source))
+    return frozenset(names)
+
+
+def check_config_keys(config_class: type, keys: Mapping[str, Any], made: Any, error: Optional[Exception] = None) -> None:
+    """Raises ``ValueError`` for a key of ``keys`` that the family of ``config_class`` does not know: transformers
+    keeps such a key in the config ``made`` from ``keys`` as an attribute nothing reads, so ``hiden_size: 256``
+    would train the family's default width without a word. A key is known if the config class names it
+    (:func:`config_keys`), its modeling code reads it (:func:`read_by_the_code`), its default config has it, it is a rope setting (:data:`ROPE_KEYS`), or the constructor
+    took it (it is not kept in ``made`` as given: ``torch_dtype``, ``attn_implementation``). ``made=None``: the
+    constructor failed with ``error``; the keys the class does not name that the error names are reported with it."""
+    known = config_keys(config_class) | read_by_the_code(config_class)
+    try:
+        default: Any = config_class()
+    except Exception:  # a family whose defaults do not build: its signature and attribute_map alone
+        default = None
+    unknown = [key for key in keys if key not in known and key not in ROPE_KEYS
+               and (default is None or not hasattr(default, key))
+               and (key in vars(made) if made is not None else key in str(error))]
+    if not unknown:
+        return
+    names = sorted(known | (set(default.to_dict()) if default is not None else set()))
+    hints = []
+    for key in unknown:
+        close = difflib.get_close_matches(key, names, n=3, cutoff=0.6)
+        hints.append(f"{key!r}" + (f" (did you mean {' or '.join(repr(c) for c in close)}?)" if close else ""))
+    consequence = (f"building it fails with {type(error).__name__}: {error}" if made is None else
+                   "transformers would keep it unused and build the family's default instead")
+    raise ValueError(
+        f"HuggingFaceCausalLM: the {getattr(config_class, 'model_type', '')!r} config ({config_class.__name__}) has "
+        f"no key {', '.join(hints)}; {consequence}. Its keys: {', '.join(sorted(config_keys(config_class, common=False)))}, "
+        f"and PretrainedConfig's common ones (tie_word_embeddings, bos_token_id, ...)") from error
 
 
 class DecoderLayerInputs:
@@ -138,14 +235,15 @@ class HuggingFaceCausalLM(AdoptedCausalLM):
         # A plain mapping, so that load_from_checkpoint rebuilds the config without unpickling transformers objects.
         self.save_hyperparameters({"config": self.config.to_dict(), "lr": lr, "weight_decay": weight_decay, "init_seed": init_seed,
                                    "pretrained": pretrained})
-        self.model: Optional[nn.Module] = None  # built in configure_model()
-        self.lm_head: Optional[nn.Module] = None
         self._init_weights: Optional[Callable[[nn.Module], None]] = None
         self._router_loss: Optional[RouterLoss] = None  # MoE with output_router_logits (models/moe.py)
         #: configure_model first checks the family on a tiny copy of the config (hf_probe.check_exact).
         self.check_exact = True
         self._causal_without_mask = False  # what the check found; unchecked, the layers build every mask
         self._layer_inputs: list[DecoderLayerInputs] = []  # each decoder layer's pre-hook
+        self.model: nn.Module
+        self.lm_head: nn.Module
+        self._build()  # model and lm_head, parameters on the meta device until configure_model()
 
     def build_upstream(self) -> list[nn.Module]:
         from transformers import AutoModelForCausalLM
@@ -204,9 +302,9 @@ class HuggingFaceCausalLM(AdoptedCausalLM):
 
     def configure_model(self) -> None:
         if self._layers is None and self.check_exact:
-            # Before the real build: refuses a family whose pipeline layers differ from the upstream forward.
+            # Before any layer gets memory: refuses a family whose pipeline layers differ from the upstream forward.
             # The adapter itself, not a subclass: a subclass may take other constructor arguments.
-            self._causal_without_mask = hf_probe.check_exact(HuggingFaceCausalLM, self.config)
+            self._mask_as_upstream(hf_probe.check_exact(HuggingFaceCausalLM, self.config))
         super().configure_model()
 
     def _mask_as_upstream(self, causal_without_mask: bool) -> None:

@@ -1,6 +1,7 @@
 """``LitGPT``: litgpt's ``GPT`` as a ``PipelineModule``.
 
-The upstream ``litgpt.GPT(config)`` is built in ``configure_model()``; its children ``transformer`` and ``lm_head``
+The upstream ``litgpt.GPT(config)`` is built in ``__init__``, its parameters on the meta device until
+``configure_model()`` gives them memory (``models/meta_built.py``); its children ``transformer`` and ``lm_head``
 become this module's, so ``state_dict()`` keys are litgpt's and a consolidated checkpoint loads with
 ``strict=True`` into ``litgpt.GPT(config)``. Pipeline layers: ``transformer.wte``, each of ``transformer.h``,
 ``transformer.ln_f``, ``lm_head``. A block called with the hidden state alone gets the rope cos/sin for positions
@@ -11,6 +12,7 @@ outside the module tree.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import os
 from collections.abc import Mapping
 from typing import Any, Optional, Union
@@ -41,6 +43,12 @@ def as_litgpt_config(config: Any) -> Any:
         return Config.from_name(config)
     if isinstance(config, Mapping):
         rest = {k: v for k, v in config.items() if k != "name"}
+        fields = {f.name for f in dataclasses.fields(Config) if f.init}
+        unknown = [k for k in rest if k not in fields]
+        if unknown:  # litgpt raises a TypeError naming the key; this also names the key meant
+            hints = [f"{k!r}" + "".join(f" (did you mean {c!r}?)" for c in difflib.get_close_matches(k, fields, n=1))
+                     for k in unknown]
+            raise ValueError(f"LitGPT: litgpt.Config has no field {', '.join(hints)}; its fields: {', '.join(sorted(fields))}")
         return Config.from_name(config["name"], **rest) if "name" in config else Config(**rest)
     raise TypeError(f"config must be a litgpt.Config, a config name or a mapping, got {type(config).__name__}")
 
@@ -112,9 +120,10 @@ class LitGPT(AdoptedCausalLM):
             )
         self.save_hyperparameters({"config": dataclasses.asdict(self.config), "lr": lr, "weight_decay": weight_decay,
                                    "init_seed": init_seed, "pretrained": pretrained})
-        self.transformer: Optional[nn.Module] = None  # built in configure_model()
-        self.lm_head: Optional[nn.Module] = None
         self._init_weights: Any = None
+        self.transformer: nn.Module
+        self.lm_head: nn.Module
+        self._build()  # transformer and lm_head, parameters on the meta device until configure_model()
 
     def build_upstream(self) -> list[nn.Module]:
         from litgpt import GPT

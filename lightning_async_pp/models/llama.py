@@ -5,8 +5,11 @@ that a pipeline strategy can cut it anywhere; what crosses a cut is the hidden s
 SmolLM's shapes. As in SmolLM, the output projection reuses the embedding matrix by default
 (``tie_embeddings=True``): ``head.proj.weight`` *is* ``embed.weight``, one Parameter that both ends train.
 
-Layers are built in ``configure_model()``, so Lightning (or a pipeline strategy) decides where and when they are
-materialized. Rotary tables are computed on the fly, so there is no buffer to save, move or re-initialize.
+Layers are built in ``__init__`` with their parameters on the meta device (so callbacks' ``setup``, which Lightning
+runs before ``configure_model``, finds them: a fine-tuning callback can freeze ``embed``), and ``configure_model()``
+gives them memory where the context creates parameters, so Lightning (or a pipeline strategy) decides where and when
+they are materialized (``models/meta_built.py``). Rotary tables are computed on the fly, so there is no buffer to
+save, move or re-initialize.
 """
 from __future__ import annotations
 
@@ -19,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from lightning_async_pp.models.meta_built import BuiltInInit
 from lightning_async_pp.module import PipelineModule, layer_seed
 from lightning_async_pp.optim.groups import decay_matrices_only
 
@@ -143,7 +147,7 @@ class Head(nn.Module):
         return self.proj(self.norm(x))
 
 
-class Llama(PipelineModule):
+class Llama(BuiltInInit, PipelineModule):
     """Llama-style language model. A batch is a LongTensor (B, T + 1) of token ids; inputs are all but the last
     token, targets all but the first (the same convention as :class:`~lightning_async_pp.models.GPT`).
 
@@ -190,21 +194,26 @@ class Llama(PipelineModule):
             vocab_size=vocab_size, max_seq_len=max_seq_len, rope_theta=rope_theta, norm_eps=norm_eps,
             tie_embeddings=tie_embeddings, **shape,
         )
-        # Built in configure_model().
-        self.embed: Optional[nn.Embedding] = None
-        self.blocks: Optional[nn.ModuleList] = None
-        self.head: Optional[Head] = None
+        self._configured = False
+        self._build_on_meta(self._build_layers)  # parameters on the meta device until configure_model()
 
     # ---- building ----------------------------------------------------------------------------------------------
-    def configure_model(self) -> None:
-        if self.blocks is not None:  # Lightning calls this hook on every trainer entry point
-            return
+    def _build_layers(self) -> None:
         cfg = self.config
         self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.num_layers))
         self.head = Head(cfg)
         if cfg.tie_embeddings:
             self.head.proj.weight = self.embed.weight
+
+    def _is_configured(self) -> bool:
+        return self._configured
+
+    def configure_model(self) -> None:
+        if self._configured:  # Lightning calls this hook on every trainer entry point
+            return
+        self._materialize()  # what layers built here would get; keeps requires_grad (a layer frozen in setup)
+        self._configured = True
         self.init_weights()
 
     def init_weights(self) -> None:
@@ -231,8 +240,8 @@ class Llama(PipelineModule):
 
     # ---- the PipelineModule contract -------------------------------------------------------------------------
     def pipeline_layers(self) -> Sequence[nn.Module]:
-        if self.blocks is None:
-            raise RuntimeError("Llama's layers are built in configure_model(); call it (or let the Trainer) first")
+        if not self._configured:
+            raise RuntimeError("Llama's layers get memory in configure_model(); call it (or let the Trainer) first")
         return [self.embed, *self.blocks, self.head]
 
     def pipeline_input(self, batch: Tensor) -> Tensor:

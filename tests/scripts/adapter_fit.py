@@ -9,7 +9,9 @@ schedule, microbatches, partition, steps, seed, samples, batch, seq, lr, checkpo
 the last step), after (trainer calls after fit in the same interpreter: "validate", "test", "predict", "fit"),
 pretrained (a save_pretrained folder / litgpt checkpoint folder to start from), zero_lr_first (the first update
 has learning rate 0; each rank then records its parameters after it as ``first_step`` and the first batch's loss as
-``first_loss``).
+``first_loss``), finetune (Lightning's BaseFinetuning freezes the embedding in setup and unfreezes it into a new
+parameter group at epoch 1; each rank holding it records it then as ``frozen_embedding``), sgd (SGD over the
+trainable parameters instead of the adapter's AdamW), strategy (False: plain Lightning, no strategy).
 """
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ from typing import Any
 
 import lightning as L
 import torch
+from lightning.pytorch.callbacks import BaseFinetuning
 from torch.utils.data import DataLoader
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -37,6 +40,14 @@ LITGPT_PYTHIA = dict(name="pythia-14m", n_layer=2, n_embd=32, n_head=4, vocab_si
 
 
 def build_model(cfg: dict) -> L.LightningModule:
+    model = _build_model(cfg)
+    if cfg.get("sgd"):  # plain SGD: the pipeline's and plain Lightning's rounding differ only by ~1e-7
+        model.configure_optimizers = lambda: torch.optim.SGD(  # type: ignore[method-assign]
+            [p for p in model.parameters() if p.requires_grad], lr=model.lr)
+    return model
+
+
+def _build_model(cfg: dict) -> L.LightningModule:
     lr = cfg.get("lr", 3e-3)  # as llama_fit; litgpt's key biases get only rounding noise as gradient, which Adam scales to ~lr
     if cfg.get("pretrained"):
         if cfg.get("adapter", "hf") == "hf":
@@ -64,6 +75,8 @@ def run(cfg: dict, devices: int) -> tuple[dict, L.LightningModule, L.Trainer]:
     for callback in trainer.callbacks:
         if isinstance(callback, ZeroLrFirst):
             result.update(first_step=callback.first_step, first_loss=callback.first_loss)
+        if isinstance(callback, FreezeEmbeddingUntilEpoch1) and callback.frozen is not None:
+            result["frozen_embedding"] = callback.frozen
     if trainer.is_global_zero:
         result["state_dict"] = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
     for call in cfg.get("after", []):  # later calls in the same interpreter, each with a new Trainer
@@ -86,19 +99,45 @@ def make_trainer(cfg: dict, devices: int) -> L.Trainer:
         kwargs["partition"] = cfg["partition"]
     if devices == 1:
         kwargs["num_stages"] = cfg.get("stages", 2)  # the one-device emulation of the same pipeline
-    strategy = AsyncPipelineStrategy(schedule=cfg.get("schedule", "2bw"), num_microbatches=cfg.get("microbatches", 4),
-                                     pipeline_timeout=60.0, **kwargs)
+    strategy: Any = "auto"  # strategy=False: plain Lightning
+    if cfg.get("strategy", True):
+        strategy = AsyncPipelineStrategy(schedule=cfg.get("schedule", "2bw"), num_microbatches=cfg.get("microbatches", 4),
+                                         pipeline_timeout=60.0, **kwargs)
     callbacks: list[L.Callback] = [ZeroLrFirst()] if cfg.get("zero_lr_first") else []
     if cfg.get("checkpoint_dir"):
         from lightning.pytorch.callbacks import ModelCheckpoint
 
         callbacks.append(ModelCheckpoint(dirpath=cfg["checkpoint_dir"], every_n_train_steps=cfg.get("steps", 4)))
+    checkpointing = bool(callbacks)
+    if cfg.get("finetune"):
+        callbacks.append(FreezeEmbeddingUntilEpoch1())
     trainer = L.Trainer(
         strategy=strategy, accelerator="cpu", devices=devices, max_steps=cfg.get("steps", 4), logger=False,
-        callbacks=callbacks, enable_checkpointing=bool(callbacks), enable_progress_bar=False,
+        callbacks=callbacks, enable_checkpointing=checkpointing, enable_progress_bar=False,
         enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=1 if cfg.get("evaluate") else 0,
     )
     return trainer
+
+
+class FreezeEmbeddingUntilEpoch1(BaseFinetuning):
+    """BaseFinetuning as Lightning's docs show it, on the adapter's own module path: the embedding frozen in setup
+    (before configure_model), unfrozen into a new parameter group (half the configured rate) at epoch 1."""
+
+    frozen: Any = None
+
+    def freeze_before_training(self, pl_module: L.LightningModule) -> None:
+        self.freeze(self.embedding(pl_module))
+
+    def finetune_function(self, pl_module: L.LightningModule, epoch: int, optimizer: torch.optim.Optimizer) -> None:
+        if epoch == 1:
+            weight = self.embedding(pl_module).weight
+            if not weight.is_meta:  # this rank holds the embedding's stage
+                self.frozen = weight.detach().clone()
+            self.unfreeze_and_add_param_group(self.embedding(pl_module), optimizer, lr=pl_module.lr / 2)
+
+    @staticmethod
+    def embedding(pl_module: L.LightningModule) -> torch.nn.Module:
+        return pl_module.model.embed_tokens if isinstance(pl_module, HuggingFaceCausalLM) else pl_module.transformer.wte
 
 
 class ZeroLrFirst(L.Callback):
