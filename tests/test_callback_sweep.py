@@ -264,6 +264,27 @@ def test_every_callback_on_two_processes_gives_one_devices_numbers_or_is_refused
     assert not failures, "\n".join(failures)
 
 
+#: Freezing and unfreezing (callback_fit.FREEZING_CASES) on 2 stages: partition [1, 3] makes the first stage the
+#: frozen layer alone.
+FREEZING = {"BaseFinetuning(whole first stage)": dict(callback="BaseFinetuning(whole first stage)", partition=[1, 3]),
+            "requires_grad toggled mid-epoch": dict(callback="requires_grad toggled mid-epoch")}
+
+
+@pytest.mark.multiprocess
+def test_freezing_and_unfreezing_layers_at_any_step_on_two_processes_gives_one_devices_weights(tmp_path):
+    """Whether a received activation needs a gradient changes whenever a layer is frozen or unfrozen: the second
+    stage must send back the gradient of every activation that needs one, however the first one was (a stage
+    frozen at setup never trained on 2 processes), and a stage with nothing to train at setup must still run."""
+    results = launch_two_processes({"cases": FREEZING}, tmp_path)[0]["cases"]
+    failures = []
+    for name, case in FREEZING.items():
+        one = one_process(case, tmp_path, f"{name}-one")
+        failures += compare(name, results[name], one)
+        initial = callback_fit.SweepLM().state_dict()["layers.0.weight"]
+        assert not torch.equal(one["state_dict"]["layers.0.weight"], initial), f"{name}: layer 0 never trained"
+    assert not failures, "\n".join(failures)
+
+
 # ---- the table in the docs -------------------------------------------------------------------------------------
 HEADER = """# Lightning's callbacks under AsyncPipelineStrategy
 
