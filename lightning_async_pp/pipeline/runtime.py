@@ -534,7 +534,10 @@ class PipelineRuntime:
         self._trained_buffers = {}
         for key in [key for key in self._inflight if key[1] == k]:
             del self._inflight[key]
-        self._losses.pop(k, None)  # the last stage's share of it (``last_ahead``)
+        if self._losses.pop(k, None) is not None and self.metric_names and self.metrics_fn is not None:
+            # The last stage's share of it (``last_ahead``): what the module recorded for that microbatch's loss
+            # (an MoE router's statistics, say) is taken and dropped, or it would count in the next batch.
+            self.metrics_fn()
         for stage in self.stages:
             stage.versions.forget_batch(k)
         link = self.link

@@ -127,9 +127,42 @@ class ClippingChoices:
         return loss
 
 
-class SeamTinyLM(SeamHooks, ClippingChoices, TinyLM):
-    """helpers.TinyLM (regression MLP, ``width``/``depth``/``optimizer``/``dropout``) with the recording hooks and
-    the clipping choices."""
+class CountedLosses:
+    """Mixin: with ``count_losses``, module metrics as an MoE router loss keeps them: every training
+    ``pipeline_loss`` call is recorded in the module, and ``pipeline_metrics`` reports (and forgets) how many calls
+    the batch made and the sum of their losses; ``metric_values`` keeps what was logged at every step."""
+
+    METRICS = ("train_loss_calls", "train_loss_sum")
+
+    def __init__(self, *args: Any, count_losses: bool = False, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.count_losses = count_losses
+        self._recorded: list[torch.Tensor] = []
+        self.metric_values: list[list[float]] = []
+
+    def pipeline_loss(self, output: Any, batch: Any) -> torch.Tensor:
+        loss = super().pipeline_loss(output, batch)
+        if self.count_losses and self.training and torch.is_grad_enabled():
+            self._recorded.append(loss.detach())
+        return loss
+
+    def pipeline_metric_names(self) -> tuple[str, ...]:
+        return self.METRICS if self.count_losses else ()
+
+    def pipeline_metrics(self) -> dict[str, torch.Tensor]:
+        recorded, self._recorded = self._recorded, []
+        return {"train_loss_calls": torch.tensor(float(len(recorded))),
+                "train_loss_sum": torch.stack(recorded).sum() if recorded else torch.tensor(0.0)}
+
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        super().on_train_batch_end(outputs, batch, batch_idx)
+        if self.count_losses:
+            self.metric_values.append([float(self.trainer.callback_metrics[n]) for n in self.METRICS])
+
+
+class SeamTinyLM(CountedLosses, SeamHooks, ClippingChoices, TinyLM):
+    """helpers.TinyLM (regression MLP, ``width``/``depth``/``optimizer``/``dropout``) with the recording hooks,
+    the counted losses and the clipping choices."""
 
 
 class ScheduledTinyLM(SeamTinyLM):
@@ -327,7 +360,8 @@ def run(cfg: dict, devices: int, strategy: bool = True) -> tuple[dict, PipelineM
     val_loader = build_loader(cfg, {"kind": "seq", "samples": 32, "batch": 16}) if "val_every" in cfg else None
     trainer.fit(model, loader, val_loader, ckpt_path=cfg.get("resume_from"))
     result: dict[str, Any] = {"rank": trainer.global_rank, "calls": model.calls, "seen_batches": model.seen_batches,
-                              "global_step": trainer.global_step, "losses": model.losses, "val_losses": model.val_losses}
+                              "global_step": trainer.global_step, "losses": model.losses, "val_losses": model.val_losses,
+                              "metric_values": getattr(model, "metric_values", [])}
     engine = getattr(trainer.strategy, "engine", None)
     if engine is not None:
         result["dtypes"] = held_dtypes(engine, trainer.optimizers)
