@@ -58,7 +58,8 @@ class Row:
 SWEEP: dict[str, Row] = {
     "BaseFinetuning": Row(("BaseFinetuning",), True, True,
                           "a layer frozen in setup, unfrozen into a new parameter group at epoch 1; also on 2 "
-                          "data-parallel replicas"),
+                          "data-parallel replicas, and on 2 processes with the whole first stage frozen (beside a "
+                          "plain callback freezing layers mid-epoch)"),
     "BackboneFinetuning": Row(("BackboneFinetuning",), True, True, "the backbone unfrozen at epoch 1, its lr schedule"),
     "ModelPruning": Row(("ModelPruning",), False, False, ""),
     "StochasticWeightAveraging": Row(("StochasticWeightAveraging",), True, False, "the averaged weights at the end"),
