@@ -3,14 +3,16 @@
 Activations go forward and gradients backward as non-blocking sends and receives, issued in the order of each
 stage's program (:mod:`.messages`), so that they pair up by position as NCCL pairs them. What crosses a boundary
 is any nesting of tuples, lists and dicts of tensors (:mod:`.structure`); its layout (nesting, shapes, dtypes) is
-agreed once per layout. Which leaves need a gradient is not part of it: freezing or unfreezing a layer changes that at
-any step, and a receiver could learn it per message only by reading a flag on the host (a wait for the device on
-CUDA). So every floating leaf of a training activation carries a gradient back, every time: the receiver builds its
-graph from all of them and answers each with its gradient (zeros where unused), and the sender backpropagates those
-of its outputs that needed one. The weights are those of the one-device run, where each hand-over keeps the
-sender's ``requires_grad``; the price is the input gradients of leaves that did not need one (a frozen stage's
-output, a floating table computed without autograd). Every wait is bounded by the process group's timeout and, when it breaks, reads a shared
+agreed once per layout. Every wait is bounded by the process group's timeout and, when it breaks, reads a shared
 failure board, so a stage that raised or died stops its neighbours (naming it) instead of hanging them.
+
+Which leaves need a gradient is not part of a layout: freezing or unfreezing a layer changes that at any step, and a
+receiver could learn it per message only by reading a flag on the host (a wait for the device on CUDA). So every
+floating leaf of a training activation carries a gradient back, every time: the receiver builds its graph from all
+of them and answers each with its gradient (zeros where unused), and the sender backpropagates those of its outputs
+that needed one. The weights are those of the one-device run, where each hand-over keeps the sender's
+``requires_grad``; the price is the input gradients of leaves that needed none (a frozen stage's output, a floating
+table computed without autograd) and their transfer.
 """
 from __future__ import annotations
 

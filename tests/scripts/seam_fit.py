@@ -346,7 +346,8 @@ def build_trainer(cfg: dict, devices: int, strategy: bool = True) -> L.Trainer:
     kwargs = dict(
         accelerator="cpu", devices=devices, max_steps=cfg.get("steps", -1), max_epochs=cfg.get("max_epochs"),
         logger=False, enable_checkpointing=bool(callbacks), enable_progress_bar=False,
-        callbacks=callbacks + freezing_callbacks(cfg.get("finetuning")), enable_model_summary=False, num_sanity_val_steps=cfg.get("sanity_steps", 0),
+        callbacks=callbacks + freezing_callbacks(cfg.get("finetuning")), enable_model_summary=False,
+        num_sanity_val_steps=cfg.get("sanity_steps", 0),
         limit_val_batches=cfg.get("val_batches", 1.0), limit_train_batches=cfg.get("limit_train_batches"),
         val_check_interval=cfg.get("val_every"), gradient_clip_val=cfg.get("clip"),
         gradient_clip_algorithm=cfg.get("clip_algorithm"),
@@ -395,8 +396,8 @@ def run(cfg: dict, devices: int, strategy: bool = True) -> tuple[dict, PipelineM
     val_loader = build_loader(cfg, {"kind": "seq", "samples": 32, "batch": 16}) if "val_every" in cfg else None
     trainer.fit(model, loader, val_loader, ckpt_path=cfg.get("resume_from"))
     result: dict[str, Any] = {"rank": trainer.global_rank, "calls": model.calls, "seen_batches": model.seen_batches,
-                              "global_step": trainer.global_step, "losses": model.losses, "val_losses": model.val_losses,
-                              "metric_values": getattr(model, "metric_values", [])}
+                              "global_step": trainer.global_step, "losses": model.losses,
+                              "val_losses": model.val_losses, "metric_values": getattr(model, "metric_values", [])}
     engine = getattr(trainer.strategy, "engine", None)
     if engine is not None:
         result["dtypes"] = held_dtypes(engine, trainer.optimizers)
