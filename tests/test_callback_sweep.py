@@ -275,7 +275,8 @@ FREEZING = {"BaseFinetuning(whole first stage)": dict(callback="BaseFinetuning(w
 def test_freezing_and_unfreezing_layers_at_any_step_on_two_processes_gives_one_devices_weights(tmp_path):
     """Whether a received activation needs a gradient changes whenever a layer is frozen or unfrozen: the second
     stage must send back the gradient of every activation that needs one, however the first one was (a stage
-    frozen at setup never trained on 2 processes), and a stage with nothing to train at setup must still run."""
+    frozen at setup never trained on 2 processes); a stage with nothing to train at setup must still run; and a
+    change made by a batch's hooks acts on the whole batch, the microbatches 2BW ran ahead of them included."""
     results = launch_two_processes({"cases": FREEZING}, tmp_path)[0]["cases"]
     failures = []
     for name, case in FREEZING.items():

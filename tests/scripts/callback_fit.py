@@ -254,8 +254,8 @@ CASES: dict[str, Callable[[Path], tuple[list, dict, Optional[Callable]]]] = {
 FREEZING_CASES: dict[str, Callable[[Path], tuple[list, dict, Optional[Callable]]]] = {
     # The second stage's first activation needs no gradient; from epoch 1 on they all do.
     "BaseFinetuning(whole first stage)": lambda tmp: ([FreezeFirstStageUntilEpoch1()], {}, None),
-    # Frozen from the first step to step 5, both layers around the boundary of [2, 2] (layer 1 ends stage 0),
-    # then the first stage alone from step 11 to 17 (mid-epoch), the last layer from step 19.
+    # Layers 0-2 (the first stage of [2, 2] and the layer after its boundary) frozen from the first step until
+    # step 5, the first stage alone from step 11 until 17 (mid-epoch), the last layer from step 19 on.
     "requires_grad toggled mid-epoch": lambda tmp: ([ToggleRequiresGrad(
         {0: {0: False, 1: False, 2: False}, 5: {0: True, 1: True, 2: True}, 11: {0: False, 1: False},
          17: {0: True, 1: True}, 19: {3: False}})], {}, None),
