@@ -262,7 +262,9 @@ def seam_config(combo: dict) -> dict:
 @pytest.mark.slow
 def test_drawn_combinations_on_two_processes_equal_one_device(tmp_path):
     # A smaller sample (no resume: resuming across processes is covered in test_lightning_seam.py), in one launch.
-    combos = combinations(seed=2025, count=3, two_processes=True)
+    # Seed 2044's three draw 2BW with a mid-epoch freeze of layers on both stages, and 2BW epochs cut and a stop
+    # with module metrics: the sample fails without round 6's fixes (weights 0.036 apart, 3 loss calls a batch).
+    combos = combinations(seed=2044, count=3, two_processes=True)
     cases = {f"combo{i}": seam_config(c) for i, c in enumerate(combos)}
     multi = seam_results({"cases": cases}, tmp_path)[0]["cases"]
     failures = []
