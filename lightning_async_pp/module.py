@@ -73,7 +73,9 @@ class PipelineModule(PassesFetchedBatches, L.LightningModule):
     def pipeline_metrics(self) -> dict[str, Tensor]:
         """The values of :meth:`pipeline_metric_names` for the batch just trained: called once per training batch after
         its last ``pipeline_loss`` (under the pipeline on the process holding the last stage, whose values then
-        travel with the loss to every rank, data-parallel mean included)."""
+        travel with the loss to every rank, data-parallel mean included). Also called, its values dropped, when
+        2BW ran the next batch's first ``pipeline_loss`` ahead and Lightning then did not train that batch (an epoch
+        cut short, training stopped): what the module recorded for it must not count in a later batch."""
         return {}
 
     @torch.no_grad()

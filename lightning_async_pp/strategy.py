@@ -33,6 +33,7 @@ from lightning_async_pp.lightning_callbacks import check_callbacks
 from lightning_async_pp.lookahead import FetchedBatch, LookaheadLoader, transfer_early
 from lightning_async_pp.module import PipelineModule
 from lightning_async_pp.optim.checks import check_corrections, set_step_delay
+from lightning_async_pp.optim.empty import allowing_empty_parameter_lists
 from lightning_async_pp.optim.weight_prediction import prediction_scales
 from lightning_async_pp.pipeline import checkpoint as ckpt
 from lightning_async_pp.pipeline.comm import elastic_attempt_store, is_lost_connection
@@ -329,7 +330,9 @@ class AsyncPipelineStrategy(PipelineStateHooks, DDPStrategy):
             if self.is_multiprocess:
                 # Each process holds only its stage: the model summary counts the whole model's parameters.
                 _lightning.summarize_within(trainer, self.engine.whole_model)
-            self.setup_optimizers(trainer)
+            # A stage whose parameters are all frozen builds its optimizer over none (a whole-model run has some).
+            with allowing_empty_parameter_lists() if self.is_multiprocess and self.num_stages > 1 else nullcontext():
+                self.setup_optimizers(trainer)
             self.engine.check_tied_hyperparameters(self.optimizers)
             check_corrections(self.optimizers, self.lr_scheduler_configs, self.config.stage_delays(self.engine.num_stages))
             self.engine.set_weight_prediction(prediction_scales(self.optimizers))  # before sharding or a restore

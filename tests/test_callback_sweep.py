@@ -58,7 +58,8 @@ class Row:
 SWEEP: dict[str, Row] = {
     "BaseFinetuning": Row(("BaseFinetuning",), True, True,
                           "a layer frozen in setup, unfrozen into a new parameter group at epoch 1; also on 2 "
-                          "data-parallel replicas"),
+                          "data-parallel replicas, and on 2 processes with the whole first stage frozen (beside a "
+                          "plain callback freezing layers mid-epoch)"),
     "BackboneFinetuning": Row(("BackboneFinetuning",), True, True, "the backbone unfrozen at epoch 1, its lr schedule"),
     "ModelPruning": Row(("ModelPruning",), False, False, ""),
     "StochasticWeightAveraging": Row(("StochasticWeightAveraging",), True, False, "the averaged weights at the end"),
@@ -261,6 +262,28 @@ def test_every_callback_on_two_processes_gives_one_devices_numbers_or_is_refused
             failures += compare(case, got, one_process(dict(callback=case), tmp_path, f"{case}-one"))
     for name, case in DATA_PARALLEL.items():
         failures += compare(name, results[name], one_process(case, tmp_path, "data-parallel-one"))
+    assert not failures, "\n".join(failures)
+
+
+#: Freezing and unfreezing (callback_fit.FREEZING_CASES) on 2 stages: partition [1, 3] makes the first stage the
+#: frozen layer alone.
+FREEZING = {"BaseFinetuning(whole first stage)": dict(callback="BaseFinetuning(whole first stage)", partition=[1, 3]),
+            "requires_grad toggled mid-epoch": dict(callback="requires_grad toggled mid-epoch")}
+
+
+@pytest.mark.multiprocess
+def test_freezing_and_unfreezing_layers_at_any_step_on_two_processes_gives_one_devices_weights(tmp_path):
+    """Whether a received activation needs a gradient changes whenever a layer is frozen or unfrozen: the second
+    stage must send back the gradient of every activation that needs one, however the first one was (a stage
+    frozen at setup never trained on 2 processes); a stage with nothing to train at setup must still run; and a
+    change made by a batch's hooks acts on the whole batch, the microbatches 2BW ran ahead of them included."""
+    results = launch_two_processes({"cases": FREEZING}, tmp_path)[0]["cases"]
+    failures = []
+    for name, case in FREEZING.items():
+        one = one_process(case, tmp_path, f"{name}-one")
+        failures += compare(name, results[name], one)
+        initial = callback_fit.SweepLM().state_dict()["layers.0.weight"]
+        assert not torch.equal(one["state_dict"]["layers.0.weight"], initial), f"{name}: layer 0 never trained"
     assert not failures, "\n".join(failures)
 
 

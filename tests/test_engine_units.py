@@ -206,3 +206,37 @@ def test_batch_fingerprint_changes_with_any_element_with_row_order_and_with_tens
     assert fingerprint((x, y.flip(0))) != base
     assert fingerprint({"a": x, "b": x * 2}) != fingerprint({"a": x * 2, "b": x})  # which tensor holds what
     assert fingerprint((torch.ones(3, dtype=torch.bool),)).dtype == torch.float64
+
+
+@pytest.mark.parametrize("build", ["sgd", "adamw", "error_feedback", "muon"])
+def test_an_optimizer_over_a_wholly_frozen_stage_is_one_empty_group_that_trains_what_is_added_to_it(build):
+    """A stage whose parameters are all frozen at setup gets an optimizer over no parameters (the fine-tuning
+    one over the ``requires_grad`` ones); it must step over nothing, then train a group added later exactly as
+    the same optimizer built with that group does."""
+    from lightning_async_pp.optim import ErrorFeedback, Muon
+    from lightning_async_pp.optim.empty import allowing_empty_parameter_lists
+
+    factories = {"sgd": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9),
+                 "adamw": lambda ps: torch.optim.AdamW(ps, lr=0.01, weight_decay=0.1),
+                 "error_feedback": lambda ps: ErrorFeedback(ps, optimizer=lambda q: torch.optim.AdamW(q, lr=0.01)),
+                 "muon": lambda ps: Muon(ps, lr=0.02)}
+    make = factories[build]
+    with pytest.raises(ValueError, match="empty parameter list"):
+        make([])  # outside the strategy's setup torch's own refusal stands
+    with allowing_empty_parameter_lists():
+        empty = make([])
+    assert [g["params"] for g in empty.param_groups] == [[]] and not dict(empty.state)
+    empty.step()  # nothing to do
+    torch.manual_seed(0)
+    w = nn.Parameter(torch.randn(3, 2))
+    initial = w.detach().clone()
+    empty.add_param_group({"params": [w], "lr": 0.05})
+    # The reference: the first group holds a parameter that never has a gradient (a frozen one), so steps skip it.
+    reference_w = nn.Parameter(initial.clone())
+    reference = make([nn.Parameter(torch.zeros(2), requires_grad=False)])
+    reference.add_param_group({"params": [reference_w], "lr": 0.05})
+    for step in range(3):
+        for p, opt in ((w, empty), (reference_w, reference)):
+            p.grad = torch.full_like(p, 0.1 * (step + 1))
+            opt.step()
+    assert torch.equal(w, reference_w) and not torch.equal(w, initial)

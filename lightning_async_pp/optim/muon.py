@@ -13,6 +13,8 @@ import torch
 from torch import Tensor
 from torch.optim import AdamW, Optimizer
 
+from lightning_async_pp.optim.empty import empty_parameter_lists_allowed
+
 #: A 2-D parameter whose dotted name has one of these components goes to AdamW (embeddings and output heads).
 DEFAULT_ADAMW_NAMES: tuple[str, ...] = (
     "embedding", "embeddings", "embed", "embed_tokens", "tok_embeddings", "wte", "wpe", "head", "lm_head", "output",
@@ -62,7 +64,7 @@ class Muon(Optimizer):
         adamw_names: Sequence[str] = DEFAULT_ADAMW_NAMES,
     ) -> None:
         params = list(params)
-        if not params:
+        if not params and not empty_parameter_lists_allowed():  # allowed: a pipeline stage with nothing to train
             raise ValueError("Muon got an empty parameter list; pass model.parameters() or model.named_parameters()")
         self.adamw_names = frozenset(adamw_names)
         self._muon_defaults = dict(
@@ -78,7 +80,7 @@ class Muon(Optimizer):
             adamw_betas=tuple(adamw_betas), adamw_eps=adamw_eps,
         )
         super().__init__(params, defaults)  # calls add_param_group (below) for each group
-        if not any(group["params"] for group in self.param_groups):
+        if not any(group["params"] for group in self.param_groups) and not empty_parameter_lists_allowed():
             raise ValueError("Muon got parameter groups without any parameters")
         self.state = _PartsState(self)
 

@@ -5,6 +5,14 @@ stage's program (:mod:`.messages`), so that they pair up by position as NCCL pai
 is any nesting of tuples, lists and dicts of tensors (:mod:`.structure`); its layout (nesting, shapes, dtypes) is
 agreed once per layout. Every wait is bounded by the process group's timeout and, when it breaks, reads a shared
 failure board, so a stage that raised or died stops its neighbours (naming it) instead of hanging them.
+
+Which leaves need a gradient is not part of a layout: freezing or unfreezing a layer changes that at any step, and a
+receiver could learn it per message only by reading a flag on the host (a wait for the device on CUDA). So every
+floating leaf of a training activation carries a gradient back, every time: the receiver builds its graph from all
+of them and answers each with its gradient (zeros where unused), and the sender backpropagates those of its outputs
+that needed one. The weights are those of the one-device run, where each hand-over keeps the sender's
+``requires_grad``; the price is the input gradients of leaves that needed none (a frozen stage's output, a floating
+table computed without autograd) and their transfer.
 """
 from __future__ import annotations
 
@@ -343,7 +351,7 @@ class StageLink:
     def send_activations(self, outputs: Any, check: Optional[Tensor] = None) -> None:
         """Send a forward's output; ``check`` (a batch fingerprint) goes before a batch's first microbatch."""
         leaves, spec = flatten(outputs, f"stage {self.stage}'s output")
-        layout = Layout.of(leaves, spec)
+        layout = Layout.of(leaves, spec, with_grad=False)  # which need a gradient: every floating leaf (see above)
         assert self.next_rank is not None
         if self.out_layout is None:
             self.out_layout = layout
@@ -382,11 +390,11 @@ class StageLink:
         posted = self.take(key)
         self._wait_posted(posted, "an activation")
         assert self.in_layout is not None
-        leaves = [buf.requires_grad_(m.needs_grad) for buf, m in zip(posted.tensors, self.in_layout.metas)]
+        leaves = [buf.requires_grad_(carries_grad_back(m)) for buf, m in zip(posted.tensors, self.in_layout.metas)]
         return leaves, (check[0] if check is not None else None)
 
     def send_gradients(self, gradients: list[Tensor]) -> None:
-        """The input gradients of a microbatch, one per received leaf that needs one, in order."""
+        """The input gradients of a microbatch, one per floating received leaf, in order."""
         assert self.prev_rank is not None
         for g in gradients:
             self._send(g, self.prev_rank)
@@ -394,7 +402,7 @@ class StageLink:
     def post_gradients(self, key: tuple) -> None:
         assert self.out_layout is not None and self.next_rank is not None, "gradients come after activations"
         bufs = self._take_buffers(self._grad_pool)
-        metas = [m if m.needs_grad else None for m in self.out_layout.metas]
+        metas = [m if carries_grad_back(m) else None for m in self.out_layout.metas]
         self._posted[key] = self._recv(metas, self.next_rank, bufs)
 
     def take_gradients(self, key: tuple) -> list[Optional[Tensor]]:
@@ -474,6 +482,12 @@ class StageLink:
         self._wait_posted(posted, what)
         assert posted.layout is not None
         return unflatten(list(posted.tensors), posted.layout.spec)
+
+
+def carries_grad_back(meta: Any) -> bool:
+    """Whether a leaf of a training activation carries a gradient back across processes: every floating one, in
+    every message, whatever its ``requires_grad`` (see the module docstring)."""
+    return meta.dtype.is_floating_point
 
 
 class _Meta:

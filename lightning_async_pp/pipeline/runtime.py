@@ -229,6 +229,8 @@ class PipelineRuntime:
             checks[0] = self._next_check if self._carried_in and self._next_check is not None else fingerprint(batch)
             checks[1] = fingerprint(next_batch) if lookahead else None
             self._next_check = checks[1]
+        for stage in self.stages:  # requires_grad as Lightning's hooks for this batch left it
+            stage.versions.settle_batch(k)
         lists = {s.index: step_actions(self.schedule, s.index, self.num_stages, m, carried_in=self._carried_in,
                                        lookahead=lookahead, last_ahead=self.last_ahead) for s in self.stages}
         first, last = self.stages[0], self.stages[-1]
@@ -445,8 +447,7 @@ class PipelineRuntime:
         if not stage.is_first:
             if remote_in:
                 # Taken now: releasing the microbatch below clears the inputs' .grad before the send is issued.
-                metas = self.link.in_layout.metas
-                self._outbox[("grad", b, j)] = [input_gradient(t) for t, m in zip(inputs, metas) if m.needs_grad]
+                self._outbox[("grad", b, j)] = [input_gradient(t) for t in inputs if t.requires_grad]
             else:
                 grads[(stage.index - 1, b, j)] = [input_gradient(t) if t.requires_grad else None for t in inputs]
         if action.op == "B":
@@ -533,7 +534,10 @@ class PipelineRuntime:
         self._trained_buffers = {}
         for key in [key for key in self._inflight if key[1] == k]:
             del self._inflight[key]
-        self._losses.pop(k, None)  # the last stage's share of it (``last_ahead``)
+        if self._losses.pop(k, None) is not None and self.metric_names and self.metrics_fn is not None:
+            # The last stage's share of it (``last_ahead``): what the module recorded for that microbatch's loss
+            # (an MoE router's statistics, say) is taken and dropped, or it would count in the next batch.
+            self.metrics_fn()
         for stage in self.stages:
             stage.versions.forget_batch(k)
         link = self.link

@@ -109,6 +109,9 @@ class WeightVersions:
         """Autograd leaves viewing the version that every microbatch of batch ``batch_index`` uses.
 
         The same leaves serve all of the batch's microbatches, so their ``.grad`` accumulates the batch gradient.
+        Made here (by a 2BW lookahead's forward, before Lightning's hooks for that batch ran) every floating leaf
+        needs a gradient: a layer unfrozen by those hooks must get the lookahead microbatches' share too.
+        :meth:`settle_batch` then gives the leaves the parameters' ``requires_grad`` when the batch is trained.
         """
         leaves = self._leaves.get(batch_index)
         if leaves is None:
@@ -123,14 +126,21 @@ class WeightVersions:
             else:
                 self._form_prediction()
                 slot = self.slots[version % len(self.slots)]
-            leaves = [t.detach().requires_grad_(p.requires_grad) for t, p in zip(slot, self.params)]
+            leaves = [t.detach().requires_grad_(p.is_floating_point()) for t, p in zip(slot, self.params)]
             self._leaves[batch_index] = leaves
         return leaves
+
+    def settle_batch(self, batch_index: int) -> None:
+        """Batch ``batch_index`` is trained now: its leaves need a gradient where the parameters do (as Lightning's
+        hooks for this batch left them). Autograd accumulates nothing into a leaf that no longer needs one, so a
+        layer frozen after the lookahead ran gets no gradient from it either."""
+        for leaf, p in zip(self.leaves_for_batch(batch_index), self.params):
+            leaf.requires_grad_(p.requires_grad)
 
     def take_gradients(self, batch_index: int) -> list[Tensor | None]:
         """The accumulated gradient of batch ``batch_index``; forgets that batch's leaves."""
         leaves = self._leaves.pop(batch_index)
-        return [leaf.grad for leaf in leaves]
+        return [leaf.grad if leaf.requires_grad else None for leaf in leaves]
 
     def forget_batch(self, batch_index: int) -> None:
         """Drop the leaves of a batch that will not be trained (a cancelled lookahead)."""

@@ -88,6 +88,23 @@ class FreezeFirstLayerUntilEpoch1(cb.BaseFinetuning):
             self.unfreeze_and_add_param_group(pl_module.layers[0], optimizer, lr=0.05)
 
 
+class FreezeFirstStageUntilEpoch1(FreezeFirstLayerUntilEpoch1):
+    """The same on a partition whose first stage is the first layer alone: that stage has nothing to train until
+    epoch 1, and its output, which the next stage receives, needs no gradient until then."""
+
+
+class ToggleRequiresGrad(cb.Callback):
+    """A plain callback that sets ``requires_grad`` of whole layers at the start of given steps (mid-epoch):
+    ``changes`` maps a global step to ``{layer index: requires_grad}``; the optimizer holds every parameter."""
+
+    def __init__(self, changes: dict[int, dict[int, bool]]) -> None:
+        self.changes = changes
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        for index, trainable in self.changes.get(trainer.global_step, {}).items():
+            pl_module.layers[index].requires_grad_(trainable)
+
+
 class KeepPredictions(cb.BasePredictionWriter):
     """A prediction writer that keeps what it was asked to write."""
 
@@ -232,6 +249,19 @@ CASES: dict[str, Callable[[Path], tuple[list, dict, Optional[Callable]]]] = {
 }
 
 
+#: Freezing and unfreezing layers, by a BaseFinetuning subclass or a plain callback (tests/test_callback_sweep.py,
+#: the freezing test): the same contract as CASES; a case's "partition" gives the strategy's.
+FREEZING_CASES: dict[str, Callable[[Path], tuple[list, dict, Optional[Callable]]]] = {
+    # The second stage's first activation needs no gradient; from epoch 1 on they all do.
+    "BaseFinetuning(whole first stage)": lambda tmp: ([FreezeFirstStageUntilEpoch1()], {}, None),
+    # Layers 0-2 (the first stage of [2, 2] and the layer after its boundary) frozen from the first step until
+    # step 5, the first stage alone from step 11 until 17 (mid-epoch), the last layer from step 19 on.
+    "requires_grad toggled mid-epoch": lambda tmp: ([ToggleRequiresGrad(
+        {0: {0: False, 1: False, 2: False}, 5: {0: True, 1: True, 2: True}, 11: {0: False, 1: False},
+         17: {0: True, 1: True}, 19: {3: False}})], {}, None),
+}
+
+
 def dataset_for(dp: int):
     """The data-parallel rank's shard (rows r::dp) of the sweep's data; all of it for one pipeline."""
     dataset = make_dataset(SAMPLES)
@@ -253,13 +283,13 @@ def _strategy(case: dict, devices: int, dp: int) -> AsyncPipelineStrategy:
     return AsyncPipelineStrategy(
         case.get("schedule", "2bw"), num_microbatches=MICROBATCHES * (dp if devices == 1 else 1),
         num_stages=stages if devices == 1 else None, data_parallel_size=dp if devices > 1 else 1,
-        partition=[4 // stages] * stages, pipeline_timeout=60.0)
+        partition=case.get("partition", [4 // stages] * stages), pipeline_timeout=60.0)
 
 
 def run(case: dict, devices: int, tmp: Path) -> dict:
     """One fit (then a predict for the prediction writer) of ``case``; what this rank saw."""
     L.seed_everything(0, verbose=False)
-    callbacks, trainer_kwargs, observe = CASES[case["callback"]](tmp)
+    callbacks, trainer_kwargs, observe = {**CASES, **FREEZING_CASES}[case["callback"]](tmp)
     dp = case.get("dp", 1)
     data = dataset_for(dp) if devices > 1 else (concatenated_dataset(dp) if dp > 1 else make_dataset(SAMPLES))
     batch = BATCH * dp if devices == 1 else BATCH

@@ -20,7 +20,7 @@ Config keys (all optional but ``steps`` or ``max_epochs``):
     schedule, microbatches, partition, timeout, strategy_kwargs, use_distributed_sampler (left at
     Lightning's default unless given), steps, max_epochs, save_every + checkpoint_dir, resume_from,
     val_every (validation on a fixed loader every that many training batches, its losses recorded; given as None:
-    at epoch ends), sanity_steps, limit_train_batches
+    at epoch ends), sanity_steps, limit_train_batches, finetuning (see freezing_callbacks)
 """
 from __future__ import annotations
 
@@ -53,6 +53,9 @@ class SeamHooks:
     ``seam["modify"]``: ``on_before_batch_transfer`` halves the targets (or the inputs) IN PLACE.
     ``seam["cut_at"]``: ``on_train_batch_start`` returns -1 at that ``batch_idx`` (ends the epoch there).
     ``seam["record_batches"]``: keep a copy of every batch trained on (as seen by ``on_train_batch_start``).
+    ``seam["stop_at"]``: ``on_train_batch_end`` of that global step sets ``trainer.should_stop`` (stops mid-epoch).
+    ``seam["toggle"]``: ``{"layers": [i, ...], "off": a, "on": b}``: those layers need no gradient from step ``a``
+    until step ``b`` (set at every ``on_train_batch_start`` from the step alone, so a resumed run agrees).
     """
 
     def __init__(self, *args: Any, seam: Optional[dict] = None, **kwargs: Any) -> None:
@@ -79,6 +82,11 @@ class SeamHooks:
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> Optional[int]:
         self.calls["on_train_batch_start"].append(batch_idx)
+        toggle = self.seam.get("toggle")
+        if toggle:
+            frozen = toggle["off"] <= self.trainer.global_step < toggle["on"]
+            for i in toggle["layers"]:
+                self.layers[i].requires_grad_(not frozen)
         if batch_idx == self.seam.get("cut_at"):
             return -1
         if self.seam.get("record_batches"):
@@ -88,10 +96,33 @@ class SeamHooks:
     def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
         self.calls["on_train_batch_end"].append(batch_idx)
         self.losses.append(float(outputs["loss"]))
+        if self.trainer.global_step == self.seam.get("stop_at"):
+            self.trainer.should_stop = True
 
     def on_validation_epoch_end(self) -> None:
         if self.trainer.state.fn == "fit":  # a validation within fit (val_every)
             self.val_losses.append(float(self.trainer.callback_metrics["val_loss"]))
+
+
+class LayerFinetuning(L.pytorch.callbacks.BaseFinetuning):
+    """Lightning's BaseFinetuning: ``layers`` frozen in setup, made trainable at epoch ``on`` (the optimizer holds
+    them from the start)."""
+
+    def __init__(self, layers: list[int], on: int) -> None:
+        super().__init__()
+        self.layers, self.on = list(layers), on
+
+    def freeze_before_training(self, pl_module: Any) -> None:
+        self.freeze([pl_module.layers[i] for i in self.layers])
+
+    def finetune_function(self, pl_module: Any, epoch: int, optimizer: Any) -> None:
+        if epoch == self.on:
+            self.make_trainable([pl_module.layers[i] for i in self.layers])
+
+
+def freezing_callbacks(spec: Optional[dict]) -> list:
+    """``cfg["finetuning"]`` = {"layers": [...], "on": epoch} as callbacks (none without it)."""
+    return [LayerFinetuning(spec["layers"], spec["on"])] if spec else []
 
 
 class ClippingChoices:
@@ -121,15 +152,52 @@ class ClippingChoices:
         optimizer = self.optimizers()
         optimizer.zero_grad()
         loss = self._loss(batch, batch_idx)
+        if self.pipeline_metric_names():  # logged as PipelineModule.training_step logs them
+            executor = self._pipeline_executor
+            for name, value in (self.pipeline_metrics() if executor is None else executor.train_metrics()).items():
+                self.log(name, value)
         self.manual_backward(loss)
         self.clip_gradients(optimizer, gradient_clip_val=self.clipping["val"], gradient_clip_algorithm="norm")
         optimizer.step()
         return loss
 
 
-class SeamTinyLM(SeamHooks, ClippingChoices, TinyLM):
-    """helpers.TinyLM (regression MLP, ``width``/``depth``/``optimizer``/``dropout``) with the recording hooks and
-    the clipping choices."""
+class CountedLosses:
+    """Mixin: with ``count_losses``, module metrics as an MoE router loss keeps them: every training
+    ``pipeline_loss`` call is recorded in the module, and ``pipeline_metrics`` reports (and forgets) how many calls
+    the batch made and the sum of their losses; ``metric_values`` keeps what was logged at every step."""
+
+    METRICS = ("train_loss_calls", "train_loss_sum")
+
+    def __init__(self, *args: Any, count_losses: bool = False, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.count_losses = count_losses
+        self._recorded: list[torch.Tensor] = []
+        self.metric_values: list[list[float]] = []
+
+    def pipeline_loss(self, output: Any, batch: Any) -> torch.Tensor:
+        loss = super().pipeline_loss(output, batch)
+        if self.count_losses and self.training and torch.is_grad_enabled():
+            self._recorded.append(loss.detach())
+        return loss
+
+    def pipeline_metric_names(self) -> tuple[str, ...]:
+        return self.METRICS if self.count_losses else ()
+
+    def pipeline_metrics(self) -> dict[str, torch.Tensor]:
+        recorded, self._recorded = self._recorded, []
+        return {"train_loss_calls": torch.tensor(float(len(recorded))),
+                "train_loss_sum": torch.stack(recorded).sum() if recorded else torch.tensor(0.0)}
+
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        super().on_train_batch_end(outputs, batch, batch_idx)
+        if self.count_losses:
+            self.metric_values.append([float(self.trainer.callback_metrics[n]) for n in self.METRICS])
+
+
+class SeamTinyLM(CountedLosses, SeamHooks, ClippingChoices, TinyLM):
+    """helpers.TinyLM (regression MLP, ``width``/``depth``/``optimizer``/``dropout``) with the recording hooks,
+    the counted losses and the clipping choices."""
 
 
 class ScheduledTinyLM(SeamTinyLM):
@@ -277,8 +345,9 @@ def build_trainer(cfg: dict, devices: int, strategy: bool = True) -> L.Trainer:
                                          every_n_train_steps=cfg["save_every"]))
     kwargs = dict(
         accelerator="cpu", devices=devices, max_steps=cfg.get("steps", -1), max_epochs=cfg.get("max_epochs"),
-        logger=False, enable_checkpointing=bool(callbacks), callbacks=callbacks, enable_progress_bar=False,
-        enable_model_summary=False, num_sanity_val_steps=cfg.get("sanity_steps", 0),
+        logger=False, enable_checkpointing=bool(callbacks), enable_progress_bar=False,
+        callbacks=callbacks + freezing_callbacks(cfg.get("finetuning")), enable_model_summary=False,
+        num_sanity_val_steps=cfg.get("sanity_steps", 0),
         limit_val_batches=cfg.get("val_batches", 1.0), limit_train_batches=cfg.get("limit_train_batches"),
         val_check_interval=cfg.get("val_every"), gradient_clip_val=cfg.get("clip"),
         gradient_clip_algorithm=cfg.get("clip_algorithm"),
@@ -327,7 +396,8 @@ def run(cfg: dict, devices: int, strategy: bool = True) -> tuple[dict, PipelineM
     val_loader = build_loader(cfg, {"kind": "seq", "samples": 32, "batch": 16}) if "val_every" in cfg else None
     trainer.fit(model, loader, val_loader, ckpt_path=cfg.get("resume_from"))
     result: dict[str, Any] = {"rank": trainer.global_rank, "calls": model.calls, "seen_batches": model.seen_batches,
-                              "global_step": trainer.global_step, "losses": model.losses, "val_losses": model.val_losses}
+                              "global_step": trainer.global_step, "losses": model.losses,
+                              "val_losses": model.val_losses, "metric_values": getattr(model, "metric_values", [])}
     engine = getattr(trainer.strategy, "engine", None)
     if engine is not None:
         result["dtypes"] = held_dtypes(engine, trainer.optimizers)
