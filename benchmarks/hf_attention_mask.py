@@ -8,7 +8,7 @@ so that the machine's drift reaches both alike. Prints the median of each and of
     .venv/bin/python benchmarks/hf_attention_mask.py --shapes 2048x1 --steps 8
 
 One thread (as Lightning gives each of two processes on two cores). Nothing is downloaded: the model is built
-from a config (docs/design.md, "Adapters of upstream models").
+from a config (docs/design/adapters.md, "Adapters of upstream models").
 """
 from __future__ import annotations
 

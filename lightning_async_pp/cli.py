@@ -72,6 +72,20 @@ class AsyncPipelineCLI(LightningCLI):
             scheduler["monitor"] = lr_scheduler.monitor
         return {"optimizer": optimizer, "lr_scheduler": scheduler}
 
+    def instantiate_classes(self) -> None:
+        super().instantiate_classes()
+        # partition="balanced" costs the layers on one microbatch shaped as the data module's (shapes only).
+        model, data = getattr(self, "model", None), getattr(self, "datamodule", None)
+        if (isinstance(model, PipelineModule) and model.pipeline_example_batch is None
+                and callable(getattr(data, "example_batch", None))):
+            rows = 1
+            config = getattr(getattr(self, "trainer", None) and self.trainer.strategy, "config", None)
+            batch_size = getattr(data, "batch_size", None)
+            microbatches = getattr(config, "num_microbatches", None)
+            if isinstance(batch_size, int) and isinstance(microbatches, int) and batch_size % microbatches == 0:
+                rows = batch_size // microbatches
+            model.pipeline_example_batch = data.example_batch(rows)
+
     def before_fit(self) -> None:
         _print_tensorboard_hint(self.trainer, "Training")
 

@@ -6,7 +6,7 @@ Without a ``tokenizer_config.json``, ``AutoTokenizer`` picks the tokenizer class
 ``<unk>``) as new ids past the vocabulary and prepends a BOS; and the config keeps the family's default ids (Llama:
 bos 1, eos 2), which are other tokens of the user's vocabulary. So the folder names the generic
 ``PreTrainedTokenizerFast`` (the ``tokenizer.json`` as it is) and special tokens the vocabulary has, and the config's
-ids are those tokens' (see docs/design.md, 'Checkpoints').
+ids are those tokens' (see docs/design/checkpoints.md, 'Checkpoints').
 
 The tokens are read as the data reads them (:func:`~lightning_async_pp.data.tokenized.eos_id`): the EOS is
 ``tokenizer_config.json``'s ``eos_token``, else the first known end-of-text name the vocabulary has; BOS, PAD and

@@ -65,6 +65,19 @@ class PipelineModule(PassesFetchedBatches, L.LightningModule):
             f"Cannot tell the inputs of a batch of type {type(batch).__name__}; override pipeline_input(batch)"
         )
 
+    #: An example batch of one microbatch's shape that ``partition="balanced"`` costs the layers on (shapes only:
+    #: it runs on the ``meta`` device). ``None``: :meth:`pipeline_sample` uses ``example_input_array``. The CLI sets
+    #: it from the data module (``TextDataModule.example_batch()``).
+    pipeline_example_batch: Any = None
+
+    def pipeline_sample(self) -> Any:
+        """One microbatch-shaped batch for the cost model of ``partition="balanced"`` (docs/design/planner.md, "Balanced
+        split"), or ``None`` (then the split falls back to parameter counts, with a warning). Default:
+        :attr:`pipeline_example_batch`, else ``example_input_array``."""
+        if self.pipeline_example_batch is not None:
+            return self.pipeline_example_batch
+        return self.example_input_array
+
     def pipeline_metric_names(self) -> tuple[str, ...]:
         """Names of scalars, besides the loss, that ``pipeline_loss`` computes and ``training_step`` logs (an MoE
         model's balancing loss, say). Fixed for the module's lifetime; default none."""

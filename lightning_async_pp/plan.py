@@ -11,7 +11,9 @@ peak activations and weight copies per device. The costs come from one of:
 - ``--stage-forward-s a b ... [--stage-backward-s ...]``: seconds per microbatch of each stage (fixes ``p``);
 - a model shape (``--model smollm-360m`` or ``llama-10b``, or ``--hidden --layers --heads --kv-heads
   --intermediate --vocab --seq-len``): FLOPs per layer, an accelerator rate (``--tflops`` x ``--mfu``) and a
-  link bandwidth (``--link-gbps``) give the times; blocks are split to balance FLOPs.
+  link bandwidth (``--link-gbps``) give the times; blocks are split as the engine's ``partition="balanced"`` splits
+  them (``pipeline.cost.balanced_split``: the slowest stage least, every stage's memory under
+  ``--stage-memory-gib``), and a *Split* table sets that split against ``"parameters"`` and ``"uniform"``.
 
 A shape also gives a table of each schedule's peak memory per device (:func:`device_memory`: the memory model,
 ``pipeline.memory.stage_memory``, fed the shape's per-layer parameters and activations, ``--param-bytes``,
@@ -35,6 +37,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Optional, Sequence
 
+from lightning_async_pp.pipeline.cost import LayerCost, MemoryModel, balanced_split, stage_memory_bytes
 from lightning_async_pp.pipeline.memory import StageMemory, stage_memory
 from lightning_async_pp.pipeline.partition import _balanced_counts
 from lightning_async_pp.pipeline.schedule import PLANNER_SCHEDULES, chunks_per_device, device_of
@@ -43,7 +46,8 @@ from lightning_async_pp.pipeline.simulate import SimulationResult, simulate
 
 @dataclass(frozen=True)
 class Shape:
-    """A Llama-style decoder (RMSNorm, grouped-query attention, SwiGLU MLP, tied embedding and head)."""
+    """A Llama-style decoder (RMSNorm, grouped-query attention, SwiGLU MLP, tied embedding and head, or, with
+    ``tied=False``, an embedding and a head of their own: the stages hold the same bytes either way)."""
 
     hidden: int
     layers: int
@@ -52,6 +56,7 @@ class Shape:
     intermediate: int
     vocab: int
     seq_len: int
+    tied: bool = True
 
     @property
     def kv_dim(self) -> int:
@@ -74,7 +79,7 @@ class Shape:
     def parameters(self) -> int:
         h = self.hidden
         block = 2 * h * h + 2 * h * self.kv_dim + 3 * h * self.intermediate + 2 * h
-        return self.layers * block + self.vocab * h + h
+        return self.layers * block + self.vocab * h * (1 if self.tied else 2) + h
 
     def layer_parameters(self, split_blocks: bool) -> list[int]:
         """Parameters of each pipeline layer, as :meth:`pipeline_layers` splits them. The tied embedding/head is
@@ -135,10 +140,23 @@ class Shape:
         flops[-1] += self.head_flops()
         return flops
 
+    def layer_costs(self, split_blocks: bool, tokens: int, value_bytes: int, param_bytes: int,
+                    backward_ratio: float) -> list[LayerCost]:
+        """Each pipeline layer as ``pipeline.cost`` weighs it for the balanced split (what the engine counts with
+        ``FlopCounterMode`` on the built-in Llama; a test compares the two): FLOPs over ``tokens``, parameter
+        bytes, and the bytes its forward keeps (:meth:`layer_saved_bytes`)."""
+        return [LayerCost(round(f * tokens), round(f * tokens * backward_ratio), n * param_bytes, saved)
+                for f, n, saved in zip(self.pipeline_layers(split_blocks), self.layer_parameters(split_blocks),
+                                       self.layer_saved_bytes(split_blocks, tokens, value_bytes))]
+
 
 #: ``smollm-360m``: the paper's 360M model (SmolLM-360M). ``llama-10b``: a Llama-style 10B shape (Llama-2-13B's
-#: width with 32 blocks, multi-head attention; 10.3B parameters with the tied embedding).
+#: width with 32 blocks, multi-head attention; 10.3B parameters with the tied embedding). ``smollm-135m``:
+#: SmolLM-135M. ``llama-3-8b``: Llama-3-8B (vocabulary 128256, embedding and head apart, sequence 8192).
 MODELS: dict[str, Shape] = {
+    "smollm-135m": Shape(hidden=576, layers=30, heads=9, kv_heads=3, intermediate=1536, vocab=49152, seq_len=2048),
+    "llama-3-8b": Shape(hidden=4096, layers=32, heads=32, kv_heads=8, intermediate=14336, vocab=128256,
+                        seq_len=8192, tied=False),
     "smollm-360m": Shape(hidden=960, layers=32, heads=15, kv_heads=5, intermediate=2560, vocab=49152, seq_len=2048),
     "llama-10b": Shape(hidden=5120, layers=32, heads=40, kv_heads=40, intermediate=13824, vocab=32000, seq_len=2048),
 }
@@ -227,14 +245,46 @@ class CostModel:
         ring = lambda b: 2 * (r - 1) / r * b / (gbps * 1e9) + 2 * (r - 1) * args.dp_latency_s  # noqa: E731
         return [ring(b) for b in nbytes], nbytes
 
-    def costs(self, p: int) -> Optional[Costs]:
+    def memory_model(self, p: int, m: int) -> MemoryModel:
+        """What the balanced split's memory cap is checked against: 2bw's memory if it is planned, else 1f1b's."""
+        args = self.args
+        schedule = "2bw" if "2bw" in args.schedules else "gpipe" if args.schedules == ["gpipe"] else "1f1b"
+        return MemoryModel(schedule, p, m, args.data_parallel, args.shard_optimizer)
+
+    def split(self, p: int, m: int, method: str = "balanced") -> list[int]:
+        """Layers per stage by ``method``: ``balanced`` (``pipeline.cost.balanced_split``: the slowest stage's
+        forward and backward least, every stage's memory under ``--stage-memory-gib``, as the engine splits),
+        ``parameters`` or ``uniform``."""
+        n = len(self.layer_forward)
+        if method == "uniform":
+            return _balanced_counts([1] * n, p)
+        if method == "parameters":
+            if self.shape is None:
+                return _balanced_counts([1] * n, p)
+            return _balanced_counts(self.shape.layer_parameters(self.args.split_blocks), p)
+        memory, cap = None, None
+        if self.shape is not None:
+            layers = self.layer_costs()
+            model = self.memory_model(p, m)
+            memory = lambda i, j, s: stage_memory_bytes(layers, i, j, s, model)  # noqa: E731
+            if self.args.stage_memory_gib is not None:
+                cap = self.args.stage_memory_gib * 2**30
+        return balanced_split(self.layer_forward, p, memory=memory, memory_cap=cap)
+
+    def layer_costs(self) -> list[LayerCost]:
+        assert self.shape is not None
+        args = self.args
+        return self.shape.layer_costs(args.split_blocks, args.microbatch_size * self.shape.seq_len,
+                                      args.bytes_per_value, args.param_bytes, self.backward_ratio)
+
+    def costs(self, p: int, m: int = 1, counts: Optional[list[int]] = None) -> Optional[Costs]:
         if self.fixed_stages is not None:
             return Costs(list(self.args.stage_forward_s), list(self.stage_backward), self.comm_s, None,
                          self.dp_reduction(p, None)[0])
         if p > len(self.layer_forward):
             return None
-        # Contiguous split balancing the forward time (integer weights: nanoseconds, at least 1).
-        counts = _balanced_counts([max(1, round(t * 1e9)) for t in self.layer_forward], p)
+        if counts is None:
+            counts = self.split(p, m)
         forward, start = [], 0
         for c in counts:
             forward.append(sum(self.layer_forward[start : start + c]))
@@ -357,9 +407,10 @@ def plan(args: argparse.Namespace) -> tuple[list[str], list[dict]]:
     written: list[str] = []
     figures: list[str] = []
     several = len(model.stages(args.stages)) * len(args.microbatches) * len(schedules) > 1
+    split_lines: list[str] = []
     for p in model.stages(args.stages):
-        costs = model.costs(p)
         for m in args.microbatches:
+            costs = model.costs(p, m)
             if costs is None:
                 lines.append(f"| {p} | {m} | - | - | more stages than the {len(model.layer_forward)} pipeline layers"
                              + (" (--split-blocks doubles them)" if model.shape and not args.split_blocks else "")
@@ -401,12 +452,16 @@ def plan(args: argparse.Namespace) -> tuple[list[str], list[dict]]:
                              f"{r.peak_activation_memory:.3g} | {weights} |")
             records.append({"p": p, "m": m, "layers_per_stage": counts, "best_sync": best,
                             "results": {s: r for s, r in results.items() if s in schedules}})
+            if counts is not None and model.shape is not None:  # identical layers: every method splits alike
+                rows, records[-1]["splits"] = split_rows(args, model, p, m, results, schedules)
+                split_lines += rows
             if model.shape is not None and counts is not None:
                 tokens = args.microbatch_size * model.shape.seq_len
                 memory = {s: device_memory(model.shape, counts, results[s], tokens=tokens,
                                            value_bytes=args.bytes_per_value, param_bytes=args.param_bytes,
                                            optimizer=args.optimizer,
-                                           correction_buffers=args.correction_buffers, split_blocks=args.split_blocks)
+                                           correction_buffers=args.correction_buffers, split_blocks=args.split_blocks,
+                                           data_parallel=args.data_parallel, shard_optimizer=args.shard_optimizer)
                           for s in schedules if results[s] is not None}
                 records[-1]["memory"] = memory
                 memory_lines += [memory_row(p, m, label(s, args), per_device) for s, per_device in memory.items()]
@@ -414,6 +469,16 @@ def plan(args: argparse.Namespace) -> tuple[list[str], list[dict]]:
                 dp = dp_row(args, p, m, costs, [s for s in schedules if results[s] is not None])
                 dp_lines.append(dp[0])
                 records[-1]["data_parallel"] = dp[1]
+    if split_lines:
+        lines += ["", "## Split: balanced against parameters and uniform", "",
+                  "Layers per stage and the simulated step of each way to split them: *balanced* (what "
+                  "`partition=\"balanced\"`, the engine's default, picks from the same per-layer costs: the slowest "
+                  "stage's forward and backward least"
+                  + (f", every stage's predicted memory under {args.stage_memory_gib:g} GiB" if args.stage_memory_gib
+                     else "") + "), *parameters* (parameter counts balanced) and *uniform* (layer counts); "
+                  "*x balanced*: this split's step / the balanced one's. The tables above use the balanced split.", "",
+                  "| p | m | schedule | split | layers per stage | step | x balanced |",
+                  "|---:|---:|---|---|---|---:|---:|", *split_lines]
     if memory_lines:
         lines += ["", "## Memory per device (peak, GiB)", "",
                   f"The device with the largest peak, by what holds it (`pipeline.memory.stage_memory` over the "
@@ -425,7 +490,12 @@ def plan(args: argparse.Namespace) -> tuple[list[str], list[dict]]:
                   f"under SDPA's causal kernel (in one dtype throughout; under autocast each matmul also keeps a "
                   f"bf16 copy of its input), a microbatch's input and output, and its "
                   f"backward's largest transient, an estimate; a batch's first backward allocates its gradients as it "
-                  f"frees activations (the larger of the two counts). docs/guide/planning.md, \"Memory\".", "",
+                  f"frees activations (the larger of the two counts)"
+                  + (f"; with {args.data_parallel} replicas the engine runs no batch ahead, so one gradient"
+                     if args.data_parallel > 1 else "")
+                  + (f"; optimizer state and correction split over the {args.data_parallel} replicas (ZeRO-1)"
+                     if args.shard_optimizer and args.data_parallel > 1 else "")
+                  + ". docs/guide/planning.md, \"Memory\".", "",
                   "| p | m | schedule | device | weights | versions | gradients | optimizer state | correction | "
                   "activations | total |", "|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|", *memory_lines]
     if dp_lines:
@@ -437,7 +507,7 @@ def plan(args: argparse.Namespace) -> tuple[list[str], list[dict]]:
                   f"of its own. Step time (and, in brackets, the reduction time per step not hidden, the slowest "
                   f"stage's) with the reduction *after* the step's last action, *overlapped* from the last backward "
                   f"in {args.dp_buckets} buckets (what the engine does), and for 2bw *deferred* until batch k+2's first "
-                  f"forward (not done inside Lightning's loop; see docs/design.md, \"Data parallelism\").", ""]
+                  f"forward (not done inside Lightning's loop; see docs/design/data-parallel.md, \"Data parallelism\").", ""]
         head = ["p", "m", "gradient / stage (max)", "reduction (max)"]
         for s in schedules:
             head += [f"{s} after", f"{s} overlapped"] + (["2bw deferred"] if s == "2bw" else [])
@@ -453,9 +523,13 @@ def plan(args: argparse.Namespace) -> tuple[list[str], list[dict]]:
 
 def device_memory(shape: Shape, counts: list[int], result: SimulationResult, *, tokens: int, value_bytes: int,
                   param_bytes: int, optimizer: str = "adamw", correction_buffers: float = 0.0,
-                  split_blocks: bool = False) -> list[StageMemory]:
+                  split_blocks: bool = False, data_parallel: int = 1, shard_optimizer: bool = False) -> list[StageMemory]:
     """Each device's peak by :func:`~lightning_async_pp.pipeline.memory.stage_memory`, the shape's pipeline layers
-    split by ``counts`` (a chunked schedule's device holds the same share in chunks), microbatches of ``tokens``."""
+    split by ``counts`` (a chunked schedule's device holds the same share in chunks), microbatches of ``tokens``.
+    With ``data_parallel > 1`` the engine does not run 2BW's next batch ahead of the update (one gradient, not
+    two; docs/design/data-parallel.md, "Data parallelism"), and ``shard_optimizer`` (ZeRO-1) splits the optimizer state and the
+    correction's buffer over the replicas."""
+    shards = data_parallel if shard_optimizer and data_parallel > 1 else 1
     params, matrices = shape.layer_parameters(split_blocks), shape.layer_matrix_parameters(split_blocks)
     saved = shape.layer_saved_bytes(split_blocks, tokens, value_bytes)
     transient = shape.layer_transient_bytes(split_blocks, tokens, value_bytes)
@@ -468,13 +542,13 @@ def device_memory(shape: Shape, counts: list[int], result: SimulationResult, *, 
         weights = sum(params[start:end]) * param_bytes
         kept = sum(saved[start:end]) + boundary * ((device > 0) + (device < len(counts) - 1))
         working = kept + max(transient[start:end])
-        correction = round(correction_buffers * weights)
+        correction = round(correction_buffers * weights / shards)
         # A batch's first backward allocates the gradients as it frees the activations: its peak is taken as the
         # larger of the two (the allocator measured it within 1% of a later backward's at SmolLM's width).
         out.append(stage_memory(result, device, weight_bytes=weights, saved_bytes=kept, working_bytes=working,
-                                first_working_bytes=max(working, weights),
+                                first_working_bytes=max(working, weights), run_ahead=data_parallel == 1,
                                 optimizer_state_bytes=optimizer_state_bytes(optimizer, params[start:end],
-                                                                            matrices[start:end], param_bytes),
+                                                                            matrices[start:end], param_bytes) // shards,
                                 # ErrorFeedback keeps one buffer per parameter and its update one more copy
                                 correction_bytes=correction, update_bytes=correction))
         start = end
@@ -496,6 +570,30 @@ def optimizer_state_bytes(optimizer: str, params: Sequence[int], matrices: Seque
     if optimizer == "sgd":
         return sum(params) * param_bytes
     raise ValueError(f"optimizer {optimizer!r} is not one of {sorted(OPTIMIZER_STATE_RULES)}")
+
+
+def split_rows(args: argparse.Namespace, model: CostModel, p: int, m: int,
+               results: dict[str, Optional[SimulationResult]], schedules: list[str]) -> tuple[list[str], dict]:
+    """Rows of the split table: each schedule simulated on the balanced, parameters and uniform splits."""
+    rows, record = [], {}
+    for method in ("balanced", "parameters", "uniform"):
+        counts = model.split(p, m, method)
+        costs = model.costs(p, m, counts)
+        assert costs is not None
+        record[method] = {"layers_per_stage": counts}
+        for s in schedules:
+            if s not in ("2bw", "1f1b", "gpipe", "zb_h1") or results.get(s) is None:
+                continue
+            r = results[s] if method == "balanced" else simulate(
+                s, p, m, costs.forward_s, costs.backward_s, comm_s=costs.comm_s, optimizer_s=args.optimizer_s,
+                steps=args.steps, weight_grad_fraction=args.weight_grad_fraction, **tied_kwargs(args, s, p))
+            assert r is not None
+            base = results[s]
+            assert base is not None
+            record[method][s] = r.step_time_s
+            rows.append(f"| {p} | {m} | {s} | {method} | {counts} | {fmt_seconds(r.step_time_s)} | "
+                        f"{r.step_time_s / base.step_time_s:.2f} |")
+    return rows, record
 
 
 def memory_row(p: int, m: int, schedule: str, per_device: list[StageMemory]) -> str:
@@ -586,6 +684,9 @@ def parser() -> argparse.ArgumentParser:
                    help="a delay correction's buffers per parameter, for the memory table (default 0; ErrorFeedback 1)")
     s.add_argument("--optimizer", choices=sorted(OPTIMIZER_STATE_RULES), default="adamw",
                    help="whose state the memory table counts (default adamw)")
+    s.add_argument("--stage-memory-gib", type=_positive,
+                   help="the balanced split keeps every stage's predicted peak under this many GiB (as the strategy's "
+                        "stage_memory_gib)")
     d = ap.add_argument_group("data parallelism (a second table)")
     d.add_argument("--data-parallel", "-r", type=_positive_int, default=1, help="replicas of each stage (default 1)")
     d.add_argument("--dp-gbps", type=_positive, help="bandwidth of the replicas' link, GB/s (default --link-gbps)")
@@ -593,6 +694,9 @@ def parser() -> argparse.ArgumentParser:
     d.add_argument("--grad-bytes", type=_positive_int, default=4, help="bytes per gradient value (default 4, fp32)")
     d.add_argument("--dp-buckets", type=_positive_int, default=8, help="buckets the overlapped reduction uses (default 8)")
     d.add_argument("--dp-reduce-s", type=_non_negative, help="seconds of one stage's reduction (without a model shape)")
+    d.add_argument("--shard-optimizer", action="store_true",
+                   help="ZeRO-1 (the strategy's shard_optimizer=True): the memory table splits each stage's optimizer "
+                        "state and correction buffer over its replicas")
     return ap
 
 

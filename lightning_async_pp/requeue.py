@@ -6,7 +6,7 @@ under 2BW that is in the middle of a step (a half-done batch, a lookahead in fli
 others), and the collective save can wait on a stage that is blocked in a transfer. Here the handler only sets a
 flag; at the next step boundary the stages agree on one step (:class:`~.pipeline.comm.StepAgreement`), and there
 every stage saves the hpc checkpoint, rank 0 asks SLURM to requeue the job, and training stops. See
-docs/design.md, "Faults".
+docs/design/checkpoints.md, "Faults".
 """
 from __future__ import annotations
 

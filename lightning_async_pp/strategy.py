@@ -3,7 +3,7 @@
 Lightning keeps doing what it does (launching processes, the loops, the optimizer/scheduler/clipping calls,
 logging, checkpoints); this class only builds a :class:`PipelineEngine` in ``setup``, runs it from the module's
 steps, hands its batch gradient to Lightning's optimizer step, and saves its weight versions with checkpoints.
-How it meets Lightning is described in docs/design.md, "The Lightning seam".
+How it meets Lightning is described in docs/design/lightning.md, "The Lightning seam".
 """
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ from lightning.pytorch.plugins.precision import MixedPrecision
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.exceptions import SIGTERMException
-from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import Tensor
 
 from lightning_async_pp import _lightning
@@ -59,7 +59,7 @@ _LIGHTNING_KWARGS = ("accelerator", "parallel_devices", "cluster_environment", "
 _OWN_KWARGS = ("schedule", "num_microbatches", "data_parallel_size", "partition", "delay", "sync_steps", "num_stages",
                "gather_final_weights", "pipeline_timeout", "check_batches", "save_distributed_checkpoint",
                "activation_checkpointing", "sync_from_step", "shard_optimizer", "async_checkpoint",
-               "compile")
+               "compile", "stage_memory_gib")
 
 
 class AsyncPipelineStrategy(PipelineStateHooks, DDPStrategy):
@@ -73,8 +73,13 @@ class AsyncPipelineStrategy(PipelineStateHooks, DDPStrategy):
         num_microbatches: microbatches each training batch is split into along dim 0. Default: the number of
             stages, at least 4 (``2bw`` needs at least one per stage).
         data_parallel_size: pipelines side by side; the stages are the processes divided by this.
-        partition: ``"parameters"`` (balance parameter counts), ``"uniform"`` (balance layer counts) or a list of
-            layer counts per stage.
+        partition: ``"balanced"`` (default: the contiguous split whose slowest stage is fastest, each layer's
+            forward and backward FLOPs counted on fake tensors for the model's example batch, every stage's
+            predicted memory under ``stage_memory_gib``; without an example batch, parameter counts, with a
+            warning), ``"parameters"`` (balance parameter counts), ``"uniform"`` (balance layer counts) or a list
+            of layer counts per stage. The split is printed at setup and read as ``engine.stats.split``; see
+            docs/design/planner.md, 'Balanced split'.
+        stage_memory_gib: with ``partition="balanced"``, a cap on every stage's predicted peak memory (GiB).
         delay: research variants (one device): an integer ``d >= 0`` takes every gradient at ``W_{k-d}``; a list
             gives each stage its own delay. Default: 1 for ``2bw``, 0 for the synchronous schedules.
         sync_steps: run the first ``sync_steps`` updates synchronously, then the configured schedule.
@@ -113,7 +118,7 @@ class AsyncPipelineStrategy(PipelineStateHooks, DDPStrategy):
             own, once). ``True`` is inductor with ``emulate_precision_casts`` and ``fallback_random``, so results
             equal eager ones, bf16 and dropout included; a dict is passed as given. Not with ``schedule="zb_h1"``.
             A model given to the Trainer as ``torch.compile(model)`` is run this way too (with a warning): the
-            whole-model compile is undone. See docs/design.md, 'Compiled layers'.
+            whole-model compile is undone. See docs/design/stages.md, 'Compiled layers'.
     """
 
     strategy_name = "async_pipeline"
@@ -125,7 +130,7 @@ class AsyncPipelineStrategy(PipelineStateHooks, DDPStrategy):
         schedule: str = "2bw",
         num_microbatches: Optional[int] = None,
         data_parallel_size: int = 1,
-        partition: PartitionSpec = "parameters",
+        partition: PartitionSpec = "balanced",
         delay: DelaySpec = None,
         sync_steps: int = 0,
         num_stages: Optional[int] = None,
@@ -138,6 +143,7 @@ class AsyncPipelineStrategy(PipelineStateHooks, DDPStrategy):
         shard_optimizer: bool = False,
         async_checkpoint: bool = False,
         compile: CompileSpec = False,
+        stage_memory_gib: Optional[float] = None,
         *,
         accelerator: Any = None,
         parallel_devices: Any = None,
@@ -164,7 +170,7 @@ class AsyncPipelineStrategy(PipelineStateHooks, DDPStrategy):
             pipeline_timeout=pipeline_timeout, check_batches=check_batches,
             activation_checkpointing=activation_checkpointing, shard_optimizer=shard_optimizer,
             save_distributed_checkpoint=save_distributed_checkpoint, async_checkpoint=async_checkpoint,
-            compile=compile,
+            compile=compile, stage_memory_gib=stage_memory_gib,
         )
         super().__init__(
             accelerator=accelerator, parallel_devices=parallel_devices, cluster_environment=cluster_environment,
@@ -318,7 +324,9 @@ class AsyncPipelineStrategy(PipelineStateHooks, DDPStrategy):
             input_fn=module.pipeline_input, loss_fn=module.pipeline_loss,
             device=self.root_device, world_size=self.world_size_total, rank=self.global_rank,
             metric_names=module.pipeline_metric_names(), metrics_fn=module.pipeline_metrics,
+            sample_batch=module.pipeline_sample(),
         )
+        rank_zero_info(f"lightning_async_pp: {self.engine.split.describe()}")
         # Layers built on the meta device (configure_model) get memory here, this process's stage only.
         self.engine.materialize(self.root_device, module.init_layer)
         self.model_to_device()
@@ -362,7 +370,7 @@ class AsyncPipelineStrategy(PipelineStateHooks, DDPStrategy):
             _lightning.replace_sigterm_broadcast(trainer, self._check_sigterm_locally)
 
     def _compile_per_layer(self) -> None:
-        """The Trainer was given ``torch.compile(model)``: compile the pipeline layers instead (see docs/design.md,
+        """The Trainer was given ``torch.compile(model)``: compile the pipeline layers instead (see docs/design/stages.md,
         'Compiled layers')."""
         if self.config.compile is not False:
             how = f"with the strategy's compile={self.config.compile!r}"
@@ -385,7 +393,7 @@ class AsyncPipelineStrategy(PipelineStateHooks, DDPStrategy):
         device, without memory, as under Lightning's ``ModelParallelStrategy``; buffers stay real, so a table
         computed in ``__init__`` keeps its values. ``setup`` materializes only this process's stage
         (:meth:`PipelineEngine.materialize`). ``empty_init=False`` creates them normally. ``load_state_dict`` onto
-        meta parameters raises there (it would copy nothing; see docs/design.md, 'Starting from pretrained weights')."""
+        meta parameters raises there (it would copy nothing; see docs/design/adapters.md, 'Starting from pretrained weights')."""
         with parameters_on_meta() if empty_init is not False else nullcontext(), refusing_loads_onto_meta(), \
                 self.precision_plugin.tensor_init_context():
             yield

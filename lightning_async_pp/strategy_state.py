@@ -1,6 +1,6 @@
 """The hooks of ``AsyncPipelineStrategy`` that move the model's state: checkpoints (saved and loaded through the
 layout-free dictionary of :mod:`.pipeline.checkpoint`) and the gather of the whole model into rank 0 after every
-trainer call. A mixin, so that ``strategy.py`` keeps the run itself; see docs/design.md, "Checkpoints".
+trainer call. A mixin, so that ``strategy.py`` keeps the run itself; see docs/design/checkpoints.md, "Checkpoints".
 """
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ class PipelineStateHooks:
     """Mixed into ``AsyncPipelineStrategy`` (before ``DDPStrategy``, whose hooks these replace)."""
 
     # ---- checkpoints ------------------------------------------------------------------------------------------
-    # Every stage contributes its own tensors, keyed by global names (pipeline/checkpoint.py); see docs/design.md,
+    # Every stage contributes its own tensors, keyed by global names (pipeline/checkpoint.py); see docs/design/checkpoints.md,
     # "Checkpoints". Nothing is gathered for a sharded checkpoint; a single file is assembled on rank 0.
     @property
     def restore_checkpoint_after_setup(self) -> bool:

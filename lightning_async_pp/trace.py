@@ -139,7 +139,7 @@ def span_kind(name: str, args: dict) -> Optional[str]:
 def schedule_figure(processes: Sequence[ProcessSpans], title: str = "") -> Any:
     """A matplotlib figure of ``processes``' spans: one row per (replica, stage), stage 0 on top, time in ms from
     the earliest window start on the shared clock, one colour per :data:`SCHEDULE_KINDS` kind, idle left blank
-    (a span shorter than a pixel is drawn a pixel wide).
+    (a span shorter than two pixels is drawn two pixels wide, inside the window).
 
     Row ``i`` (from the top) is centred on ``y = i`` of the figure's only axes. Needs matplotlib.
     """
@@ -163,11 +163,13 @@ def schedule_figure(processes: Sequence[ProcessSpans], title: str = "") -> Any:
     fig = Figure(figsize=(10, 0.6 * len(keys) + 1.4), dpi=100)
     FigureCanvasAgg(fig)
     ax = fig.add_subplot()
-    # A span shorter than a pixel (a stage's tiny weight gradient) is drawn a pixel wide, so that all work shows.
-    least = (end - origin) * 1e3 / 800
+    # A span shorter than two pixels (a stage's tiny weight gradient) is drawn two pixels wide, so that all work
+    # shows; one ending the window (the update ending a step) is widened to the left, not past the window's edge.
+    span_ms = (end - origin) * 1e3
+    least = span_ms / 400
     for i, key in enumerate(keys):
         for kind in SCHEDULE_KINDS:  # waits drawn last: a wait inside a compute span stays visible
-            bars = [(a, max(b - a, least)) for k, a, b in rows[key] if k == kind]
+            bars = [(max(min(a, span_ms - least), 0.0), max(b - a, least)) for k, a, b in rows[key] if k == kind]
             if bars:
                 ax.broken_barh(bars, (i - 0.4, 0.8), facecolors=SCHEDULE_KINDS[kind], edgecolors="none")
     ax.set_ylim(len(keys) - 0.5, -0.5)

@@ -205,7 +205,7 @@ def grouped_corrections(params):
 
 
 def delayed_loop(model, batches, delay: int = 1, version_of=None) -> dict:
-    """docs/design.md's update rule written out: W_{k+1} = W_k - U(grad f(W_{max(k-delay,0)}; B_k)) (or the
+    """docs/design/update-rule.md's update rule written out: W_{k+1} = W_k - U(grad f(W_{max(k-delay,0)}; B_k)) (or the
     version ``version_of(k)``); optimizer state never rewound.
 
     ``batches`` is the whole sequence B_0, B_1, ... (one update each). Returns the final ``state_dict`` (copied).

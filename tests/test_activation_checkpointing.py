@@ -1,5 +1,5 @@
 """Activation checkpointing: layers that recompute their forward in backward give the results of layers that keep
-their activations, because the recomputation reads the weight version the batch is due (docs/design.md,
+their activations, because the recomputation reads the weight version the batch is due (docs/design/stages.md,
 "Activation checkpointing")."""
 from __future__ import annotations
 

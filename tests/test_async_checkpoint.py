@@ -1,6 +1,6 @@
 """``AsyncPipelineStrategy(async_checkpoint=True)``: sharded saves through ``torch.distributed.checkpoint.async_save``
 write the synchronous save's files, resume exactly, and a save in flight is finished (put in place) before the next
-save, at teardown and when training fails; a write that fails is never put in place (docs/design.md, "Checkpoints").
+save, at teardown and when training fails; a write that fails is never put in place (docs/design/checkpoints.md, "Checkpoints").
 """
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """bf16 under 2BW: ``precision="bf16-true"`` keeps the weight versions, the stash and the optimizer state
 (ErrorFeedback's buffer included) in bf16; ``"bf16-mixed"`` keeps them in fp32 and computes under autocast. Both
-run on one device and across processes (docs/design.md, "bf16")."""
+run on one device and across processes (docs/design/stages.md, "bf16")."""
 from __future__ import annotations
 
 import sys

@@ -8,7 +8,7 @@ through the same checks. Each case (tests/scripts/callback_fit.py) trains the sa
 - 1 process: the strategy with 2 stages in one process under ``gpipe`` (synchronous, so the numbers are plain
   Lightning's) against plain Lightning (no strategy): final weights, and what the callback decided or logged.
 - 2 processes: 2 stages under ``2bw`` against the same run on one process (``num_stages=2``), which is the
-  reference docs/design.md's rule makes exact; all cases in one launch. The data-parallel case (2 replicas of 1
+  reference docs/design/update-rule.md's rule makes exact; all cases in one launch. The data-parallel case (2 replicas of 1
   stage) is compared with one process trained on the replicas' batches concatenated.
 
 Refused means ``fit`` raises ``ValueError`` from ``AsyncPipelineStrategy.setup_environment`` naming the callback,
@@ -298,7 +298,7 @@ release adds fails that test until it has a row.
 
 - **1 process**: 2 stages in one process under `gpipe` against plain Lightning (no strategy): the final weights and
   what the callback decided or logged (last column), float32 within 1e-5.
-- **2 processes**: 2 stages under `2bw` against the same run on one process (`num_stages=2`), which docs/design.md's
+- **2 processes**: 2 stages under `2bw` against the same run on one process (`num_stages=2`), which docs/design/update-rule.md's
   update rule makes exact.
 
 | callback | 1 process | 2 processes | compared / why refused |

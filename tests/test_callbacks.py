@@ -203,7 +203,7 @@ def test_probe_leaves_the_final_weights_bit_identical(tmp_path):
     with_probe = final([StalenessMonitor(probe_every=1), PipelineMonitor()], "with")
     assert without.keys() == with_probe.keys()
     assert all(torch.equal(without[k], with_probe[k]) for k in without)
-    # Each forward draws from its own seeded stream (docs/design.md, "Randomness"): random numbers drawn outside
+    # Each forward draws from its own seeded stream (docs/design/stages.md, "Randomness"): random numbers drawn outside
     # the pipeline, as an unguarded probe would, leave the run as it was ...
     disturbed = final([ConsumesRandomNumbers()], "disturbed")
     assert all(torch.equal(without[k], disturbed[k]) for k in without)

@@ -206,3 +206,13 @@ def test_ckpt_path_last_on_the_command_line_resumes_to_the_uninterrupted_weights
     expected = uninterrupted.model.state_dict()
     for name, value in resumed.model.state_dict().items():
         torch.testing.assert_close(value, expected[name], rtol=0, atol=1e-6, msg=name)
+
+
+def test_the_cli_gives_the_model_one_microbatch_of_the_data_modules_shape_to_cost_the_split_on(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    # 8 rows in 4 microbatches: 2 rows each (the model's own default sample is one row)
+    cli = AsyncPipelineCLI(args=["--config", str(demo_config(tmp_path)), "--data.batch_size=8"], run=False)
+    data, strategy = cli.datamodule, cli.trainer.strategy
+    assert strategy.config.num_microbatches == 4
+    assert cli.model.pipeline_sample().shape == (2, data.block_size + 1)
+    assert strategy.config.partition == "balanced"

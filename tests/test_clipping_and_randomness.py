@@ -1,5 +1,5 @@
 """One clipping path and one random stream per stage: every way Lightning offers to clip, and dropout, give the
-same weights on one device, on 2 processes and (clipping) in plain Lightning (docs/design.md, "The Lightning
+same weights on one device, on 2 processes and (clipping) in plain Lightning (docs/design/lightning.md, "The Lightning
 seam" and "Randomness").
 
 References: plain Lightning (no strategy) for clipping; for dropout, the update rule written out as a loop in which
@@ -54,7 +54,7 @@ def one_device(cfg: dict, strategy: bool = True) -> dict:
 
 
 def seeded_loop(model, batches: list, partition: list[int], microbatches: int, delay: int, seed: int) -> dict:
-    """docs/design.md's update rule with the random streams of docs/design.md, "Randomness": stage s's forward of
+    """docs/design/update-rule.md's update rule with the random streams of docs/design/stages.md, "Randomness": stage s's forward of
     microbatch j of batch k (the layers of s, and the loss on the last stage) runs with the global RNG seeded by
     forward_seed(seed, s, k, j). Gradients are the mean over microbatches; the optimizer state is never rewound."""
     layers = list(model.pipeline_layers())

@@ -1,4 +1,4 @@
-"""Compiled pipeline layers (``AsyncPipelineStrategy(compile=...)``, docs/design.md 'Compiled layers'): the same
+"""Compiled pipeline layers (``AsyncPipelineStrategy(compile=...)``, docs/design/stages.md 'Compiled layers'): the same
 numbers as eager layers, each kind of layer compiled once per process, and no recompilation when 2BW swaps weight
 versions, across microbatches or on repeated evaluation.
 
@@ -191,7 +191,7 @@ def test_inductor_compiled_engine_equals_eager_with_checkpointed_layers(bf16, dr
     two of four layers checkpointed: 2BW's losses and weights equal eager's to 1e-5, under bf16 autocast (as
     precision="bf16-mixed" runs it) and with dropout. Inductor's own defaults (compile={}) keep fp32 intermediates
     in fused bf16 kernels and draw dropout masks from their own generator; compile=True rounds and draws as eager
-    does. (bf16 and dropout together stay one bf16 rounding apart: 1e-4 in this run; docs/design.md.)"""
+    does. (bf16 and dropout together stay one bf16 rounding apart: 1e-4 in this run; docs/design/index.md.)"""
 
     def train(compile) -> tuple[list[float], list[torch.Tensor]]:
         torch.manual_seed(0)

@@ -57,7 +57,7 @@ def test_sync_from_step_makes_every_update_from_k_on_synchronous(optimizer):
     reference = copy.deepcopy(model)
     trainer(AsyncPipelineStrategy("2bw", 4, sync_from_step=k_sync), steps=STEPS).fit(model, loader())
 
-    # Reference (docs/design.md): the delay is 1 for 0 < k < K and 0 for k >= K.
+    # Reference (docs/design/update-rule.md): the delay is 1 for 0 < k < K and 0 for k >= K.
     params = delayed_reference(reference, list(loader()), STEPS,
                                version_for=lambda k: k if k == 0 or k >= k_sync else k - 1)
     assert max_param_difference(model, params) < 1e-6

@@ -1,4 +1,4 @@
-"""Runs that are killed or requeued resume to the uninterrupted result (docs/design.md, "Faults").
+"""Runs that are killed or requeued resume to the uninterrupted result (docs/design/checkpoints.md, "Faults").
 
 - A save interrupted at any point leaves the newest complete checkpoint where ``ckpt_path="last"`` finds it, and
   nothing partial is ever loaded (the crash states are made on disk, then resumed).

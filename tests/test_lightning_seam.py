@@ -2,10 +2,10 @@
 the data position, the module after ``fit``, evaluation edges, clear errors, nested activations.
 
 Every number is checked against an independent reference: plain Lightning (``L.Trainer`` without the strategy),
-or the update rule of docs/design.md written out as a loop (``delayed_loop``), or, where the brief asks for it, the
+or the update rule of docs/design/update-rule.md written out as a loop (``delayed_loop``), or, where the brief asks for it, the
 one-device run. Multi-process cases run ``scripts/seam_fit.py`` in a subprocess (gloo on CPU, 2 processes).
 
-What the implementation must satisfy beyond docs/design.md (the exact wording these tests accept):
+What the implementation must satisfy beyond docs/design/index.md (the exact wording these tests accept):
 - A pipeline_loss that is not a scalar: an exception (ValueError, TypeError or RuntimeError) whose message
   contains "pipeline_loss" and the offending shape written "(m, 1)" or "[m, 1]" (m = 2, the microbatch of the
   test, or 8, its batch), e.g. torch.Size([2, 1]).

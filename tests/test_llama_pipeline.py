@@ -2,7 +2,7 @@
 
 The one-device run is the emulation of the same 2-stage pipeline in one process, whose update rule the one-device
 tests check against written-out loops. Across processes a tied embedding/head is kept as one copy per stage whose
-gradients are summed (docs/design.md, "Tied weights"), so the final weights must agree with one device, where
+gradients are summed (docs/design/stages.md, "Tied weights"), so the final weights must agree with one device, where
 the two stages share one leaf.
 """
 from __future__ import annotations
@@ -42,6 +42,18 @@ def test_two_processes_train_llama_exactly_as_one_device(tie, tmp_path):
     assert max_difference(weights, initial) > 1e-3  # the steps did move the weights
     tied_gap = (weights["embed.weight"] - weights["head.proj.weight"]).abs().max().item()
     assert (tied_gap == 0.0) if tie else (tied_gap > 1e-3)
+
+
+@pytest.mark.multiprocess
+def test_the_default_balanced_split_on_two_processes_trains_exactly_as_one_device_with_that_split(tmp_path):
+    # No partition given: both layouts cost the layers on Llama's default sample and pick the same split.
+    cfg = {"tie": True, "steps": 3, "schedule": "2bw", "microbatches": 4, "vocab": 2048, "max_seq_len": 32}
+    reference = one_device(cfg)
+    ranks = run_two_processes(cfg, tmp_path)
+    method, counts = reference["split"]
+    assert method == "balanced" and [r["split"] for r in ranks] == [reference["split"]] * 2
+    assert counts == [4, 2]  # the head over 2048 words costs 2.7 tiny blocks; "parameters" would cut at [3, 3]
+    assert max_difference(ranks[0]["state_dict"], reference["state_dict"]) < TOL
 
 
 def _compare_calls(ranks: list[dict], reference: dict) -> None:

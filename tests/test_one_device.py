@@ -1,4 +1,4 @@
-"""AsyncPipelineStrategy on one device: the update rules of docs/design.md, checked against plain loops."""
+"""AsyncPipelineStrategy on one device: the update rules of docs/design/update-rule.md, checked against plain loops."""
 from __future__ import annotations
 
 import copy
@@ -37,7 +37,7 @@ class ScheduledTinyLM(TinyLM):
 
 def delayed_reference(model: TinyLM, batches, steps: int, delay: int = 1, clip: float | None = None,
                       version_for=None, stale_params=None):
-    """docs/design.md's update rule written out: W_{k+1} = W_k - U(grad f(W_{version_for(k)}; B_k)), optimizer state never rewound.
+    """docs/design/update-rule.md's update rule written out: W_{k+1} = W_k - U(grad f(W_{version_for(k)}; B_k)), optimizer state never rewound.
 
     ``version_for(k)`` defaults to ``max(k - delay, 0)``; ``stale_params`` (default: all) are the parameters that
     take their gradient at that older version, the others at ``W_k`` (per-stage delays).

@@ -149,7 +149,7 @@ class CompensatedTinyLM(TinyLM):
 
 def pipeline_written_out(model: TinyLM, batches, steps: int, delay: int, c: float,
                          synchronous=lambda k: False) -> list[torch.Tensor]:
-    """docs/design.md's version rule with DC-ASGD's SGD step written out: g = grad f(W_b; B_k),
+    """docs/design/update-rule.md's version rule with DC-ASGD's SGD step written out: g = grad f(W_b; B_k),
     W_b = W_{max(k-d,0)} (W_k for a synchronous batch), W_{k+1} = W_k - lr (g + c g g (W_k - W_b))."""
     params = list(model.parameters())
     history = [[p.detach().clone() for p in params]]

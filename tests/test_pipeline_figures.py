@@ -87,6 +87,20 @@ def test_monitor_and_planner_agree_on_2bw_with_an_embedding_tied_to_the_head():
     assert metrics["pipeline/stage1/tied_sum_s"] == 2.0 and metrics["pipeline/tied_sum_s"] == pytest.approx(1.0)
 
 
+def test_the_monitors_imbalance_is_the_slowest_stages_compute_over_the_mean_and_busy_is_one_minus_bubble():
+    # Stage 0 computes 3 s per step, stage 1 6 s (then waits 3 s for nothing else); no optimizer time.
+    figures = StageFigures(2, _MEAN_FIELDS, _MAX_FIELDS)
+    for s, (compute, wait) in enumerate([(3.0, 3.0), (6.0, 0.0)]):
+        figures.update(s, {"compute_s": compute, "comm_wait_s": wait, "optimizer_s": 0.0, "dp_comm_exposed_s": 0.0,
+                           "dp_comm_s": 0.0, "tied_sum_s": 0.0, "idle_s": 0.0, "overhead_s": 0.0, "step_time_s": 6.0,
+                           "tokens_per_sec": 1.0, "samples_per_sec": 1.0}, {"peak_memory_mb": 1.0})
+    metrics = PipelineMonitor._metrics(figures.reduce(), per_stage=True, predicted_imbalance=1.25)
+    assert metrics["pipeline/imbalance"] == pytest.approx(6.0 / 4.5)
+    assert metrics["pipeline/predicted_imbalance"] == 1.25
+    assert metrics["pipeline/stage0/busy_fraction"] == pytest.approx(0.5)
+    assert metrics["pipeline/stage1/busy_fraction"] == pytest.approx(1.0)
+
+
 def test_trace_writer_and_engine_import_no_lightning():
     # The monitor (a Lightning callback) and the planner share the trace writer from below both.
     for path in [ROOT / "lightning_async_pp" / "trace.py", *sorted((ROOT / "lightning_async_pp" / "pipeline").glob("*.py"))]:
@@ -139,6 +153,14 @@ def test_monitor_logs_a_picture_of_every_stages_executed_schedule_to_tensorboard
         pixels = row_pixels(figure, stage)
         for kind in ("forward", "backward", "weight gradient"):
             assert shows(pixels, kind), (stage, kind)
+    assert shows(row_pixels(figure, 0), "optimizer")
+
+
+def test_picture_shows_a_span_far_shorter_than_a_pixel_that_ends_the_window():
+    # The update ending a step, 10 µs of a 1 s window (slow steps on a busy machine beside a fast update), used to
+    # be drawn mostly past the window's right edge and clipped to nothing.
+    spans = [(0, "forward", 0.0, 0.5, {}), (0, "backward", 0.5, 0.99999, {}), (0, "optimizer", 0.99999, 1.0, {})]
+    figure = schedule_figure([ProcessSpans(0, 0, [0], 0.0, (0.0, 1.0), spans)])
     assert shows(row_pixels(figure, 0), "optimizer")
 
 

@@ -7,9 +7,9 @@ combination's one-device run must equal plain Lightning training a reference mod
 logged at every step included; a smaller sample runs on 2 processes against one device. A failure prints the
 combination (``COMBO=...``) so that it can be rerun alone.
 
-The reference is plain Lightning (no strategy) with a module that trains as docs/design.md says the pipeline
+The reference is plain Lightning (no strategy) with a module that trains as docs/design/index.md says the pipeline
 does, written out here: the batch's loss is the mean over its microbatches, each stage's forward of a
-microbatch draws from the stream seeded by ``forward_seed(seed, stage, k, j)`` (docs/design.md, "Randomness"),
+microbatch draws from the stream seeded by ``forward_seed(seed, stage, k, j)`` (docs/design/stages.md, "Randomness"),
 and under ``2bw`` the gradient of batch k is taken at ``W_{k-1}`` (the weights before the previous update) while
 the update, clipping and schedulers act as Lightning makes them act. Everything else (hooks, clipping, schedulers,
 validation, checkpoints) is plain Lightning's.

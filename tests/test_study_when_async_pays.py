@@ -24,7 +24,9 @@ def test_few_microbatches_are_where_2bw_beats_every_synchronous_schedule_and_the
     assert few["m"] == 4 and many["m"] == 16
     # m = p: the synchronous schedules' bubble is large, 2bw has none; at m = 4p ZBV's bubble is nearly closed.
     assert few["speedup"] > 1.2 and abs(many["speedup"] - 1.0) < 0.02
-    assert few["best"] == many["best"] == "zbv"
+    # The fastest synchronous peer is a zero-bubble schedule: at m = p on the balanced split (the planner's default
+    # since the split follows the layers' FLOPs) ZB-H1's or ZBV's; at m = 4p ZBV's.
+    assert few["best"] in ("zb_h1", "zbv") and many["best"] == "zbv"
     # The stash makes 2bw the largest: every synchronous schedule fits in its memory.
     assert few["mem_best"] <= few["mem_2bw"]
     line = wap.table([few])[2].split("|")

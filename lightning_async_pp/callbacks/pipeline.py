@@ -31,7 +31,7 @@ _TIMES = ("compute_s", "comm_wait_s", "optimizer_s", "dp_comm_exposed_s", "dp_co
 _STEP_PARTS = ("compute_s", "comm_wait_s", "optimizer_s", "dp_comm_exposed_s", "tied_sum_s", "idle_s")
 _MEAN_FIELDS = _TIMES + ("tokens_per_sec", "samples_per_sec")
 _MAX_FIELDS = ("peak_memory_mb",)
-_STAGE_FIELDS = _TIMES + ("bubble_fraction", "optimizer_fraction", "peak_memory_mb")
+_STAGE_FIELDS = _TIMES + ("bubble_fraction", "busy_fraction", "optimizer_fraction", "peak_memory_mb")
 
 
 class PipelineMonitor(Callback):
@@ -66,12 +66,19 @@ class PipelineMonitor(Callback):
       ``T = max_s T_s`` the pipeline's step time, where ``T_s = compute_s + comm_wait_s + optimizer_s +
       dp_comm_exposed_s + tied_sum_s + idle_s`` is stage ``s``'s step from the start of its pipeline work to the end of its
       update (the pipeline steps at the pace of its slowest stage). This is the planner's definition
-      (``lightning-async-pp-plan``'s *bubble*; ``docs/monitoring.md``, "The bubble"): fill and drain,
+      (``lightning-async-pp-plan``'s *bubble*; ``docs/guide/monitoring.md``, "The bubble"): fill and drain,
       waiting for neighbours, imbalance between stages. Per stage, ``pipeline/stage{s}/bubble_fraction`` is
       ``1 - (C_s + O_s) / T`` (the whole-model figure is their mean). Lightning's work between steps is left out
       (it is ``overhead_s``), so the figure describes the schedule. 0 is a pipeline that always computes or
       updates; GPipe with ``S`` stages and ``m`` equal microbatches has at least ``(S-1)/(m+S-1)``; 2BW
       approaches 0 in steady state. Data-parallel replicas: the per-stage figures are their means.
+    - ``pipeline/stage{s}/busy_fraction``: ``1 - bubble_fraction`` of the stage, ``(C_s + O_s) / T``: the share of
+      the step it computes or updates. The slowest stage is near 1; a stage far below it waits for the others.
+    - ``pipeline/imbalance`` (across processes): the slowest stage's ``compute_s`` over the mean of the stages'
+      (1.0: balanced; 1.5: the slowest stage computes half as long again as the average, and the others wait for
+      it every step). ``pipeline/predicted_imbalance``: the same figure predicted at setup by the split's cost
+      model (``engine.stats.split``; docs/design/planner.md, "Balanced split"), on one device too. A measured figure far
+      above the predicted one means the FLOP counts miss what the stages spend (memory-bound kernels, the loss).
     - ``pipeline/optimizer_fraction`` (and ``pipeline/stage{s}/optimizer_fraction``): the optimizer's share,
       ``O_s / T``, apart from the bubble (mean over stages).
     - ``pipeline/tokens_per_sec`` and ``pipeline/samples_per_sec``: global throughput, summed over data-parallel
@@ -199,7 +206,7 @@ class PipelineMonitor(Callback):
         self._tied += times.tied_sum
         self._pipeline += times.total
         inputs = pl_module.pipeline_input(batch)
-        self._tokens += sum(t.numel() for t in _tensors(inputs))
+        self._tokens += token_count(inputs)
         self._samples += batch_size_of(inputs)
         if self._trace_start is not None and stats.batch_index - 1 >= self.trace_steps[1]:
             self._finish_trace(trainer)
@@ -248,13 +255,15 @@ class PipelineMonitor(Callback):
             "samples_per_sec": self._samples / wall / per_pipeline,
         }, {"peak_memory_mb": peak_memory_mb(strategy.root_device)})
         table = self._figures.reduce()  # across processes: every rank calls this at the same step
-        metrics = self._metrics(table, per_stage=self.per_stage and (strategy.is_multiprocess or strategy.num_stages == 1))
+        metrics = self._metrics(table, per_stage=self.per_stage and (strategy.is_multiprocess or strategy.num_stages == 1),
+                                predicted_imbalance=strategy.engine.stats.split.imbalance)
         self.metrics = metrics
         log_to_loggers(trainer, metrics)
         self._reset_window(time.perf_counter())
 
     @staticmethod
-    def _metrics(table: dict[int, dict[str, float]], per_stage: bool) -> dict[str, float]:
+    def _metrics(table: dict[int, dict[str, float]], per_stage: bool,
+                 predicted_imbalance: Optional[float] = None) -> dict[str, float]:
         out: dict[str, float] = {}
         rows = list(table.values())
         # The pipeline's step time: the slowest stage's, from the start of its pipeline work to its update's end.
@@ -265,8 +274,15 @@ class PipelineMonitor(Callback):
         optimizer = {s: share(r["optimizer_s"]) for s, r in table.items()}
         if per_stage:
             for s, row in sorted(table.items()):
-                row = dict(row, bubble_fraction=bubbles[s], optimizer_fraction=optimizer[s])
+                row = dict(row, bubble_fraction=bubbles[s], optimizer_fraction=optimizer[s],
+                           busy_fraction=1.0 - bubbles[s])
                 out.update({f"pipeline/stage{s}/{f}": row[f] for f in _STAGE_FIELDS})
+        if len(rows) > 1:  # one row per stage (across processes): the measured compute of each
+            computes = [r["compute_s"] for r in rows]
+            mean_compute = sum(computes) / len(computes)
+            out["pipeline/imbalance"] = max(computes) / mean_compute if mean_compute > 0 else 1.0
+        if predicted_imbalance is not None:
+            out["pipeline/predicted_imbalance"] = predicted_imbalance
         mean = lambda f: sum(r[f] for r in rows) / len(rows)  # noqa: E731 - every row has the same replica count
         out.update({f"pipeline/{f}": mean(f) for f in _TIMES})
         out["pipeline/bubble_fraction"] = sum(bubbles.values()) / len(bubbles)
@@ -297,6 +313,13 @@ class PipelineMonitor(Callback):
             return
         strategy = trainer.strategy
         title = f"step {k}: {strategy.schedule}, {strategy.num_stages} stages, {strategy.num_microbatches} microbatches"
+        split = strategy.engine.stats.split
+        title += f", layers per stage {list(split.counts)}"
+        measured = self.metrics.get("pipeline/imbalance") if self.metrics else None
+        if measured is not None:
+            title += f", imbalance {measured:.2f}"
+        if split.imbalance is not None:
+            title += f" (predicted {split.imbalance:.2f})"
         figure = schedule_figure(gathered, title=title)
         step = logger_step(trainer)
         for logger in _tensorboards(trainer):
@@ -341,6 +364,14 @@ def peak_memory_mb(device: torch.device) -> float:
         return torch.cuda.max_memory_allocated(device) / 2**20
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return peak / 2**20 if sys.platform == "darwin" else peak / 2**10  # bytes on macOS, KiB on Linux
+
+
+def token_count(inputs: Any) -> int:
+    """The tokens in a model input: its ``input_ids`` where it is a mapping that has them (a packed batch's
+    ``position_ids`` are not more tokens), else the elements of every tensor in it."""
+    if isinstance(inputs, dict) and isinstance(inputs.get("input_ids"), Tensor):
+        return inputs["input_ids"].numel()
+    return sum(t.numel() for t in _tensors(inputs))
 
 
 def _tensors(x: Any) -> list[Tensor]:

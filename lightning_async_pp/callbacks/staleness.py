@@ -1,6 +1,6 @@
 """``StalenessMonitor``: how stale the gradients of asynchronous pipeline training are, in the logger.
 
-Notation (docs/design.md, "The update rule and the version rule"): ``W_k`` is the weights after ``k`` updates; batch ``k``'s gradient is taken at
+Notation (docs/design/update-rule.md, "The update rule and the version rule"): ``W_k`` is the weights after ``k`` updates; batch ``k``'s gradient is taken at
 ``W_{k-d}`` (``d``: the realized delay, 1 under 2BW, 0 for the synchronous schedules, during ``sync_steps`` and from ``sync_from_step`` on,
 the configured value under the delay variants) and the update is applied to ``W_k``.
 """

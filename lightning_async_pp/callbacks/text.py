@@ -1,6 +1,6 @@
 """``TextSamples``: what the model writes, in TensorBoard's text tab, decoded with the newest weights.
 
-Generation goes through the pipeline's predict path (docs/design.md, "Text samples through predict"): one
+Generation goes through the pipeline's predict path (docs/design/lightning.md, "Text samples through predict"): one
 ``predict`` call per new token, on every stage of every pipeline alike. Only a pipeline's first stage reads the
 token ids (the others receive activations), and only the first stage gets the logits back, so the first stage
 picks the tokens and nothing else has to travel: the other stages pass a stand-in batch of the same number of

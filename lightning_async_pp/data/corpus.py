@@ -59,9 +59,11 @@ def decode(tokens: Union[torch.Tensor, Sequence[int]]) -> bytes:
     return bytes(values)
 
 
-def tokenize_segment(segment: Segment, encoding: str = DEFAULT_ENCODING) -> Iterator[torch.Tensor]:
+def tokenize_segment(segment: Segment, encoding: str = DEFAULT_ENCODING,
+                     document_end: Optional[int] = None) -> Iterator[torch.Tensor]:
     """``litdata.optimize`` worker function: one segment -> one uint8 tensor of its bytes (one byte per token). Text
-    in another encoding than UTF-8 is transcoded to UTF-8 (see :func:`segment_text`)."""
+    in another encoding than UTF-8 is transcoded to UTF-8 (see :func:`segment_text`). ``document_end``: a byte
+    appended after the segment, which ends its document (``TextDataModule(document_mask=True)``)."""
     path, start, stop = segment
     if is_utf8(encoding):
         with open(path, "rb") as f:
@@ -69,13 +71,18 @@ def tokenize_segment(segment: Segment, encoding: str = DEFAULT_ENCODING) -> Iter
             data = f.read(stop - start)
     else:
         data = segment_text(path, start, stop, encoding).encode("utf-8")
+    if data and document_end is not None:
+        data = bytes(data) + bytes([document_end])
     if data:  # litdata cannot store empty items
         yield torch.frombuffer(bytearray(data), dtype=torch.uint8)
 
 
-def byte_tokenizer(encoding: str = DEFAULT_ENCODING) -> Callable[[Segment], Iterator[torch.Tensor]]:
+def byte_tokenizer(encoding: str = DEFAULT_ENCODING,
+                   document_end: Optional[int] = None) -> Callable[[Segment], Iterator[torch.Tensor]]:
     """:func:`tokenize_segment` for text in ``encoding`` (picklable, for litdata's workers)."""
-    return functools.partial(tokenize_segment, encoding=encoding)
+    if document_end is None:
+        return functools.partial(tokenize_segment, encoding=encoding)
+    return functools.partial(tokenize_segment, encoding=encoding, document_end=document_end)
 
 
 def segment_text(path: str, start: int, stop: int, encoding: str = DEFAULT_ENCODING) -> str:

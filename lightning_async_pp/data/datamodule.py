@@ -36,6 +36,7 @@ from lightning_async_pp.data.inputs import DEFAULT_ENCODING, check_encoding, is_
 from lightning_async_pp.data.tokenized import (
     TOKENIZER_DIR,
     build_tokenized_cache,
+    eos_id,
     load_tokenizer,
     prepared_root,
     prepared_tokenizer,
@@ -51,6 +52,26 @@ DEFAULT_CACHE_DIR = os.path.join(".cache", "lightning_async_pp")
 def collate_tokens(items: list[torch.Tensor]) -> torch.Tensor:
     """Stack windows of token ids (uint8 bytes, uint16 or int32 ids) into a (B, block_size + 1) LongTensor."""
     return torch.stack(items).long()
+
+
+class PackedRows:
+    """``collate_fn`` of ``TextDataModule(document_mask=True)``: windows of token ids -> ``{"input_ids": (B, T + 1),
+    "position_ids": (B, T + 1)}``, positions counting from 0 at each window's start and after each ``eos`` (the token
+    that ends a document). Picklable, for DataLoader workers."""
+
+    def __init__(self, eos: int) -> None:
+        self.eos = eos
+
+    def __call__(self, items: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+        from lightning_async_pp.models.packing import INPUT_IDS, POSITION_IDS, packed_positions
+
+        ids = collate_tokens(items)
+        return {INPUT_IDS: ids, POSITION_IDS: packed_positions(ids, self.eos)}
+
+
+#: The byte that ends each document of a byte corpus read with ``document_mask=True`` (text has no NUL bytes:
+#: files with one near their start are not text, ``data/inputs.py``).
+BYTE_DOCUMENT_END = 0
 
 
 def data_parallel_env(num_replicas: int, rank: int) -> _DistributedEnv:
@@ -106,6 +127,10 @@ class TextDataModule(L.LightningDataModule):
         max_bytes: cap on the corpus size, for tests and quick runs.
         cache_dir: where tokenized corpora are kept, one subfolder per corpus hash.
         seed: seeds the split, the shuffle and ``max_bytes``'s choice of files.
+        document_mask: yield packed batches ``{"input_ids": (B, T + 1), "position_ids": (B, T + 1)}`` whose
+            positions restart at 0 after each document's end (the tokenizer's end-of-text id; for bytes a NUL byte
+            written after each file or piece of one, in a cache of its own), so the models attend within documents
+            only (docs/design/data.md, 'Packed documents'). ``False`` (default): token tensors (B, T + 1) as before.
     """
 
     def __init__(
@@ -121,8 +146,11 @@ class TextDataModule(L.LightningDataModule):
         tokenizer: Optional[str] = None,
         text_field: str = "text",
         encoding: str = DEFAULT_ENCODING,
+        document_mask: bool = False,
     ) -> None:
         super().__init__()
+        if not isinstance(document_mask, bool):
+            raise TypeError(f"document_mask must be true or false, got {document_mask!r}")
         if data_path is not None and not os.path.exists(data_path):
             raise FileNotFoundError(f"data_path {data_path!r} does not exist")
         if tokenizer is not None:
@@ -143,10 +171,16 @@ class TextDataModule(L.LightningDataModule):
         self.max_bytes = max_bytes
         self.cache_dir = cache_dir or DEFAULT_CACHE_DIR
         self.seed = seed
+        self.document_mask = document_mask
         self.train_dataset: Optional[StreamingDataset] = None
         self.val_dataset: Optional[StreamingDataset] = None
 
     # ---- where the optimized data lives ------------------------------------------------------------------------
+    def example_batch(self, rows: int = 1) -> torch.Tensor:
+        """A batch of ``rows`` sequences shaped as this module's (token ids ``(rows, block_size + 1)``, all zero):
+        what ``partition="balanced"`` costs the layers on (the CLI sets it as the model's example batch)."""
+        return torch.zeros(rows, self.block_size + 1, dtype=torch.long)
+
     def prepared_dirs(self) -> Optional[tuple[str, Optional[str]]]:
         """``(train_dir, val_dir)`` if ``data_path`` is litdata-optimized already (``val_dir`` ``None`` for a single
         folder), else ``None``."""
@@ -173,7 +207,12 @@ class TextDataModule(L.LightningDataModule):
                                  f"records, which are read with a tokenizer; give TextDataModule(tokenizer=...) (a "
                                  f"tokenizer.json or its folder)")
         train, val = split_corpus(files, self.val_fraction, self.max_bytes, self.seed)
-        if self.tokenizer_path is None:
+        if self.tokenizer_path is None and self.document_mask:  # a cache of its own: each document ends in a NUL
+            key = corpus_key(train, val, tokens={"document_end": BYTE_DOCUMENT_END}, encoding=self.encoding)
+            cache = build_token_cache(train, val, Path(self.cache_dir) / key,
+                                      fn=byte_tokenizer(self.encoding, document_end=BYTE_DOCUMENT_END),
+                                      info={"vocab_size": VOCAB_SIZE, "dtype": "uint8", "eos_id": BYTE_DOCUMENT_END})
+        elif self.tokenizer_path is None:
             key = corpus_key(train, val, encoding=self.encoding)
             cache = build_token_cache(train, val, Path(self.cache_dir) / key, fn=byte_tokenizer(self.encoding))
         else:
@@ -299,6 +338,21 @@ class TextDataModule(L.LightningDataModule):
             seed=self.seed,
         )
 
+    def document_end(self) -> int:
+        """The token that ends each document (``document_mask=True``): the tokenizer's end-of-text id, a prepared
+        folder's recorded one, or :data:`BYTE_DOCUMENT_END` for bytes."""
+        if self.reads_bytes:
+            return BYTE_DOCUMENT_END
+        if self.tokenizer_path is not None:
+            return eos_id(self.tokenizer_path, self.tokenizer)
+        root = self._prepared_root()
+        info = cache_info(root) if root is not None else None
+        if info is None or "eos_id" not in info:
+            raise ValueError(f"document_mask=True needs to know where documents end, but data_path "
+                             f"{self.data_path!r} records no end-of-text id (prepared without a tokenizer, or written "
+                             f"by other code): prepare it with a tokenizer, or give the raw text as data_path")
+        return int(info["eos_id"])
+
     # ---- loaders -------------------------------------------------------------------------------------------------
     def _loader(self, dataset: Optional[StreamingDataset]) -> Any:
         if dataset is None:
@@ -307,7 +361,7 @@ class TextDataModule(L.LightningDataModule):
             dataset,
             batch_size=self.batch_size,
             num_workers=self.num_workers,
-            collate_fn=collate_tokens,
+            collate_fn=PackedRows(self.document_end()) if self.document_mask else collate_tokens,
             drop_last=True,
         )
 

@@ -5,7 +5,7 @@
 INPUTs are text files, ``.jsonl`` or ``.parquet`` files, or folders of them (files that are not text are skipped
 with a warning; text is decoded in ``--encoding``, strictly). Validation is ``--val-fraction`` of the corpus, as in
 ``TextDataModule``. The output holds ``train/`` and
-``val/`` (ordered litdata chunks, see docs/design.md, 'Data'), ``tokenizer/`` (the tokenizer's files) and
+``val/`` (ordered litdata chunks, see docs/design/data.md, 'Data'), ``tokenizer/`` (the tokenizer's files) and
 ``COMPLETE.json`` (vocabulary, end-of-text id, dtype, token counts). Running it again with the same inputs and
 tokenizer does nothing; other inputs into the same output, and an output holding an input, are refused.
 """

@@ -1,7 +1,7 @@
 """Corpora tokenized with a local Hugging Face tokenizer (``tokenizer.json``), through the byte corpus's machinery.
 
 The split is :func:`~lightning_async_pp.data.corpus.split_corpus`'s (segments are byte ranges of files, weighted
-by size), and the cache is built by the same ordered ``litdata.optimize`` (see docs/design.md, 'Data'). What
+by size), and the cache is built by the same ordered ``litdata.optimize`` (see docs/design/data.md, 'Data'). What
 changes is what a segment yields: the ids of its documents, each followed by the tokenizer's end-of-text id, in
 the smallest dtype that holds the vocabulary. A document is
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Mapping, Sequence
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 import torch.nn.functional as F
@@ -131,7 +131,7 @@ class AdoptedCausalLM(BuiltInInit, PipelineModule):
             torch.manual_seed(layer_seed(index, self.init_seed))
             for module in layer.modules():
                 self.init_module(module)
-        if self._pretrained_tensors is not None:  # init as usual, then the file's values (see docs/design.md)
+        if self._pretrained_tensors is not None:  # init as usual, then the file's values (see docs/design/adapters.md)
             load_layer(layer, self._pretrained_paths[index], self._pretrained_tensors, self._pretrained_aliases,
                        self._pretrained_keys)
 
@@ -144,6 +144,11 @@ class AdoptedCausalLM(BuiltInInit, PipelineModule):
     def pipeline_input(self, batch: Tensor) -> Tensor:
         return self.token_rows(batch)[:, :-1]
 
+    def pipeline_sample(self) -> Any:
+        """The example batch if one is set, else one row of 128 tokens (and its target)."""
+        sample = super().pipeline_sample()
+        return sample if sample is not None else torch.zeros(1, 129, dtype=torch.long)
+
     def pipeline_loss(self, logits: Tensor, batch: Tensor) -> Tensor:
         return F.cross_entropy(logits.flatten(0, 1).float(), self.token_rows(batch)[:, 1:].flatten())
 
@@ -151,7 +156,7 @@ class AdoptedCausalLM(BuiltInInit, PipelineModule):
         """The batch if it is what the adapters take, a LongTensor (B, T + 1) of token ids; otherwise a clear error
         before the first update (the first microbatch's forward). Padded batches (``attention_mask``, ``labels``
         with -100) are refused: a mask would have to cross the stages, and a token-mean loss over microbatches with
-        different numbers of valid tokens is not the mean of their means (see docs/design.md, 'Adapters of
+        different numbers of valid tokens is not the mean of their means (see docs/design/adapters.md, 'Adapters of
         upstream models')."""
         if isinstance(batch, Tensor) and batch.dim() == 2 and not batch.is_floating_point() and not batch.is_complex():
             return batch

@@ -7,12 +7,14 @@ anywhere. Nothing is shared between layers: the input embedding and the output p
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any, Optional
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from lightning_async_pp.models import packing
 from lightning_async_pp.module import PipelineModule
 from lightning_async_pp.optim.groups import decay_matrices_only
 
@@ -28,13 +30,15 @@ class CausalSelfAttention(nn.Module):
         self.out_proj = nn.Linear(n_embd, n_embd, bias=bias)
         self.resid_dropout = nn.Dropout(dropout)
 
-    def forward(self, x: Tensor) -> Tensor:
+    def forward(self, x: Tensor, position_ids: Optional[Tensor] = None) -> Tensor:
+        """``position_ids`` (B, T) restarting at each document: each token attends within its document only."""
         B, T, C = x.shape
         q, k, v = self.qkv(x).split(C, dim=2)
         # (B, T, C) -> (B, n_head, T, head_dim)
         q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
+        mask = None if position_ids is None else packing.document_causal_mask(position_ids)  # once per microbatch
         y = F.scaled_dot_product_attention(
-            q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True
+            q, k, v, attn_mask=mask, dropout_p=self.dropout if self.training else 0.0, is_causal=mask is None
         )
         y = y.transpose(1, 2).contiguous().view(B, T, C)
         return self.resid_dropout(self.out_proj(y))
@@ -62,7 +66,11 @@ class Block(nn.Module):
         self.ln_2 = nn.LayerNorm(n_embd, bias=bias)
         self.mlp = MLP(n_embd, dropout, bias)
 
-    def forward(self, x: Tensor) -> Tensor:
+    def forward(self, x: Any) -> Any:
+        if isinstance(x, Mapping):  # a packed microbatch: the hidden state with its positions
+            h, pos = x[packing.HIDDEN], x[packing.POSITION_IDS]
+            h = h + self.attn(self.ln_1(h), pos)
+            return {packing.HIDDEN: h + self.mlp(self.ln_2(h)), packing.POSITION_IDS: pos}
         x = x + self.attn(self.ln_1(x))
         return x + self.mlp(self.ln_2(x))
 
@@ -77,12 +85,18 @@ class Embedding(nn.Module):
         self.position = nn.Embedding(block_size, n_embd)
         self.dropout = nn.Dropout(dropout)
 
-    def forward(self, idx: Tensor) -> Tensor:
+    def forward(self, idx: Any) -> Any:
+        """Token ids (B, T), or a packed microbatch ``{"input_ids", "position_ids"}`` (positions restarting at each
+        document), whose positions then travel on with the hidden state."""
+        packed = isinstance(idx, Mapping)
+        if packed:
+            idx, pos = idx[packing.INPUT_IDS], idx[packing.POSITION_IDS]
         T = idx.shape[1]
         if T > self.block_size:
             raise ValueError(f"Sequence of length {T} is longer than block_size {self.block_size}")
-        pos = torch.arange(T, device=idx.device)
-        return self.dropout(self.token(idx) + self.position(pos))
+        if not packed:
+            return self.dropout(self.token(idx) + self.position(torch.arange(T, device=idx.device)))
+        return {packing.HIDDEN: self.dropout(self.token(idx) + self.position(pos)), packing.POSITION_IDS: pos}
 
 
 class Head(nn.Module):
@@ -93,13 +107,18 @@ class Head(nn.Module):
         self.norm = nn.LayerNorm(n_embd, bias=bias)
         self.proj = nn.Linear(n_embd, vocab_size, bias=False)
 
-    def forward(self, x: Tensor) -> Tensor:
+    def forward(self, x: Any) -> Tensor:
+        if isinstance(x, Mapping):
+            x = x[packing.HIDDEN]
         return self.proj(self.norm(x))
 
 
 class GPT(PipelineModule):
     """Byte-level GPT. A batch is a LongTensor (B, block_size + 1) of token ids; inputs are all but the last
-    token, targets all but the first."""
+    token, targets all but the first. A batch may also be packed, ``{"input_ids": (B, T + 1), "position_ids":
+    (B, T + 1)}`` (``data.TextDataModule(document_mask=True)``): positions restart at each document and each token
+    attends only to the earlier tokens of its document (``models/packing.py``); ``skip_document_ends`` then leaves
+    each document's last target (the next document's first token) out of the loss."""
 
     def __init__(
         self,
@@ -112,6 +131,7 @@ class GPT(PipelineModule):
         bias: bool = True,
         learning_rate: float = 3e-4,
         weight_decay: float = 0.1,
+        skip_document_ends: bool = False,
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
@@ -136,11 +156,20 @@ class GPT(PipelineModule):
     def pipeline_layers(self) -> Sequence[nn.Module]:
         return [self.embedding, *self.blocks, self.head]
 
-    def pipeline_input(self, batch: Tensor) -> Tensor:
-        return batch[:, :-1]
+    def pipeline_input(self, batch: Any) -> Any:
+        if isinstance(batch, Tensor):
+            return batch[:, :-1]
+        return packing.packed_input(packing.check_packed(batch, "GPT"))
 
-    def pipeline_loss(self, logits: Tensor, batch: Tensor) -> Tensor:
-        return F.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten())
+    def pipeline_sample(self) -> Any:
+        """The example batch if one is set, else one row of ``block_size`` tokens (and its target)."""
+        sample = super().pipeline_sample()
+        return sample if sample is not None else torch.zeros(1, self.embedding.block_size + 1, dtype=torch.long)
+
+    def pipeline_loss(self, logits: Tensor, batch: Any) -> Tensor:
+        if isinstance(batch, Tensor):
+            return F.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten())
+        return packing.document_loss(logits, batch, self.hparams.skip_document_ends)
 
     # ---- optimizer ---------------------------------------------------------------------------------------------
     def configure_optimizers(self) -> torch.optim.Optimizer:

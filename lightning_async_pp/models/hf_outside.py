@@ -1,6 +1,6 @@
 """Work a transformers causal LM does outside its decoder layers, reproduced on the adapter's first and last
 pipeline layers (the token embedding and the head) by forward hooks, so the modules, their classes and their
-state_dict keys stay the upstream ones (see docs/design.md, 'Adapters of upstream models').
+state_dict keys stay the upstream ones (see docs/design/adapters.md, 'Adapters of upstream models').
 
 Each kind is recognized in the installed transformers' own code (the base model's and the causal LM's
 ``forward``), so a release that moves the work into a module (transformers 5 scales Gemma's embedding inside

@@ -4,7 +4,7 @@ check on it: its pipeline layers against the upstream ``forward`` and loss at th
 The check is what makes "exact or refused" a property of ``HuggingFaceCausalLM`` rather than of a list of known
 families: whatever a family (or a new transformers release) does outside the decoder layers that the adapter does
 not reproduce shows up as a difference on the tiny copy, and the adapter refuses the model before training (see
-docs/design.md, 'Adapters of upstream models').
+docs/design/adapters.md, 'Adapters of upstream models').
 """
 from __future__ import annotations
 

@@ -16,7 +16,7 @@ Work the upstream ``forward`` does outside the layers (embedding scales, logit s
 hooks on the embedding and the head (``hf_outside``); layers returning tuples give their hidden state to the
 pipeline. Before the parameters get memory, ``configure_model`` checks the family on a tiny copy of the config
 against the upstream forward and loss (``hf_probe.check_exact``) and refuses it on any difference or failure: every
-family is exact or refused before training (see docs/design.md, 'Adapters of upstream models'; the table: docs/models.md).
+family is exact or refused before training (see docs/design/adapters.md, 'Adapters of upstream models'; the table: docs/models.md).
 """
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ from typing import Any, Callable, Optional, Union
 import torch
 from torch import Tensor, nn
 
-from lightning_async_pp.models import hf_outside, hf_probe
+from lightning_async_pp.models import hf_outside, hf_probe, packing
 from lightning_async_pp.models.adopted import AdoptedCausalLM, missing_package
 from lightning_async_pp.models.pretrained import SafetensorsFolder
 from lightning_async_pp.models.moe import RouterLoss, adds_router_loss, check_router_loss_supported
@@ -162,6 +162,7 @@ class DecoderLayerInputs:
         #: Whether upstream's forward makes its masks with a cache (``hf_probe.causal_without_mask``).
         self.causal_without_mask = causal_without_mask
         self.pipeline_call = False
+        self.positions: Optional[Tensor] = None  # a packed microbatch's, from the pre-hook to the forward hook
         mask_args = inspect.signature(make_mask).parameters
         self.embeds_name = "inputs_embeds" if "inputs_embeds" in mask_args else "input_embeds"
         self.mask_cache = {name: None for name in ("past_key_values", "cache") if name in mask_args}
@@ -170,19 +171,35 @@ class DecoderLayerInputs:
 
     def __call__(self, module: nn.Module, args: tuple, kwargs: dict) -> Optional[tuple[tuple, dict]]:
         self.pipeline_call = not kwargs and len(args) == 1
+        self.positions = None
         if not self.pipeline_call:
             return None  # called the upstream way
         (hidden,) = args
-        cache_position = torch.arange(hidden.shape[1], device=hidden.device)
-        position_ids = cache_position.unsqueeze(0)
+        packed = isinstance(hidden, Mapping)
+        if packed:  # a packed microbatch: positions restarting at each document
+            hidden, positions = hidden[packing.HIDDEN], hidden[packing.POSITION_IDS]
+            self.positions = positions
         if any(b.device != hidden.device for b in self.rotary.buffers()):
             self.rotary.to(hidden.device)  # once per process: the rotary module is shared by its layers
+        if packed:
+            # Given positions that restart and no mask, upstream's mask functions make the block-diagonal causal
+            # mask (transformers' packed-sequence convention); made once per microbatch on this stage, not per layer.
+            key = (id(self.config), self.make_mask, hidden.dtype, hidden.device, hidden.shape[0])
+            layer_kwargs = packing.per_positions(positions, key, lambda: self.layer_kwargs(hidden, positions, True))
+            return (hidden,), dict(layer_kwargs)
+        cache_position = torch.arange(hidden.shape[1], device=hidden.device)
+        return (hidden,), self.layer_kwargs(hidden, cache_position.unsqueeze(0), not self.causal_without_mask)
+
+    def layer_kwargs(self, hidden: Tensor, position_ids: Tensor, mask_positions: bool) -> dict[str, Any]:
+        """What ``model.forward`` passes a decoder layer for ``hidden`` at ``position_ids``; ``mask_positions``:
+        the mask function is given the positions (it then looks for packed sequences in them)."""
+        cache_position = torch.arange(hidden.shape[1], device=hidden.device)
         # Given positions and no cache, transformers looks for packed sequences in them and then never lets SDPA
         # skip the causal mask: every layer builds a (B, 1, T, T) mask and attends through it (no flash kernel,
         # key/value heads repeated). Where upstream's forward has a cache it passes no mask and SDPA runs causal;
         # then the positions are not given here (they are 0..T-1: nothing is packed).
         mask_kwargs = dict(config=self.config, attention_mask=None,
-                           position_ids=None if self.causal_without_mask else position_ids, **self.mask_cache)
+                           position_ids=position_ids if mask_positions else None, **self.mask_cache)
         mask_kwargs[self.embeds_name] = hidden
         if self.mask_takes_cache_position:
             mask_kwargs["cache_position"] = cache_position
@@ -190,14 +207,70 @@ class DecoderLayerInputs:
                             position_embeddings=self.rotary(hidden, position_ids), use_cache=False)
         if self.layer_takes_cache_position:
             layer_kwargs["cache_position"] = cache_position
-        return (hidden,), layer_kwargs
+        return layer_kwargs
 
     def unwrap(self, module: nn.Module, args: tuple, output: Any) -> Any:
         """Forward hook: a layer called by the pipeline gives the hidden state alone (transformers 4.x layers of
-        some families return ``(hidden_states, ...)``); called the upstream way, its output is untouched."""
-        if self.pipeline_call and isinstance(output, tuple):
-            return output[0]
+        some families return ``(hidden_states, ...)``), with its positions for a packed microbatch; called the
+        upstream way, its output is untouched."""
+        if not self.pipeline_call:
+            return None
+        hidden = output[0] if isinstance(output, tuple) else output
+        if self.positions is not None:
+            positions, self.positions = self.positions, None
+            return {packing.HIDDEN: hidden, packing.POSITION_IDS: positions}
+        return hidden if isinstance(output, tuple) else None
+
+
+class PackedEnds:
+    """Hooks on the embedding and the final norm for packed microbatches (``models/packing.py``): the embedding takes
+    ``{"input_ids", "position_ids"}`` and gives the hidden state with its positions; the norm takes the hidden
+    state out of them (the head needs no positions). Token tensors pass untouched."""
+
+    def __init__(self) -> None:
+        self.positions: Optional[Tensor] = None
+
+    def enter_embedding(self, module: nn.Module, args: tuple) -> Optional[tuple]:
+        self.positions = None
+        if len(args) == 1 and isinstance(args[0], Mapping):
+            self.positions = args[0][packing.POSITION_IDS]
+            return (args[0][packing.INPUT_IDS],)
         return None
+
+    def leave_embedding(self, module: nn.Module, args: tuple, output: Tensor) -> Any:
+        if self.positions is None:
+            return None
+        positions, self.positions = self.positions, None
+        return {packing.HIDDEN: output, packing.POSITION_IDS: positions}
+
+    @staticmethod
+    def enter_norm(module: nn.Module, args: tuple) -> Optional[tuple]:
+        if len(args) == 1 and isinstance(args[0], Mapping):
+            return (args[0][packing.HIDDEN],)
+        return None
+
+
+#: Families whose packed rows (positions restarting at each document) give each document exactly the logits upstream
+#: gives it alone, as tests/test_packed_documents.py checks for each; others are refused with document masks.
+PACKED_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+#: Attention implementations that take the block-diagonal mask upstream builds from the positions.
+PACKED_ATTENTION = ("sdpa", "eager")
+
+
+def check_packed_supported(config: Any) -> None:
+    """Refuse, naming the family, a config whose packed rows are not verified exact (see :data:`PACKED_FAMILIES`)."""
+    family = config.model_type
+    if family not in PACKED_FAMILIES:
+        why = (" (a mixture of experts: its router statistics would have to travel with the positions)"
+               if getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None) else "")
+        raise ValueError(f"HuggingFaceCausalLM cannot take packed batches with document masks (position_ids) for "
+                         f"model_type {family!r}{why}: verified exact only for {', '.join(PACKED_FAMILIES)}; train "
+                         f"it on token rows (TextDataModule(document_mask=False))")
+    attention = getattr(config, "_attn_implementation", None) or "eager"
+    if attention not in PACKED_ATTENTION:
+        raise ValueError(f"HuggingFaceCausalLM cannot take packed batches with attn_implementation {attention!r}: "
+                         f"verified with {', '.join(PACKED_ATTENTION)} (which attend through the block-diagonal "
+                         f"mask); set attn_implementation to sdpa, or train on token rows (document_mask=False)")
 
 
 class HuggingFaceCausalLM(AdoptedCausalLM):
@@ -216,12 +289,20 @@ class HuggingFaceCausalLM(AdoptedCausalLM):
         pretrained: a local ``save_pretrained`` folder whose weights replace the initialization (see
             :meth:`from_pretrained`); ``config`` then defaults to the folder's ``config.json``, and a mapping without
             ``model_type`` overrides some of its fields (``{attn_implementation: eager}``).
+        skip_document_ends: with packed batches, the loss skips each document's last target (the next document's
+            first token).
+
+    A batch may be packed, ``{"input_ids": (B, T + 1), "position_ids": (B, T + 1)}`` (``data.TextDataModule(
+    document_mask=True)``): positions restarting at each document are passed as transformers takes packed
+    sequences, and its attention functions make the block-diagonal causal mask (once per microbatch on each stage).
+    Families verified exact that way (:data:`PACKED_FAMILIES`) take them; others are refused by name.
     """
 
     # ``dict[str, Any]`` first: jsonargparse then merges ``--model.init_args.config.hidden_size 128`` into the
     # mapping from the YAML (under ``Any`` alone it passes a ``NestedArg`` through); ``Any``: a ``PretrainedConfig``.
     def __init__(self, config: Union[dict[str, Any], Any] = None, lr: float = 3e-4, weight_decay: float = 0.1,
-                 init_seed: Optional[int] = None, pretrained: Optional[str] = None) -> None:
+                 init_seed: Optional[int] = None, pretrained: Optional[str] = None,
+                 skip_document_ends: bool = False) -> None:
         super().__init__(lr=lr, weight_decay=weight_decay, init_seed=init_seed)
         if pretrained is not None:
             pretrained = os.fspath(pretrained)
@@ -231,10 +312,11 @@ class HuggingFaceCausalLM(AdoptedCausalLM):
             raise ValueError("HuggingFaceCausalLM needs a config, or pretrained=<a save_pretrained folder> to take it from")
         self.config = as_pretrained_config(config)
         self.pretrained = pretrained
+        self.skip_document_ends = skip_document_ends
         check_router_loss_supported(self.config)
         # A plain mapping, so that load_from_checkpoint rebuilds the config without unpickling transformers objects.
         self.save_hyperparameters({"config": self.config.to_dict(), "lr": lr, "weight_decay": weight_decay, "init_seed": init_seed,
-                                   "pretrained": pretrained})
+                                   "pretrained": pretrained, "skip_document_ends": skip_document_ends})
         self._init_weights: Optional[Callable[[nn.Module], None]] = None
         self._router_loss: Optional[RouterLoss] = None  # MoE with output_router_logits (models/moe.py)
         #: configure_model first checks the family on a tiny copy of the config (hf_probe.check_exact).
@@ -293,6 +375,11 @@ class HuggingFaceCausalLM(AdoptedCausalLM):
         # Embedding scales, logit scales, soft-capping: on the first and last pipeline layers.
         hf_outside.attach(hf_outside.outside_work(base, upstream, self.config), base.embed_tokens, upstream.lm_head,
                           base, self.config)
+        # Packed microbatches: positions ride with the hidden state from the embedding to the final norm.
+        ends = PackedEnds()
+        base.embed_tokens.register_forward_pre_hook(ends.enter_embedding)
+        base.embed_tokens.register_forward_hook(ends.leave_embedding)  # after the outside work's (scales)
+        base.norm.register_forward_pre_hook(ends.enter_norm)
         self.model, self.lm_head = base, upstream.lm_head
         self._init_weights = upstream._init_weights
         if adds_router_loss(self.config):  # the router statistics travel with the hidden state (models/moe.py)
@@ -331,8 +418,19 @@ class HuggingFaceCausalLM(AdoptedCausalLM):
     def open_pretrained(self, path: str) -> SafetensorsFolder:
         return SafetensorsFolder(path)
 
+    # ---- packed batches (models/packing.py) ------------------------------------------------------------------
+    def pipeline_input(self, batch: Any) -> Any:
+        if not packing.is_packed(batch):
+            return super().pipeline_input(batch)
+        check_packed_supported(self.model.config)
+        return packing.packed_input(packing.check_packed(batch, type(self).__name__))
+
     # ---- MoE: the router's load-balancing term (models/moe.py) ---------------------------------------------------
     def pipeline_loss(self, output: Any, batch: Any) -> torch.Tensor:
+        if packing.is_packed(batch):
+            check_packed_supported(self.model.config)
+            return packing.document_loss(output, packing.check_packed(batch, type(self).__name__),
+                                         self.skip_document_ends)
         if self._router_loss is None:
             return super().pipeline_loss(output, batch)
         logits, statistics = self._router_loss.split(output)

@@ -14,14 +14,15 @@ save, move or re-initialize.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from lightning_async_pp.models import packing
 from lightning_async_pp.models.meta_built import BuiltInInit
 from lightning_async_pp.module import PipelineModule, layer_seed
 from lightning_async_pp.optim.groups import decay_matrices_only
@@ -75,6 +76,15 @@ def rotary_cos_sin(seq_len: int, head_dim: int, theta: float, device: torch.devi
     return angles.cos(), angles.sin()
 
 
+def rotary_cos_sin_at(position_ids: Tensor, head_dim: int, theta: float) -> tuple[Tensor, Tensor]:
+    """cos and sin (B, 1, T, head_dim) at the given positions (B, T): the rows of :func:`rotary_cos_sin`'s tables
+    (the same float32 products), for positions that restart at each document."""
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=position_ids.device, dtype=torch.float32) / head_dim)
+    angles = position_ids.to(torch.float32).unsqueeze(-1) * inv_freq
+    angles = torch.cat((angles, angles), dim=-1).unsqueeze(1)
+    return angles.cos(), angles.sin()
+
+
 def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     """Rotate (B, heads, T, head_dim) by position: pairs are (i, i + head_dim / 2)."""
     x1, x2 = x.chunk(2, dim=-1)
@@ -95,7 +105,9 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=False)
         self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=False)
 
-    def forward(self, x: Tensor) -> Tensor:
+    def forward(self, x: Tensor, position_ids: Optional[Tensor] = None) -> Tensor:
+        """``position_ids`` (B, T): positions restarting at each document, which then attends only within itself
+        (``models/packing.py``); ``None``: one sequence, positions ``0..T-1``."""
         B, T, _ = x.shape
         if T > self.max_seq_len:
             raise ValueError(f"Sequence of length {T} is longer than max_seq_len {self.max_seq_len}")
@@ -103,9 +115,16 @@ class Attention(nn.Module):
         q = self.q_proj(x).view(B, T, self.num_heads, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        cos, sin = rotary_cos_sin(T, self.head_dim, self.rope_theta, x.device)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.num_kv_heads != self.num_heads)
+        gqa = self.num_kv_heads != self.num_heads
+        if position_ids is None:
+            cos, sin = rotary_cos_sin(T, self.head_dim, self.rope_theta, x.device)
+            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+        else:
+            cos, sin = rotary_cos_sin_at(position_ids, self.head_dim, self.rope_theta)
+            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+            mask = packing.document_causal_mask(position_ids)  # built once per microbatch on this stage
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
         return self.o_proj(y.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim))
 
 
@@ -130,9 +149,23 @@ class Block(nn.Module):
         self.mlp_norm = nn.RMSNorm(cfg.hidden_size, eps=cfg.norm_eps)
         self.mlp = SwiGLU(cfg)
 
-    def forward(self, x: Tensor) -> Tensor:
+    def forward(self, x: Any) -> Any:
+        if isinstance(x, Mapping):  # a packed microbatch: the hidden state with its positions
+            h, pos = x[packing.HIDDEN], x[packing.POSITION_IDS]
+            h = h + self.attn(self.attn_norm(h), pos)
+            return {packing.HIDDEN: h + self.mlp(self.mlp_norm(h)), packing.POSITION_IDS: pos}
         x = x + self.attn(self.attn_norm(x))
         return x + self.mlp(self.mlp_norm(x))
+
+
+class TokenEmbedding(nn.Embedding):
+    """The token embedding; given a packed microbatch ``{"input_ids", "position_ids"}`` it passes the positions on
+    with the hidden state (``models/packing.py``)."""
+
+    def forward(self, x: Any) -> Any:
+        if isinstance(x, Mapping):
+            return {packing.HIDDEN: super().forward(x[packing.INPUT_IDS]), packing.POSITION_IDS: x[packing.POSITION_IDS]}
+        return super().forward(x)
 
 
 class Head(nn.Module):
@@ -143,7 +176,9 @@ class Head(nn.Module):
         self.norm = nn.RMSNorm(cfg.hidden_size, eps=cfg.norm_eps)
         self.proj = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
 
-    def forward(self, x: Tensor) -> Tensor:
+    def forward(self, x: Any) -> Tensor:
+        if isinstance(x, Mapping):
+            x = x[packing.HIDDEN]
         return self.proj(self.norm(x))
 
 
@@ -161,6 +196,11 @@ class Llama(BuiltInInit, PipelineModule):
             or ``seed_everything`` set). Each pipeline layer draws from its own generator seeded by this seed and
             the layer's index, so a layer's weights do not depend on which other layers are built, nor on the
             device.
+        skip_document_ends: with packed batches (``{"input_ids", "position_ids"}``, ``data.TextDataModule(
+            document_mask=True)``), the loss skips each document's last target: the next document's first token.
+
+    A batch may also be packed, ``{"input_ids": (B, T + 1), "position_ids": (B, T + 1)}``: positions restart at
+    each document, and each token attends only to the earlier tokens of its own document (``models/packing.py``).
     """
 
     def __init__(
@@ -180,6 +220,7 @@ class Llama(BuiltInInit, PipelineModule):
         lr: float = 3e-4,
         weight_decay: float = 0.1,
         init_seed: Optional[int] = None,
+        skip_document_ends: bool = False,
     ) -> None:
         super().__init__()
         if size not in PRESETS:
@@ -200,7 +241,7 @@ class Llama(BuiltInInit, PipelineModule):
     # ---- building ----------------------------------------------------------------------------------------------
     def _build_layers(self) -> None:
         cfg = self.config
-        self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed = TokenEmbedding(cfg.vocab_size, cfg.hidden_size)
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.num_layers))
         self.head = Head(cfg)
         if cfg.tie_embeddings:
@@ -244,11 +285,20 @@ class Llama(BuiltInInit, PipelineModule):
             raise RuntimeError("Llama's layers get memory in configure_model(); call it (or let the Trainer) first")
         return [self.embed, *self.blocks, self.head]
 
-    def pipeline_input(self, batch: Tensor) -> Tensor:
-        return batch[:, :-1]
+    def pipeline_input(self, batch: Any) -> Any:
+        if isinstance(batch, Tensor):
+            return batch[:, :-1]
+        return packing.packed_input(packing.check_packed(batch, "Llama"))
 
-    def pipeline_loss(self, logits: Tensor, batch: Tensor) -> Tensor:
-        return F.cross_entropy(logits.flatten(0, 1).float(), batch[:, 1:].flatten())
+    def pipeline_sample(self) -> Any:
+        """The example batch if one is set, else one row of ``min(max_seq_len, 256)`` tokens (and its target)."""
+        sample = super().pipeline_sample()
+        return sample if sample is not None else torch.zeros(1, min(self.config.max_seq_len, 256) + 1, dtype=torch.long)
+
+    def pipeline_loss(self, logits: Tensor, batch: Any) -> Tensor:
+        if isinstance(batch, Tensor):
+            return F.cross_entropy(logits.flatten(0, 1).float(), batch[:, 1:].flatten())
+        return packing.document_loss(logits, batch, self.hparams.skip_document_ends)
 
     # ---- optimizer ---------------------------------------------------------------------------------------------
     def configure_optimizers(self) -> torch.optim.Optimizer:

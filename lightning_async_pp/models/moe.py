@@ -17,7 +17,7 @@ tensors: what crosses a stage boundary), adding its router's statistics to those
 the head pass them on, so the last layer's output is ``(logits, statistics)`` and ``pipeline_loss`` adds the term.
 With ``m`` microbatches the pipeline's batch loss is the mean of the microbatch losses, each with its own term: as
 upstream run on each microbatch and averaged (gradient accumulation); exact against the whole batch at ``m = 1``.
-See docs/design.md, 'Adapters of upstream models'.
+See docs/design/adapters.md, 'Adapters of upstream models'.
 """
 from __future__ import annotations
 

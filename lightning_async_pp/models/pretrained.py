@@ -3,7 +3,7 @@
 A :class:`PretrainedTensors` is a weights file opened lazily: ``read(key)`` loads one tensor. The adapters build
 their model as usual (under the strategy, layers on the ``meta`` device) and, in ``init_layer``, copy the file's
 tensors into the layer just initialized, so each process reads only the tensors of the layers it runs (see
-docs/design.md, 'Starting from pretrained weights').
+docs/design/adapters.md, 'Starting from pretrained weights').
 
 - :class:`SafetensorsFolder`: a Hugging Face ``save_pretrained`` folder (``model.safetensors``, or shards listed by
   ``model.safetensors.index.json``), read through safetensors' ``safe_open`` (memory-mapped, one tensor at a time).

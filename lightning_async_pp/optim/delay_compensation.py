@@ -9,7 +9,7 @@ corrected by a Taylor step of the gradient, with the Hessian approximated by the
 
 and the wrapped optimizer steps with ``g~`` (so with ``optim.Muon`` the correction enters before
 orthogonalization, as in marin's delay experiments). Under 2BW, ``W_b = W_{k-1}``: the version rule of
-docs/design.md ('The update rule and the version rule') with ``delay=1``. ``ema=beta`` replaces ``g * g`` by its
+docs/design/update-rule.md ('The update rule and the version rule') with ``delay=1``. ``ema=beta`` replaces ``g * g`` by its
 exponential moving average ``s_k = beta s_{k-1} + (1 - beta) g_k * g_k`` (no bias correction), the smoother
 variant marin tried; ``ema=None`` is the paper's rule.
 """

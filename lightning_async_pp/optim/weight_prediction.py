@@ -13,7 +13,7 @@ Multi-GPU Platform", 2018) and PipeOptim (Guan et al., 2023), which predict ``W_
 optimizer would take. The first update has nothing to extrapolate: ``W_hat = W_0``. The papers' own equations were
 not re-derived here; the rule implemented (and tested against a written-out recurrence) is the formula above.
 
-The prediction is the pipeline engine's work (the versions a stage holds, see docs/design.md, 'Weight prediction'):
+The prediction is the pipeline engine's work (the versions a stage holds, see docs/design/update-rule.md, 'Weight prediction'):
 this wrapper only says which parameters are predicted and with which scale. It steps the wrapped optimizer
 unchanged, so it composes with ``ErrorFeedback`` either way round, with ``PipeMareLR`` and with any base optimizer
 (``AsyncNesterov``, ``optim.Muon``). ``DelayCompensation`` is refused with it: that rule compensates against the

@@ -5,7 +5,7 @@ The graph surgery is torch.distributed.pipelining's (``construct_reverse_graph``
 ``stage_backward_weight`` from its ``_backward`` module, the code behind ``stage_backward_input`` /
 ``stage_backward_weight``): the input pass records the gradients arriving at the nodes where the weights'
 branches leave the input's path, and the weight pass starts from there, so nothing is computed twice. Two
-differences from torch's ``stage_backward_input``, both for exactness (docs/design.md, "Schedules as data"):
+differences from torch's ``stage_backward_input``, both for exactness (docs/design/schedules.md, "Schedules as data"):
 
 - a weight whose gradient does not pass through the stage's input (a first stage, whose input is token ids,
   or a loss term on a weight alone) is not in any of torch's parameter groups and would get no gradient; such a

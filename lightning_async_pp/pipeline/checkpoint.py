@@ -1,7 +1,7 @@
 """Checkpoints of a pipeline that do not depend on its layout.
 
 Every tensor is keyed by its global name in the model (a tied parameter under its first name), so a checkpoint
-saved with any number of stages, data-parallel size or partition loads into any other (docs/design.md,
+saved with any number of stages, data-parallel size or partition loads into any other (docs/design/checkpoints.md,
 "Checkpoints"). The keys of one flat dictionary:
 
     model.<name>                      the module's state: parameters at the newest version W_k, and buffers
@@ -411,7 +411,7 @@ def owned_parameters(optimizers: Sequence[torch.optim.Optimizer], names: Mapping
 # ---- writing a checkpoint safely ----------------------------------------------------------------------------------
 #: Temporaries are written under this folder beside the target, out of the names Lightning lists when it looks for a
 #: checkpoint to resume (``last*.ckpt`` for ``ckpt_path="last"``, any name containing ``hpc_ckpt_`` for SLURM):
-#: a partial write must never be a candidate (docs/design.md, "Faults").
+#: a partial write must never be a candidate (docs/design/checkpoints.md, "Faults").
 PARTIAL_DIR = ".partial"
 
 

@@ -86,7 +86,7 @@ def elastic_attempt_store(timeout: timedelta) -> Optional[dist.Store]:
     torchrun's agent keeps one store, on one port, across restarts (``TORCHELASTIC_USE_AGENT_STORE``), and the
     ``env://`` rendezvous does not prefix its keys per attempt: a restarted rank could read the gloo address a
     killed rank of the previous attempt published and fail to connect ("Connection refused"), depending on which
-    rank gets there first. See docs/design.md, "Faults"."""
+    rank gets there first. See docs/design/checkpoints.md, "Faults"."""
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         return None
     client = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timeout)
@@ -102,7 +102,7 @@ class StepAgreement:
     taken batch ``b-1``'s gradient, which needs every later stage past ``b-1`` and every earlier one past ``b-2``
     under 2BW's one-batch lookahead; data-parallel replicas meet in each step's all-reduce), so ``margin`` steps
     ahead no process has passed yet. Without a store (one process) the decision is due at once.
-    See docs/design.md, "Faults"."""
+    See docs/design/checkpoints.md, "Faults"."""
 
     KEY = "lightning_async_pp/agreed_step"
 
@@ -169,7 +169,7 @@ class StageLink:
     once (both sides see the same batch, so both know when a shape is new). Reading a layout is the only host
     read of a received tensor; a step's steady state has none.
 
-    On CUDA two things differ, both behind ``device.type == "cuda"`` (docs/design.md, "The runtime"):
+    On CUDA two things differ, both behind ``device.type == "cuda"`` (docs/design/runtime.md, "The runtime"):
 
     - **Waits do not block the host.** ``work.wait()`` without a timeout makes the compute stream wait for the
       transfer, so the host keeps queueing kernels and transfers overlap compute. (A wait *with* a timeout blocks

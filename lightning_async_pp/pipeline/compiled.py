@@ -1,5 +1,5 @@
 """Compiled pipeline layers (``PipelineConfig.compile``): each layer runs through ``torch.compile``d code that
-takes its weights as inputs, so every weight version and microbatch reuses one graph (see docs/design.md,
+takes its weights as inputs, so every weight version and microbatch reuses one graph (see docs/design/stages.md,
 'Compiled layers').
 
 Layers of one kind (see :func:`layer_kind`: the identical blocks of a transformer) share one compiled function,

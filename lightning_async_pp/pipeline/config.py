@@ -32,7 +32,8 @@ class PipelineConfig:
     schedule: str = "2bw"
     num_microbatches: Optional[int] = None
     data_parallel_size: int = 1
-    partition: PartitionSpec = "parameters"
+    partition: PartitionSpec = "balanced"
+    stage_memory_gib: Optional[float] = None  # partition="balanced": every stage's predicted peak at most this
     delay: DelaySpec = None
     sync_steps: int = 0
     sync_from_step: Optional[int] = None
@@ -78,6 +79,9 @@ class PipelineConfig:
                 )
         elif not isinstance(self.partition, Sequence) or not all(_is_int(c) for c in self.partition):
             raise ValueError(f"partition must be one of {PARTITION_METHODS} or a list of layer counts, got {self.partition!r}")
+        if self.stage_memory_gib is not None and (isinstance(self.stage_memory_gib, bool) or not isinstance(
+                self.stage_memory_gib, (int, float)) or not self.stage_memory_gib > 0):
+            raise ValueError(f"stage_memory_gib must be None (no cap) or a number of GiB > 0, got {self.stage_memory_gib!r}")
         if self.delay is not None:
             values = [self.delay] if _is_int(self.delay) else self.delay
             if not isinstance(values, (list, tuple)) or not values or not all(_is_int(d) for d in values):

@@ -15,7 +15,7 @@ that no replica used gets ``None`` everywhere (DDP with ``find_unused_parameters
 :meth:`GradientReducer.finish` waits for them; the engine calls it only when the
 gradient is first needed, in Lightning's ``backward``, so the reduction runs behind the rest of the backward,
 the step's remaining sends and receives, and Lightning's work between ``training_step`` and ``backward``. See
-docs/design.md, "Data parallelism".
+docs/design/data-parallel.md, "Data parallelism".
 
 With ``OVERLAP = False`` every bucket is reduced after the step's last action and waited for at once (the
 reduction on the critical path, for comparison). No Lightning import here.

@@ -9,11 +9,12 @@ callbacks (through :attr:`stats`) and the benchmarks all drive the pipeline thro
     engine.prepare_update(); optimizer.step()       # the optimizer writes W_{k+1}; W_k stays stashed
     engine.evaluate(batch); engine.predict(batch)   # newest weights, forward only
 
-See docs/design.md for the version rule and the invariants.
+See docs/design/update-rule.md for the version rule and the invariants.
 """
 from __future__ import annotations
 
 import time
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -26,6 +27,7 @@ from torch.func import functional_call
 
 from lightning_async_pp.pipeline.comm import FailureBoard, StageLink
 from lightning_async_pp.pipeline.config import PipelineConfig
+from lightning_async_pp.pipeline.cost import MemoryModel, SplitReport, balanced_split, layer_costs, report_for, stage_memory_bytes
 from lightning_async_pp.pipeline.partition import partition_layers
 from lightning_async_pp.pipeline.placement import (
     Tie,
@@ -114,6 +116,12 @@ class PipelineStats:
         return delays.pop() if len(delays) == 1 else None
 
     @property
+    def split(self) -> SplitReport:
+        """The layers per stage, each stage's predicted share of the compute and peak memory (docs/design/planner.md,
+        "Balanced split")."""
+        return self._engine.split
+
+    @property
     def stash_nbytes(self) -> int:
         return sum(stage.versions.stash_nbytes() for stage in self._engine.stages)
 
@@ -122,7 +130,7 @@ class PipelineEngine:
     def __init__(self, root: nn.Module, layers: Sequence[nn.Module], paths: Sequence[str], config: PipelineConfig, *,
                  input_fn: Callable[[Any], Any], loss_fn: Callable[[Any, Any], Tensor], device: torch.device,
                  world_size: int = 1, rank: int = 0, metric_names: Sequence[str] = (),
-                 metrics_fn: Optional[Callable[[], dict[str, Tensor]]] = None) -> None:
+                 metrics_fn: Optional[Callable[[], dict[str, Tensor]]] = None, sample_batch: Any = None) -> None:
         self.config = config
         self.root, self.layers, self.paths = root, list(layers), list(paths)
         self.world_size, self.rank, self.device = world_size, rank, device
@@ -135,7 +143,9 @@ class PipelineEngine:
         # put them back, so the ties, names and groups below are derived from the same model on every process.
         reassemble_layers(root, self.layers, self.paths)
         self.checkpointed_layers = config.checkpointed_layers(len(self.layers))
-        self.ranges = partition_layers(self.layers, self.num_stages, config.partition)
+        self._metrics_fn = metrics_fn
+        self.split = self._choose_split(sample_batch, input_fn, loss_fn)
+        self.ranges = partition_layers(self.layers, self.num_stages, list(self.split.counts))
         self.stage_of_layer = [s for s, r in enumerate(self.ranges) for _ in r]
         self.ties: list[Tie] = check_parameters_covered(root, self.layers, self.stage_of_layer)
         # Each parameter's name in the whole model (a tied one under its first name), taken before other stages'
@@ -191,6 +201,44 @@ class PipelineEngine:
         self._input_fn, self._loss_fn = input_fn, loss_fn
         self._metric_names, self._metrics_fn = tuple(metric_names), metrics_fn
         self.stages: list[Stage] = []
+
+    def _choose_split(self, sample_batch: Any, input_fn: Callable[[Any], Any],
+                      loss_fn: Callable[[Any, Any], Tensor]) -> SplitReport:
+        """The layers per stage, and what the cost model predicts of them (docs/design/planner.md, "Balanced split").
+        Every process computes the same split: the costs depend only on the layers' shapes and the sample's."""
+        config, p = self.config, self.num_stages
+        method = config.partition
+        # One device models the p devices its stages stand for, so it picks the split p processes pick.
+        model = MemoryModel(config.schedule, p, self.num_microbatches, config.data_parallel_size, config.shard_optimizer)
+        costs = None
+        if sample_batch is not None:
+            try:
+                costs = layer_costs(self.layers, sample_batch, input_fn, loss_fn, device=self.device)
+            except Exception as err:  # a layer that cannot run on fake tensors (data-dependent shapes, .item())
+                if method == "balanced" and self.rank == 0:
+                    warnings.warn(f"partition='balanced' could not cost the layers on fake tensors "
+                                  f"({type(err).__name__}: {err}); splitting by parameter counts instead", stacklevel=3)
+                costs = None
+            finally:
+                if self._metrics_fn is not None:  # what the costing's loss recorded must not count in a batch:
+                    try:  # read it once and drop it, as for a lookahead batch Lightning did not train
+                        self._metrics_fn()
+                    except Exception:  # nothing (or only fake values) recorded: nothing to drop
+                        pass
+        if method == "balanced":
+            if costs is None:
+                if sample_batch is None and self.rank == 0:
+                    warnings.warn("partition='balanced' has no example batch to cost the layers on: splitting by "
+                                  "parameter counts; set the model's example_input_array (or pipeline_example_batch) "
+                                  "to one microbatch, or pass partition='parameters'", stacklevel=3)
+                counts = [len(r) for r in partition_layers(self.layers, p, "parameters")]
+                return report_for(counts, "parameters", None, model)
+            cap = config.stage_memory_gib * 2**30 if config.stage_memory_gib is not None else None
+            counts = balanced_split([c.flops for c in costs], p, memory_cap=cap,
+                                    memory=lambda i, j, s: stage_memory_bytes(costs, i, j, s, model))
+            return report_for(counts, "balanced", costs, model)
+        counts = [len(r) for r in partition_layers(self.layers, p, method)]
+        return report_for(counts, method if isinstance(method, str) else "explicit", costs, model)
 
     def own_layer_indices(self) -> list[int]:
         """The global indices of the layers this process runs."""
@@ -299,7 +347,7 @@ class PipelineEngine:
         return stages
 
     def set_weight_prediction(self, scales: dict[int, float]) -> None:
-        """Delayed batches run on predicted versions (see docs/design.md, 'Weight prediction'): ``scales`` maps
+        """Delayed batches run on predicted versions (see docs/design/update-rule.md, 'Weight prediction'): ``scales`` maps
         ``id(parameter)`` to its scale ``s``; a parameter not in it is not extrapolated (``s = 0``). A stage
         with delay 0, or none of whose parameters is in ``scales``, is left as it is."""
         for stage in self.stages:

@@ -6,7 +6,7 @@ whose backward has begun and whose update has not run, and the activations of th
 model takes the largest total. Per microbatch it needs what a forward keeps for its backward and the peak of a
 forward and backward, both measured once on one microbatch through the device's layers in a plain loop, as the
 planner takes per-layer times; ``benchmarks/realistic_llama.py --memory`` compares it with the allocator's
-measured peak (BENCHMARKS.md). See docs/design.md, "Memory".
+measured peak (BENCHMARKS.md). See docs/design/planner.md, "Memory".
 """
 from __future__ import annotations
 
@@ -38,7 +38,7 @@ class StageMemory:
 
 def stage_memory(result: SimulationResult, device: int, *, weight_bytes: int, saved_bytes: int, working_bytes: int,
                  first_working_bytes: Optional[int] = None, optimizer_state_bytes: int = 0, correction_bytes: int = 0,
-                 update_bytes: int = 0) -> StageMemory:
+                 update_bytes: int = 0, run_ahead: bool = True) -> StageMemory:
     """The model's peak for ``device``: the largest of what it holds at each point of its simulated timeline.
 
     Walking the device's actions in order: a forward adds ``saved_bytes``; a backward (a split one's weight pass)
@@ -46,7 +46,8 @@ def stage_memory(result: SimulationResult, device: int, *, weight_bytes: int, sa
     includes allocating them, when it is the batch's first) beside the others in flight, then frees what it kept;
     a batch's gradients live from its first backward to its update, which adds ``update_bytes`` (the optimizer's
     transient copies: ErrorFeedback's one per parameter) and then releases them. So a schedule that runs the next
-    batch's backward before this batch's update (2bw's last stage) holds two gradients there. A chunked schedule's
+    batch's backward before this batch's update (2bw's last stage) holds two gradients there, unless ``run_ahead``
+    is False (the engine under data parallelism updates before the next batch's backward: one gradient). A chunked schedule's
     chunk holds ``1 / chunks`` of the per-microbatch bytes, which are for all of the device's layers.
     """
     if not 0 <= device < len(result.timelines):
@@ -72,6 +73,8 @@ def stage_memory(result: SimulationResult, device: int, *, weight_bytes: int, sa
             if span.batch in graded:
                 peak = max(peak, (len(graded) * weight_bytes, (in_flight - 1) * saved + working_bytes / chunks), key=sum)
             else:  # the working set of the batch's first backward includes allocating its gradients
+                if not run_ahead:
+                    graded.clear()  # the earlier batch's update ran before this backward
                 first = (first_working_bytes - weight_bytes) / chunks
                 peak = max(peak, ((len(graded) + 1) * weight_bytes, (in_flight - 1) * saved + first), key=sum)
                 graded.add(span.batch)

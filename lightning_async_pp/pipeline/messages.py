@@ -3,7 +3,7 @@ one global order that every process derives alike.
 
 NCCL ignores tags: for each ordered pair of ranks the k-th send meets the k-th receive, and each process runs its
 point-to-point operations in issue order on one CUDA stream, a send completing only together with its receive
-(docs/design.md, "Communication under NCCL's rules"). A protocol is right under those rules when
+(docs/design/runtime.md, "Communication under NCCL's rules"). A protocol is right under those rules when
 
 - both sides of every ordered pair issue the same messages in the same order, and
 - no rank waits for a message that can only come after something it has not issued yet.

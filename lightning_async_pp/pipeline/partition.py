@@ -1,20 +1,23 @@
-"""Assigning layers to pipeline stages: by parameter count, uniformly, or by an explicit list."""
+"""Assigning layers to pipeline stages: by measured cost (``"balanced"``, pipeline/cost.py), by parameter count,
+uniformly, or by an explicit list."""
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Union
+from typing import Optional, Union
 
 from torch import nn
 
 PartitionSpec = Union[str, Sequence[int]]
-PARTITION_METHODS = ("parameters", "uniform")
+PARTITION_METHODS = ("balanced", "parameters", "uniform")
 
 
-def partition_layers(layers: Sequence[nn.Module], num_stages: int, method: PartitionSpec = "parameters") -> list[range]:
+def partition_layers(layers: Sequence[nn.Module], num_stages: int, method: PartitionSpec = "parameters", *,
+                     balanced: Optional[Sequence[int]] = None) -> list[range]:
     """Split ``layers`` into ``num_stages`` contiguous, non-empty ranges of layer indices.
 
-    ``method`` is ``"parameters"`` (balance parameter counts; default), ``"uniform"`` (balance layer counts)
-    or a list of layer counts per stage.
+    ``method`` is ``"parameters"`` (balance parameter counts), ``"uniform"`` (balance layer counts), a list of
+    layer counts per stage, or ``"balanced"``, whose counts the caller computed from the layers' costs
+    (:func:`lightning_async_pp.pipeline.cost.balanced_split`) and passes as ``balanced``.
     """
     n = len(layers)
     if num_stages < 1:
@@ -27,6 +30,10 @@ def partition_layers(layers: Sequence[nn.Module], num_stages: int, method: Parti
     if isinstance(method, str):
         if method == "uniform":
             counts = _balanced_counts([1] * n, num_stages)
+        elif method == "balanced":
+            if balanced is None:
+                raise ValueError("partition='balanced' needs the layer counts the cost model chose (balanced=...)")
+            counts = _checked_counts(balanced, num_stages, n)
         elif method == "parameters":
             # A layer without parameters still costs compute; weigh it as one parameter so it is placed.
             weights = [max(1, sum(p.numel() for p in layer.parameters())) for layer in layers]
@@ -36,17 +43,22 @@ def partition_layers(layers: Sequence[nn.Module], num_stages: int, method: Parti
                 f"Unknown partition method {method!r}; use one of {PARTITION_METHODS} or a list of layer counts"
             )
     else:
-        counts = [int(c) for c in method]
-        if len(counts) != num_stages or any(c < 1 for c in counts) or sum(counts) != n:
-            raise ValueError(
-                f"Explicit partition {list(method)} is invalid: it needs {num_stages} positive layer counts that sum "
-                f"to the {n} layers of pipeline_layers()"
-            )
+        counts = _checked_counts(method, num_stages, n)
     ranges, start = [], 0
     for c in counts:
         ranges.append(range(start, start + c))
         start += c
     return ranges
+
+
+def _checked_counts(method: Sequence[int], num_stages: int, n: int) -> list[int]:
+    counts = [int(c) for c in method]
+    if len(counts) != num_stages or any(c < 1 for c in counts) or sum(counts) != n:
+        raise ValueError(
+            f"Explicit partition {list(method)} is invalid: it needs {num_stages} positive layer counts that sum "
+            f"to the {n} layers of pipeline_layers()"
+        )
+    return counts
 
 
 def _balanced_counts(weights: Sequence[int], parts: int) -> list[int]:

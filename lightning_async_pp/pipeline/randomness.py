@@ -8,7 +8,7 @@ order), not on when the forward runs (2BW's lookahead runs batch k+1's first for
 else consumed random numbers before (samplers, callbacks). One device and p processes therefore draw the same
 masks, and a resumed run draws what the uninterrupted run drew. Activation checkpointing's recomputation replays
 the forward's draws by itself: ``torch.utils.checkpoint`` saves the generator state at the checkpointed call, which
-is this forward's seeded state. See docs/design.md, "Randomness".
+is this forward's seeded state. See docs/design/stages.md, "Randomness".
 """
 from __future__ import annotations
 

@@ -3,7 +3,7 @@
 Across processes a process holds one stage and its neighbours are reached through a :class:`StageLink`; on one
 device it holds every stage and the boundaries are in-process hand-overs that follow the same rules (what may
 cross, which tensors carry gradients back). In both cases each stage runs its own action list in order; a
-stage whose next action waits for a neighbour in this process yields to the others (see docs/design.md,
+stage whose next action waits for a neighbour in this process yields to the others (see docs/design/runtime.md,
 "The runtime"). There is no second code path per schedule: a new schedule is a new action list.
 
 ``train_batch(batch, next_batch)`` returns the batch's mean loss on every rank and leaves the batch gradient of
@@ -60,7 +60,7 @@ class StepTimes:
     dp_comm: float = 0.0  # the data-parallel gradient reduction, from its first bucket's start to the end of its wait
     dp_comm_exposed: float = 0.0  # of that, the time blocked waiting for it (what the step's other work did not hide)
     # Summing the gradient of a weight tied across processes (an embedding tied to the head): it waits for every
-    # stage of the tie to finish the step (docs/design.md, "Tied weights").
+    # stage of the tie to finish the step (docs/design/stages.md, "Tied weights").
     tied_sum: float = 0.0
 
     @property

@@ -66,7 +66,7 @@ def forwards_ahead(stage: int, num_stages: int, num_microbatches: int) -> int:
 
     The textbook ``num_stages - 1 - stage`` leaves a stage no slack: the gradient it needs next is the one its
     successor is computing right now, so every transfer round trip and every jitter of the successor stalls it.
-    Stages before the last run one forward more, which lets the next forward fill that wait (docs/design.md,
+    Stages before the last run one forward more, which lets the next forward fill that wait (docs/design/schedules.md,
     "Schedules as data"). The update semantics do not change: a batch's microbatches all read the version the
     batch is due, and backwards run in the same order.
     """
@@ -94,7 +94,7 @@ def step_actions(
     ``W_k``, the version held before the update, so the numbers do not change; what changes is that the last
     stage has work while the first stage runs the step's last backwards, which is when a weight tied across
     them (an embedding tied to the head) keeps the last stage waiting for the sum of its gradient
-    (docs/design.md, "Schedules as data").
+    (docs/design/schedules.md, "Schedules as data").
     ``1f1b`` is the 2BW step with neither, so it warms up and drains (flushes) every batch.
     """
     m = num_microbatches
@@ -129,7 +129,7 @@ def zb_h1_actions(stage: int, num_stages: int, num_microbatches: int) -> list[Ac
     its input gradient ``I`` and weight gradient ``W``. The ``I`` is what the previous stage waits for, so it runs
     where 1F1B runs the whole backward; stage ``s`` defers its first ``p-1-s`` ``W`` and runs them in the drain,
     where 1F1B leaves the stage idle. Warm-up and in-flight activations are 1F1B's (``forwards_ahead``), so
-    memory is 1F1B's. Synchronous, one flush per batch, same numbers as 1f1b (docs/design.md, "Schedules as
+    memory is 1F1B's. Synchronous, one flush per batch, same numbers as 1f1b (docs/design/schedules.md, "Schedules as
     data"). With unit costs (F = I = W = 1) a step takes ``3m + p - 1`` instead of 1F1B's ``3m + 3(p - 1)``."""
     m = num_microbatches
     ahead = forwards_ahead(stage, num_stages, m)

@@ -3,7 +3,7 @@
 The sharding is torch's ``ZeroRedundancyOptimizer``: it assigns each parameter, whole, to one replica (greedily by
 size, group by group), steps a local optimizer over that replica's parameters only, and broadcasts every updated
 parameter from its owner. Whole parameters keep ``optim.Muon``'s Newton-Schulz on whole matrices, and every
-per-parameter state (moments, ``ErrorFeedback``'s buffer) lives on one replica only. See docs/design.md,
+per-parameter state (moments, ``ErrorFeedback``'s buffer) lives on one replica only. See docs/design/data-parallel.md,
 "Data parallelism".
 
 The user's optimizer, built by Lightning from ``configure_optimizers``, is kept as the template: the local

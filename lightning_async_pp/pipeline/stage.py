@@ -45,7 +45,7 @@ class Stage:
 
     ``compile_options`` (``torch.compile`` keyword arguments, or ``None``) compiles each layer once, here: the
     weights reach the compiled code as inputs (``functional_call`` swaps them in), so another weight version or
-    microbatch reuses the compiled graph (see docs/design.md, 'Compiled layers').
+    microbatch reuses the compiled graph (see docs/design/stages.md, 'Compiled layers').
     """
 
     def __init__(self, layers: Sequence[nn.Module], index: int, num_stages: int, delay: int = 1, sync_steps: int = 0,

@@ -2,7 +2,7 @@
 
 A value is flattened into its tensor leaves and a *spec* (plain JSON-able data describing the nesting), so the
 same rules hold on one device (an in-process hand-over) and across processes (the spec travels once in a
-header, the tensors as themselves). See docs/design.md, "What crosses a stage boundary".
+header, the tensors as themselves). See docs/design/runtime.md, "What crosses a stage boundary".
 """
 from __future__ import annotations
 

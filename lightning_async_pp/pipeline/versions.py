@@ -6,7 +6,7 @@ of the version that just went out of use and the parameters are re-pointed there
 keep reading the old slot untouched, which is what weight stashing means. With ``delay=1`` (PipeDream-2BW) that
 is exactly two versions: the parameters and one stash.
 
-Weight prediction (:meth:`enable_prediction`, see docs/design.md, 'Weight prediction') changes what the slots
+Weight prediction (:meth:`enable_prediction`, see docs/design/update-rule.md, 'Weight prediction') changes what the slots
 hold: a delayed batch due version ``W_v`` runs on the predicted ``W_v + s * delay * (W_v - W_{v-1})`` (``s`` per
 parameter) instead of ``W_v`` itself. The parameters then get their own tensors (the true newest version, which the
 optimizer updates and evaluation reads), and slot ``v % (delay + 1)`` holds the prediction for ``v``: the versions

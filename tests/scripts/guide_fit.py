@@ -31,7 +31,7 @@ from lightning_async_pp import AsyncPipelineStrategy  # noqa: E402
 
 DOCS = Path(__file__).resolve().parents[2] / "docs"
 #: page name -> (file, the heading its example follows; None: the page's first Python block)
-PAGES = {"guide/monitoring": ("guide/monitoring.md", None), "monitoring": ("monitoring.md", "## Turning them on"),
+PAGES = {"guide/monitoring": ("guide/monitoring.md", None), "monitoring": ("guide/monitoring.md", "## Turning them on"),
          "guide/install": ("guide/install.md", "## Use it in your own code")}
 #: Trainer arguments a page sets for its own hardware, replaced by the tiny CPU run's.
 HARDWARE = ("accelerator", "devices", "max_steps")

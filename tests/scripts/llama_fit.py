@@ -3,10 +3,12 @@
 Run by tests/test_llama_pipeline.py in a subprocess (Lightning's launcher re-executes this script for the other
 ranks); the tests also import ``run`` to make the same run on one device in their own process.
 
-Config keys: devices, stages (on one device), schedule, microbatches, partition, steps, tie, max_seq_len, seed,
+Config keys: devices, stages (on one device), schedule, microbatches, partition, steps, tie, max_seq_len, vocab, seed,
 samples, batch, seq,
 val_every + val_batches (validation during fit), text_samples (TextSamples keyword arguments),
-log_dir (a TensorBoardLogger there), timeout.
+log_dir (a TensorBoardLogger there), timeout,
+packed (rows as packed batches {"input_ids", "position_ids"} of documents 1..7 tokens long, ``skip_document_ends``),
+eval_batch (the batch size of the non-fit calls of a sequence, last batch ragged).
 """
 from __future__ import annotations
 
@@ -23,6 +25,20 @@ from helpers import script_main  # noqa: E402
 
 from lightning_async_pp import AsyncPipelineStrategy  # noqa: E402
 from lightning_async_pp.models import Llama  # noqa: E402
+
+
+def packed_rows(rows: list[torch.Tensor], seed: int = 4) -> list[dict[str, torch.Tensor]]:
+    """The rows as packed samples: documents of 1..7 tokens, positions restarting at each."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for row in rows:
+        pos, filled = [], 0
+        while filled < len(row):
+            n = min(int(torch.randint(1, 8, (1,), generator=g)), len(row) - filled)
+            pos.extend(range(n))
+            filled += n
+        out.append({"input_ids": row, "position_ids": torch.tensor(pos)})
+    return out
 
 
 def token_rows(samples: int, seq: int, seed: int = 3) -> list[torch.Tensor]:
@@ -59,9 +75,11 @@ def build(cfg: dict) -> tuple[Llama, DataLoader, L.Trainer]:
     if cfg.get("groups_by_name"):
         kwargs["rank_dependent_lr"] = cfg["groups_by_name"] == "rank_dependent"
     model = (LlamaGroupedByName if cfg.get("groups_by_name") else Llama)(
-        "tiny", vocab_size=256, tie_embeddings=tie, max_seq_len=cfg.get("max_seq_len", 64), lr=cfg.get("lr", 3e-3),
-        **kwargs)
-    rows = token_rows(cfg.get("samples", 32), cfg.get("seq", 16))
+        "tiny", vocab_size=cfg.get("vocab", 256), tie_embeddings=tie, max_seq_len=cfg.get("max_seq_len", 64),
+        lr=cfg.get("lr", 3e-3), skip_document_ends=bool(cfg.get("packed")), **kwargs)
+    rows: Any = token_rows(cfg.get("samples", 32), cfg.get("seq", 16))
+    if cfg.get("packed"):
+        rows = packed_rows(rows)
     loader = DataLoader(rows, batch_size=cfg.get("batch", 8), shuffle=False, drop_last=True)
     return model, loader, make_trainer(cfg)
 
@@ -99,7 +117,9 @@ def run(cfg: dict, devices: int) -> tuple[dict, Llama, L.Trainer]:
         return run_sequence(cfg, devices)
     model, loader, trainer = build({**cfg, "devices": devices})
     trainer.fit(model, loader, loader if cfg.get("val_every") else None)
-    result: dict[str, Any] = {"rank": trainer.global_rank, "global_step": trainer.global_step}
+    result: dict[str, Any] = {"rank": trainer.global_rank, "global_step": trainer.global_step,
+                              "split": (trainer.strategy.engine.stats.split.method,
+                                        list(trainer.strategy.engine.stats.split.counts))}
     samples = [c for c in trainer.callbacks if type(c).__name__ == "TextSamples"]
     if samples:
         result["texts"] = samples[0].history
@@ -114,6 +134,9 @@ def run_sequence(cfg: dict, devices: int) -> tuple[dict, Llama, L.Trainer]:
     With ``first_on_one_device`` the first call runs on one device before the others run on ``devices``. Records
     every loss, prediction and the weights after each call (rank 0's, gathered)."""
     model, loader, trainer = build({**cfg, "devices": 1 if cfg.get("first_on_one_device") else devices})
+    eval_loader = loader
+    if cfg.get("eval_batch"):  # a ragged last batch in evaluation and prediction
+        eval_loader = DataLoader(loader.dataset, batch_size=cfg["eval_batch"], shuffle=False, drop_last=False)
     result: dict[str, Any] = {"calls": []}
     for i, call in enumerate(cfg["sequence"]):
         if i > 0:
@@ -122,10 +145,10 @@ def run_sequence(cfg: dict, devices: int) -> tuple[dict, Llama, L.Trainer]:
             trainer.fit(model, loader)
             record: Any = {"train_loss": float(trainer.callback_metrics["train_loss"])}
         elif call == "predict":
-            outputs = trainer.predict(model, loader)
+            outputs = trainer.predict(model, eval_loader)
             record = {"logits": torch.cat([o for o in outputs]) if outputs[0] is not None else None}
         else:
-            metrics = getattr(trainer, call)(model, loader, verbose=False)[0]
+            metrics = getattr(trainer, call)(model, eval_loader, verbose=False)[0]
             record = {k: float(v) for k, v in metrics.items()}
         if trainer.is_global_zero:
             record["state_dict"] = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}

@@ -1,0 +1,129 @@
+"""Packed rows with document masks: positions that restart at each document, the block-diagonal causal mask they
+imply, and the targets a loss may skip (see docs/design/data.md, 'Packed documents').
+
+A packed batch is a mapping ``{"input_ids": (B, T + 1), "position_ids": (B, T + 1)}`` (what
+``data.TextDataModule(document_mask=True)`` yields): positions count from 0 at the start of each document, so a
+document starts where a position is not its predecessor's plus one (transformers' convention for packed sequences).
+Between pipeline layers the hidden state travels with its positions, as ``{"hidden": (B, T, C), "position_ids":
+(B, T)}``; each stage builds the mask once per microbatch from the positions it received (:func:`document_causal_mask`
+caches it by the positions tensor, which every layer of the stage is handed), so no (T, T) mask crosses a stage.
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from torch.utils.weak import WeakTensorKeyDictionary
+
+#: The keys of a packed batch.
+INPUT_IDS, POSITION_IDS = "input_ids", "position_ids"
+#: The key of the hidden state between layers (beside :data:`POSITION_IDS`).
+HIDDEN = "hidden"
+#: Targets a loss ignores (``F.cross_entropy``'s default ``ignore_index``).
+IGNORE = -100
+
+
+def is_packed(batch: Any) -> bool:
+    """Whether ``batch`` is a packed batch (a mapping with ``input_ids`` and ``position_ids``)."""
+    return isinstance(batch, Mapping) and INPUT_IDS in batch and POSITION_IDS in batch
+
+
+def check_packed(batch: Any, who: str) -> Mapping[str, Tensor]:
+    """``batch`` if it is a packed batch of equal-shaped 2-D integer tensors, else a clear error naming ``who``."""
+    if not isinstance(batch, Mapping) or not is_packed(batch):
+        keys = sorted(batch) if isinstance(batch, Mapping) else type(batch).__name__
+        raise TypeError(f"{who} takes a token tensor (B, T + 1) or a packed batch {{'input_ids', 'position_ids'}} "
+                        f"(data.TextDataModule(document_mask=True)); got {keys}")
+    extra = sorted(set(batch) - {INPUT_IDS, POSITION_IDS})
+    if extra:
+        raise TypeError(f"{who}: a packed batch holds input_ids and position_ids only; got also {extra} (padding "
+                        f"masks and labels are not taken: pack the text into full rows, data.TextDataModule)")
+    ids, pos = batch[INPUT_IDS], batch[POSITION_IDS]
+    if ids.dim() != 2 or ids.shape != pos.shape or ids.is_floating_point() or pos.is_floating_point():
+        raise ValueError(f"{who}: input_ids and position_ids must be integer tensors of one shape (B, T + 1); got "
+                         f"{ids.dtype} {tuple(ids.shape)} and {pos.dtype} {tuple(pos.shape)}")
+    return batch
+
+
+def packed_positions(ids: Tensor, eos: int) -> Tensor:
+    """Positions (same shape as ``ids``, int64) counting from 0 at the start of each row and after each ``eos``
+    token: the ``eos`` ends its document, the token after it starts the next."""
+    length = ids.shape[-1]
+    index = torch.arange(length, device=ids.device).expand_as(ids)
+    starts = torch.zeros_like(ids, dtype=torch.bool)
+    starts[..., 0] = True
+    starts[..., 1:] = ids[..., :-1] == eos
+    last_start = torch.where(starts, index, torch.zeros_like(index)).cummax(dim=-1).values
+    return index - last_start
+
+
+def document_ids(position_ids: Tensor) -> Tensor:
+    """(B, T) -> (B, T): which document of its row each token belongs to (0, 1, ...); a document starts at the
+    first token and wherever a position is not the previous one plus one."""
+    starts = torch.ones_like(position_ids, dtype=torch.long)
+    starts[..., 1:] = (position_ids[..., 1:] != position_ids[..., :-1] + 1).long()
+    return starts.cumsum(dim=-1) - 1
+
+
+def _version(t: Tensor) -> int:
+    """The tensor's in-place version (an inference tensor, made under ``torch.inference_mode``, keeps none)."""
+    return -1 if t.is_inference() else t._version
+
+
+_masks: WeakTensorKeyDictionary = WeakTensorKeyDictionary()
+
+
+def document_causal_mask(position_ids: Tensor) -> Tensor:
+    """The block-diagonal causal mask (B, 1, T, T), ``True`` where query ``i`` may attend to key ``j``: ``j <= i``
+    in the same document. Built once per positions tensor (a microbatch's on one stage: every layer of the stage is
+    handed that tensor) and kept while the tensor lives, recomputation under activation checkpointing included."""
+    cached = _masks.get(position_ids)
+    if cached is not None and cached[0] == _version(position_ids):
+        return cached[1]
+    docs = document_ids(position_ids)
+    length = position_ids.shape[-1]
+    causal = torch.ones(length, length, dtype=torch.bool, device=position_ids.device).tril()
+    mask = ((docs.unsqueeze(-1) == docs.unsqueeze(-2)) & causal).unsqueeze(1)
+    _masks[position_ids] = (_version(position_ids), mask)
+    return mask
+
+
+_cached: WeakTensorKeyDictionary = WeakTensorKeyDictionary()
+
+
+def per_positions(position_ids: Tensor, key: Any, build: Any) -> Any:
+    """``build()``, once per positions tensor and ``key`` (what else the value depends on): what every layer of a
+    stage needs from a microbatch's positions (an upstream model's mask and rotary tables, say)."""
+    entries = _cached.get(position_ids)
+    if entries is None or entries[0] != _version(position_ids):
+        entries = _cached[position_ids] = (_version(position_ids), {})
+    if key not in entries[1]:
+        entries[1][key] = build()
+    return entries[1][key]
+
+
+def document_targets(batch: Mapping[str, Tensor], skip_document_ends: bool) -> Tensor:
+    """The targets (B, T) of a packed batch: ``input_ids[:, 1:]``; with ``skip_document_ends`` a target that starts
+    a document (its position is 0: the next document's first token, predicted from the previous one's end) is
+    :data:`IGNORE`."""
+    targets = batch[INPUT_IDS][:, 1:]
+    if not skip_document_ends:
+        return targets
+    return targets.masked_fill(batch[POSITION_IDS][:, 1:] == 0, IGNORE)
+
+
+def document_loss(logits: Tensor, batch: Mapping[str, Tensor], skip_document_ends: bool) -> Tensor:
+    """Cross-entropy (float32) of ``logits`` (B, T, V) against :func:`document_targets`, the mean over the kept
+    targets; 0 (with a gradient of zeros) for a microbatch whose every target is skipped, where the mean would be
+    NaN (rows of one-token documents)."""
+    targets = document_targets(batch, skip_document_ends).flatten()
+    total = F.cross_entropy(logits.flatten(0, 1).float(), targets, ignore_index=IGNORE, reduction="sum")
+    return total / (targets != IGNORE).sum().clamp(min=1)
+
+
+def packed_input(batch: Mapping[str, Tensor]) -> dict[str, Tensor]:
+    """What the first layer takes from a packed batch: all but the last column of its ids and positions."""
+    return {INPUT_IDS: batch[INPUT_IDS][:, :-1], POSITION_IDS: batch[POSITION_IDS][:, :-1]}

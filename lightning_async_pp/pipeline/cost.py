@@ -1,0 +1,265 @@
+"""What each pipeline layer costs, and the split of the layers into stages that balances it.
+
+Per layer: forward and backward FLOPs counted by ``torch.utils.flop_counter.FlopCounterMode`` while the layer runs
+on fake tensors (``FakeTensorMode``: shapes only, no memory, nothing computed) for a sample microbatch, the loss counted with the last
+layer; the bytes of its parameters and of what its forward keeps for backward (the tensors autograd saves). Per
+stage: its time is its layers' FLOPs; its memory is its parameters times (the weight versions the schedule keeps +
+gradients + optimizer state) plus the activations of the microbatches it holds in flight under the schedule. The
+split (:func:`balanced_split`) is the contiguous one minimising the slowest stage's time with every stage's memory
+under a cap: an exact dynamic program over prefix sums. See docs/design/planner.md, "Balanced split".
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+from torch import Tensor, nn
+from torch.func import functional_call
+from torch.utils._pytree import tree_flatten, tree_map
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils.flop_counter import FlopCounterMode
+
+#: Optimizer state per parameter assumed by the memory model (AdamW's two moments; the optimizer is built after the
+#: split, so the split cannot know it).
+OPTIMIZER_STATE_PER_PARAMETER = 2
+
+
+@dataclass(frozen=True)
+class LayerCost:
+    """One pipeline layer over one microbatch."""
+
+    forward_flops: int
+    backward_flops: int
+    param_bytes: int
+    activation_bytes: int  # what its forward keeps for its backward
+
+    @property
+    def flops(self) -> int:
+        return self.forward_flops + self.backward_flops
+
+
+def _attention_flops(query: Sequence[int], key: Sequence[int], value: Sequence[int]) -> int:
+    """Forward FLOPs of attention's two batched products (scores and weighted values), causal mask not discounted;
+    grouped-query attention counted per query head."""
+    b, h, s_q, d = query[0], query[1], query[-2], query[-1]
+    return 2 * b * h * s_q * key[-2] * (d + value[-1])
+
+
+def _cpu_flash(query: Any, key: Any, value: Any, *args: Any, out_shape: Any = None, **kwargs: Any) -> int:
+    return _attention_flops(query, key, value)
+
+
+def _cpu_flash_backward(grad_out: Any, query: Any, key: Any, value: Any, *args: Any, out_shape: Any = None,
+                        **kwargs: Any) -> int:
+    return 2 * _attention_flops(query, key, value)  # the gradients of q, k, v and the scores: four products
+
+
+#: FlopCounterMode counts no FLOPs for the CPU's fused attention kernel (it does for the CUDA ones): count it as the
+#: products it stands for, so a layer's cost does not depend on where it is costed.
+_CUSTOM_FLOPS: dict[Any, Callable[..., int]] = {}
+for _name, _fn in (("_scaled_dot_product_flash_attention_for_cpu", _cpu_flash),
+                   ("_scaled_dot_product_flash_attention_for_cpu_backward", _cpu_flash_backward)):
+    if hasattr(torch.ops.aten, _name):
+        _CUSTOM_FLOPS[getattr(torch.ops.aten, _name)] = _fn
+
+
+def _float_leaves(x: Any) -> list[Tensor]:
+    return [t for t in tree_flatten(x)[0] if isinstance(t, Tensor) and t.is_floating_point()]
+
+
+def layer_costs(layers: Sequence[nn.Module], sample_batch: Any, input_fn: Callable[[Any], Any],
+                loss_fn: Callable[[Any, Any], Tensor], device: Optional[torch.device] = None) -> list[LayerCost]:
+    """Run ``sample_batch`` (one microbatch) through ``layers`` one at a time on fake tensors (shapes, no memory:
+    ``FakeTensorMode``), counting each layer's forward and backward FLOPs (the last layer's include ``loss_fn``)
+    and the bytes its forward saves for backward.
+
+    The layers themselves are not touched: each runs through ``functional_call`` with fake stand-ins for its
+    parameters and buffers on ``device`` (default: the CPU), so real and ``meta`` layers are costed alike, and code
+    that moves something to its input's device sees the device it will run on."""
+    device = torch.device("cpu") if device is None else torch.device(device)
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+
+    def fake(t: Tensor, grad: bool = False) -> Tensor:
+        return torch.empty(t.shape, dtype=t.dtype, device=device, requires_grad=grad)
+
+    costs = []
+    with mode:
+        batch = tree_map(lambda t: fake(t) if isinstance(t, Tensor) else t, sample_batch)
+        x = input_fn(batch)
+        for i, layer in enumerate(layers):
+            params = {n: fake(p, p.requires_grad) for n, p in layer.named_parameters(remove_duplicate=False)}
+            buffers = {n: fake(b) for n, b in layer.named_buffers(remove_duplicate=False)}
+            if i > 0:  # a later stage's input needs its gradient (to send back); the first layer's does not
+                x = tree_map(lambda t: t.detach().requires_grad_(True) if isinstance(t, Tensor) and t.is_floating_point()
+                             else t, x)
+            inputs = [t for t in _float_leaves(x) if t.requires_grad]
+            param_ids = {id(p) for p in params.values()}
+            saved: dict[int, int] = {}
+
+            def pack(t: Tensor) -> Tensor:
+                if id(t) not in param_ids:
+                    saved[id(t)] = t.numel() * t.element_size()
+                return t
+
+            with FlopCounterMode(display=False, custom_mapping=_CUSTOM_FLOPS) as forward, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                out = functional_call(layer, {**params, **buffers}, (x,))
+                if i == len(layers) - 1:
+                    out = loss_fn(out, batch)
+            outputs = [t for t in _float_leaves(out) if t.requires_grad]
+            wrt = inputs + [p for p in params.values() if p.requires_grad]
+            with FlopCounterMode(display=False, custom_mapping=_CUSTOM_FLOPS) as backward:
+                if outputs and wrt:
+                    torch.autograd.grad(outputs, wrt, grad_outputs=[torch.ones_like(t) for t in outputs],
+                                        allow_unused=True)
+            seen: set[int] = set()
+            param_bytes = 0
+            for p in layer.parameters():  # a parameter the layer holds twice counts once
+                if id(p) not in seen:
+                    seen.add(id(p))
+                    param_bytes += p.numel() * p.element_size()
+            costs.append(LayerCost(forward.get_total_flops(), backward.get_total_flops(), param_bytes,
+                                   sum(saved.values())))
+            x = tree_map(lambda t: t.detach() if isinstance(t, Tensor) else t, out)
+    return costs
+
+
+def microbatches_in_flight(schedule: str, num_stages: int, num_microbatches: int, stage: int) -> int:
+    """Microbatches whose activations ``stage`` holds at its peak: 1F1B, 2BW and ZB-H1 stage ``i`` of ``p`` keeps
+    ``p - i`` (at most ``m``); GPipe keeps all ``m``."""
+    if schedule == "gpipe":
+        return num_microbatches
+    return min(num_stages - stage, num_microbatches)
+
+
+@dataclass(frozen=True)
+class MemoryModel:
+    """How a stage's bytes follow from its layers' under the schedule (see :func:`stage_memory_bytes`)."""
+
+    schedule: str = "2bw"
+    num_stages: int = 1
+    num_microbatches: int = 1
+    data_parallel_size: int = 1
+    shard_optimizer: bool = False
+
+    def weight_copies(self, stage: int) -> float:
+        """Parameter-sized buffers per parameter on ``stage``: its versions, gradients and optimizer state."""
+        versions = 2 if self.schedule == "2bw" else 1
+        # 2BW's last stage runs the next batch's backward before this batch's update (two gradients), except
+        # under data parallelism, where the engine does not run ahead (docs/design/data-parallel.md, "Data parallelism").
+        run_ahead = (self.schedule == "2bw" and stage == self.num_stages - 1 and self.num_stages > 1
+                     and self.data_parallel_size == 1)
+        gradients = 2 if run_ahead else 1
+        optimizer = OPTIMIZER_STATE_PER_PARAMETER
+        if self.shard_optimizer and self.data_parallel_size > 1:
+            optimizer = optimizer / self.data_parallel_size
+        return versions + gradients + optimizer
+
+    def in_flight(self, stage: int) -> int:
+        return microbatches_in_flight(self.schedule, self.num_stages, self.num_microbatches, stage)
+
+
+def stage_memory_bytes(costs: Sequence[LayerCost], start: int, stop: int, stage: int, model: MemoryModel) -> float:
+    """Bytes ``stage`` holds at its peak when it runs layers ``start:stop``."""
+    params = sum(c.param_bytes for c in costs[start:stop])
+    acts = sum(c.activation_bytes for c in costs[start:stop])
+    return params * model.weight_copies(stage) + acts * model.in_flight(stage)
+
+
+def balanced_split(times: Sequence[float], num_stages: int, *,
+                   memory: Optional[Callable[[int, int, int], float]] = None,
+                   memory_cap: Optional[float] = None) -> list[int]:
+    """Layer counts per stage of the contiguous split of layers costing ``times`` into ``num_stages`` non-empty
+    stages whose slowest stage is fastest, every stage's ``memory(start, stop, stage)`` at most ``memory_cap``.
+
+    Exact: ``best[s][j]``, the least slowest-stage time of layers ``0:j`` on stages ``0..s``, is the minimum over
+    ``i`` of ``max(best[s-1][i], time(i, j))``; O(stages x layers^2) over prefix sums. Among equally fast splits the
+    one with the least largest memory, then the first found, is kept."""
+    n = len(times)
+    if num_stages < 1 or n < num_stages:
+        raise ValueError(f"cannot split {n} layer(s) into {num_stages} non-empty stage(s)")
+    prefix = [0.0]
+    for t in times:
+        prefix.append(prefix[-1] + float(t))
+    inf = (float("inf"), float("inf"))
+
+    def fits(i: int, j: int, s: int) -> tuple[bool, float]:
+        if memory is None:
+            return True, 0.0
+        m = memory(i, j, s)
+        return (memory_cap is None or m <= memory_cap), m
+
+    # best[s][j] = (slowest time, largest memory) for layers 0:j on stages 0..s; choice[s][j] = start of stage s
+    best = [[inf] * (n + 1) for _ in range(num_stages)]
+    choice = [[-1] * (n + 1) for _ in range(num_stages)]
+    for j in range(1, n - num_stages + 2):
+        ok, m = fits(0, j, 0)
+        if ok:
+            best[0][j] = (prefix[j], m)
+    for s in range(1, num_stages):
+        for j in range(s + 1, n - (num_stages - 1 - s) + 1):
+            for i in range(s, j):
+                prev = best[s - 1][i]
+                if prev == inf:
+                    continue
+                ok, m = fits(i, j, s)
+                if not ok:
+                    continue
+                cand = (max(prev[0], prefix[j] - prefix[i]), max(prev[1], m))
+                if cand < best[s][j]:
+                    best[s][j], choice[s][j] = cand, i
+    if best[num_stages - 1][n] == inf:
+        raise ValueError(
+            f"no split of the {n} layers into {num_stages} stages keeps every stage's memory under the cap of "
+            f"{memory_cap / 2**30:.3f} GiB; raise stage_memory_gib, use more stages or activation checkpointing"
+            if memory_cap is not None else f"cannot split {n} layers into {num_stages} stages")
+    counts, j = [], n
+    for s in range(num_stages - 1, 0, -1):
+        i = choice[s][j]
+        counts.append(j - i)
+        j = i
+    counts.append(j)
+    return counts[::-1]
+
+
+@dataclass(frozen=True)
+class SplitReport:
+    """The split the engine runs, and what the cost model predicts of it (``engine.stats.split``)."""
+
+    method: str  # "balanced", "parameters", "uniform" or "explicit"
+    counts: tuple[int, ...]  # layers per stage
+    time_share: tuple[float, ...]  # each stage's share of the model's compute (FLOPs); empty without costs
+    memory_bytes: tuple[int, ...]  # each stage's predicted peak; empty without costs
+
+    @property
+    def imbalance(self) -> Optional[float]:
+        """The slowest stage's predicted compute over the mean (1.0: perfectly balanced)."""
+        if not self.time_share:
+            return None
+        return max(self.time_share) * len(self.time_share)
+
+    def describe(self) -> str:
+        text = f"partition={self.method!r}: layers per stage {list(self.counts)}"
+        if self.time_share:
+            text += ("; predicted compute share " + ", ".join(f"{t:.1%}" for t in self.time_share)
+                     + f" (slowest/mean {self.imbalance:.2f}); predicted peak memory "
+                     + ", ".join(format_bytes(b) for b in self.memory_bytes))
+        return text
+
+
+def format_bytes(n: float) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+
+def report_for(counts: Sequence[int], method: str, costs: Optional[Sequence[LayerCost]],
+               model: MemoryModel) -> SplitReport:
+    if not costs:
+        return SplitReport(method, tuple(counts), (), ())
+    total = sum(c.flops for c in costs) or 1
+    shares, mems, start = [], [], 0
+    for s, c in enumerate(counts):
+        shares.append(sum(x.flops for x in costs[start:start + c]) / total)
+        mems.append(round(stage_memory_bytes(costs, start, start + c, s, model)))
+        start += c
+    return SplitReport(method, tuple(counts), tuple(shares), tuple(mems))

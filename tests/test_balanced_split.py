@@ -1,0 +1,155 @@
+"""partition="balanced": the cost per layer (FLOPs on the meta device), the exact split, and the engine's use of it."""
+from __future__ import annotations
+
+import itertools
+import random
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+from helpers import one_device_trainer
+from lightning_async_pp import AsyncPipelineStrategy, PipelineModule
+from lightning_async_pp.models import Llama
+from lightning_async_pp.pipeline.cost import MemoryModel, balanced_split, layer_costs, stage_memory_bytes
+
+
+def brute_force(times, p, memory=None, cap=None):
+    """The least slowest-stage time over every contiguous split (None: none fits the cap)."""
+    n, best = len(times), None
+    for cuts in itertools.combinations(range(1, n), p - 1):
+        bounds = (0, *cuts, n)
+        stages = [(bounds[s], bounds[s + 1]) for s in range(p)]
+        if memory is not None and any(memory(i, j, s) > cap for s, (i, j) in enumerate(stages)):
+            continue
+        slowest = max(sum(times[i:j]) for i, j in stages)
+        best = slowest if best is None else min(best, slowest)
+    return best
+
+
+def test_balanced_split_is_the_fastest_contiguous_split_under_the_memory_cap():
+    rng = random.Random(41)
+    for case in range(400):
+        n = rng.randint(1, 9)
+        p = rng.randint(1, n)
+        times = [rng.choice([0, rng.randint(1, 20)]) for _ in range(n)]
+        mem = [rng.randint(1, 10) for _ in range(n)]
+        in_flight = [p - s for s in range(p)]
+        memory = lambda i, j, s: sum(mem[i:j]) * in_flight[s]  # noqa: E731
+        cap = rng.choice([None, rng.randint(5, 60)])
+        expected = brute_force(times, p, memory if cap else None, cap)
+        where = f"case {case}: times={times} mem={mem} p={p} cap={cap}"
+        if expected is None:
+            with pytest.raises(ValueError, match="no split of the"):
+                balanced_split(times, p, memory=memory, memory_cap=cap)
+            continue
+        counts = balanced_split(times, p, memory=memory, memory_cap=cap)
+        assert len(counts) == p and all(c >= 1 for c in counts) and sum(counts) == n, where
+        bounds = [0, *itertools.accumulate(counts)]
+        slowest = max(sum(times[bounds[s]:bounds[s + 1]]) for s in range(p))
+        assert slowest == expected, f"{where}: got {counts} (slowest {slowest}), brute force {expected}"
+        if cap:
+            assert all(memory(bounds[s], bounds[s + 1], s) <= cap for s in range(p)), where
+
+
+def test_layer_costs_count_a_linear_layer_as_two_flops_per_weight_forward_and_twice_that_backward():
+    tokens, d_in, d_out = 6, 8, 16
+    layers = [nn.Linear(d_in, d_out, bias=False), nn.Linear(d_out, 4, bias=False)]
+    batch = torch.zeros(tokens, d_in)
+    costs = layer_costs(layers, batch, lambda b: b, lambda out, b: out.square().mean())
+    assert costs[0].forward_flops == 2 * tokens * d_in * d_out
+    # backward: the weight's gradient and the input's (the input of layer 0 is the batch: no gradient wanted)
+    assert costs[1].backward_flops == 2 * costs[1].forward_flops
+    assert costs[0].backward_flops == costs[0].forward_flops
+    assert costs[0].param_bytes == d_in * d_out * 4
+    assert costs[1].activation_bytes >= tokens * d_out * 4  # it keeps its input for the weight's gradient
+    assert all(p.device.type == "cpu" for layer in layers for p in layer.parameters())  # the layers untouched
+
+
+def smollm_width(num_layers=12):
+    model = Llama("smollm-135m", vocab_size=49152, num_layers=num_layers)
+    model._configured = True  # the cost model needs no memory: the layers stay on the meta device
+    return model
+
+
+def test_a_tied_head_with_its_loss_costs_several_blocks_and_the_embedding_none():
+    model = smollm_width()
+    layers = model.pipeline_layers()
+    costs = layer_costs(layers, torch.zeros(1, 257, dtype=torch.long), model.pipeline_input, model.pipeline_loss)
+    assert costs[0].flops == 0
+    assert costs[-1].flops > 5 * costs[1].flops  # hidden 576 x vocabulary 49152 against one block
+    times = [c.flops for c in costs]
+    # The split the issue measured fastest by hand: stage 0 the embedding and 10 blocks.
+    assert balanced_split(times, 2) == [11, 3]
+
+
+def test_a_memory_cap_moves_layers_off_the_stage_that_holds_the_most_microbatches():
+    model = smollm_width()
+    costs = layer_costs(model.pipeline_layers(), torch.zeros(1, 257, dtype=torch.long), model.pipeline_input,
+                        model.pipeline_loss)
+    mm = MemoryModel("1f1b", 2, 8)
+    memory = lambda i, j, s: stage_memory_bytes(costs, i, j, s, mm)  # noqa: E731
+    free = balanced_split([c.flops for c in costs], 2, memory=memory)
+    cap = memory(0, free[0], 0) - 1  # stage 0's predicted peak, less one byte
+    capped = balanced_split([c.flops for c in costs], 2, memory=memory, memory_cap=cap)
+    assert capped[0] < free[0] and memory(0, capped[0], 0) <= cap
+    with pytest.raises(ValueError, match="no split of the 14 layers into 2 stages.*stage_memory_gib"):
+        balanced_split([c.flops for c in costs], 2, memory=memory, memory_cap=1.0)
+
+
+def test_the_last_stage_of_2bw_holds_two_gradients_only_without_data_parallelism():
+    assert MemoryModel("2bw", 2, 4).weight_copies(1) == 2 + 2 + 2
+    assert MemoryModel("2bw", 2, 4).weight_copies(0) == 2 + 1 + 2
+    assert MemoryModel("2bw", 2, 4, data_parallel_size=2).weight_copies(1) == 2 + 1 + 2
+    assert MemoryModel("1f1b", 2, 4, data_parallel_size=2, shard_optimizer=True).weight_copies(1) == 1 + 1 + 1
+
+
+class Plain(PipelineModule):
+    """Layers of very different cost and no example batch."""
+
+    def __init__(self, example=None):
+        super().__init__()
+        self.layers = nn.ModuleList([nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 64), nn.Linear(64, 8)])
+        self.example_input_array = example
+
+    def pipeline_layers(self):
+        return list(self.layers)
+
+    def pipeline_loss(self, output, batch):
+        return output.square().mean()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+def fit_and_split(model, **strategy):
+    data = torch.utils.data.DataLoader(torch.randn(8, 8), batch_size=4)
+    trainer = one_device_trainer(AsyncPipelineStrategy("1f1b", num_microbatches=2, num_stages=2, **strategy), steps=1)
+    trainer.fit(model, data)
+    return trainer.strategy.engine.stats.split
+
+
+def test_the_default_split_is_balanced_by_cost_and_reported_through_the_stats_view():
+    split = fit_and_split(Plain(example=torch.zeros(2, 8)))
+    # FLOPs per layer, forward + backward (layer 0 computes no input gradient): 512, 768, 6144, 6144.
+    assert split.method == "balanced" and split.counts == (3, 1)
+    assert split.time_share == pytest.approx((7424 / 13568, 6144 / 13568))
+    assert split.imbalance == pytest.approx(2 * 7424 / 13568)
+    assert len(split.memory_bytes) == 2 and all(b > 0 for b in split.memory_bytes)
+    uniform = fit_and_split(Plain(example=torch.zeros(2, 8)), partition="uniform")
+    assert uniform.method == "uniform" and uniform.counts == (2, 2)
+    assert uniform.time_share == pytest.approx((1280 / 13568, 12288 / 13568))  # reported for any method
+
+
+def test_without_an_example_batch_the_split_falls_back_to_parameters_with_a_warning():
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        split = fit_and_split(Plain())
+    assert split.method == "parameters" and split.time_share == ()
+    assert any("example_input_array" in str(w.message) and "partition='parameters'" in str(w.message) for w in caught)
+
+
+def test_stage_memory_gib_must_be_a_positive_number():
+    with pytest.raises(ValueError, match=r"stage_memory_gib must be None \(no cap\) or a number of GiB > 0, got -1"):
+        AsyncPipelineStrategy(stage_memory_gib=-1)

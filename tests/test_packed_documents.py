@@ -1,0 +1,408 @@
+"""Packed rows with document masks (models/packing.py, TextDataModule(document_mask=True)).
+
+The reference for the models is the same model run on each document alone, as its own sequence (positions from 0,
+causal attention): a packed row must give every token the logits it gets there, and the loss the mean over the
+documents' own targets. For the data module, the reference is the token stream itself: positions restart after
+each end-of-document token, and with the flag off the batches are today's tensors.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from lightning_async_pp.data import TextDataModule
+from lightning_async_pp.models import GPT, Llama
+from lightning_async_pp.models import packing
+
+VOCAB = 64
+DOCS = (5, 9, 1, 7)  # document lengths of one packed row (one of a single token)
+
+
+def packed_row(lengths=DOCS, seed: int = 0) -> tuple[dict[str, torch.Tensor], list[torch.Tensor]]:
+    """A packed batch of one row (T + 1 = sum(lengths) tokens) and its documents."""
+    g = torch.Generator().manual_seed(seed)
+    docs = [torch.randint(0, VOCAB, (n,), generator=g) for n in lengths]
+    ids = torch.cat(docs).unsqueeze(0)
+    pos = torch.cat([torch.arange(n) for n in lengths]).unsqueeze(0)
+    return {"input_ids": ids, "position_ids": pos}, docs
+
+
+def logits_of(model, batch):
+    return model.pipeline_forward(batch)
+
+
+def models():
+    torch.manual_seed(0)
+    llama = Llama("tiny", vocab_size=VOCAB, init_seed=0)
+    llama.configure_model()
+    torch.manual_seed(0)
+    gpt = GPT(vocab_size=VOCAB, block_size=32, n_layer=2, n_head=2, n_embd=32)
+    return {"llama": llama, "gpt": gpt}
+
+
+@pytest.mark.parametrize("name", ["llama", "gpt"])
+def test_a_packed_row_gives_each_token_the_logits_its_document_alone_gives(name):
+    model = models()[name].eval()
+    batch, docs = packed_row()
+    with torch.no_grad():
+        packed = logits_of(model, batch)[0]  # (T, V): inputs are all but the row's last token
+        # a document alone: its tokens as the inputs (a last column appended, which pipeline_input drops)
+        alone = torch.cat([logits_of(model, torch.cat([d, d[:1]]).unsqueeze(0))[0] for d in docs])
+    # Each document's logits at its tokens; the row's last token has no logits (it is only a target).
+    assert packed.shape[0] == sum(DOCS) - 1
+    torch.testing.assert_close(packed, alone[: packed.shape[0]], rtol=1e-5, atol=1e-5)
+    # Without the mask the documents see each other: the comparison above could fail.
+    with torch.no_grad():
+        unmasked = logits_of(model, batch["input_ids"])[0]
+    assert (unmasked - alone[: unmasked.shape[0]]).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("name", ["llama", "gpt"])
+def test_skipping_document_ends_makes_the_loss_the_mean_over_each_documents_own_targets(name):
+    model = models()[name].eval()
+    model.hparams.skip_document_ends = True
+    batch, docs = packed_row()
+    with torch.no_grad():
+        loss = model.pipeline_loss(logits_of(model, batch), batch)
+        total, count = 0.0, 0
+        for d in docs:
+            if len(d) < 2:
+                continue
+            logits = logits_of(model, d.unsqueeze(0))[0]
+            total += F.cross_entropy(logits.float(), d[1:], reduction="sum")
+            count += len(d) - 1
+    torch.testing.assert_close(loss, total / count, rtol=1e-5, atol=1e-6)
+    model.hparams.skip_document_ends = False  # then the documents' first tokens are targets too
+    with torch.no_grad():
+        assert not torch.allclose(model.pipeline_loss(logits_of(model, batch), batch), total / count)
+
+
+def test_the_mask_is_built_once_per_positions_tensor_not_per_layer(monkeypatch):
+    model = models()["llama"].eval()
+    batch, _ = packed_row()
+    calls = []
+    real = packing.document_ids
+    monkeypatch.setattr(packing, "document_ids", lambda p: calls.append(1) or real(p))
+    with torch.no_grad():
+        logits_of(model, batch)
+    assert len(model.blocks) == 4 and len(calls) == 1
+
+
+def test_the_mask_is_block_diagonal_and_causal():
+    pos = torch.tensor([[0, 1, 2, 0, 1, 0]])
+    mask = packing.document_causal_mask(pos)[0, 0]
+    docs = torch.tensor([0, 0, 0, 1, 1, 2])
+    expected = (docs[:, None] == docs[None, :]) & torch.ones(6, 6, dtype=torch.bool).tril()
+    assert torch.equal(mask, expected)
+
+
+def test_positions_restart_after_each_end_of_document_token():
+    ids = torch.tensor([[3, 4, 1, 5, 1, 1, 6], [1, 2, 3, 4, 5, 6, 7]])
+    assert packing.packed_positions(ids, eos=1).tolist() == [[0, 1, 2, 0, 1, 0, 0], [0, 0, 1, 2, 3, 4, 5]]
+
+
+def test_a_batch_that_is_neither_tokens_nor_packed_is_refused_by_name():
+    with pytest.raises(TypeError, match=r"Llama takes a token tensor .* got \['labels'\]"):
+        models()["llama"].pipeline_input({"labels": torch.zeros(1, 3, dtype=torch.long)})
+
+
+# ---- the data module -------------------------------------------------------------------------------------------
+BLOCK = 15
+
+
+@pytest.fixture
+def small_files(tmp_path):
+    folder = tmp_path / "docs"
+    folder.mkdir()
+    for i in range(12):
+        (folder / f"f{i:02d}.txt").write_text(f"document {i} " + "abcdefgh"[: i % 8 + 1] * (i + 1) + "\n")
+    return folder
+
+
+def rows(dm, n=None):
+    dm.setup("fit")
+    out = []
+    for batch in dm.train_dataloader():
+        out.append(batch)
+        if n is not None and len(out) == n:
+            break
+    return out
+
+
+def test_bytes_with_document_mask_yield_positions_restarting_after_each_file(tmp_path, small_files):
+    dm = TextDataModule(data_path=str(small_files), cache_dir=str(tmp_path / "c"), block_size=BLOCK, batch_size=2,
+                        val_fraction=0.0, document_mask=True)
+    batches = rows(dm)
+    assert batches and all(set(b) == {"input_ids", "position_ids"} for b in batches)
+    ends = 0
+    for b in batches:
+        ids, pos = b["input_ids"], b["position_ids"]
+        assert ids.shape == pos.shape == (2, BLOCK + 1) and pos.dtype == torch.long
+        assert torch.equal(pos, packing.packed_positions(ids, 0))
+        assert (pos[:, 0] == 0).all()
+        ends += int((ids == 0).sum())
+        # a NUL ends each file: the text before it is the end of one of the files
+        for row in ids.tolist():
+            text = bytes(row)
+            for piece in text.split(b"\0")[:-1]:
+                assert piece.endswith(b"\n") or piece == b""
+    assert ends > 0
+
+
+def test_off_keeps_todays_tensor_batches_and_cache(tmp_path, small_files):
+    kwargs = dict(data_path=str(small_files), cache_dir=str(tmp_path / "c"), block_size=BLOCK, batch_size=2,
+                  val_fraction=0.0)
+    plain = rows(TextDataModule(**kwargs))
+    assert all(isinstance(b, torch.Tensor) and b.shape == (2, BLOCK + 1) for b in plain)
+    assert not any((b == 0).any() for b in plain)  # no end-of-document bytes in today's cache
+    masked = TextDataModule(**kwargs, document_mask=True)
+    assert masked.optimized_dirs()[0] != TextDataModule(**kwargs).optimized_dirs()[0]  # a cache of its own
+
+
+def test_a_tokenizers_end_of_text_ends_each_record(tmp_path):
+    tokenizers = pytest.importorskip("tokenizers")
+    vocab = {"<unk>": 0, "<|endoftext|>": 1, **{f"w{i}": i + 2 for i in range(20)}}
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.WhitespaceSplit()
+    tok.save(str(tmp_path / "tokenizer.json"))
+    lines = [json.dumps({"text": " ".join(f"w{(i + j) % 20}" for j in range(i % 5 + 1))}) for i in range(40)]
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "docs.jsonl").write_text("\n".join(lines) + "\n")
+    dm = TextDataModule(data_path=str(tmp_path / "data"), tokenizer=str(tmp_path / "tokenizer.json"),
+                        cache_dir=str(tmp_path / "c"), block_size=BLOCK, batch_size=2, val_fraction=0.0,
+                        document_mask=True)
+    batches = rows(dm)
+    assert batches
+    for b in batches:
+        ids, pos = b["input_ids"], b["position_ids"]
+        after_eos = torch.zeros_like(ids, dtype=torch.bool)
+        after_eos[:, 1:] = ids[:, :-1] == 1
+        assert (pos[after_eos] == 0).all() and (pos[:, 1:][~after_eos[:, 1:]] > 0).all()
+
+
+# ---- transformers families -------------------------------------------------------------------------------------
+def hf_pair(family: str, attention: str = "sdpa", **overrides):
+    """The adapter on a tiny config of ``family`` and the upstream model with its weights (fp32, ``attention``)."""
+    pytest.importorskip("transformers")
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from lightning_async_pp.models import HuggingFaceCausalLM
+    from lightning_async_pp.models.hf_probe import tiny_config
+
+    config = tiny_config(AutoConfig.for_model(family, **overrides))
+    config.vocab_size = VOCAB
+    config._attn_implementation = attention
+    ours = HuggingFaceCausalLM(config, init_seed=0)
+    ours.configure_model()
+    upstream = AutoModelForCausalLM.from_config(config)
+    upstream.load_state_dict(ours.state_dict(), strict=True)
+    assert ours.model.config._attn_implementation == upstream.config._attn_implementation == attention
+    return ours.eval(), upstream.eval()
+
+
+@pytest.mark.hf
+@pytest.mark.parametrize("family,overrides", [("llama", {}), ("llama", {"attention": "eager"}),
+                                              ("mistral", {"sliding_window": 4}), ("qwen2", {}), ("qwen3", {})],
+                         ids=["llama", "llama-eager", "mistral-sliding", "qwen2", "qwen3"])
+def test_each_accepted_family_gives_a_packed_token_the_logits_upstream_gives_its_document_alone(family, overrides):
+    ours, upstream = hf_pair(family, **overrides)
+    ours.skip_document_ends = True
+    batch, docs = packed_row()
+    with torch.no_grad():
+        packed = ours.pipeline_forward(batch)[0]
+        alone = torch.cat([upstream(input_ids=d.unsqueeze(0)).logits[0] for d in docs])
+        loss = ours.pipeline_loss(ours.pipeline_forward(batch), batch)
+        upstream_losses = [(upstream(input_ids=d.unsqueeze(0), labels=d.unsqueeze(0)).loss, len(d) - 1)
+                           for d in docs if len(d) > 1]
+        unmasked = ours.pipeline_forward(batch["input_ids"])[0]
+    torch.testing.assert_close(packed, alone[: packed.shape[0]], rtol=1e-5, atol=1e-5)
+    expected = sum(l * n for l, n in upstream_losses) / sum(n for _, n in upstream_losses)
+    torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-6)
+    assert (unmasked - alone[: unmasked.shape[0]]).abs().max() > 1e-3  # the documents would see each other
+
+
+@pytest.mark.hf
+def test_the_upstream_mask_is_made_once_per_microbatch_not_per_layer(monkeypatch):
+    ours, _ = hf_pair("llama")
+    calls = []
+    real = ours._layer_inputs[0].make_mask
+    assert all(inputs.make_mask is real for inputs in ours._layer_inputs)  # llama: one kind of attention
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    for inputs in ours._layer_inputs:
+        monkeypatch.setattr(inputs, "make_mask", counted)
+    batch, _ = packed_row()
+    with torch.no_grad():
+        ours.pipeline_forward(batch)
+    assert len(ours._layer_inputs) > 1 and len(calls) == 1
+
+
+@pytest.mark.hf
+@pytest.mark.parametrize("family", ["gemma", "mixtral"])
+def test_a_family_not_verified_with_packed_rows_is_refused_by_name(family):
+    ours, _ = hf_pair(family)
+    batch, _ = packed_row()
+    with pytest.raises(ValueError, match=f"cannot take packed batches with document masks .* model_type '{family}'"):
+        ours.pipeline_input(batch)
+
+
+@pytest.mark.hf
+def test_an_attention_implementation_not_verified_with_packed_rows_is_refused_by_name():
+    ours, _ = hf_pair("llama")
+    ours.model.config._attn_implementation = "flex_attention"
+    with pytest.raises(ValueError, match="attn_implementation 'flex_attention'"):
+        ours.pipeline_input(packed_row()[0])
+
+
+# ---- two processes ---------------------------------------------------------------------------------------------
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_two_processes_train_validate_predict_and_test_packed_rows_exactly_as_one_device(tmp_path):
+    """models.Llama on packed rows (positions restarting every 1..7 tokens, document ends skipped) under the
+    2-stage pipeline: 2 processes give the one-device run's weights, losses and predictions, ragged last evaluation
+    batch included (32 rows in batches of 6); the traffic is replayed under NCCL's rules (tests/conftest.py)."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).parent / "scripts"))
+    import llama_fit
+    from pipeline_runs import max_difference, run_here_on_one_device, script_ranks
+
+    cfg = {"tie": True, "steps": 3, "partition": [3, 3], "packed": True, "eval_batch": 6, "timeout": 60.0, "lr": 3e-3,
+           "sequence": ["fit", "validate", "predict", "test"]}
+    reference = run_here_on_one_device(llama_fit.run, cfg)
+    ranks = script_ranks(Path(__file__).parent / "scripts" / "llama_fit.py", cfg, tmp_path, timeout=300)
+    calls = ranks[0]["calls"]
+    assert len(calls) == len(reference["calls"]) == 4
+    for i, (got, want) in enumerate(zip(calls, reference["calls"])):
+        assert max_difference(got["state_dict"], want["state_dict"]) < 1e-5, f"weights after call {i}"
+        for key, value in want.items():
+            if key == "logits":
+                assert got["logits"].shape == value.shape == (32, 16, 256)
+                torch.testing.assert_close(got["logits"], value, atol=1e-5, rtol=0)
+            elif key != "state_dict":
+                assert abs(got[key] - value) < 1e-5, (i, key, got[key], value)
+    # The packed rows changed the model's view: the same fit on the same tokens without positions differs.
+    plain = run_here_on_one_device(llama_fit.run, {**cfg, "packed": False, "sequence": ["fit"]})
+    assert abs(plain["calls"][0]["train_loss"] - reference["calls"][0]["train_loss"]) > 1e-4
+
+
+def test_a_yaml_flag_turns_document_masks_on_for_the_clis_data_module(tmp_path, small_files, monkeypatch):
+    import sys
+
+    import yaml
+
+    from lightning_async_pp.cli import AsyncPipelineCLI
+
+    monkeypatch.setattr(sys, "argv", ["lightning-async-pp"])
+    monkeypatch.chdir(tmp_path)
+    config = tmp_path / "packed.yaml"
+    config.write_text(yaml.safe_dump({
+        "trainer": {"accelerator": "cpu", "devices": 1, "strategy": "auto", "logger": False},
+        "model": {"class_path": "lightning_async_pp.models.Llama",
+                  "init_args": {"skip_document_ends": True, "max_seq_len": 32}},
+        "data": {"data_path": str(small_files), "cache_dir": str(tmp_path / "c"), "block_size": BLOCK,
+                 "batch_size": 2, "val_fraction": 0.0, "document_mask": True},
+    }))
+    cli = AsyncPipelineCLI(args=["--config", str(config)], run=False)
+    assert cli.datamodule.document_mask and cli.model.hparams.skip_document_ends
+    batch = rows(cli.datamodule, 1)[0]
+    assert set(batch) == {"input_ids", "position_ids"}
+
+
+def test_a_byte_folder_prepared_without_document_ends_is_refused_with_document_mask(tmp_path, small_files):
+    from lightning_async_pp.data import corpus
+
+    # a byte corpus optimized by other code than the data module (its marker records no end-of-text id)
+    train, val = corpus.split_corpus(corpus.text_files(small_files), 0.2)
+    corpus.build_token_cache(train, val, tmp_path / "prepared")
+    dm = TextDataModule(data_path=str(tmp_path / "prepared"), block_size=BLOCK, batch_size=2, document_mask=True)
+    dm.setup("fit")
+    with pytest.raises(ValueError, match="document_mask=True needs to know where documents end.*records no end-of-text id"):
+        dm.train_dataloader()
+
+
+@pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "activation-checkpointing"])
+def test_packed_rows_through_a_synchronous_pipeline_on_one_device_train_as_plain_lightning(checkpointing):
+    """GPipe (one version, a flush every batch) on packed rows equals Lightning's own loop on the whole batch
+    (without skipped targets every microbatch has as many targets, so the mean of their means is the batch mean),
+    with the layers' activations recomputed or kept."""
+    import sys
+
+    import lightning as L
+    from torch.utils.data import DataLoader
+
+    from lightning_async_pp import AsyncPipelineStrategy
+
+    sys.path.insert(0, str(Path(__file__).parent / "scripts"))
+    from llama_fit import packed_rows, token_rows
+
+    rows = packed_rows(token_rows(16, 16))
+    weights = []
+    for strategy in (AsyncPipelineStrategy(schedule="gpipe", num_microbatches=4, num_stages=2,
+                                           activation_checkpointing=checkpointing), "auto"):
+        L.seed_everything(0, verbose=False)
+        model = Llama("tiny", vocab_size=256, max_seq_len=32, lr=3e-3)
+        trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=1, max_steps=2, logger=False,
+                            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+        trainer.fit(model, DataLoader(rows, batch_size=8))
+        weights.append({k: v.detach().clone() for k, v in model.state_dict().items()})
+    assert max((weights[0][k] - weights[1][k]).abs().max().item() for k in weights[1]) < 1e-5
+
+
+def test_packed_batches_resume_and_shard_by_data_parallel_rank_as_token_batches_do(tmp_path, monkeypatch):
+    from types import SimpleNamespace
+
+    folder = tmp_path / "numbered"  # every window of these files is unique
+    folder.mkdir()
+    for f in range(8):
+        (folder / f"f{f}.txt").write_text("".join(f"f{f} l{i:03d}\n" for i in range(4 + 3 * f)))
+
+    monkeypatch.setenv("WORLD_SIZE", "4")  # two stages x two replicas: litdata would see four processes
+
+    def loader(rank: int, replicas: int = 2):
+        dm = TextDataModule(data_path=str(folder), cache_dir=str(tmp_path / "c"), block_size=7, batch_size=2,
+                            val_fraction=0.0, document_mask=True)
+        dm.trainer = SimpleNamespace(strategy=SimpleNamespace(
+            distributed_sampler_kwargs={"num_replicas": replicas, "rank": rank}))
+        dm.setup("fit")
+        return dm.train_dataloader()
+
+    def ids(batches):
+        return [tuple(r) for b in batches for r in b["input_ids"].tolist()]
+
+    rank0, rank1 = list(loader(0)), list(loader(1))
+    assert len(rank0) == len(rank1) >= 3 and not set(ids(rank0)) & set(ids(rank1))
+    assert any((b["position_ids"][:, 1:] == 0).any() for b in rank0)  # documents do end inside the windows
+    first = loader(0)
+    it = iter(first)
+    head = [next(it) for _ in range(2)]
+    resumed = loader(0)
+    resumed.load_state_dict(first.state_dict())
+    rest = list(resumed)
+    assert ids(head + rest) == ids(rank0)
+    for got, want in zip(head + rest, rank0):
+        assert torch.equal(got["position_ids"], want["position_ids"])
+
+
+def test_a_microbatch_whose_every_target_is_skipped_has_loss_zero_not_nan():
+    model = models()["llama"]
+    model.hparams.skip_document_ends = True
+    batch, _ = packed_row(lengths=(1, 1, 1, 1))  # every target is a document's first token
+    loss = model.pipeline_loss(logits_of(model, batch), batch)
+    loss.backward()
+    assert loss.item() == 0.0 and all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
+
+
+def test_throughput_counts_a_packed_batchs_tokens_once_not_its_positions():
+    from lightning_async_pp.callbacks.pipeline import token_count
+
+    ids = torch.zeros(2, 8, dtype=torch.long)
+    assert token_count(packing.packed_input({"input_ids": ids, "position_ids": ids.clone()})) == 2 * 7
+    assert token_count(ids[:, :-1]) == 2 * 7  # a plain batch: unchanged
