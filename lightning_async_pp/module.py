@@ -8,7 +8,7 @@ import lightning as L
 import torch
 from torch import Tensor, nn
 
-from lightning_async_pp._lightning import PassesFetchedBatches
+from lightning_async_pp.strategy._lightning import PassesFetchedBatches
 
 
 def layer_seed(index: int, base: Optional[int] = None) -> int:

@@ -1,4 +1,4 @@
-"""Each Lightning behaviour without a public API that lightning_async_pp/_lightning.py relies on.
+"""Each Lightning behaviour without a public API that lightning_async_pp/strategy/_lightning.py relies on.
 
 These fail loudly when a Lightning release changes one of them; the tested range is pinned in pyproject.toml.
 """
@@ -13,7 +13,8 @@ from helpers import TinyLM, make_dataset
 from lightning.pytorch.loops.training_epoch_loop import _TrainingEpochLoop
 from torch.utils.data import DataLoader, SequentialSampler
 
-from lightning_async_pp import AsyncPipelineStrategy, _lightning
+from lightning_async_pp import AsyncPipelineStrategy
+from lightning_async_pp.strategy import _lightning
 
 
 def _trainer(**kwargs) -> L.Trainer:
@@ -66,7 +67,7 @@ def test_training_step_starts_with_the_sigterm_broadcast_that_the_strategy_repla
 
 
 def test_pipeline_module_lets_a_batch_fetched_ahead_pass_the_loops_transfer_call_and_runs_the_hook_otherwise():
-    from lightning_async_pp.lookahead import FetchedBatch
+    from lightning_async_pp.strategy.lookahead import FetchedBatch
 
     class Halving(TinyLM):
         def on_before_batch_transfer(self, batch, dataloader_idx):
@@ -98,16 +99,35 @@ def test_a_checkpoint_saved_by_model_checkpoint_counts_its_trained_batches_and_c
 
 
 def test_the_module_contract_does_not_import_the_strategy():
-    # strategy.py imports module.py; module.py asks the strategy a question (resumes_pipeline_checkpoints) instead.
+    # strategy/adapter.py imports module.py; module.py asks the strategy a question (resumes_pipeline_checkpoints)
+    # instead. From the seam's folder module.py takes only the private touches of _lightning.py (its batch-transfer
+    # pass-through), which imports nothing of the strategy, through the folder's __init__, which imports the
+    # strategy's class only when the name is asked for.
     import ast
     from pathlib import Path
 
     import lightning_async_pp.module as module
+    import lightning_async_pp.strategy as seam
 
-    tree = ast.parse(Path(module.__file__).read_text())
-    imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)} | {
-        a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
-    assert not any(name and "strategy" in name for name in imported), imported
+    def imported(path, top_level_only=False):
+        tree = ast.parse(Path(path).read_text())
+        nodes = tree.body if top_level_only else list(ast.walk(tree))
+        nodes = [n for n in nodes if isinstance(n, (ast.Import, ast.ImportFrom))]
+        if top_level_only:  # an `if TYPE_CHECKING:` block is not run
+            nodes += [m for n in tree.body if isinstance(n, ast.If) and "TYPE_CHECKING" in ast.unparse(n.test)
+                      for m in n.orelse if isinstance(m, (ast.Import, ast.ImportFrom))]
+        return {n.module for n in nodes if isinstance(n, ast.ImportFrom)} | {
+            a.name for n in nodes if isinstance(n, ast.Import) for a in n.names}
+
+    names = imported(module.__file__)
+    assert not any(name and "strategy" in name and name != "lightning_async_pp.strategy._lightning"
+                   for name in names), names
+    touches = imported(_lightning.__file__)
+    assert not any(name and name.startswith("lightning_async_pp") and name != "lightning_async_pp.strategy.lookahead"
+                   for name in touches), touches
+    lookahead = Path(seam.__file__).with_name("lookahead.py")
+    assert not any(name and name.startswith("lightning_async_pp") for name in imported(lookahead)), imported(lookahead)
+    assert not any(name and name.startswith("lightning_async_pp") for name in imported(seam.__file__, True))
     assert AsyncPipelineStrategy.resumes_pipeline_checkpoints is True
 
 

@@ -1,6 +1,7 @@
 """The hooks of ``AsyncPipelineStrategy`` that move the model's state: checkpoints (saved and loaded through the
 layout-free dictionary of :mod:`.pipeline.checkpoint`) and the gather of the whole model into rank 0 after every
-trainer call. A mixin, so that ``strategy.py`` keeps the run itself; see docs/design/checkpoints.md, "Checkpoints".
+trainer call, and what a later call of the same Trainer continues from. A mixin, so that ``adapter.py`` keeps the
+run itself; see docs/design/checkpoints.md, "Checkpoints".
 """
 from __future__ import annotations
 
@@ -10,16 +11,17 @@ import sys
 from collections.abc import Mapping
 from typing import Any, Optional
 
+import torch
 import torch.distributed as dist
 from lightning.fabric.utilities.optimizer import _optimizer_to_device
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
 
-from lightning_async_pp import _lightning
 from lightning_async_pp.lightning_callbacks import check_resume
 from lightning_async_pp.pipeline import checkpoint as ckpt
-from lightning_async_pp.pipeline.engine import check_names_and_shapes
+from lightning_async_pp.pipeline.engine import PipelineEngine, check_names_and_shapes
+from lightning_async_pp.strategy import _lightning
 
 
 class PipelineStateHooks:
@@ -222,6 +224,23 @@ class PipelineStateHooks:
         if self.is_global_zero:
             self.engine.restore_all_layers(merged, self.root_device)
             self.lightning_module.load_state_dict(merged)
+
+
+def continued_state(previous: PipelineEngine, engine: PipelineEngine) -> dict[str, Any]:
+    """What a later call of the same Trainer (``fit`` then ``fit``) continues from: the previous call's update count
+    and the older weight versions it held, so that the update index (``sync_from_step``, the dropout seeds of each
+    batch) and 2BW's stash go on as in one call (a checkpoint resume does the same from the files). Where the
+    module's weights changed between the calls (a ``load_state_dict``), only the count goes on, every version the
+    present weights, as after loading a checkpoint that holds no stash."""
+    state, now = previous.state_dict(), engine.state_dict()
+    for index, stage in state["stages"].items():
+        k, current = stage["num_updates"], now["stages"][index]["versions"][0]
+        if all(torch.equal(stage["versions"][k][n], t) for n, t in current.items()):
+            continue
+        stage["versions"] = {j: current for j in stage["versions"]}
+        stage.pop("predicted_newest", None)
+    return state
+
 
 
 def _cpu(obj: Any) -> Any:

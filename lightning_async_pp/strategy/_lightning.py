@@ -21,11 +21,11 @@ BEFORE_BATCH_TRANSFER = "_on_before_batch_transfer"
 class PassesFetchedBatches:
     """Mixed into ``PipelineModule``: a batch fetched for 2BW's lookahead (a ``FetchedBatch``) passes the loops'
     ``on_before_batch_transfer`` call untouched, because the strategy's ``batch_to_device`` runs the hooks on it
-    exactly once (lightning_async_pp/lookahead.py). Relies on: every loop calling :data:`BEFORE_BATCH_TRANSFER`
+    exactly once (lightning_async_pp/strategy/lookahead.py). Relies on: every loop calling :data:`BEFORE_BATCH_TRANSFER`
     on the module before ``strategy.batch_to_device``."""
 
     def _on_before_batch_transfer(self, batch: Any, dataloader_idx: int = 0) -> Any:
-        from lightning_async_pp.lookahead import FetchedBatch
+        from lightning_async_pp.strategy.lookahead import FetchedBatch
 
         if isinstance(batch, FetchedBatch):
             return batch

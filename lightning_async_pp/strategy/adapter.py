@@ -1,45 +1,39 @@
-"""``AsyncPipelineStrategy``: the Lightning adapter around the pipeline engine (:mod:`.pipeline.engine`).
+"""``AsyncPipelineStrategy``: the Lightning adapter around the pipeline engine (``lightning_async_pp/pipeline/engine.py``).
 
 Lightning keeps doing what it does (launching processes, the loops, the optimizer/scheduler/clipping calls,
 logging, checkpoints); this class only builds a :class:`PipelineEngine` in ``setup``, runs it from the module's
 steps, hands its batch gradient to Lightning's optimizer step, and saves its weight versions with checkpoints.
+The rest of the seam is delegated to the modules beside it: ``options.py`` (keyword arguments, refused settings),
+``batches.py`` (the training batches and the lookahead), ``failures.py``, ``processes.py``, ``state.py``
+(checkpoints, the gather after each call) and ``requeue.py``.
 How it meets Lightning is described in docs/design/lightning.md, "The Lightning seam".
 """
 from __future__ import annotations
 
-import atexit
-import dataclasses
-import difflib
-from contextlib import contextmanager, nullcontext
 import os
-import sys
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
 from datetime import timedelta
 from typing import Any, Optional
 
 import torch
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.pytorch import Trainer
-from lightning.pytorch.plugins.precision import MixedPrecision
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.exceptions import SIGTERMException
-from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor
 
-from lightning_async_pp import _lightning
 from lightning_async_pp.lightning_callbacks import check_callbacks
-from lightning_async_pp.lookahead import FetchedBatch, LookaheadLoader, transfer_early
 from lightning_async_pp.module import PipelineModule
 from lightning_async_pp.optim.checks import check_corrections, set_step_delay
 from lightning_async_pp.optim.empty import allowing_empty_parameter_lists
 from lightning_async_pp.optim.weight_prediction import prediction_scales
 from lightning_async_pp.pipeline import checkpoint as ckpt
-from lightning_async_pp.pipeline.comm import elastic_attempt_store, is_lost_connection
+from lightning_async_pp.pipeline.comm import elastic_attempt_store
 from lightning_async_pp.pipeline.config import CheckpointingSpec, CompileSpec, DelaySpec, PipelineConfig
 from lightning_async_pp.pipeline.engine import PipelineEngine
-from lightning_async_pp.pipeline.microbatch import check_splittable
 from lightning_async_pp.pipeline.partition import PartitionSpec
 from lightning_async_pp.pipeline.placement import (
     layer_paths,
@@ -49,20 +43,15 @@ from lightning_async_pp.pipeline.placement import (
 )
 from lightning_async_pp.pipeline.sharding import local_optimizer, shard_optimizers
 from lightning_async_pp.pipeline.topology import PipelineTopology
-from lightning_async_pp.requeue import RequeueAtStepBoundary
-from lightning_async_pp.strategy_state import PipelineStateHooks
-
-#: Keyword arguments of Lightning's DDPStrategy that are meaningful here (the accelerator connector and users
-#: may pass them); anything else is refused instead of reaching DistributedDataParallel, which is not used.
-_LIGHTNING_KWARGS = ("accelerator", "parallel_devices", "cluster_environment", "checkpoint_io", "precision_plugin",
-                     "process_group_backend", "timeout", "start_method")
-_OWN_KWARGS = ("schedule", "num_microbatches", "data_parallel_size", "partition", "delay", "sync_steps", "num_stages",
-               "gather_final_weights", "pipeline_timeout", "check_batches", "save_distributed_checkpoint",
-               "activation_checkpointing", "sync_from_step", "shard_optimizer", "async_checkpoint",
-               "compile", "stage_memory_gib")
+from lightning_async_pp.strategy import _lightning, options, processes
+from lightning_async_pp.strategy.batches import TrainingBatches
+from lightning_async_pp.strategy.failures import FailureReporting
+from lightning_async_pp.strategy.lookahead import LookaheadLoader
+from lightning_async_pp.strategy.requeue import RequeueAtStepBoundary
+from lightning_async_pp.strategy.state import PipelineStateHooks, continued_state
 
 
-class AsyncPipelineStrategy(PipelineStateHooks, DDPStrategy):
+class AsyncPipelineStrategy(PipelineStateHooks, TrainingBatches, FailureReporting, DDPStrategy):
     """Pipeline-parallel training of a :class:`~lightning_async_pp.PipelineModule`.
 
     Args:
@@ -155,14 +144,7 @@ class AsyncPipelineStrategy(PipelineStateHooks, DDPStrategy):
         start_method: str = "popen",
         **unknown: Any,
     ) -> None:
-        if unknown:  # only reported, never forwarded: DDP's own options do not apply to a pipeline
-            valid = _OWN_KWARGS + _LIGHTNING_KWARGS
-            hints = [f"{u!r} (did you mean {m[0]!r}?)" if (m := difflib.get_close_matches(u, valid, 1)) else repr(u)
-                     for u in sorted(unknown)]
-            raise TypeError(
-                f"AsyncPipelineStrategy got unknown keyword argument(s) {', '.join(hints)}; valid ones are "
-                f"{', '.join(valid)}"
-            )
+        options.refuse_unknown_keywords(unknown)
         self.config = PipelineConfig(
             schedule=schedule, num_microbatches=num_microbatches, data_parallel_size=data_parallel_size,
             partition=partition, delay=delay, sync_steps=sync_steps, sync_from_step=sync_from_step,
@@ -270,7 +252,7 @@ class AsyncPipelineStrategy(PipelineStateHooks, DDPStrategy):
         # DDP re-seeds every process here (reset_seed), after the model was built. Every stage runs the same
         # script, so their RNGs already agree; keeping them as they are makes a seeded run draw (sampler
         # permutations, dropout) as on one device.
-        states = _rng_states()
+        states = processes.rng_states()
         store = elastic_attempt_store(self._timeout)
         if store is not None and not torch.distributed.is_initialized():
             # Under torchrun: the process group on this restart attempt's own keys (comm.elastic_attempt_store);
@@ -279,36 +261,18 @@ class AsyncPipelineStrategy(PipelineStateHooks, DDPStrategy):
             torch.distributed.init_process_group(self._get_process_group_backend(), store=store, rank=self.global_rank,
                                                  world_size=self.world_size, timeout=self._timeout)
         super().setup_distributed()
-        _set_rng_states(states)
-        _destroy_process_groups_at_exit()
+        processes.set_rng_states(states)
+        processes.destroy_process_groups_at_exit()
 
     # ---- building the engine ------------------------------------------------------------------------------------
     def setup(self, trainer: Trainer) -> None:
         assert self.accelerator is not None
         self.accelerator.setup(trainer)
         module = self.lightning_module
-        if not isinstance(module, PipelineModule):
-            raise TypeError(
-                f"AsyncPipelineStrategy trains a lightning_async_pp.PipelineModule; got {type(module).__name__}. "
-                f"Derive your model from PipelineModule and implement pipeline_layers() and pipeline_loss()"
-            )
+        options.require_pipeline_module(module)
         if _lightning.undo_whole_model_compile(module):
-            self._compile_per_layer()
-        if isinstance(self.precision_plugin, MixedPrecision) and self.precision_plugin.scaler is not None:
-            raise ValueError(
-                f"precision={self.precision_plugin.precision!r} scales the loss with a GradScaler, which the pipeline "
-                f"does not apply to its microbatch losses; use precision='bf16-mixed' or 'bf16-true' (no scaling "
-                f"needed) or 32"
-            )
-        if trainer.state.fn == TrainerFn.FITTING and trainer.accumulate_grad_batches != 1:
-            raise ValueError(
-                f"accumulate_grad_batches={trainer.accumulate_grad_batches} is not supported by "
-                f"AsyncPipelineStrategy; raise num_microbatches and the batch size instead (use 1)"
-            )
-        if self.config.async_checkpoint and any(getattr(c, "save_last", None) == "link" for c in trainer.checkpoint_callbacks):
-            # The link would point at a checkpoint still being written: a crash then leaves "last" dangling.
-            raise ValueError("async_checkpoint=True cannot be combined with ModelCheckpoint(save_last='link'); use "
-                             "save_last=True (a second checkpoint, written after the first) or async_checkpoint=False")
+            self.config = options.compile_per_layer(self.config)
+        options.refuse_unsupported(trainer, self.precision_plugin, self.config)
         self.model = self.precision_plugin.convert_module(self.model)
         # The full layer list is remembered on the module: after a multi-process call, other stages' layers are
         # placeholders in rank 0's tree (unless gathered back), and a later call must still find the originals.
@@ -369,24 +333,6 @@ class AsyncPipelineStrategy(PipelineStateHooks, DDPStrategy):
             # local check replaces Lightning's per-step broadcast (a barrier across all stages).
             _lightning.replace_sigterm_broadcast(trainer, self._check_sigterm_locally)
 
-    def _compile_per_layer(self) -> None:
-        """The Trainer was given ``torch.compile(model)``: compile the pipeline layers instead (see docs/design/stages.md,
-        'Compiled layers')."""
-        if self.config.compile is not False:
-            how = f"with the strategy's compile={self.config.compile!r}"
-        elif self.schedule == "zb_h1":
-            how = "not at all: schedule='zb_h1' runs eager layers"
-        else:
-            self.config = dataclasses.replace(self.config, compile=True)
-            how = "with torch.compile's defaults (compile=True)"
-        rank_zero_warn(
-            "The model was given to the Trainer as torch.compile(model). A compiled training_step would trace into "
-            "the pipeline engine and gain nothing, so the whole-model compile is undone and each pipeline layer "
-            f"is compiled {how}. Pass the model uncompiled and set AsyncPipelineStrategy(compile=True or "
-            "{torch.compile arguments}) to choose the backend or mode; the whole-model compile's own arguments "
-            "are not carried over."
-        )
-
     @contextmanager
     def tensor_init_context(self, empty_init: Optional[bool] = None) -> Iterator[None]:
         """Layers created in ``configure_model`` (or ``trainer.init_module()``) get their parameters on the meta
@@ -401,66 +347,6 @@ class AsyncPipelineStrategy(PipelineStateHooks, DDPStrategy):
     def model_to_device(self) -> None:
         assert self.model is not None
         self.model.to(self.root_device)
-
-    # ---- data --------------------------------------------------------------------------------------------------
-    def process_dataloader(self, dataloader: object) -> object:
-        trainer = self.lightning_module.trainer
-        if not trainer.training:
-            return dataloader
-        # Known here, before the first step: a batch the microbatches cannot split would stop training at once.
-        batch_size = loader_batch_size(dataloader)
-        if batch_size is not None:
-            check_splittable(batch_size, self.num_microbatches, "The training dataloader's batch_size={size}")
-        on_epoch_start = None
-        sampler = getattr(dataloader, "sampler", None)
-        if (self.is_multiprocess and self.data_parallel_size == 1
-                and isinstance(sampler, torch.utils.data.RandomSampler) and sampler.generator is None):
-            on_epoch_start = lambda: self._share_sampler_seed(sampler)  # noqa: E731
-        # Wrapped always: besides 2BW's lookahead, the wrapper keeps the data position of a stateful loader right
-        # when Lightning's fetcher has read a batch ahead (it does for unsized loaders).
-        self._train_loader = LookaheadLoader.wrap(dataloader, on_epoch_start)
-        return self._train_loader
-
-    def _share_sampler_seed(self, sampler: torch.utils.data.RandomSampler) -> None:
-        """A shuffling sampler without a generator draws each epoch's seed from its process's own RNG, so the
-        stages would shuffle differently. Rank 0 draws it exactly as the sampler would (so a seeded run shuffles
-        as on one device) and every stage uses it."""
-        seed = int(torch.empty((), dtype=torch.int64).random_().item()) if self.is_global_zero else 0
-        sampler.generator = torch.Generator().manual_seed(self.broadcast(seed, src=0))
-
-    def batch_to_device(self, batch: Any, device: Optional[torch.device] = None, dataloader_idx: int = 0) -> Any:
-        if not isinstance(batch, FetchedBatch):
-            return super().batch_to_device(batch, device, dataloader_idx)
-        # Lightning's loop reached a batch from the lookahead loader: transfer it unless the lookahead already did.
-        assert self._train_loader is not None and self._train_loader.iterator is not None
-        if self._pending_save is not None and self._pending_save.future.done():
-            self.finish_pending_save()  # written in the background meanwhile: put it in place now
-        if self._requeue is not None and self.engine is not None:
-            # A step boundary: the previous batch is complete, this one not started (the data position is before it).
-            self._requeue.at_step_boundary(self.engine.stats.batch_index)
-        self._train_loader.iterator.started(batch)
-        return transfer_early(batch, self._transfer)
-
-    def _transfer(self, raw: Any) -> Any:
-        """What Lightning's training loop does to a fetched batch, in its order: precision input conversion, then
-        ``on_before_batch_transfer``, the transfer to the device and ``on_after_batch_transfer``."""
-        module = self.lightning_module
-        batch = module.trainer.precision_plugin.convert_input(raw)
-        batch = _lightning.before_batch_transfer(module, batch)
-        return super().batch_to_device(batch, dataloader_idx=0)
-
-    def _next_batch(self, batch_idx: Optional[int]) -> Any:
-        """The next training batch, transferred, for 2BW's lookahead; ``None`` when this step is the last one."""
-        engine, loader = self.engine, self._train_loader
-        if engine is None or loader is None or loader.iterator is None or not engine.uses_lookahead():
-            return None
-        trainer = self.lightning_module.trainer
-        if trainer.max_steps != -1 and trainer.global_step + 1 >= trainer.max_steps:
-            return None
-        if batch_idx is None or batch_idx + 1 >= trainer.num_training_batches:
-            return None  # the epoch ends after this batch; the next one starts a new pass
-        fetched = loader.iterator.peek()
-        return None if fetched is None else transfer_early(fetched, self._transfer)
 
     # ---- the PipelineExecutor protocol that PipelineModule calls ----------------------------------------------
     def train_loss(self, batch: Any, batch_idx: Optional[int] = None) -> Tensor:
@@ -527,40 +413,6 @@ class AsyncPipelineStrategy(PipelineStateHooks, DDPStrategy):
             self._update_started = None
         return output
 
-    # ---- failures -------------------------------------------------------------------------------------------
-    def _check_sigterm_locally(self) -> None:
-        if getattr(self.lightning_module.trainer, "received_sigterm", False):
-            if self.engine is not None:
-                self.engine.board.report(f"stage {self.topology.stage} (rank {self.global_rank}) received SIGTERM")
-            raise SIGTERMException()
-
-    @contextmanager
-    def _reporting_failures(self) -> Iterator[None]:
-        """Report a failure of this stage at once, before Lightning's exception handling (whose callbacks may
-        wait for the other stages) runs."""
-        try:
-            yield
-        except BaseException as err:
-            self._report_failure(err)
-            raise
-
-    def _report_failure(self, err: BaseException) -> None:
-        if err is self._reported:
-            return  # reported where it was raised; on_exception sees it again
-        self._reported = err
-        # A lost connection (a collective whose peer died, say) is another process's failure: reporting it would
-        # name this survivor as the stage that failed.
-        if self.is_multiprocess and self.engine is not None and not is_lost_connection(err):
-            message = f"stage {self.topology.stage} (rank {self.global_rank}) failed: {type(err).__name__}: {err}"
-            self.engine.board.report(message)
-            # Said here too: Lightning's launcher may stop the other processes before they can repeat it.
-            print(f"lightning_async_pp: {message}", file=sys.stderr, flush=True)
-
-    def on_exception(self, exception: BaseException) -> None:
-        self._report_failure(exception)
-        self.finish_pending_save(failing=True)
-        super().on_exception(exception)
-
     def teardown(self) -> None:
         self._in_trainer_call = False  # a save from now on (trainer.save_checkpoint() after fit) is written at once
         module = self.lightning_module
@@ -576,72 +428,6 @@ class AsyncPipelineStrategy(PipelineStateHooks, DDPStrategy):
         self._requeue = None
         self.finish_pending_save()
         super().teardown()
-
-
-_DESTROY_AT_EXIT = [False]  # registered once per process
-
-
-def _destroy_process_groups_at_exit() -> None:
-    """Destroy every process group while the interpreter is still alive at exit. Lightning does this under NCCL
-    only; under gloo an undestroyed group's worker threads may still hold finished work when the interpreter
-    finalizes, and the process then aborts after a successful run ("terminate called without an active
-    exception", exit code -6: one run in about ten of the 4-process tests). Registered after Lightning's own
-    handler, so it runs first; Lightning's then finds nothing to destroy."""
-    if not _DESTROY_AT_EXIT[0]:
-        _DESTROY_AT_EXIT[0] = True
-        atexit.register(_destroy_process_groups)
-
-
-def _destroy_process_groups() -> None:
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
-
-
-def continued_state(previous: PipelineEngine, engine: PipelineEngine) -> dict[str, Any]:
-    """What a later call of the same Trainer (``fit`` then ``fit``) continues from: the previous call's update count
-    and the older weight versions it held, so that the update index (``sync_from_step``, the dropout seeds of each
-    batch) and 2BW's stash go on as in one call (a checkpoint resume does the same from the files). Where the
-    module's weights changed between the calls (a ``load_state_dict``), only the count goes on, every version the
-    present weights, as after loading a checkpoint that holds no stash."""
-    state, now = previous.state_dict(), engine.state_dict()
-    for index, stage in state["stages"].items():
-        k, current = stage["num_updates"], now["stages"][index]["versions"][0]
-        if all(torch.equal(stage["versions"][k][n], t) for n, t in current.items()):
-            continue
-        stage["versions"] = {j: current for j in stage["versions"]}
-        stage.pop("predicted_newest", None)
-    return state
-
-
-def loader_batch_size(dataloader: object) -> Optional[int]:
-    """The batch size a training loader yields, where it says (a ``DataLoader``'s ``batch_size``, or its batch
-    sampler's); ``None`` for loaders that do not (an iterable of ready batches, a custom batch sampler)."""
-    size = getattr(dataloader, "batch_size", None)
-    if size is None:
-        size = getattr(getattr(dataloader, "batch_sampler", None), "batch_size", None)
-    return size if isinstance(size, int) and not isinstance(size, bool) and size > 0 else None
-
-
-def _rng_states() -> tuple:
-    import random
-
-    import numpy as np
-
-    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
-    return random.getstate(), np.random.get_state(), torch.get_rng_state(), cuda
-
-
-def _set_rng_states(states: tuple) -> None:
-    import random
-
-    import numpy as np
-
-    python, numpy, cpu, cuda = states
-    random.setstate(python)
-    np.random.set_state(numpy)
-    torch.set_rng_state(cpu)
-    if cuda is not None:
-        torch.cuda.set_rng_state_all(cuda)
 
 
 StrategyRegistry.register(

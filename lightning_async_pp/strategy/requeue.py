@@ -18,7 +18,7 @@ from typing import Any, Optional
 
 from lightning.fabric.plugins.environments import SLURMEnvironment
 
-from lightning_async_pp import _lightning
+from lightning_async_pp.strategy import _lightning
 from lightning_async_pp.pipeline.comm import StepAgreement
 
 log = logging.getLogger(__name__)
