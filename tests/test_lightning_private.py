@@ -131,6 +131,26 @@ def test_the_module_contract_does_not_import_the_strategy():
     assert AsyncPipelineStrategy.resumes_pipeline_checkpoints is True
 
 
+def test_the_seam_has_one_entry_point_and_the_strategy_keeps_its_registered_name_and_old_import_path():
+    import subprocess
+    import sys
+
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    import lightning_async_pp
+    import lightning_async_pp.strategy as seam
+    from lightning_async_pp.strategy import AsyncPipelineStrategy as via_seam
+    from lightning_async_pp.strategy.adapter import AsyncPipelineStrategy as defined
+
+    assert lightning_async_pp.AsyncPipelineStrategy is via_seam is defined is seam.AsyncPipelineStrategy
+    assert seam.__all__ == ["AsyncPipelineStrategy"]
+    assert StrategyRegistry["async_pipeline"]["strategy"] is defined
+    # In a fresh interpreter, importing the package alone registers the name, as before the move.
+    code = ("from lightning.pytorch.strategies import StrategyRegistry; import lightning_async_pp; "
+            "assert StrategyRegistry['async_pipeline']['strategy'].__module__ == 'lightning_async_pp.strategy.adapter'")
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
 def test_the_slurm_requeue_handler_is_looked_up_on_the_signal_connector_after_the_strategy_is_set_up(monkeypatch):
     import signal
 
