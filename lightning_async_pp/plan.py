@@ -259,6 +259,8 @@ class CostModel:
 
     def _split_and_run_ahead(self, p: int, m: int) -> tuple[list[int], bool]:
         choice = {"auto": None, "on": True, "off": False}[getattr(self.args, "last_stage_run_ahead", "auto")]
+        if self.fixed_stages is not None or p > len(self.layer_forward):  # costs per stage given: no split to choose
+            return [], choice is not False
         memory, cap = None, None
         if self.shape is not None:
             layers = self.layer_costs()
