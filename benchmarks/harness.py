@@ -14,7 +14,7 @@ medians, quiet-machine checks, JSON output and report lines.
   ratios between alternatives taken in turn), :func:`median_round` (the round with the median value).
 - Quiet machine: :func:`others_cpu` (the share of the CPUs others used in a timed window) and :class:`Quiet`
   (waits for an idle machine, measures again when others disturbed a measurement).
-- Output: :func:`write_json`, :func:`table_header`, :func:`wall_time_line`.
+- Output: :func:`write_json`, :func:`wall_time_line`.
 
 torch is imported only inside the functions that need it, so that :func:`one_thread_env` can run first.
 """
@@ -426,12 +426,6 @@ def write_json(path: Optional[str], obj: Any) -> None:
     """``obj`` as JSON (indented by one) into ``path``, if a path is given (``--json``)."""
     if path:
         Path(path).write_text(json.dumps(obj, indent=1))
-
-
-def table_header(columns: Sequence[str], align: str) -> list[str]:
-    """A markdown table's two header lines: ``columns`` and, per column, ``align``'s letter: ``l`` (``---``) or
-    ``r`` (``---:``)."""
-    return ["| " + " | ".join(columns) + " |", "|" + "".join("---:|" if a == "r" else "---|" for a in align)]
 
 
 def load_line() -> str:
