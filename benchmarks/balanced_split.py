@@ -20,10 +20,11 @@ import argparse
 import os
 import statistics
 import sys
-import time
+from pathlib import Path
 from typing import Any
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository root: the benchmarks package
 
 import lightning as L  # noqa: E402
 import torch  # noqa: E402
@@ -32,17 +33,7 @@ from torch.utils.data import DataLoader  # noqa: E402
 from lightning_async_pp import AsyncPipelineStrategy  # noqa: E402
 from lightning_async_pp.models import Llama  # noqa: E402
 
-
-class StepTimes(L.Callback):
-    def __init__(self) -> None:
-        self.ends: list[float] = []
-
-    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
-        self.ends.append(time.perf_counter())
-
-    def median_step(self) -> float:
-        gaps = [b - a for a, b in zip(self.ends, self.ends[1:])]  # the first step (and setup) not counted
-        return statistics.median(gaps)
+from benchmarks.harness import step_recorder  # noqa: E402
 
 
 def fit_once(args: argparse.Namespace, schedule: str, partition: Any) -> tuple[float, tuple[int, ...]]:
@@ -51,7 +42,7 @@ def fit_once(args: argparse.Namespace, schedule: str, partition: Any) -> tuple[f
     g = torch.Generator().manual_seed(1)
     rows = list(torch.randint(0, 49152, (args.batch * (args.steps + 1), args.seq + 1), generator=g))
     loader = DataLoader(rows, batch_size=args.batch, drop_last=True)
-    timer = StepTimes()
+    timer = step_recorder()  # median_step(): the first step (and setup) not counted
     strategy = AsyncPipelineStrategy(schedule, num_microbatches=args.microbatches, partition=partition,
                                      pipeline_timeout=600.0, gather_final_weights=False)
     trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=2, max_steps=args.steps, logger=False,
