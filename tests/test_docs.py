@@ -135,7 +135,7 @@ def heading_anchor(heading: str) -> str:
 
 def test_every_link_between_pages_reaches_a_page_and_its_heading():
     # `make test` catches a moved page before `mkdocs build --strict` does in CI (a link to the removed
-    # docs/design.md once failed only there).
+    # single design page, since split under docs/design/, once failed only there).
     broken = []
     for page in DOCS.rglob("*.md"):
         for target in re.findall(r"(?<!!)\[[^\]]*\]\(([^)\s]+)\)", page.read_text()):
