@@ -59,7 +59,7 @@ _LIGHTNING_KWARGS = ("accelerator", "parallel_devices", "cluster_environment", "
 _OWN_KWARGS = ("schedule", "num_microbatches", "data_parallel_size", "partition", "delay", "sync_steps", "num_stages",
                "gather_final_weights", "pipeline_timeout", "check_batches", "save_distributed_checkpoint",
                "activation_checkpointing", "sync_from_step", "shard_optimizer", "async_checkpoint",
-               "compile", "stage_memory_gib")
+               "compile", "stage_memory_gib", "last_stage_run_ahead")
 
 
 class AsyncPipelineStrategy(PipelineStateHooks, DDPStrategy):
@@ -80,6 +80,9 @@ class AsyncPipelineStrategy(PipelineStateHooks, DDPStrategy):
             of layer counts per stage. The split is printed at setup and read as ``engine.stats.split``; see
             docs/design/planner.md, 'Balanced split'.
         stage_memory_gib: with ``partition="balanced"``, a cap on every stage's predicted peak memory (GiB).
+        last_stage_run_ahead: 2bw's last stage runs the next batch's first microbatch before its update (a second
+            gradient there); None: on unless ``stage_memory_gib`` leaves room for one gradient only; True; False
+            (docs/design/planner.md, "Run-ahead").
         delay: research variants (one device): an integer ``d >= 0`` takes every gradient at ``W_{k-d}``; a list
             gives each stage its own delay. Default: 1 for ``2bw``, 0 for the synchronous schedules.
         sync_steps: run the first ``sync_steps`` updates synchronously, then the configured schedule.
@@ -144,6 +147,7 @@ class AsyncPipelineStrategy(PipelineStateHooks, DDPStrategy):
         async_checkpoint: bool = False,
         compile: CompileSpec = False,
         stage_memory_gib: Optional[float] = None,
+        last_stage_run_ahead: Optional[bool] = None,
         *,
         accelerator: Any = None,
         parallel_devices: Any = None,
@@ -171,6 +175,7 @@ class AsyncPipelineStrategy(PipelineStateHooks, DDPStrategy):
             activation_checkpointing=activation_checkpointing, shard_optimizer=shard_optimizer,
             save_distributed_checkpoint=save_distributed_checkpoint, async_checkpoint=async_checkpoint,
             compile=compile, stage_memory_gib=stage_memory_gib,
+            last_stage_run_ahead=last_stage_run_ahead,
         )
         super().__init__(
             accelerator=accelerator, parallel_devices=parallel_devices, cluster_environment=cluster_environment,
