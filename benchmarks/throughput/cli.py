@@ -13,14 +13,15 @@ import torch
 
 from benchmarks import throughput
 from benchmarks.harness import CHILD_TIMEOUT, Quiet, one_thread, others_cpu, run_pairs, wall_time_line, write_json
-from benchmarks.throughput.measure import measure_round, median_runs, print_run, run_compile_comparison, run_predict
+from benchmarks.throughput.measure import (measure_peers, measure_round, median_runs, print_run, run_compile_comparison,
+                                           run_predict)
 from benchmarks.throughput.pairing import run_paired_blocks
 from benchmarks.throughput.report import cuda_report, predict_report, profile_report, report
 from benchmarks.throughput.systems import (
     _engine_worker, _torchpp_worker, lightning_child, run_ceiling, run_engine, run_lightning, run_single,
 )
 from benchmarks.throughput.workload import (
-    CPU_STEPS, CUDA_STEPS, CUDA_WIDTH, DEPTH, ENGINE_SCHEDULES, SCHEDULES, STAGES, TORCH_SCHEDULES, WIDTH,
+    CPU_STEPS, CUDA_STEPS, CUDA_WIDTH, DEPTH, SCHEDULES, STAGES, WIDTH,
 )
 
 
@@ -199,12 +200,7 @@ def main_cuda(args: argparse.Namespace) -> None:
         if not two:
             continue
         record(f"ceiling/m{m}", quiet.measure(lambda: run_ceiling(cfg, CHILD_TIMEOUT)))
-        groups = [("torch", _torchpp_worker, "torchpp", TORCH_SCHEDULES)]
-        if not args.no_engine:
-            groups.insert(0, ("engine", _engine_worker, "engine", ENGINE_SCHEDULES))
-        for prefix, worker, name, schedules in groups:
-            for pair in quiet.measure_group(worker, name, [{**cfg, "schedule": s} for s in schedules]):
-                record(f"{prefix}/{pair[0]['schedule']}/m{m}", pair)
+        measure_peers(args, cfg, m, quiet, record)
 
     print()
     print(cuda_report(results, args, two))

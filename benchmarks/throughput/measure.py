@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 import time
+from typing import Callable
 
 import torch
 
@@ -23,6 +24,17 @@ def print_run(m: int, key: str, res: list[dict], rows: int, detail: str, digits:
     print(f"  m={m} {key.split('/m')[0]:<26} {sec * 1e3:8.{digits}f} ms/step {rows / sec:9.0f} samples/s   {detail}",
           flush=True)
 
+
+
+def measure_peers(args: argparse.Namespace, cfg: dict, m: int, quiet: "Quiet",
+                  record: "Callable[[str, list[dict]], None]") -> None:
+    """The engine's schedules (unless ``--no-engine``), then torch's, each group measured in turn on 2 processes."""
+    groups = [("torch", _torchpp_worker, "torchpp", TORCH_SCHEDULES)]
+    if not args.no_engine:
+        groups.insert(0, ("engine", _engine_worker, "engine", ENGINE_SCHEDULES))
+    for prefix, worker, name, schedules in groups:
+        for pair in quiet.measure_group(worker, name, [{**cfg, "schedule": s} for s in schedules]):
+            record(f"{prefix}/{pair[0]['schedule']}/m{m}", pair)
 
 
 def measure_round(args: argparse.Namespace, base: dict, quiet: "Quiet") -> dict[str, list[dict]]:
@@ -54,12 +66,7 @@ def measure_round(args: argparse.Namespace, base: dict, quiet: "Quiet") -> dict[
         record(f"ceiling/m{m}", quiet.measure(lambda: run_ceiling(cfg, CHILD_TIMEOUT)))
         for schedule in SCHEDULES:
             record(f"lightning/{schedule}/m{m}", quiet.measure(lambda: run_lightning({**cfg, "schedule": schedule}, CHILD_TIMEOUT)))
-        groups = [("torch", _torchpp_worker, "torchpp", TORCH_SCHEDULES)]
-        if not args.no_engine:
-            groups.insert(0, ("engine", _engine_worker, "engine", ENGINE_SCHEDULES))
-        for prefix, worker, name, schedules in groups:
-            for pair in quiet.measure_group(worker, name, [{**cfg, "schedule": s} for s in schedules]):
-                record(f"{prefix}/{pair[0]['schedule']}/m{m}", pair)
+        measure_peers(args, cfg, m, quiet, record)
     return runs
 
 
