@@ -11,6 +11,8 @@ splits (``lightning-async-pp-plan``'s cost model: FLOPs only).
 
     PYTHONPATH=$PWD .venv/bin/python benchmarks/balanced_split.py            # every split point, 3 rounds
     PYTHONPATH=$PWD .venv/bin/python benchmarks/balanced_split.py --quick    # 5 split points, 1 round, 3 steps
+    PYTHONPATH=$PWD .venv/bin/python benchmarks/balanced_split.py --rounds 2 --named balanced parameters \
+        --points 7 9 10 11 12                                                  # BENCHMARKS.md's run
 
 Lightning's launcher re-executes this script for rank 1; both ranks run the same list of fits.
 """
@@ -20,10 +22,11 @@ import argparse
 import os
 import statistics
 import sys
-import time
+from pathlib import Path
 from typing import Any
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository root: the benchmarks package
 
 import lightning as L  # noqa: E402
 import torch  # noqa: E402
@@ -32,17 +35,7 @@ from torch.utils.data import DataLoader  # noqa: E402
 from lightning_async_pp import AsyncPipelineStrategy  # noqa: E402
 from lightning_async_pp.models import Llama  # noqa: E402
 
-
-class StepTimes(L.Callback):
-    def __init__(self) -> None:
-        self.ends: list[float] = []
-
-    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
-        self.ends.append(time.perf_counter())
-
-    def median_step(self) -> float:
-        gaps = [b - a for a, b in zip(self.ends, self.ends[1:])]  # the first step (and setup) not counted
-        return statistics.median(gaps)
+from benchmarks.harness import step_recorder  # noqa: E402
 
 
 def fit_once(args: argparse.Namespace, schedule: str, partition: Any) -> tuple[float, tuple[int, ...]]:
@@ -51,7 +44,7 @@ def fit_once(args: argparse.Namespace, schedule: str, partition: Any) -> tuple[f
     g = torch.Generator().manual_seed(1)
     rows = list(torch.randint(0, 49152, (args.batch * (args.steps + 1), args.seq + 1), generator=g))
     loader = DataLoader(rows, batch_size=args.batch, drop_last=True)
-    timer = StepTimes()
+    timer = step_recorder()  # median_step(): the first step (and setup) not counted
     strategy = AsyncPipelineStrategy(schedule, num_microbatches=args.microbatches, partition=partition,
                                      pipeline_timeout=600.0, gather_final_weights=False)
     trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=2, max_steps=args.steps, logger=False,
@@ -88,6 +81,9 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--schedules", nargs="+", default=["2bw", "1f1b"])
+    ap.add_argument("--points", nargs="+", type=int, default=None,
+                    help="first-stage layer counts of the explicit splits to try (default: every one)")
+    ap.add_argument("--named", nargs="+", default=None, help="the named partitions to try (default: all three)")
     args = ap.parse_args()
     if args.quick:
         args.rounds, args.steps = 1, 3
@@ -96,10 +92,14 @@ def main() -> None:
     points = list(range(1, n))
     if args.quick:
         points = [p for p in range(n - 5, n) if p >= 1]
+    points, named = args.points or points, args.named or named
     configs = [(s, m) for s in args.schedules for m in named] + [(s, [k, n - k]) for s in args.schedules for k in points]
     times: dict[tuple[str, str], list[float]] = {}
     splits: dict[tuple[str, str], tuple[int, ...]] = {}
     rank0 = os.environ.get("LOCAL_RANK", "0") == "0"
+    # The pair's first fit pays one-off costs (a --quick run once measured its first fit 2.8x slower than the same
+    # split later): run one first, not counted.
+    fit_once(args, args.schedules[0], "balanced")
     for r in range(args.rounds):
         for schedule, partition in configs:
             key = (schedule, str(partition))

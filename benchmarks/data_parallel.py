@@ -19,18 +19,18 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
-import torch
-from torch import nn
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository root: the benchmarks package
+from benchmarks.harness import peak_rss_mib, run_ranks, step_recorder, write_json  # noqa: E402
+
+import torch  # noqa: E402
+from torch import nn  # noqa: E402
 
 
-def worker(cfg: dict) -> None:
+def worker(cfg: dict, out_dir: str) -> None:
     import lightning as L
-    from lightning.pytorch.callbacks import Callback
 
     from lightning_async_pp import AsyncPipelineStrategy, PipelineModule
     from lightning_async_pp.optim import ErrorFeedback
@@ -59,19 +59,10 @@ def worker(cfg: dict) -> None:
         def configure_optimizers(self):
             return ErrorFeedback(self.parameters(), optimizer=lambda p: torch.optim.AdamW(p, lr=1e-4), coefficient=1.0)
 
-    class Record(Callback):
-        def __init__(self) -> None:
-            self.steps: list[dict] = []
-
-        def on_train_batch_end(self, trainer, *args) -> None:
-            t = trainer.strategy.engine.stats.last_times
-            self.steps.append({"total": t.total, "compute": t.compute, "dp_comm": t.dp_comm,
-                               "dp_comm_exposed": t.dp_comm_exposed, "optimizer": t.optimizer})
-
     torch.set_num_threads(1)
     L.seed_everything(0, verbose=False)
     p, r = cfg["stages"], cfg["replicas"]
-    record = Record()
+    record = step_recorder(("total", "compute", "dp_comm", "dp_comm_exposed", "optimizer"))
     trainer = L.Trainer(
         strategy=AsyncPipelineStrategy("2bw", num_microbatches=cfg["microbatches"], data_parallel_size=r,
                                        shard_optimizer=cfg["shard"]),
@@ -86,26 +77,21 @@ def worker(cfg: dict) -> None:
     if cfg["accelerator"] == "cuda":
         peak = torch.cuda.max_memory_allocated()
     else:
-        import resource
-
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        peak = peak_rss_mib() * 2**20
     strategy = trainer.strategy
     out = {"rank": trainer.global_rank, "stage": strategy.topology.stage, "replica": strategy.topology.dp_rank,
            "optimizer_state_bytes": sum(state_nbytes(o) for o in strategy.optimizers), "peak_bytes": peak,
            "param_bytes": sum(q.numel() * q.element_size() for q in strategy.engine.params),
            "steps": record.steps[cfg["warmup"]:]}
-    with open(os.path.join(cfg["out"], f"rank{trainer.global_rank}.json"), "w") as f:
-        json.dump(out, f)
+    Path(out_dir, f"rank{trainer.global_rank}.json").write_text(json.dumps(out))
 
 
 def run(cfg: dict) -> list[dict]:
-    with tempfile.TemporaryDirectory() as out:
-        cfg = dict(cfg, out=out)
-        env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK",
-                                                                "LOCAL_RANK", "NODE_RANK")}
-        env.setdefault("OMP_NUM_THREADS", "1")
-        subprocess.run([sys.executable, __file__, "--worker", json.dumps(cfg)], check=True, env=env)
-        return [json.loads(p.read_text()) for p in sorted(Path(out).glob("rank*.json"), key=lambda p: int(p.stem[4:]))]
+    """One ``Trainer.fit`` over p * r processes (this script's ``--worker``; Lightning starts the other ranks), its
+    output shown as it runs; each rank's result."""
+    return run_ranks([os.path.abspath(__file__), "--worker", json.dumps(cfg)], "rank*.json", f"run {cfg}",
+                     timeout=3600, ranks=cfg["stages"] * cfg["replicas"],
+                     env={"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}, capture=False)
 
 
 def mean(xs) -> float:
@@ -116,6 +102,7 @@ def mean(xs) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--worker", help=argparse.SUPPRESS)
+    ap.add_argument("--out-dir", help=argparse.SUPPRESS)
     ap.add_argument("--stages", type=int, default=2)
     ap.add_argument("--replicas", type=int, default=2)
     ap.add_argument("--layers", type=int, default=8)
@@ -129,7 +116,7 @@ def main() -> None:
     ap.add_argument("--json")
     args = ap.parse_args()
     if args.worker:
-        worker(json.loads(args.worker))
+        worker(json.loads(args.worker), args.out_dir)
         return
     base = {k: getattr(args, k) for k in ("stages", "replicas", "layers", "width", "batch", "microbatches", "steps",
                                           "warmup", "accelerator", "bucket_mb")}
@@ -171,8 +158,7 @@ def main() -> None:
         print(f"| {s} | {1e3 * work[s]:.1f} | {1e3 * reduce_s[s]:.1f} | {1e3 * reduce_s[s]:.1f} / "
               f"{1e3 * predicted['none'].dp_exposed_s[s]:.1f} | {1e3 * measured_overlap:.1f} / "
               f"{1e3 * predicted['backward'].dp_exposed_s[s]:.1f} |")
-    if args.json:
-        Path(args.json).write_text(json.dumps({"config": base, "runs": runs}, indent=1))
+    write_json(args.json, {"config": base, "runs": runs})
 
 
 if __name__ == "__main__":

@@ -25,19 +25,23 @@ import os
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import pipeline_throughput as bench  # noqa: E402  (sets one thread per process before torch is imported)
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository root: the benchmarks package
+from benchmarks.harness import Quiet, one_thread, others_cpu  # noqa: E402
+# benchmarks.throughput sets one thread per process before torch is imported.
+from benchmarks.throughput.pairing import run_paired_blocks  # noqa: E402
+from benchmarks.throughput.systems import _engine_worker, _torchpp_worker  # noqa: E402
+from benchmarks.throughput.workload import CPU_STEPS, TORCH_SCHEDULES, WIDTH  # noqa: E402
 
 
 def run_blocks(base: dict, blocks: int, block_steps: int, lightning: bool) -> None:
-    res = bench.run_paired_blocks(base, blocks, block_steps, lightning)
+    res = run_paired_blocks(base, blocks, block_steps, lightning)
     ours = res["ours"]
     for i, medians in enumerate(res["rounds"]):
         sync = {n: t for n, t in medians.items() if n != ours}
         best = min(sync, key=sync.get)
         print(json.dumps({"block_round": i, "ms": {n: round(t * 1e3, 2) for n, t in medians.items()},
                           "fastest": best, "2bw_over_fastest": round(sync[best] / medians[ours], 3)}), flush=True)
-    for n in bench.TORCH_SCHEDULES:
+    for n in TORCH_SCHEDULES:
         print(f"{ours} / {n}: {res['paired'][n]:.3f} (median of {len(res['rounds'])} paired rounds; its median step "
               f"{res['step'][n] * 1e3:.1f} ms, {ours}'s {res['ours_step'] * 1e3:.1f})", flush=True)
     print(f"{ours} / torch's fastest synchronous schedule ({res['fastest']}, by median step): "
@@ -56,21 +60,21 @@ def main() -> None:
     args = ap.parse_args()
     if args.blocks is not None and (args.blocks < 1 or args.block_steps < 3):
         ap.error(f"--blocks must be >= 1 and --block-steps >= 3, got {args.blocks} and {args.block_steps}")
-    bench.one_thread()
-    base = dict(rows=128, steps=bench.CPU_STEPS[0], warmup=bench.CPU_STEPS[1], optimizer="sgd", width=bench.WIDTH,
+    one_thread()
+    base = dict(rows=128, steps=CPU_STEPS[0], warmup=CPU_STEPS[1], optimizer="sgd", width=WIDTH,
                 accelerator="cpu", m=args.microbatches)
-    quiet = bench.Quiet(args.wait_idle, args.retries)
+    quiet = Quiet(args.wait_idle, args.retries)
     if args.blocks is not None:
         quiet.wait()
         run_blocks(base, args.blocks, args.block_steps, args.lightning)
         return
     for rnd in range(args.rounds):
         row = {"round": rnd, "load": os.getloadavg()[0]}
-        (eng,) = quiet.measure_group(bench._engine_worker, "engine", [dict(base, schedule="2bw")])
-        row["2bw"] = (eng[0]["sec_per_step"], bench.others_cpu(eng))
-        for pair in quiet.measure_group(bench._torchpp_worker, "torchpp",
-                                        [dict(base, schedule=s) for s in bench.TORCH_SCHEDULES]):
-            row[pair[0]["schedule"]] = (pair[0]["sec_per_step"], bench.others_cpu(pair))
+        (eng,) = quiet.measure_group(_engine_worker, "engine", [dict(base, schedule="2bw")])
+        row["2bw"] = (eng[0]["sec_per_step"], others_cpu(eng))
+        for pair in quiet.measure_group(_torchpp_worker, "torchpp",
+                                        [dict(base, schedule=s) for s in TORCH_SCHEDULES]):
+            row[pair[0]["schedule"]] = (pair[0]["sec_per_step"], others_cpu(pair))
         print(json.dumps(row), flush=True)
 
 

@@ -42,10 +42,13 @@ from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from pipeline_throughput import (  # noqa: E402
-    StepClock, others_cpu, peak_rss_mib, run_ranks, span_costs, total_steps, transfer_seconds,
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository root: the benchmarks package
+from benchmarks.harness import (  # noqa: E402
+    StepClock, one_thread_env, others_cpu, peak_rss_mib, run_ranks, span_costs, total_steps, transfer_seconds,
+    wall_time_line, write_json,
 )
+
+one_thread_env()  # on CPU one thread per process in the runs this starts (Lightning's ranks)
 
 STAGES = 2
 SMOLLM_WIDTHS = dict(hidden_size=576, intermediate_size=1536, num_attention_heads=9, num_key_value_heads=3)
@@ -626,9 +629,8 @@ def main() -> None:
     print()
     print(one_device_report(rows, args) if args.one_device else memory_report(rows, args) if args.memory
           else report(rows, args))
-    print(f"\n(wall time {time.perf_counter() - started:.0f}s; load average now {os.getloadavg()[0]:.2f})")
-    if args.json:
-        Path(args.json).write_text(json.dumps(rows, indent=1))
+    print(wall_time_line(started, "wall time"))
+    write_json(args.json, rows)
 
 
 if __name__ == "__main__":

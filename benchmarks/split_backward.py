@@ -25,8 +25,9 @@ import time
 from pathlib import Path
 from typing import Callable
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from pipeline_throughput import STAGES, in_turn, make_layers, mse, one_thread, stage_layers  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository root: the benchmarks package
+from benchmarks.harness import in_turn, one_thread  # noqa: E402
+from benchmarks.throughput.workload import STAGES, make_layers, mse, stage_layers  # noqa: E402  (one thread first)
 
 import torch  # noqa: E402
 from torch import nn  # noqa: E402

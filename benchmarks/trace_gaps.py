@@ -14,9 +14,10 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-import pipeline_throughput as pt  # noqa: E402
+import pipeline_throughput as pt  # noqa: E402  (puts the repository root on sys.path)
+from benchmarks import harness  # noqa: E402
 
-_span_costs = pt.span_costs
+_span_costs = harness.span_costs
 
 
 def span_costs_with_gaps(spans: list, rank: int, steps: int) -> dict:
@@ -32,7 +33,7 @@ def span_costs_with_gaps(spans: list, rank: int, steps: int) -> dict:
 
 
 def worker(rank: int, port: int, cfgs: list, out_dir: str, profile: bool) -> None:
-    pt.span_costs = span_costs_with_gaps  # in the spawned process too
+    harness.span_costs = span_costs_with_gaps  # in the spawned process too (the engine worker calls it there)
     pt._engine_worker(rank, port, cfgs, out_dir, profile)
 
 

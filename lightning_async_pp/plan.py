@@ -37,7 +37,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Optional, Sequence
 
-from lightning_async_pp.pipeline.cost import LayerCost, MemoryModel, balanced_split, stage_memory_bytes
+from lightning_async_pp.pipeline.cost import LayerCost, MemoryModel, split_and_run_ahead, stage_memory_bytes
 from lightning_async_pp.pipeline.memory import StageMemory, stage_memory
 from lightning_async_pp.pipeline.partition import _balanced_counts
 from lightning_async_pp.pipeline.schedule import PLANNER_SCHEDULES, chunks_per_device, device_of
@@ -251,6 +251,26 @@ class CostModel:
         schedule = "2bw" if "2bw" in args.schedules else "gpipe" if args.schedules == ["gpipe"] else "1f1b"
         return MemoryModel(schedule, p, m, args.data_parallel, args.shard_optimizer)
 
+    def run_ahead(self, p: int, m: int) -> bool:
+        """Whether 2bw's last stage runs the next batch's first microbatch before its update (a second gradient):
+        ``--last-stage-run-ahead``, where ``auto`` turns it off only where no split fits ``--stage-memory-gib``
+        with it and one fits without (as the engine decides)."""
+        return self._split_and_run_ahead(p, m)[1]
+
+    def _split_and_run_ahead(self, p: int, m: int) -> tuple[list[int], bool]:
+        choice = {"auto": None, "on": True, "off": False}[getattr(self.args, "last_stage_run_ahead", "auto")]
+        if self.fixed_stages is not None or p > len(self.layer_forward):  # costs per stage given: no split to choose
+            return [], choice is not False
+        memory, cap = None, None
+        if self.shape is not None:
+            layers = self.layer_costs()
+            memory = lambda i, j, s, mm: stage_memory_bytes(layers, i, j, s, mm)  # noqa: E731
+            if self.args.stage_memory_gib is not None:
+                cap = self.args.stage_memory_gib * 2**30
+        counts, used = split_and_run_ahead(self.layer_forward, p, self.memory_model(p, m), memory=memory,
+                                           memory_cap=cap, run_ahead=choice)
+        return counts, used.run_ahead
+
     def split(self, p: int, m: int, method: str = "balanced") -> list[int]:
         """Layers per stage by ``method``: ``balanced`` (``pipeline.cost.balanced_split``: the slowest stage's
         forward and backward least, every stage's memory under ``--stage-memory-gib``, as the engine splits),
@@ -262,14 +282,7 @@ class CostModel:
             if self.shape is None:
                 return _balanced_counts([1] * n, p)
             return _balanced_counts(self.shape.layer_parameters(self.args.split_blocks), p)
-        memory, cap = None, None
-        if self.shape is not None:
-            layers = self.layer_costs()
-            model = self.memory_model(p, m)
-            memory = lambda i, j, s: stage_memory_bytes(layers, i, j, s, model)  # noqa: E731
-            if self.args.stage_memory_gib is not None:
-                cap = self.args.stage_memory_gib * 2**30
-        return balanced_split(self.layer_forward, p, memory=memory, memory_cap=cap)
+        return self._split_and_run_ahead(p, m)[0]
 
     def layer_costs(self) -> list[LayerCost]:
         assert self.shape is not None
@@ -408,6 +421,7 @@ def plan(args: argparse.Namespace) -> tuple[list[str], list[dict]]:
     figures: list[str] = []
     several = len(model.stages(args.stages)) * len(args.microbatches) * len(schedules) > 1
     split_lines: list[str] = []
+    behind: list[str] = []  # (p, m) where 2bw's last stage does not run ahead
     for p in model.stages(args.stages):
         for m in args.microbatches:
             costs = model.costs(p, m)
@@ -420,8 +434,9 @@ def plan(args: argparse.Namespace) -> tuple[list[str], list[dict]]:
             refused: dict[str, str] = {}
             for s in dict.fromkeys([*schedules, "1f1b"]):
                 try:
+                    ahead = {} if s != "2bw" or model.run_ahead(p, m) else {"last_ahead": False}
                     results[s] = simulate(s, p, m, costs.forward_s, costs.backward_s, comm_s=costs.comm_s,
-                                          optimizer_s=args.optimizer_s, steps=args.steps,
+                                          optimizer_s=args.optimizer_s, steps=args.steps, **ahead,
                                           virtual_stages=args.virtual_stages,
                                           weight_grad_fraction=args.weight_grad_fraction, **tied_kwargs(args, s, p))
                 except ValueError as err:  # this (p, m) does not suit the schedule (2bw: m < p; interleaved: m % p)
@@ -452,6 +467,8 @@ def plan(args: argparse.Namespace) -> tuple[list[str], list[dict]]:
                              f"{r.peak_activation_memory:.3g} | {weights} |")
             records.append({"p": p, "m": m, "layers_per_stage": counts, "best_sync": best,
                             "results": {s: r for s, r in results.items() if s in schedules}})
+            if "2bw" in schedules and p > 1 and args.data_parallel == 1 and not model.run_ahead(p, m):
+                behind.append(f"p = {p}, m = {m}")
             if counts is not None and model.shape is not None:  # identical layers: every method splits alike
                 rows, records[-1]["splits"] = split_rows(args, model, p, m, results, schedules)
                 split_lines += rows
@@ -461,7 +478,8 @@ def plan(args: argparse.Namespace) -> tuple[list[str], list[dict]]:
                                            value_bytes=args.bytes_per_value, param_bytes=args.param_bytes,
                                            optimizer=args.optimizer,
                                            correction_buffers=args.correction_buffers, split_blocks=args.split_blocks,
-                                           data_parallel=args.data_parallel, shard_optimizer=args.shard_optimizer)
+                                           data_parallel=args.data_parallel, shard_optimizer=args.shard_optimizer,
+                                           run_ahead=model.run_ahead(p, m))
                           for s in schedules if results[s] is not None}
                 records[-1]["memory"] = memory
                 memory_lines += [memory_row(p, m, label(s, args), per_device) for s, per_device in memory.items()]
@@ -469,6 +487,11 @@ def plan(args: argparse.Namespace) -> tuple[list[str], list[dict]]:
                 dp = dp_row(args, p, m, costs, [s for s in schedules if results[s] is not None])
                 dp_lines.append(dp[0])
                 records[-1]["data_parallel"] = dp[1]
+    if behind:
+        lines += ["", "2bw's last stage does not run the next batch ahead of its update at "
+                  + "; ".join(behind) + (": no split fits --stage-memory-gib with its second gradient"
+                                         if args.last_stage_run_ahead == "auto" else " (--last-stage-run-ahead off)")
+                  + "; its step is simulated and its memory counted that way."]
     if split_lines:
         lines += ["", "## Split: balanced against parameters and uniform", "",
                   "Layers per stage and the simulated step of each way to split them: *balanced* (what "
@@ -523,12 +546,13 @@ def plan(args: argparse.Namespace) -> tuple[list[str], list[dict]]:
 
 def device_memory(shape: Shape, counts: list[int], result: SimulationResult, *, tokens: int, value_bytes: int,
                   param_bytes: int, optimizer: str = "adamw", correction_buffers: float = 0.0,
-                  split_blocks: bool = False, data_parallel: int = 1, shard_optimizer: bool = False) -> list[StageMemory]:
+                  split_blocks: bool = False, data_parallel: int = 1, shard_optimizer: bool = False,
+                  run_ahead: bool = True) -> list[StageMemory]:
     """Each device's peak by :func:`~lightning_async_pp.pipeline.memory.stage_memory`, the shape's pipeline layers
     split by ``counts`` (a chunked schedule's device holds the same share in chunks), microbatches of ``tokens``.
     With ``data_parallel > 1`` the engine does not run 2BW's next batch ahead of the update (one gradient, not
     two; docs/design/data-parallel.md, "Data parallelism"), and ``shard_optimizer`` (ZeRO-1) splits the optimizer state and the
-    correction's buffer over the replicas."""
+    correction's buffer over the replicas. ``run_ahead`` False: 2BW's last stage does not run ahead either way."""
     shards = data_parallel if shard_optimizer and data_parallel > 1 else 1
     params, matrices = shape.layer_parameters(split_blocks), shape.layer_matrix_parameters(split_blocks)
     saved = shape.layer_saved_bytes(split_blocks, tokens, value_bytes)
@@ -546,7 +570,8 @@ def device_memory(shape: Shape, counts: list[int], result: SimulationResult, *, 
         # A batch's first backward allocates the gradients as it frees the activations: its peak is taken as the
         # larger of the two (the allocator measured it within 1% of a later backward's at SmolLM's width).
         out.append(stage_memory(result, device, weight_bytes=weights, saved_bytes=kept, working_bytes=working,
-                                first_working_bytes=max(working, weights), run_ahead=data_parallel == 1,
+                                first_working_bytes=max(working, weights),
+                                run_ahead=data_parallel == 1 and run_ahead,
                                 optimizer_state_bytes=optimizer_state_bytes(optimizer, params[start:end],
                                                                             matrices[start:end], param_bytes) // shards,
                                 # ErrorFeedback keeps one buffer per parameter and its update one more copy
@@ -687,6 +712,10 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--stage-memory-gib", type=_positive,
                    help="the balanced split keeps every stage's predicted peak under this many GiB (as the strategy's "
                         "stage_memory_gib)")
+    s.add_argument("--last-stage-run-ahead", choices=["auto", "on", "off"], default="auto",
+                   help="2bw's last stage runs the next batch's first microbatch before its update, holding a second "
+                        "gradient (as the strategy's last_stage_run_ahead): auto (default) turns it off only where "
+                        "no split fits --stage-memory-gib with it")
     d = ap.add_argument_group("data parallelism (a second table)")
     d.add_argument("--data-parallel", "-r", type=_positive_int, default=1, help="replicas of each stage (default 1)")
     d.add_argument("--dp-gbps", type=_positive, help="bandwidth of the replicas' link, GB/s (default --link-gbps)")

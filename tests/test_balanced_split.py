@@ -4,6 +4,7 @@ from __future__ import annotations
 import itertools
 import random
 import warnings
+from dataclasses import replace
 
 import pytest
 import torch
@@ -12,7 +13,9 @@ from torch import nn
 from helpers import one_device_trainer
 from lightning_async_pp import AsyncPipelineStrategy, PipelineModule
 from lightning_async_pp.models import Llama
-from lightning_async_pp.pipeline.cost import MemoryModel, balanced_split, layer_costs, stage_memory_bytes
+from lightning_async_pp.pipeline.config import PipelineConfig
+from lightning_async_pp.pipeline.cost import (MemoryModel, balanced_split, layer_costs, split_and_run_ahead,
+                                              stage_memory_bytes)
 
 
 def brute_force(times, p, memory=None, cap=None):
@@ -153,3 +156,39 @@ def test_without_an_example_batch_the_split_falls_back_to_parameters_with_a_warn
 def test_stage_memory_gib_must_be_a_positive_number():
     with pytest.raises(ValueError, match=r"stage_memory_gib must be None \(no cap\) or a number of GiB > 0, got -1"):
         AsyncPipelineStrategy(stage_memory_gib=-1)
+
+
+def test_where_memory_is_short_the_last_stage_stops_running_ahead_before_the_split_is_refused():
+    # Issue 41, item 5: 2bw's last stage holds a second gradient while it runs the next batch ahead; under a cap that
+    # no split meets with it, the split is chosen with one gradient there (and the engine runs without the run-ahead).
+    times = [1.0] * 8
+    layers = [type("C", (), {"param_bytes": 10, "activation_bytes": 1})() for _ in times]
+    model = MemoryModel("2bw", 2, 2)
+
+    def memory(i, j, s, mm):
+        return stage_memory_bytes(layers, i, j, s, mm)
+
+    # 4 layers each: stage 0 holds 5 parameter-sized copies and 2 microbatches (208); stage 1 6 copies with the
+    # run-ahead (244), 5 without (204)
+    counts, used = split_and_run_ahead(times, 2, model, memory=memory, memory_cap=None)
+    assert (counts, used.run_ahead) == ([4, 4], True)
+    fits_ahead = max(memory(0, 4, 0, model), memory(4, 8, 1, model))
+    counts, used = split_and_run_ahead(times, 2, model, memory=memory, memory_cap=fits_ahead)
+    assert (counts, used.run_ahead) == ([4, 4], True)
+    behind = replace(model, run_ahead=False)
+    tight = max(memory(0, 4, 0, behind), memory(4, 8, 1, behind))
+    assert tight < fits_ahead and brute_force(times, 2, lambda i, j, s: memory(i, j, s, model), tight) is None
+    counts, used = split_and_run_ahead(times, 2, model, memory=memory, memory_cap=tight)
+    assert (counts, used.run_ahead) == ([4, 4], False)
+    assert used.weight_copies(1) == model.weight_copies(1) - 1
+    with pytest.raises(ValueError, match="no split"):  # asked for explicitly: refused, not switched off
+        split_and_run_ahead(times, 2, model, memory=memory, memory_cap=tight, run_ahead=True)
+    # Only 2bw's last stage, with one pipeline, ever runs ahead: elsewhere the choice changes nothing.
+    for other in (MemoryModel("1f1b", 2, 2), MemoryModel("2bw", 2, 2, data_parallel_size=2)):
+        assert split_and_run_ahead(times, 2, other, memory=memory, memory_cap=tight * 10)[1].runs_ahead(1) is False
+
+
+def test_last_stage_run_ahead_must_be_none_true_or_false():
+    with pytest.raises(ValueError, match=r"last_stage_run_ahead must be None .* True or False, got 'no'"):
+        PipelineConfig(last_stage_run_ahead="no")
+    assert PipelineConfig(last_stage_run_ahead=False).last_stage_run_ahead is False

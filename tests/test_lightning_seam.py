@@ -158,12 +158,15 @@ def test_tied_embedding_and_head_within_a_stage_2bw_follows_the_delayed_recurren
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("schedule", ["2bw", "1f1b"])
-def test_tied_embedding_and_head_across_two_stages_equal_one_device_semantics(tmp_path, schedule):
-    # stage 0 = embed + block1, stage 1 = block2 + head: the tie spans the boundary
-    cfg = dict(TIED, schedule=schedule, partition=[2, 2], summary=True, **OWN_SAMPLER)
+@pytest.mark.parametrize("schedule, run_ahead", [("2bw", None), ("2bw", False), ("1f1b", None)])
+def test_tied_embedding_and_head_across_two_stages_equal_one_device_semantics(tmp_path, schedule, run_ahead):
+    # stage 0 = embed + block1, stage 1 = block2 + head: the tie spans the boundary. run_ahead False: 2bw's last
+    # stage updates before the next batch's first backward (docs/design/planner.md, "Run-ahead"), same weights.
+    cfg = dict(TIED, schedule=schedule, partition=[2, 2], summary=True, **OWN_SAMPLER,
+               strategy_kwargs={"last_stage_run_ahead": run_ahead})
     results = seam_results(cfg, tmp_path)
     result = results[0]
+    assert [r["run_ahead"] for r in results] == [None if schedule != "2bw" else run_ahead is not False] * 2
     multi = result["state_dict"]
     # The sum of the tied gradient is timed as a part of each stage's step (PipelineMonitor's tied_sum_s), not
     # left in the time Lightning's loop is charged with.

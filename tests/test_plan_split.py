@@ -68,3 +68,21 @@ def test_the_llama_3_8b_preset_splits_eight_stages_with_the_head_alone_on_less_b
     counts = records[0]["layers_per_stage"]
     assert sum(counts) == 32 and counts[-1] < max(counts)
     assert balanced_split([1.0] * 4, 2) == [2, 2]
+
+
+def test_where_no_split_fits_with_the_second_gradient_the_plan_drops_the_run_ahead_as_the_engine_does():
+    # Issue 41, item 5: at m = 8 the last device's peak is where it holds two batches' gradients (run-ahead); under
+    # 110 GiB no split fits with them, and the plan drops the run-ahead rather than refuse.
+    argv = "--model llama-10b --seq-len 512 --stages 2 --microbatches 8 --schedules 2bw --stage-memory-gib "
+    roomy_lines, roomy = run_plan(argv + "140")
+    assert not any("does not run" in line for line in roomy_lines)
+    ahead = roomy[0]["memory"]["2bw"][1]
+    assert ahead.gradients == 2 * ahead.weights
+    lines, records = run_plan(argv + "110")
+    assert any("does not run the next batch ahead" in line for line in lines)
+    last = records[0]["memory"]["2bw"][1]
+    assert last.gradients == last.weights and last.total <= 110 * 2**30
+    forced = run_plan(argv + "140 --last-stage-run-ahead off")[1][0]["memory"]["2bw"][1]
+    assert forced.gradients == forced.weights
+    with pytest.raises(ValueError, match="no split"):
+        run_plan(argv + "110 --last-stage-run-ahead on")

@@ -157,14 +157,12 @@ class GPT(PipelineModule):
         return [self.embedding, *self.blocks, self.head]
 
     def pipeline_input(self, batch: Any) -> Any:
-        if isinstance(batch, Tensor):
-            return batch[:, :-1]
-        return packing.packed_input(packing.check_packed(batch, "GPT"))
+        return packing.model_input(batch, "GPT")
 
     def pipeline_sample(self) -> Any:
         """The example batch if one is set, else one row of ``block_size`` tokens (and its target)."""
         sample = super().pipeline_sample()
-        return sample if sample is not None else torch.zeros(1, self.embedding.block_size + 1, dtype=torch.long)
+        return sample if sample is not None else packing.token_row(self.embedding.block_size)
 
     def pipeline_loss(self, logits: Tensor, batch: Any) -> Tensor:
         if isinstance(batch, Tensor):

@@ -286,14 +286,12 @@ class Llama(BuiltInInit, PipelineModule):
         return [self.embed, *self.blocks, self.head]
 
     def pipeline_input(self, batch: Any) -> Any:
-        if isinstance(batch, Tensor):
-            return batch[:, :-1]
-        return packing.packed_input(packing.check_packed(batch, "Llama"))
+        return packing.model_input(batch, "Llama")
 
     def pipeline_sample(self) -> Any:
         """The example batch if one is set, else one row of ``min(max_seq_len, 256)`` tokens (and its target)."""
         sample = super().pipeline_sample()
-        return sample if sample is not None else torch.zeros(1, min(self.config.max_seq_len, 256) + 1, dtype=torch.long)
+        return sample if sample is not None else packing.token_row(min(self.config.max_seq_len, 256))
 
     def pipeline_loss(self, logits: Tensor, batch: Any) -> Tensor:
         if isinstance(batch, Tensor):

@@ -127,3 +127,16 @@ def document_loss(logits: Tensor, batch: Mapping[str, Tensor], skip_document_end
 def packed_input(batch: Mapping[str, Tensor]) -> dict[str, Tensor]:
     """What the first layer takes from a packed batch: all but the last column of its ids and positions."""
     return {INPUT_IDS: batch[INPUT_IDS][:, :-1], POSITION_IDS: batch[POSITION_IDS][:, :-1]}
+
+
+def model_input(batch: Any, who: str) -> Any:
+    """What a built-in model's first layer takes: a row of token ids without its last column, or a checked packed
+    batch's ids and positions likewise (``who`` names the model in the refusal)."""
+    if isinstance(batch, Tensor):
+        return batch[:, :-1]
+    return packed_input(check_packed(batch, who))
+
+
+def token_row(length: int) -> Tensor:
+    """One row of ``length`` tokens and its target: a built-in model's example microbatch for costing its layers."""
+    return torch.zeros(1, length + 1, dtype=torch.long)

@@ -34,6 +34,9 @@ class PipelineConfig:
     data_parallel_size: int = 1
     partition: PartitionSpec = "balanced"
     stage_memory_gib: Optional[float] = None  # partition="balanced": every stage's predicted peak at most this
+    # 2bw's last stage runs the next batch's first microbatch before its update (a second gradient there); None: on,
+    # unless stage_memory_gib leaves the last stage room for one gradient only (docs/design/planner.md, "Run-ahead")
+    last_stage_run_ahead: Optional[bool] = None
     delay: DelaySpec = None
     sync_steps: int = 0
     sync_from_step: Optional[int] = None
@@ -82,6 +85,11 @@ class PipelineConfig:
         if self.stage_memory_gib is not None and (isinstance(self.stage_memory_gib, bool) or not isinstance(
                 self.stage_memory_gib, (int, float)) or not self.stage_memory_gib > 0):
             raise ValueError(f"stage_memory_gib must be None (no cap) or a number of GiB > 0, got {self.stage_memory_gib!r}")
+        if self.last_stage_run_ahead not in (None, True, False) or not isinstance(self.last_stage_run_ahead, (bool, type(None))):
+            raise ValueError(
+                f"last_stage_run_ahead must be None (on where the last stage has the memory), True or False, got "
+                f"{self.last_stage_run_ahead!r}"
+            )
         if self.delay is not None:
             values = [self.delay] if _is_int(self.delay) else self.delay
             if not isinstance(values, (list, tuple)) or not values or not all(_is_int(d) for d in values):

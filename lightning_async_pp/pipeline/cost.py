@@ -11,7 +11,7 @@ under a cap: an exact dynamic program over prefix sums. See docs/design/planner.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Optional
 
 import torch
@@ -142,15 +142,19 @@ class MemoryModel:
     num_microbatches: int = 1
     data_parallel_size: int = 1
     shard_optimizer: bool = False
+    run_ahead: bool = True  # 2bw's last stage may run ahead (PipelineConfig.last_stage_run_ahead)
+
+    def runs_ahead(self, stage: int) -> bool:
+        """Whether ``stage`` runs the next batch's first backward before this batch's update (two gradients):
+        2BW's last stage, unless switched off or under data parallelism, where the engine never runs ahead
+        (docs/design/data-parallel.md, "Data parallelism")."""
+        return (self.run_ahead and self.schedule == "2bw" and stage == self.num_stages - 1 and self.num_stages > 1
+                and self.data_parallel_size == 1)
 
     def weight_copies(self, stage: int) -> float:
         """Parameter-sized buffers per parameter on ``stage``: its versions, gradients and optimizer state."""
         versions = 2 if self.schedule == "2bw" else 1
-        # 2BW's last stage runs the next batch's backward before this batch's update (two gradients), except
-        # under data parallelism, where the engine does not run ahead (docs/design/data-parallel.md, "Data parallelism").
-        run_ahead = (self.schedule == "2bw" and stage == self.num_stages - 1 and self.num_stages > 1
-                     and self.data_parallel_size == 1)
-        gradients = 2 if run_ahead else 1
+        gradients = 2 if self.runs_ahead(stage) else 1
         optimizer = OPTIMIZER_STATE_PER_PARAMETER
         if self.shard_optimizer and self.data_parallel_size > 1:
             optimizer = optimizer / self.data_parallel_size
@@ -223,6 +227,29 @@ def balanced_split(times: Sequence[float], num_stages: int, *,
     return counts[::-1]
 
 
+def split_and_run_ahead(times: Sequence[float], num_stages: int, model: MemoryModel,
+                        memory: Optional[Callable[[int, int, int, MemoryModel], float]] = None,
+                        memory_cap: Optional[float] = None,
+                        run_ahead: Optional[bool] = None) -> tuple[list[int], MemoryModel]:
+    """:func:`balanced_split` under ``model``, and the memory model the split was chosen under.
+
+    ``run_ahead`` None (the default): 2bw's last stage runs ahead where some split fits the cap with its second
+    gradient, else not, if a split then fits (docs/design/planner.md, "Run-ahead"); True or False: as given.
+    ``memory(start, stop, stage, model)`` is a stage's peak under a memory model."""
+    def split(m: MemoryModel) -> list[int]:
+        fn = None if memory is None else (lambda i, j, s: memory(i, j, s, m))
+        return balanced_split(times, num_stages, memory=fn, memory_cap=memory_cap)
+
+    ahead = replace(model, run_ahead=run_ahead is not False)
+    if run_ahead is not None or memory_cap is None or not ahead.runs_ahead(num_stages - 1):
+        return split(ahead), ahead
+    try:
+        return split(ahead), ahead
+    except ValueError:
+        behind = replace(model, run_ahead=False)
+        return split(behind), behind  # a ValueError here: no split fits even with one gradient
+
+
 @dataclass(frozen=True)
 class SplitReport:
     """The split the engine runs, and what the cost model predicts of it (``engine.stats.split``)."""
@@ -231,6 +258,8 @@ class SplitReport:
     counts: tuple[int, ...]  # layers per stage
     time_share: tuple[float, ...]  # each stage's share of the model's compute (FLOPs); empty without costs
     memory_bytes: tuple[int, ...]  # each stage's predicted peak; empty without costs
+    # 2bw's last stage runs the next batch's first microbatch before its update; None: no stage could
+    run_ahead: Optional[bool] = None
 
     @property
     def imbalance(self) -> Optional[float]:
@@ -245,6 +274,8 @@ class SplitReport:
             text += ("; predicted compute share " + ", ".join(f"{t:.1%}" for t in self.time_share)
                      + f" (slowest/mean {self.imbalance:.2f}); predicted peak memory "
                      + ", ".join(format_bytes(b) for b in self.memory_bytes))
+        if self.run_ahead is False:
+            text += "; the last stage does not run ahead (one gradient)"
         return text
 
 
@@ -254,12 +285,14 @@ def format_bytes(n: float) -> str:
 
 def report_for(counts: Sequence[int], method: str, costs: Optional[Sequence[LayerCost]],
                model: MemoryModel) -> SplitReport:
+    # None where no stage could run ahead (not 2bw, one stage, data parallelism)
+    run_ahead = model.run_ahead if replace(model, run_ahead=True).runs_ahead(model.num_stages - 1) else None
     if not costs:
-        return SplitReport(method, tuple(counts), (), ())
+        return SplitReport(method, tuple(counts), (), (), run_ahead)
     total = sum(c.flops for c in costs) or 1
     shares, mems, start = [], [], 0
     for s, c in enumerate(counts):
         shares.append(sum(x.flops for x in costs[start:start + c]) / total)
         mems.append(round(stage_memory_bytes(costs, start, start + c, s, model)))
         start += c
-    return SplitReport(method, tuple(counts), tuple(shares), tuple(mems))
+    return SplitReport(method, tuple(counts), tuple(shares), tuple(mems), run_ahead)

@@ -27,7 +27,8 @@ from torch.func import functional_call
 
 from lightning_async_pp.pipeline.comm import FailureBoard, StageLink
 from lightning_async_pp.pipeline.config import PipelineConfig
-from lightning_async_pp.pipeline.cost import MemoryModel, SplitReport, balanced_split, layer_costs, report_for, stage_memory_bytes
+from lightning_async_pp.pipeline.cost import (MemoryModel, SplitReport, layer_costs, report_for, split_and_run_ahead,
+                                              stage_memory_bytes)
 from lightning_async_pp.pipeline.partition import partition_layers
 from lightning_async_pp.pipeline.placement import (
     Tie,
@@ -209,7 +210,8 @@ class PipelineEngine:
         config, p = self.config, self.num_stages
         method = config.partition
         # One device models the p devices its stages stand for, so it picks the split p processes pick.
-        model = MemoryModel(config.schedule, p, self.num_microbatches, config.data_parallel_size, config.shard_optimizer)
+        model = MemoryModel(config.schedule, p, self.num_microbatches, config.data_parallel_size, config.shard_optimizer,
+                            run_ahead=config.last_stage_run_ahead is not False)
         costs = None
         if sample_batch is not None:
             try:
@@ -234,8 +236,9 @@ class PipelineEngine:
                 counts = [len(r) for r in partition_layers(self.layers, p, "parameters")]
                 return report_for(counts, "parameters", None, model)
             cap = config.stage_memory_gib * 2**30 if config.stage_memory_gib is not None else None
-            counts = balanced_split([c.flops for c in costs], p, memory_cap=cap,
-                                    memory=lambda i, j, s: stage_memory_bytes(costs, i, j, s, model))
+            counts, model = split_and_run_ahead([c.flops for c in costs], p, model, memory_cap=cap,
+                                                memory=lambda i, j, s, mm: stage_memory_bytes(costs, i, j, s, mm),
+                                                run_ahead=config.last_stage_run_ahead)
             return report_for(counts, "balanced", costs, model)
         counts = [len(r) for r in partition_layers(self.layers, p, method)]
         return report_for(counts, method if isinstance(method, str) else "explicit", costs, model)
@@ -287,7 +290,7 @@ class PipelineEngine:
             pipeline_ranks=self.topology.pipeline_ranks if self.topology else [0],
             dp_group=self._dp_group, dp_size=self.config.data_parallel_size, check_batches=self.config.check_batches,
             loss_group=self._loss_group, metric_names=self._metric_names, metrics_fn=self._metrics_fn,
-            randomness=self.randomness,
+            randomness=self.randomness, last_ahead=self.split.run_ahead is not False,
         )
         names = self.global_names
         self.stage_views = [StageView(st.index, st.versions.delay, tuple(names[id(p)] for p in st.params), st)

@@ -112,6 +112,7 @@ class PipelineRuntime:
         metric_names: Sequence[str] = (),
         metrics_fn: Optional[Callable[[], dict[str, Tensor]]] = None,
         randomness: Optional[ForwardRandomness] = None,
+        last_ahead: bool = True,
     ) -> None:
         self.stages = list(stages)
         self.num_stages = self.stages[0].num_stages
@@ -131,7 +132,8 @@ class PipelineRuntime:
         # Under the lookahead the last stage also runs the next batch's first forward and backward before its
         # update (schedule.step_actions, ``last_ahead``), so a weight tied to the first stage does not keep it
         # idle. Not with data parallelism: the reducer's buckets hold one batch's gradient at a time.
-        self.last_ahead = self.reducer is None
+        # Switched off by PipelineConfig.last_stage_run_ahead, or by the balanced split where memory is short.
+        self.last_ahead = self.reducer is None and last_ahead
         self._backwards_left = 0  # this step's backwards of the current batch still to run (data parallel)
         self.check_batches = check_batches and link is not None
         self.gradients: list[Optional[Tensor]] = []

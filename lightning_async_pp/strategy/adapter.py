@@ -69,6 +69,9 @@ class AsyncPipelineStrategy(PipelineStateHooks, TrainingBatches, FailureReportin
             of layer counts per stage. The split is printed at setup and read as ``engine.stats.split``; see
             docs/design/planner.md, 'Balanced split'.
         stage_memory_gib: with ``partition="balanced"``, a cap on every stage's predicted peak memory (GiB).
+        last_stage_run_ahead: 2bw's last stage runs the next batch's first microbatch before its update (a second
+            gradient there); None: on unless ``stage_memory_gib`` leaves room for one gradient only; True; False
+            (docs/design/planner.md, "Run-ahead").
         delay: research variants (one device): an integer ``d >= 0`` takes every gradient at ``W_{k-d}``; a list
             gives each stage its own delay. Default: 1 for ``2bw``, 0 for the synchronous schedules.
         sync_steps: run the first ``sync_steps`` updates synchronously, then the configured schedule.
@@ -133,6 +136,7 @@ class AsyncPipelineStrategy(PipelineStateHooks, TrainingBatches, FailureReportin
         async_checkpoint: bool = False,
         compile: CompileSpec = False,
         stage_memory_gib: Optional[float] = None,
+        last_stage_run_ahead: Optional[bool] = None,
         *,
         accelerator: Any = None,
         parallel_devices: Any = None,
@@ -153,6 +157,7 @@ class AsyncPipelineStrategy(PipelineStateHooks, TrainingBatches, FailureReportin
             activation_checkpointing=activation_checkpointing, shard_optimizer=shard_optimizer,
             save_distributed_checkpoint=save_distributed_checkpoint, async_checkpoint=async_checkpoint,
             compile=compile, stage_memory_gib=stage_memory_gib,
+            last_stage_run_ahead=last_stage_run_ahead,
         )
         super().__init__(
             accelerator=accelerator, parallel_devices=parallel_devices, cluster_environment=cluster_environment,

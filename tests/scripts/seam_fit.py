@@ -403,6 +403,7 @@ def run(cfg: dict, devices: int, strategy: bool = True) -> tuple[dict, PipelineM
         result["dtypes"] = held_dtypes(engine, trainer.optimizers)
         times = engine.stats.last_times  # the last step's
         result["last_times"] = {**dataclasses.asdict(times), "idle": times.idle}
+        result["run_ahead"] = engine.stats.split.run_ahead  # 2bw's last stage: None where no stage could
     if trainer.is_global_zero:
         result["state_dict"] = _cpu(model.state_dict())
         result["summary"] = next((c.recorded for c in trainer.callbacks if isinstance(c, RecordedSummary)), None)
