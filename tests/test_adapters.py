@@ -334,14 +334,34 @@ def run_two_processes(cfg: dict, tmp_path: Path) -> list[dict]:
     return script_ranks(SCRIPT, cfg, tmp_path)
 
 
+def upstream_document_loss(upstream, batch: dict, microbatches: int) -> torch.Tensor:
+    """The loss of a packed batch as the pipeline logs it with ``skip_document_ends``, from the upstream model run
+    on each document alone: per microbatch, the mean over its documents' own targets; then the mean of those."""
+    means = []
+    for ids, pos in zip(batch["input_ids"].chunk(microbatches), batch["position_ids"].chunk(microbatches)):
+        total, count = torch.zeros(()), 0
+        for row, row_pos in zip(ids, pos):
+            starts = [*torch.nonzero(row_pos == 0).flatten().tolist(), len(row)]
+            for a, b in zip(starts, starts[1:]):
+                if b - a > 1:
+                    document = row[a:b].unsqueeze(0)
+                    total = total + upstream(document, labels=document).loss * (b - a - 1)
+                    count += b - a - 1
+        means.append(total / max(count, 1))
+    return torch.stack(means).mean()
+
+
 @pytest.mark.multiprocess
-def test_hf_two_processes_from_pretrained_equal_one_device_and_consolidate_hf_loads_in_transformers(tmp_path):
+def test_hf_two_processes_from_pretrained_on_packed_rows_equal_one_device_and_consolidate_hf_loads_in_transformers(tmp_path):
     # Tied embedding and head on different processes (embedding + block 0 | block 1 + norm + head), starting from a
-    # sharded save_pretrained folder; the first update has lr 0, the next three train.
+    # sharded save_pretrained folder; the first update has lr 0, the next three train. The rows are packed (issue
+    # 43): documents of 1..7 tokens, positions restarting at each and crossing the stage boundary with the hidden
+    # state, each document's end skipped in the loss.
     from test_pretrained import HF_TIED, equals_file, hf_file_tensors, hf_folder
 
     folder = hf_folder(tmp_path / "pretrained")
-    cfg = {"adapter": "hf", "steps": 4, "partition": [2, 3], "pretrained": str(folder), "zero_lr_first": True}
+    cfg = {"adapter": "hf", "steps": 4, "partition": [2, 3], "pretrained": str(folder), "zero_lr_first": True,
+           "packed": True}
     ranks = run_two_processes({**cfg, "checkpoint_dir": str(tmp_path / "ckpt")}, tmp_path)
     assert [r["global_step"] for r in ranks] == [4, 4]
     # Each process read only its own stage's tensors (the head's stage, the tied matrix under the file's name) ...
@@ -350,17 +370,26 @@ def test_hf_two_processes_from_pretrained_equal_one_device_and_consolidate_hf_lo
     assert ranks[0]["keys_read"] == sorted(["model.embed_tokens.weight", *layer0])
     assert ranks[1]["keys_read"] == sorted(["model.embed_tokens.weight", "model.norm.weight",
                                             *(k for k in file if k.startswith("model.layers.1."))])
-    # ... and after the lr-0 update holds exactly the file's values; the first loss is upstream from_pretrained's.
+    # ... and after the lr-0 update holds exactly the file's values. The first loss is upstream from_pretrained's on
+    # each document alone; on the same tokens as one sequence upstream's differs.
     for rank in ranks:
         assert rank["first_step"] and not equals_file(rank["first_step"], file, HF_TIED)
     upstream = AutoModelForCausalLM.from_pretrained(folder).eval()
     first = next(iter(adapter_fit.loader(cfg)))
-    torch.testing.assert_close(ranks[1]["first_loss"], upstream(first, labels=first).loss, rtol=0, atol=1e-6)
+    with torch.no_grad():
+        alone = upstream_document_loss(upstream, first, microbatches=4)
+        unpacked = upstream(first["input_ids"], labels=first["input_ids"]).loss
+    torch.testing.assert_close(ranks[1]["first_loss"], alone, rtol=0, atol=1e-6)
+    assert abs(unpacked - alone) > 1e-3
     # The trained weights equal the one-device run's; the tied copies stayed identical.
     weights = ranks[0]["state_dict"]
     reference = one_device(cfg)
     assert max_difference(weights, reference["state_dict"]) < TOL
+    losses = [r["metrics"]["train_loss"] for r in ranks if "train_loss" in r["metrics"]]
+    assert losses and all(abs(loss - reference["metrics"]["train_loss"]) < TOL for loss in losses)
     assert max_difference(weights, upstream.state_dict()) > 1e-3  # the three updates did move the weights
+    # The packed rows changed the training: the same tokens without positions end elsewhere.
+    assert max_difference(one_device({**cfg, "packed": False})["state_dict"], weights) > 1e-3
     assert torch.equal(weights["model.embed_tokens.weight"], weights["lm_head.weight"])
     # The sharded checkpoint -> consolidate --hf -> transformers' from_pretrained: the trained weights exactly.
     from lightning_async_pp.consolidate import main as consolidate_main

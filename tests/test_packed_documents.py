@@ -262,6 +262,8 @@ def test_an_attention_implementation_not_verified_with_packed_rows_is_refused_by
 
 
 # ---- two processes ---------------------------------------------------------------------------------------------
+# (HuggingFaceCausalLM on packed rows on 2 processes: tests/test_adapters.py, the from_pretrained run, which also
+# checks its first loss against upstream on each document alone.)
 @pytest.mark.multiprocess
 @pytest.mark.slow
 def test_two_processes_train_validate_predict_and_test_packed_rows_exactly_as_one_device(tmp_path):

@@ -11,7 +11,9 @@ pretrained (a save_pretrained folder / litgpt checkpoint folder to start from), 
 has learning rate 0; each rank then records its parameters after it as ``first_step`` and the first batch's loss as
 ``first_loss``), finetune (Lightning's BaseFinetuning freezes the embedding in setup and unfreezes it into a new
 parameter group at epoch 1; each rank holding it records it then as ``frozen_embedding``), sgd (SGD over the
-trainable parameters instead of the adapter's AdamW), strategy (False: plain Lightning, no strategy).
+trainable parameters instead of the adapter's AdamW), strategy (False: plain Lightning, no strategy), packed (hf:
+the same rows as packed batches {"input_ids", "position_ids"} of documents 1..7 tokens long, as llama_fit's, and
+``skip_document_ends``).
 """
 from __future__ import annotations
 
@@ -26,7 +28,7 @@ from torch.utils.data import DataLoader
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from helpers import script_main  # noqa: E402
-from llama_fit import token_rows  # noqa: E402  (the same counting rows)
+from llama_fit import packed_rows, token_rows  # noqa: E402  (the same counting rows, packed alike)
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing is downloaded: configs are built here
 
@@ -49,17 +51,23 @@ def build_model(cfg: dict) -> L.LightningModule:
 
 def _build_model(cfg: dict) -> L.LightningModule:
     lr = cfg.get("lr", 3e-3)  # as llama_fit; litgpt's key biases get only rounding noise as gradient, which Adam scales to ~lr
+    hf = cfg.get("adapter", "hf") == "hf"
+    if cfg.get("packed") and not hf:
+        raise ValueError("packed: models.LitGPT takes token rows only")
+    packed = {"skip_document_ends": True} if cfg.get("packed") else {}
     if cfg.get("pretrained"):
-        if cfg.get("adapter", "hf") == "hf":
-            return HuggingFaceCausalLM.from_pretrained(cfg["pretrained"], lr=lr, init_seed=cfg.get("seed", 0))
+        if hf:
+            return HuggingFaceCausalLM.from_pretrained(cfg["pretrained"], lr=lr, init_seed=cfg.get("seed", 0), **packed)
         return LitGPT.from_checkpoint(cfg["pretrained"], lr=lr, init_seed=cfg.get("seed", 0))
-    if cfg.get("adapter", "hf") == "hf":
-        return HuggingFaceCausalLM({**HF_LLAMA, **cfg.get("model", {})}, lr=lr, init_seed=cfg.get("seed", 0))
+    if hf:
+        return HuggingFaceCausalLM({**HF_LLAMA, **cfg.get("model", {})}, lr=lr, init_seed=cfg.get("seed", 0), **packed)
     return LitGPT({**LITGPT_PYTHIA, **cfg.get("model", {})}, lr=lr, init_seed=cfg.get("seed", 0))
 
 
 def loader(cfg: dict) -> DataLoader:
-    rows = token_rows(cfg.get("samples", 32), cfg.get("seq", 16))
+    rows: Any = token_rows(cfg.get("samples", 32), cfg.get("seq", 16))
+    if cfg.get("packed"):
+        rows = packed_rows(rows)
     return DataLoader(rows, batch_size=cfg.get("batch", 8), shuffle=False, drop_last=True)
 
 
@@ -108,7 +116,7 @@ def make_trainer(cfg: dict, devices: int) -> L.Trainer:
         from lightning.pytorch.callbacks import ModelCheckpoint
 
         callbacks.append(ModelCheckpoint(dirpath=cfg["checkpoint_dir"], every_n_train_steps=cfg.get("steps", 4)))
-    checkpointing = bool(callbacks)
+    checkpointing = bool(cfg.get("checkpoint_dir"))  # else Lightning's default one would write ./checkpoints
     if cfg.get("finetune"):
         callbacks.append(FreezeEmbeddingUntilEpoch1())
     trainer = L.Trainer(
