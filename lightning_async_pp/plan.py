@@ -37,10 +37,11 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Optional, Sequence
 
-from lightning_async_pp.pipeline.cost import LayerCost, MemoryModel, split_and_run_ahead, stage_memory_bytes
-from lightning_async_pp.pipeline.memory import StageMemory, stage_memory
+from lightning_async_pp.pipeline.cost import (OPTIMIZER_STATE_RULES, LayerCost, MemoryModel, optimizer_state,
+                                              split_and_run_ahead, stage_memory_bytes, stage_peak)
+from lightning_async_pp.pipeline.memory import StageMemory
 from lightning_async_pp.pipeline.partition import _balanced_counts
-from lightning_async_pp.pipeline.schedule import PLANNER_SCHEDULES, chunks_per_device, device_of
+from lightning_async_pp.pipeline.schedule import PLANNER_SCHEDULES, check_schedule, chunks_per_device, device_of
 from lightning_async_pp.pipeline.simulate import SimulationResult, simulate
 
 
@@ -142,12 +143,20 @@ class Shape:
 
     def layer_costs(self, split_blocks: bool, tokens: int, value_bytes: int, param_bytes: int,
                     backward_ratio: float) -> list[LayerCost]:
-        """Each pipeline layer as ``pipeline.cost`` weighs it for the balanced split (what the engine counts with
-        ``FlopCounterMode`` on the built-in Llama; a test compares the two): FLOPs over ``tokens``, parameter
-        bytes, and the bytes its forward keeps (:meth:`layer_saved_bytes`)."""
-        return [LayerCost(round(f * tokens), round(f * tokens * backward_ratio), n * param_bytes, saved)
-                for f, n, saved in zip(self.pipeline_layers(split_blocks), self.layer_parameters(split_blocks),
-                                       self.layer_saved_bytes(split_blocks, tokens, value_bytes))]
+        """Each pipeline layer as ``pipeline.cost`` weighs it, for the balanced split and the memory table alike
+        (what the engine counts with ``FlopCounterMode`` on the built-in Llama; a test compares the FLOPs): FLOPs
+        over ``tokens``, parameter bytes (and those in hidden matrices), the bytes its forward keeps
+        (:meth:`layer_saved_bytes`), its input and output (one activation, ``tokens x hidden`` values, each: held
+        by a stage that starts or ends at it) and its backward's transient (:meth:`layer_transient_bytes`)."""
+        boundary = tokens * self.hidden * value_bytes
+        return [LayerCost(round(f * tokens), round(f * tokens * backward_ratio), n * param_bytes, saved,
+                          input_bytes=boundary, output_bytes=boundary, transient_bytes=transient,
+                          matrix_param_bytes=matrices * param_bytes)
+                for f, n, saved, transient, matrices in zip(
+                    self.pipeline_layers(split_blocks), self.layer_parameters(split_blocks),
+                    self.layer_saved_bytes(split_blocks, tokens, value_bytes),
+                    self.layer_transient_bytes(split_blocks, tokens, value_bytes),
+                    self.layer_matrix_parameters(split_blocks))]
 
 
 #: ``smollm-360m``: the paper's 360M model (SmolLM-360M). ``llama-10b``: a Llama-style 10B shape (Llama-2-13B's
@@ -246,10 +255,19 @@ class CostModel:
         return [ring(b) for b in nbytes], nbytes
 
     def memory_model(self, p: int, m: int) -> MemoryModel:
-        """What the balanced split's memory cap is checked against: 2bw's memory if it is planned, else 1f1b's."""
+        """What the balanced split's memory cap is checked against: the memory table's account
+        (``pipeline.cost.stage_peak``) under 2bw if it is planned and runs at this ``(p, m)``, else under 1f1b (or
+        gpipe, if it alone is planned)."""
         args = self.args
-        schedule = "2bw" if "2bw" in args.schedules else "gpipe" if args.schedules == ["gpipe"] else "1f1b"
-        return MemoryModel(schedule, p, m, args.data_parallel, args.shard_optimizer)
+        schedule = "gpipe" if args.schedules == ["gpipe"] else "1f1b"
+        if "2bw" in args.schedules:
+            try:
+                check_schedule("2bw", p, m)
+                schedule = "2bw"
+            except ValueError:  # m < p: 2bw is refused here, its table row too
+                pass
+        return MemoryModel(schedule, p, m, args.data_parallel, args.shard_optimizer, optimizer=args.optimizer,
+                           correction_buffers=args.correction_buffers, virtual_stages=args.virtual_stages)
 
     def run_ahead(self, p: int, m: int) -> bool:
         """Whether 2bw's last stage runs the next batch's first microbatch before its update (a second gradient):
@@ -434,7 +452,9 @@ def plan(args: argparse.Namespace) -> tuple[list[str], list[dict]]:
             refused: dict[str, str] = {}
             for s in dict.fromkeys([*schedules, "1f1b"]):
                 try:
-                    ahead = {} if s != "2bw" or model.run_ahead(p, m) else {"last_ahead": False}
+                    # as the engine runs it: 2bw's last stage runs ahead with one pipeline only
+                    ahead = ({} if s != "2bw" or (model.run_ahead(p, m) and args.data_parallel == 1)
+                             else {"last_ahead": False})
                     results[s] = simulate(s, p, m, costs.forward_s, costs.backward_s, comm_s=costs.comm_s,
                                           optimizer_s=args.optimizer_s, steps=args.steps, **ahead,
                                           virtual_stages=args.virtual_stages,
@@ -553,48 +573,23 @@ def device_memory(shape: Shape, counts: list[int], result: SimulationResult, *, 
     With ``data_parallel > 1`` the engine does not run 2BW's next batch ahead of the update (one gradient, not
     two; docs/design/data-parallel.md, "Data parallelism"), and ``shard_optimizer`` (ZeRO-1) splits the optimizer state and the
     correction's buffer over the replicas. ``run_ahead`` False: 2BW's last stage does not run ahead either way."""
-    shards = data_parallel if shard_optimizer and data_parallel > 1 else 1
-    params, matrices = shape.layer_parameters(split_blocks), shape.layer_matrix_parameters(split_blocks)
-    saved = shape.layer_saved_bytes(split_blocks, tokens, value_bytes)
-    transient = shape.layer_transient_bytes(split_blocks, tokens, value_bytes)
-    if sum(counts) != len(params):
-        raise ValueError(f"counts {counts} split {sum(counts)} layers; the shape has {len(params)}")
-    boundary = tokens * shape.hidden * value_bytes  # the activation received or sent, kept until the backward
+    layers = shape.layer_costs(split_blocks, tokens, value_bytes, param_bytes, 1.0)
+    if sum(counts) != len(layers):
+        raise ValueError(f"counts {counts} split {sum(counts)} layers; the shape has {len(layers)}")
+    model = MemoryModel(result.schedule, len(counts), result.num_microbatches, data_parallel, shard_optimizer,
+                        run_ahead=run_ahead, optimizer=optimizer, correction_buffers=correction_buffers)
     out, start = [], 0
     for device, count in enumerate(counts):
-        end = start + count
-        weights = sum(params[start:end]) * param_bytes
-        kept = sum(saved[start:end]) + boundary * ((device > 0) + (device < len(counts) - 1))
-        working = kept + max(transient[start:end])
-        correction = round(correction_buffers * weights / shards)
-        # A batch's first backward allocates the gradients as it frees the activations: its peak is taken as the
-        # larger of the two (the allocator measured it within 1% of a later backward's at SmolLM's width).
-        out.append(stage_memory(result, device, weight_bytes=weights, saved_bytes=kept, working_bytes=working,
-                                first_working_bytes=max(working, weights),
-                                run_ahead=data_parallel == 1 and run_ahead,
-                                optimizer_state_bytes=optimizer_state_bytes(optimizer, params[start:end],
-                                                                            matrices[start:end], param_bytes) // shards,
-                                # ErrorFeedback keeps one buffer per parameter and its update one more copy
-                                correction_bytes=correction, update_bytes=correction))
-        start = end
+        # the account the balanced split checks its cap against (pipeline.cost.stage_peak), on this timeline
+        out.append(stage_peak(layers, start, start + count, device, model, result=result))
+        start += count
     return out
 
 
-#: What each ``--optimizer`` keeps per parameter (``optim.Muon`` hands embeddings, the head and norms to AdamW).
-OPTIMIZER_STATE_RULES = {"adamw": "two moments per parameter",
-                         "muon": "a momentum per hidden matrix, AdamW's two moments for the rest",
-                         "sgd": "a momentum per parameter"}
-
-
 def optimizer_state_bytes(optimizer: str, params: Sequence[int], matrices: Sequence[int], param_bytes: int) -> int:
-    """Bytes of ``optimizer``'s state over layers of ``params`` parameters, ``matrices`` of them in hidden matrices."""
-    if optimizer == "adamw":
-        return 2 * sum(params) * param_bytes
-    if optimizer == "muon":
-        return (sum(matrices) + 2 * (sum(params) - sum(matrices))) * param_bytes
-    if optimizer == "sgd":
-        return sum(params) * param_bytes
-    raise ValueError(f"optimizer {optimizer!r} is not one of {sorted(OPTIMIZER_STATE_RULES)}")
+    """Bytes of ``optimizer``'s state over layers of ``params`` parameters, ``matrices`` of them in hidden matrices
+    (``pipeline.cost.optimizer_state``, :data:`OPTIMIZER_STATE_RULES`)."""
+    return optimizer_state(optimizer, sum(params) * param_bytes, sum(matrices) * param_bytes)
 
 
 def split_rows(args: argparse.Namespace, model: CostModel, p: int, m: int,

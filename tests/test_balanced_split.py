@@ -14,7 +14,7 @@ from helpers import one_device_trainer
 from lightning_async_pp import AsyncPipelineStrategy, PipelineModule
 from lightning_async_pp.models import Llama
 from lightning_async_pp.pipeline.config import PipelineConfig
-from lightning_async_pp.pipeline.cost import (MemoryModel, balanced_split, layer_costs, split_and_run_ahead,
+from lightning_async_pp.pipeline.cost import (LayerCost, MemoryModel, balanced_split, layer_costs, split_and_run_ahead,
                                               stage_memory_bytes)
 
 
@@ -162,14 +162,14 @@ def test_where_memory_is_short_the_last_stage_stops_running_ahead_before_the_spl
     # Issue 41, item 5: 2bw's last stage holds a second gradient while it runs the next batch ahead; under a cap that
     # no split meets with it, the split is chosen with one gradient there (and the engine runs without the run-ahead).
     times = [1.0] * 8
-    layers = [type("C", (), {"param_bytes": 10, "activation_bytes": 1})() for _ in times]
+    layers = [LayerCost(0, 0, param_bytes=10, activation_bytes=1) for _ in times]
     model = MemoryModel("2bw", 2, 2)
 
     def memory(i, j, s, mm):
         return stage_memory_bytes(layers, i, j, s, mm)
 
-    # 4 layers each: stage 0 holds 5 parameter-sized copies and 2 microbatches (208); stage 1 6 copies with the
-    # run-ahead (244), 5 without (204)
+    # 4 layers each: stage 0 holds 5 parameter-sized copies and, under 2bw's lookahead, 3 microbatches (212);
+    # stage 1 6 copies with the run-ahead (240, its second gradient freeing the microbatch), 5 without (204)
     counts, used = split_and_run_ahead(times, 2, model, memory=memory, memory_cap=None)
     assert (counts, used.run_ahead) == ([4, 4], True)
     fits_ahead = max(memory(0, 4, 0, model), memory(4, 8, 1, model))

@@ -86,3 +86,25 @@ def test_where_no_split_fits_with_the_second_gradient_the_plan_drops_the_run_ahe
     assert forced.gradients == forced.weights
     with pytest.raises(ValueError, match="no split"):
         run_plan(argv + "110 --last-stage-run-ahead on")
+
+
+@pytest.mark.parametrize("model, layers, p, m, schedule", [
+    ("smollm-135m", 12, 2, 2, "2bw"), ("smollm-135m", 12, 2, 4, "1f1b"), ("smollm-135m", 30, 4, 4, "2bw"),
+    ("llama-3-8b", 32, 2, 8, "2bw"), ("llama-3-8b", 32, 4, 4, "1f1b"), ("llama-10b", 32, 2, 8, "gpipe"),
+])
+def test_a_split_accepted_under_a_cap_has_every_devices_table_peak_under_that_cap(model, layers, p, m, schedule):
+    """The split's memory check and the memory table are one account: for caps from the uncapped peak down, an
+    accepted split's table shows every device at or under the cap, and a refused cap names a peak above it."""
+    base = f"--model {model} --layers {layers} --seq-len 512 --stages {p} --microbatches {m} --schedules {schedule}"
+    free = run_plan(base)[1][0]["memory"][schedule]
+    top = max(d.total for d in free) / 2**30
+    for fraction in (1.0, 0.95, 0.9, 0.8, 0.7):
+        cap = top * fraction
+        case = f"{base} --stage-memory-gib {cap:.3f}"
+        try:
+            record = run_plan(f"{base} --stage-memory-gib {cap:.3f}")[1][0]
+        except ValueError as refusal:
+            assert "smallest" in str(refusal), (case, str(refusal))
+            continue
+        peaks = [d.total / 2**30 for d in record["memory"][schedule]]
+        assert max(peaks) <= cap + 1e-3, (case, peaks)

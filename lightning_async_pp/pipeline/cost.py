@@ -2,11 +2,12 @@
 
 Per layer: forward and backward FLOPs counted by ``torch.utils.flop_counter.FlopCounterMode`` while the layer runs
 on fake tensors (``FakeTensorMode``: shapes only, no memory, nothing computed) for a sample microbatch, the loss counted with the last
-layer; the bytes of its parameters and of what its forward keeps for backward (the tensors autograd saves). Per
-stage: its time is its layers' FLOPs; its memory is its parameters times (the weight versions the schedule keeps +
-gradients + optimizer state) plus the activations of the microbatches it holds in flight under the schedule. The
-split (:func:`balanced_split`) is the contiguous one minimising the slowest stage's time with every stage's memory
-under a cap: an exact dynamic program over prefix sums. See docs/design/planner.md, "Balanced split".
+layer; the bytes of its parameters, of what its forward keeps for backward (the tensors autograd saves) and of its
+input and output. Per stage: its time is its layers' FLOPs; its memory is the peak the planner's memory model
+(:func:`lightning_async_pp.pipeline.memory.stage_memory`) walks on the schedule's action order, fed the stage's
+bytes (:func:`stage_peak`), the account the planner's memory table prints. The split (:func:`balanced_split`) is
+the contiguous one minimising the slowest stage's time with every stage's memory under a cap: an exact dynamic
+program over prefix sums. See docs/design/planner.md, "Balanced split".
 """
 from __future__ import annotations
 
@@ -21,6 +22,8 @@ from torch.utils._pytree import tree_flatten, tree_map
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils.flop_counter import FlopCounterMode
 
+from lightning_async_pp.pipeline.memory import StageMemory, action_order, stage_memory
+
 #: Optimizer state per parameter assumed by the memory model (AdamW's two moments; the optimizer is built after the
 #: split, so the split cannot know it).
 OPTIMIZER_STATE_PER_PARAMETER = 2
@@ -34,6 +37,10 @@ class LayerCost:
     backward_flops: int
     param_bytes: int
     activation_bytes: int  # what its forward keeps for its backward
+    input_bytes: int = 0  # its floating input not among what it keeps: a stage starting here holds it besides
+    output_bytes: int = 0  # its floating output not among what it keeps: a stage ending here holds it (sent on)
+    transient_bytes: int = 0  # what its backward allocates beyond what it keeps, at its peak (0: not measured)
+    matrix_param_bytes: int = 0  # of ``param_bytes``, the hidden matrices' (Muon keeps one momentum for them)
 
     @property
     def flops(self) -> int:
@@ -119,23 +126,42 @@ def layer_costs(layers: Sequence[nn.Module], sample_batch: Any, input_fn: Callab
                 if id(p) not in seen:
                     seen.add(id(p))
                     param_bytes += p.numel() * p.element_size()
+            held = lambda ts: sum(t.numel() * t.element_size() for t in ts if id(t) not in saved)  # noqa: E731
             costs.append(LayerCost(forward.get_total_flops(), backward.get_total_flops(), param_bytes,
-                                   sum(saved.values())))
+                                   sum(saved.values()), input_bytes=held(_float_leaves(x)),
+                                   output_bytes=held(_float_leaves(out))))
             x = tree_map(lambda t: t.detach() if isinstance(t, Tensor) else t, out)
     return costs
 
 
 def microbatches_in_flight(schedule: str, num_stages: int, num_microbatches: int, stage: int) -> int:
-    """Microbatches whose activations ``stage`` holds at its peak: 1F1B, 2BW and ZB-H1 stage ``i`` of ``p`` keeps
-    ``p - i`` (at most ``m``); GPipe keeps all ``m``."""
-    if schedule == "gpipe":
-        return num_microbatches
-    return min(num_stages - stage, num_microbatches)
+    """The most microbatches whose activations ``stage`` holds, as the schedule's simulated action order has it
+    (:func:`lightning_async_pp.pipeline.memory.action_order`): under 1F1B and ZB-H1 stage ``i`` of ``p`` keeps
+    ``p - i`` (at most ``m``), under 2BW its lookahead forwards one more on all but the last stage, GPipe all ``m``."""
+    return action_order(schedule, num_stages, num_microbatches).peak_activations[stage]
+
+
+#: What each optimizer keeps per parameter (``optim.Muon`` hands embeddings, the head and norms to AdamW).
+OPTIMIZER_STATE_RULES = {"adamw": "two moments per parameter",
+                         "muon": "a momentum per hidden matrix, AdamW's two moments for the rest",
+                         "sgd": "a momentum per parameter"}
+
+
+def optimizer_state(optimizer: str, param_bytes: int, matrix_param_bytes: int = 0) -> int:
+    """Bytes of ``optimizer``'s state over parameters of ``param_bytes``, ``matrix_param_bytes`` of them in hidden
+    matrices (state kept at the parameters' precision)."""
+    if optimizer == "adamw":
+        return 2 * param_bytes
+    if optimizer == "muon":
+        return matrix_param_bytes + 2 * (param_bytes - matrix_param_bytes)
+    if optimizer == "sgd":
+        return param_bytes
+    raise ValueError(f"optimizer {optimizer!r} is not one of {sorted(OPTIMIZER_STATE_RULES)}")
 
 
 @dataclass(frozen=True)
 class MemoryModel:
-    """How a stage's bytes follow from its layers' under the schedule (see :func:`stage_memory_bytes`)."""
+    """How a stage's bytes follow from its layers' under the schedule (see :func:`stage_peak`)."""
 
     schedule: str = "2bw"
     num_stages: int = 1
@@ -143,6 +169,11 @@ class MemoryModel:
     data_parallel_size: int = 1
     shard_optimizer: bool = False
     run_ahead: bool = True  # 2bw's last stage may run ahead (PipelineConfig.last_stage_run_ahead)
+    # The optimizer whose state is counted (the engine builds it after the split, so assumes AdamW) and a delay
+    # correction's buffers per parameter (ErrorFeedback: 1, and as many transient copies in its update).
+    optimizer: str = "adamw"
+    correction_buffers: float = 0.0
+    virtual_stages: int = 2  # chunks per device under interleaved_1f1b (the planner's)
 
     def runs_ahead(self, stage: int) -> bool:
         """Whether ``stage`` runs the next batch's first backward before this batch's update (two gradients):
@@ -152,7 +183,8 @@ class MemoryModel:
                 and self.data_parallel_size == 1)
 
     def weight_copies(self, stage: int) -> float:
-        """Parameter-sized buffers per parameter on ``stage``: its versions, gradients and optimizer state."""
+        """Parameter-sized buffers per parameter ``stage`` holds at most under AdamW: its versions, gradients and
+        optimizer state (whether all its gradients exist at its peak, :func:`stage_peak` says)."""
         versions = 2 if self.schedule == "2bw" else 1
         gradients = 2 if self.runs_ahead(stage) else 1
         optimizer = OPTIMIZER_STATE_PER_PARAMETER
@@ -163,12 +195,48 @@ class MemoryModel:
     def in_flight(self, stage: int) -> int:
         return microbatches_in_flight(self.schedule, self.num_stages, self.num_microbatches, stage)
 
+    def action_order(self):  # -> SimulationResult
+        """The schedule's simulated action order, the walk :func:`stage_peak` prices (as the engine runs it: 2BW's
+        last stage runs ahead only where :meth:`runs_ahead` says)."""
+        ahead = self.runs_ahead(self.num_stages - 1) if self.schedule == "2bw" else None
+        return action_order(self.schedule, self.num_stages, self.num_microbatches, ahead, self.virtual_stages)
+
+
+def stage_peak(costs: Sequence[LayerCost], start: int, stop: int, stage: int, model: MemoryModel,
+               result: Any = None) -> StageMemory:
+    """What ``stage`` holds at its peak, by what holds it, when it runs layers ``start:stop``: the planner's
+    memory model (:func:`~lightning_async_pp.pipeline.memory.stage_memory`) walked over ``result`` (a
+    ``simulate`` result; default the schedule's action order, :meth:`MemoryModel.action_order`), fed
+
+    - weights: the layers' parameters (and as many bytes of gradient per batch whose gradients exist);
+    - kept per microbatch: what the layers' forwards keep, plus the stage's input (received from the stage before)
+      and its output (sent to the stage after), which the runtime holds until the backward;
+    - working set of a backward: the kept bytes plus the largest layer's transient; a batch's first backward
+      allocates the gradients as it frees activations, so it peaks at the larger of the two;
+    - the optimizer's state (``model.optimizer``) and a correction's buffers, split over the replicas under
+      ``shard_optimizer``, and the correction's transient copy in the update.
+
+    The balanced split's memory check and the planner's memory table are both this function."""
+    layers = costs[start:stop]
+    if not layers:
+        raise ValueError(f"stage {stage} holds no layers ({start}:{stop})")
+    p = model.num_stages
+    shards = model.data_parallel_size if model.shard_optimizer and model.data_parallel_size > 1 else 1
+    weights = sum(c.param_bytes for c in layers)
+    kept = (sum(c.activation_bytes for c in layers) + (layers[0].input_bytes if stage > 0 else 0)
+            + (layers[-1].output_bytes if stage < p - 1 else 0))
+    working = kept + max(c.transient_bytes for c in layers)
+    correction = round(model.correction_buffers * weights / shards)
+    state = optimizer_state(model.optimizer, weights, sum(c.matrix_param_bytes for c in layers)) // shards
+    return stage_memory(model.action_order() if result is None else result, stage, weight_bytes=weights,
+                        saved_bytes=kept, working_bytes=working, first_working_bytes=max(working, weights),
+                        optimizer_state_bytes=state, correction_bytes=correction, update_bytes=correction,
+                        run_ahead=model.run_ahead and model.data_parallel_size == 1)
+
 
 def stage_memory_bytes(costs: Sequence[LayerCost], start: int, stop: int, stage: int, model: MemoryModel) -> float:
-    """Bytes ``stage`` holds at its peak when it runs layers ``start:stop``."""
-    params = sum(c.param_bytes for c in costs[start:stop])
-    acts = sum(c.activation_bytes for c in costs[start:stop])
-    return params * model.weight_copies(stage) + acts * model.in_flight(stage)
+    """Bytes ``stage`` holds at its peak when it runs layers ``start:stop`` (:func:`stage_peak`'s total)."""
+    return stage_peak(costs, start, stop, stage, model).total
 
 
 def balanced_split(times: Sequence[float], num_stages: int, *,
@@ -214,10 +282,13 @@ def balanced_split(times: Sequence[float], num_stages: int, *,
                 if cand < best[s][j]:
                     best[s][j], choice[s][j] = cand, i
     if best[num_stages - 1][n] == inf:
+        if memory is None or memory_cap is None:
+            raise ValueError(f"cannot split {n} layers into {num_stages} stages")
         raise ValueError(
             f"no split of the {n} layers into {num_stages} stages keeps every stage's memory under the cap of "
-            f"{memory_cap / 2**30:.3f} GiB; raise stage_memory_gib, use more stages or activation checkpointing"
-            if memory_cap is not None else f"cannot split {n} layers into {num_stages} stages")
+            f"{memory_cap / 2**30:.3f} GiB: the smallest largest stage peak any split reaches is "
+            f"{smallest_peak(n, num_stages, memory) / 2**30:.3f} GiB; raise stage_memory_gib, use more stages or "
+            f"activation checkpointing")
     counts, j = [], n
     for s in range(num_stages - 1, 0, -1):
         i = choice[s][j]
@@ -225,6 +296,20 @@ def balanced_split(times: Sequence[float], num_stages: int, *,
         j = i
     counts.append(j)
     return counts[::-1]
+
+
+def smallest_peak(num_layers: int, num_stages: int, memory: Callable[[int, int, int], float]) -> float:
+    """The least, over the contiguous splits of ``num_layers`` layers into ``num_stages`` non-empty stages, of
+    their largest stage ``memory(start, stop, stage)``: the smallest cap some split fits (exact, O(p n^2))."""
+    n, inf = num_layers, float("inf")
+    low = [[inf] * (n + 1) for _ in range(num_stages)]
+    for j in range(1, n - num_stages + 2):
+        low[0][j] = memory(0, j, 0)
+    for s in range(1, num_stages):
+        for j in range(s + 1, n - (num_stages - 1 - s) + 1):
+            low[s][j] = min((max(low[s - 1][i], memory(i, j, s)) for i in range(s, j) if low[s - 1][i] < inf),
+                            default=inf)
+    return low[num_stages - 1][n]
 
 
 def split_and_run_ahead(times: Sequence[float], num_stages: int, model: MemoryModel,

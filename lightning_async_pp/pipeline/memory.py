@@ -11,9 +11,10 @@ measured peak (BENCHMARKS.md). See docs/design/planner.md, "Memory".
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from functools import lru_cache
 from typing import Optional
 
-from lightning_async_pp.pipeline.simulate import OPTIMIZER, SimulationResult
+from lightning_async_pp.pipeline.simulate import OPTIMIZER, SimulationResult, simulate
 
 
 @dataclass(frozen=True)
@@ -36,6 +37,51 @@ class StageMemory:
         return {**asdict(self), "total": self.total}
 
 
+@dataclass(frozen=True)
+class PeakPoint:
+    """One point of a device's walk at which its total may peak: what it holds there, in counts, not bytes."""
+
+    gradients: int  # batches whose gradients exist
+    saved: int  # (chunk) forwards whose kept bytes are held beside it
+    extra: str = ""  # "update" (the optimizer's transient copies), "working" or "first" (a backward's working set)
+
+
+def peak_points(result: SimulationResult, device: int, run_ahead: bool = True) -> tuple[PeakPoint, ...]:
+    """The points of ``device``'s simulated timeline at which :func:`stage_memory` weighs what it holds, in the
+    order first met, each once. They depend on the order of its actions only, not on their times, so a simulation
+    with any costs gives them (the balanced split takes them from unit costs before the split's costs exist)."""
+    if not 0 <= device < len(result.timelines):
+        raise ValueError(f"device {device} is not one of the {len(result.timelines)} simulated")
+    in_flight, graded = 0, set()  # microbatches whose backward has not run; batches whose gradients exist
+    points: dict[PeakPoint, None] = {}
+    for span in result.timelines[device]:
+        if span.op == OPTIMIZER:
+            points.setdefault(PeakPoint(len(graded), in_flight, "update"))
+            graded.discard(span.batch)
+        elif span.action == "F":
+            in_flight += 1
+            points.setdefault(PeakPoint(len(graded), in_flight))
+        elif span.action in ("B", "W"):  # a split backward's input pass (I) frees nothing and makes no gradient
+            if span.batch in graded:
+                points.setdefault(PeakPoint(len(graded), in_flight - 1, "working"))
+            else:  # the working set of the batch's first backward includes allocating its gradients
+                if not run_ahead:
+                    graded.clear()  # the earlier batch's update ran before this backward
+                points.setdefault(PeakPoint(len(graded) + 1, in_flight - 1, "first"))
+                graded.add(span.batch)
+            in_flight -= 1
+    return tuple(points)
+
+
+@lru_cache(maxsize=64)
+def action_order(schedule: str, num_stages: int, num_microbatches: int, last_ahead: Optional[bool] = None,
+                 virtual_stages: int = 2) -> SimulationResult:
+    """``schedule`` simulated with unit costs over 4 steps (filling, two steady, draining): the order of each
+    device's actions, all :func:`peak_points` needs, for a split whose costs are not known yet."""
+    return simulate(schedule, num_stages, num_microbatches, 1.0, 2.0, steps=4, last_ahead=last_ahead,
+                    virtual_stages=virtual_stages)
+
+
 def stage_memory(result: SimulationResult, device: int, *, weight_bytes: int, saved_bytes: int, working_bytes: int,
                  first_working_bytes: Optional[int] = None, optimizer_state_bytes: int = 0, correction_bytes: int = 0,
                  update_bytes: int = 0, run_ahead: bool = True) -> StageMemory:
@@ -50,8 +96,6 @@ def stage_memory(result: SimulationResult, device: int, *, weight_bytes: int, sa
     is False (the engine under data parallelism updates before the next batch's backward: one gradient). A chunked schedule's
     chunk holds ``1 / chunks`` of the per-microbatch bytes, which are for all of the device's layers.
     """
-    if not 0 <= device < len(result.timelines):
-        raise ValueError(f"device {device} is not one of the {len(result.timelines)} simulated")
     if first_working_bytes is None:
         first_working_bytes = working_bytes + weight_bytes
     for name, value in (("weight_bytes", weight_bytes), ("saved_bytes", saved_bytes), ("working_bytes", working_bytes),
@@ -60,25 +104,11 @@ def stage_memory(result: SimulationResult, device: int, *, weight_bytes: int, sa
         if value < 0:
             raise ValueError(f"{name} must be >= 0, got {value}")
     saved, chunks = saved_bytes / result.chunks, result.chunks
-    in_flight, graded = 0, set()  # microbatches whose backward has not run; batches whose gradients exist
-    peak = (0.0, 0.0)  # (gradients, activations) at the largest total
-    for span in result.timelines[device]:
-        if span.op == OPTIMIZER:
-            peak = max(peak, (len(graded) * weight_bytes, in_flight * saved + update_bytes), key=sum)
-            graded.discard(span.batch)
-        elif span.action == "F":
-            in_flight += 1
-            peak = max(peak, (len(graded) * weight_bytes, in_flight * saved), key=sum)
-        elif span.action in ("B", "W"):  # a split backward's input pass (I) frees nothing and makes no gradient
-            if span.batch in graded:
-                peak = max(peak, (len(graded) * weight_bytes, (in_flight - 1) * saved + working_bytes / chunks), key=sum)
-            else:  # the working set of the batch's first backward includes allocating its gradients
-                if not run_ahead:
-                    graded.clear()  # the earlier batch's update ran before this backward
-                first = (first_working_bytes - weight_bytes) / chunks
-                peak = max(peak, ((len(graded) + 1) * weight_bytes, (in_flight - 1) * saved + first), key=sum)
-                graded.add(span.batch)
-            in_flight -= 1
+    extra = {"": 0.0, "update": update_bytes, "working": working_bytes / chunks,
+             "first": (first_working_bytes - weight_bytes) / chunks}
+    peak = (0.0, 0.0)  # (gradients, activations) at the largest total, the first met where several tie
+    for point in peak_points(result, device, run_ahead):
+        peak = max(peak, (point.gradients * weight_bytes, point.saved * saved + extra[point.extra]), key=sum)
     return StageMemory(weights=weight_bytes, versions=(result.weight_versions - 1) * weight_bytes,
                        gradients=round(peak[0]), optimizer_state=optimizer_state_bytes, correction=correction_bytes,
                        activations=round(peak[1]))
