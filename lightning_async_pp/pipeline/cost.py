@@ -22,7 +22,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils.flop_counter import FlopCounterMode
 
-from lightning_async_pp.pipeline.memory import StageMemory, action_order, stage_memory
+from lightning_async_pp.pipeline.memory import PeakPoint, StageMemory, action_order, order_peak_points, stage_memory
 
 #: Optimizer state per parameter assumed by the memory model (AdamW's two moments; the optimizer is built after the
 #: split, so the split cannot know it).
@@ -198,8 +198,15 @@ class MemoryModel:
     def action_order(self):  # -> SimulationResult
         """The schedule's simulated action order, the walk :func:`stage_peak` prices (as the engine runs it: 2BW's
         last stage runs ahead only where :meth:`runs_ahead` says)."""
+        return action_order(*self._order())
+
+    def peak_points(self, stage: int) -> tuple[PeakPoint, ...]:
+        """The points of :meth:`action_order` at which ``stage``'s memory is weighed (computed once per model)."""
+        return order_peak_points(*self._order(), stage, self.run_ahead and self.data_parallel_size == 1)
+
+    def _order(self) -> tuple:
         ahead = self.runs_ahead(self.num_stages - 1) if self.schedule == "2bw" else None
-        return action_order(self.schedule, self.num_stages, self.num_microbatches, ahead, self.virtual_stages)
+        return self.schedule, self.num_stages, self.num_microbatches, ahead, self.virtual_stages
 
 
 def stage_peak(costs: Sequence[LayerCost], start: int, stop: int, stage: int, model: MemoryModel,
@@ -231,7 +238,8 @@ def stage_peak(costs: Sequence[LayerCost], start: int, stop: int, stage: int, mo
     return stage_memory(model.action_order() if result is None else result, stage, weight_bytes=weights,
                         saved_bytes=kept, working_bytes=working, first_working_bytes=max(working, weights),
                         optimizer_state_bytes=state, correction_bytes=correction, update_bytes=correction,
-                        run_ahead=model.run_ahead and model.data_parallel_size == 1)
+                        run_ahead=model.run_ahead and model.data_parallel_size == 1,
+                        points=model.peak_points(stage) if result is None else None)
 
 
 def stage_memory_bytes(costs: Sequence[LayerCost], start: int, stop: int, stage: int, model: MemoryModel) -> float:

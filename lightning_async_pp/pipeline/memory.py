@@ -82,9 +82,19 @@ def action_order(schedule: str, num_stages: int, num_microbatches: int, last_ahe
                     virtual_stages=virtual_stages)
 
 
+@lru_cache(maxsize=1024)
+def order_peak_points(schedule: str, num_stages: int, num_microbatches: int, last_ahead: Optional[bool],
+                      virtual_stages: int, device: int, run_ahead: bool) -> tuple[PeakPoint, ...]:
+    """:func:`peak_points` of :func:`action_order`'s simulation, walked once: the balanced split prices every
+    candidate stage at the same points."""
+    order = action_order(schedule, num_stages, num_microbatches, last_ahead, virtual_stages)
+    return peak_points(order, device, run_ahead)
+
+
 def stage_memory(result: SimulationResult, device: int, *, weight_bytes: int, saved_bytes: int, working_bytes: int,
                  first_working_bytes: Optional[int] = None, optimizer_state_bytes: int = 0, correction_bytes: int = 0,
-                 update_bytes: int = 0, run_ahead: bool = True) -> StageMemory:
+                 update_bytes: int = 0, run_ahead: bool = True,
+                 points: Optional[tuple[PeakPoint, ...]] = None) -> StageMemory:
     """The model's peak for ``device``: the largest of what it holds at each point of its simulated timeline.
 
     Walking the device's actions in order: a forward adds ``saved_bytes``; a backward (a split one's weight pass)
@@ -107,7 +117,9 @@ def stage_memory(result: SimulationResult, device: int, *, weight_bytes: int, sa
     extra = {"": 0.0, "update": update_bytes, "working": working_bytes / chunks,
              "first": (first_working_bytes - weight_bytes) / chunks}
     peak = (0.0, 0.0)  # (gradients, activations) at the largest total, the first met where several tie
-    for point in peak_points(result, device, run_ahead):
+    if points is None:
+        points = peak_points(result, device, run_ahead)
+    for point in points:
         peak = max(peak, (point.gradients * weight_bytes, point.saved * saved + extra[point.extra]), key=sum)
     return StageMemory(weights=weight_bytes, versions=(result.weight_versions - 1) * weight_bytes,
                        gradients=round(peak[0]), optimizer_state=optimizer_state_bytes, correction=correction_bytes,
