@@ -9,7 +9,7 @@ spans. The planner (``lightning_async_pp.plan``) writes simulated timelines with
 :func:`schedule_figure` draws the same spans as a picture (``PipelineMonitor(schedule_image_every_n_steps=N)``
 logs it to TensorBoard).
 
-This module imports no Lightning: the monitor (``callbacks/pipeline.py``) and the planner (``plan.py``) both use it.
+This module imports no Lightning: the monitor (``callbacks/pipeline.py``) and the planner (``plan/report.py``) both use it.
 """
 from __future__ import annotations
 

@@ -15,7 +15,8 @@ from lightning_async_pp import AsyncPipelineStrategy, PipelineModule
 from lightning_async_pp.models import Llama
 from lightning_async_pp.pipeline.config import PipelineConfig
 from lightning_async_pp.pipeline.cost import (LayerCost, MemoryModel, balanced_split, layer_costs, split_and_run_ahead,
-                                              stage_memory_bytes)
+                                              stage_memory_bytes, stage_peak)
+from lightning_async_pp.pipeline.memory import StageMemory
 
 
 def brute_force(times, p, memory=None, cap=None):
@@ -102,10 +103,22 @@ def test_a_memory_cap_moves_layers_off_the_stage_that_holds_the_most_microbatche
 
 
 def test_the_last_stage_of_2bw_holds_two_gradients_only_without_data_parallelism():
-    assert MemoryModel("2bw", 2, 4).weight_copies(1) == 2 + 2 + 2
-    assert MemoryModel("2bw", 2, 4).weight_copies(0) == 2 + 1 + 2
-    assert MemoryModel("2bw", 2, 4, data_parallel_size=2).weight_copies(1) == 2 + 1 + 2
-    assert MemoryModel("1f1b", 2, 4, data_parallel_size=2, shard_optimizer=True).weight_copies(1) == 1 + 1 + 1
+    # One layer of 10 parameter bytes keeping nothing for its backward, so each peak is parameter-sized buffers only,
+    # counted by hand: the weights, 2bw's stashed version, one gradient per batch whose gradients exist, AdamW's two
+    # moments (halved over 2 replicas by ZeRO-1), a correction's buffer and, in the update, its transient copy.
+    layer = [LayerCost(0, 0, param_bytes=10, activation_bytes=0)]
+
+    def peak(stage, *args, **kwargs):
+        return stage_peak(layer, 0, 1, stage, MemoryModel(*args, **kwargs))
+
+    assert peak(1, "2bw", 2, 4) == StageMemory(10, 10, 20, 20, 0, 0)  # the last stage runs ahead: two gradients
+    assert peak(0, "2bw", 2, 4) == StageMemory(10, 10, 10, 20, 0, 0)
+    assert peak(1, "2bw", 2, 4, run_ahead=False) == StageMemory(10, 10, 10, 20, 0, 0)
+    assert peak(1, "2bw", 2, 4, data_parallel_size=2) == StageMemory(10, 10, 10, 20, 0, 0)  # never ahead with replicas
+    assert peak(1, "1f1b", 2, 4, data_parallel_size=2, shard_optimizer=True) == StageMemory(10, 0, 10, 10, 0, 0)
+    assert peak(1, "1f1b", 2, 4, optimizer="sgd") == StageMemory(10, 0, 10, 10, 0, 0)
+    assert peak(1, "1f1b", 2, 4, correction_buffers=1.0) == StageMemory(10, 0, 10, 20, 10, 10)  # peaks in the update
+    assert peak(1, "2bw", 2, 4).total == 6 * 10 and peak(1, "2bw", 2, 4, data_parallel_size=2).total == 5 * 10
 
 
 class Plain(PipelineModule):
@@ -170,6 +183,9 @@ def test_where_memory_is_short_the_last_stage_stops_running_ahead_before_the_spl
 
     # 4 layers each: stage 0 holds 5 parameter-sized copies and, under 2bw's lookahead, 3 microbatches (212);
     # stage 1 6 copies with the run-ahead (240, its second gradient freeing the microbatch), 5 without (204)
+    assert stage_peak(layers, 0, 4, 0, model) == StageMemory(40, 40, 40, 80, 0, 3 * 4)
+    assert stage_peak(layers, 4, 8, 1, model) == StageMemory(40, 40, 2 * 40, 80, 0, 0)
+    assert stage_peak(layers, 4, 8, 1, replace(model, run_ahead=False)) == StageMemory(40, 40, 40, 80, 0, 4)
     counts, used = split_and_run_ahead(times, 2, model, memory=memory, memory_cap=None)
     assert (counts, used.run_ahead) == ([4, 4], True)
     fits_ahead = max(memory(0, 4, 0, model), memory(4, 8, 1, model))
@@ -180,7 +196,7 @@ def test_where_memory_is_short_the_last_stage_stops_running_ahead_before_the_spl
     assert tight < fits_ahead and brute_force(times, 2, lambda i, j, s: memory(i, j, s, model), tight) is None
     counts, used = split_and_run_ahead(times, 2, model, memory=memory, memory_cap=tight)
     assert (counts, used.run_ahead) == ([4, 4], False)
-    assert used.weight_copies(1) == model.weight_copies(1) - 1
+    assert stage_peak(layers, 4, 8, 1, used).gradients == stage_peak(layers, 4, 8, 1, model).gradients - 40
     with pytest.raises(ValueError, match="no split"):  # asked for explicitly: refused, not switched off
         split_and_run_ahead(times, 2, model, memory=memory, memory_cap=tight, run_ahead=True)
     # Only 2bw's last stage, with one pipeline, ever runs ahead: elsewhere the choice changes nothing.

@@ -24,11 +24,6 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from lightning_async_pp.pipeline.memory import PeakPoint, StageMemory, action_order, order_peak_points, stage_memory
 
-#: Optimizer state per parameter assumed by the memory model (AdamW's two moments; the optimizer is built after the
-#: split, so the split cannot know it).
-OPTIMIZER_STATE_PER_PARAMETER = 2
-
-
 @dataclass(frozen=True)
 class LayerCost:
     """One pipeline layer over one microbatch."""
@@ -134,13 +129,6 @@ def layer_costs(layers: Sequence[nn.Module], sample_batch: Any, input_fn: Callab
     return costs
 
 
-def microbatches_in_flight(schedule: str, num_stages: int, num_microbatches: int, stage: int) -> int:
-    """The most microbatches whose activations ``stage`` holds, as the schedule's simulated action order has it
-    (:func:`lightning_async_pp.pipeline.memory.action_order`): under 1F1B and ZB-H1 stage ``i`` of ``p`` keeps
-    ``p - i`` (at most ``m``), under 2BW its lookahead forwards one more on all but the last stage, GPipe all ``m``."""
-    return action_order(schedule, num_stages, num_microbatches).peak_activations[stage]
-
-
 #: What each optimizer keeps per parameter (``optim.Muon`` hands embeddings, the head and norms to AdamW).
 OPTIMIZER_STATE_RULES = {"adamw": "two moments per parameter",
                          "muon": "a momentum per hidden matrix, AdamW's two moments for the rest",
@@ -181,19 +169,6 @@ class MemoryModel:
         (docs/design/data-parallel.md, "Data parallelism")."""
         return (self.run_ahead and self.schedule == "2bw" and stage == self.num_stages - 1 and self.num_stages > 1
                 and self.data_parallel_size == 1)
-
-    def weight_copies(self, stage: int) -> float:
-        """Parameter-sized buffers per parameter ``stage`` holds at most under AdamW: its versions, gradients and
-        optimizer state (whether all its gradients exist at its peak, :func:`stage_peak` says)."""
-        versions = 2 if self.schedule == "2bw" else 1
-        gradients = 2 if self.runs_ahead(stage) else 1
-        optimizer = OPTIMIZER_STATE_PER_PARAMETER
-        if self.shard_optimizer and self.data_parallel_size > 1:
-            optimizer = optimizer / self.data_parallel_size
-        return versions + gradients + optimizer
-
-    def in_flight(self, stage: int) -> int:
-        return microbatches_in_flight(self.schedule, self.num_stages, self.num_microbatches, stage)
 
     def action_order(self):  # -> SimulationResult
         """The schedule's simulated action order, the walk :func:`stage_peak` prices (as the engine runs it: 2BW's
