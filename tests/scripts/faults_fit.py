@@ -78,5 +78,18 @@ def run(cfg: dict, devices: int = 1) -> tuple[dict, Any, L.Trainer]:
     return result, model, trainer
 
 
+def exit_without_finalizing() -> None:
+    """Ends the process as it would end, less the interpreter's finalization: the exit handlers run (the process
+    groups destroyed, the traffic recorder's records closed), the output is flushed, then ``os._exit(0)``. Freeing
+    every imported module's objects took about 3 s of CPU per process, once per task of each launch here."""
+    import atexit
+
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
 if __name__ == "__main__":
-    script_main(run)
+    script_main(run)  # an exception exits as before (traceback, exit code 1), finalization included
+    exit_without_finalizing()
