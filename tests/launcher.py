@@ -20,6 +20,7 @@ import json
 import multiprocessing
 import multiprocessing.process
 import os
+import random
 import runpy
 import subprocess
 import sys
@@ -152,6 +153,12 @@ def _run_script(script: str, args: list[str], env: dict, cwd: str, stdout: str, 
         opened = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         os.dup2(opened, fd)
         os.close(opened)
+    # A fresh interpreter seeds these (torch too) from the OS; forks would all share the server's state.
+    random.seed()
+    if "numpy" in sys.modules:
+        sys.modules["numpy"].random.seed()
+    if "torch" in sys.modules:
+        sys.modules["torch"].seed()
     sys.argv = [script, *args]
     sys.path[:] = [os.path.dirname(os.path.abspath(script)), *sys_path]
     _install_traffic_recorder(env)

@@ -22,7 +22,8 @@ SCRIPT = textwrap.dedent("""
     print(json.dumps(dict(argv=sys.argv, cwd=os.getcwd(), path0=sys.path[0], main=__name__, rank=rank,
                           marker=os.environ.get("ZYGOTE_MARKER"), torch="torch" in sys.modules,
                           lightning="lightning" in sys.modules, path=[p for p in sys.path if p != sys.path[0]],
-                          parent=__import__("multiprocessing").parent_process() is not None)))
+                          parent=__import__("multiprocessing").parent_process() is not None,
+                          random=__import__("random").random())))
     print("to stderr", file=sys.stderr)
     if what == "exit":
         sys.exit(3 + rank)
@@ -65,10 +66,12 @@ def test_a_forked_rank_behaves_as_a_fresh_interpreter(tmp_path, what):
     for got, want in zip(seen, expected, strict=True):
         assert got.pop("torch") and not want.pop("torch")  # forked: torch already imported; nothing else differs
         assert got.pop("cwd") == str(cwd) and want.pop("cwd") == str(fresh_cwd)
+        got.pop("random"), want.pop("random")
         assert got == want
     assert [line for line in forked.stderr.splitlines() if "File " not in line] \
         == [line for line in fresh.stderr.splitlines() if "File " not in line]
     assert not seen[0]["lightning"] and not seen[0]["parent"]
+    assert seen[0]["random"] != seen[1]["random"]  # each rank seeded afresh, not the server's state
     for rank in range(2):  # atexit handlers ran in both
         assert (cwd / f"atexit{rank}").read_text() == (fresh_cwd / f"atexit{rank}").read_text() == "ran"
 
@@ -82,6 +85,7 @@ def test_a_timed_out_forked_rank_is_killed(tmp_path):
 
 DIST_SCRIPT = textwrap.dedent("""
     import os, torch, torch.distributed as dist
+    print(torch.initial_seed())
     dist.init_process_group("gloo", rank=int(os.environ["LOCAL_RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
     t = torch.ones(3) * (dist.get_rank() + 1)
     dist.all_reduce(t)
@@ -99,6 +103,8 @@ def test_a_forked_rank_records_its_traffic(tmp_path):
     script.write_text(DIST_SCRIPT)
     proc = run_ranks([sys.executable, str(script)], 2, tmp_path, rank_env(), 120)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    seeds = proc.stdout.split()
+    assert len(set(seeds)) == 2, seeds  # torch seeded afresh in each rank, as at a fresh interpreter's start
     recorded = sorted(Path(os.environ["LIGHTNING_ASYNC_PP_TRAFFIC"]).glob("traffic-*.jsonl"))
     assert len(recorded) == 2, recorded
     events = [json.loads(line) for path in recorded for line in path.read_text().splitlines()]
