@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import json
 import os
+import signal
+import subprocess
 import sys
 import textwrap
 from pathlib import Path
@@ -20,7 +22,7 @@ SCRIPT = textwrap.dedent("""
     rank = int(os.environ["LOCAL_RANK"])
     atexit.register(lambda: open(f"atexit{rank}", "w").write("ran"))
     print(json.dumps(dict(argv=sys.argv, cwd=os.getcwd(), path0=sys.path[0], main=__name__, rank=rank,
-                          marker=os.environ.get("ZYGOTE_MARKER"), torch="torch" in sys.modules,
+                          torch="torch" in sys.modules,
                           lightning="lightning" in sys.modules, path=[p for p in sys.path if p != sys.path[0]],
                           parent=__import__("multiprocessing").parent_process() is not None,
                           random=__import__("random").random())))
@@ -46,7 +48,7 @@ def _run(tmp_path: Path, what: str, fork: bool, timeout: float = 120):
     saved = os.environ.get(launcher.OPT_OUT_ENV)
     os.environ[launcher.OPT_OUT_ENV] = "1" if fork else "0"
     try:
-        proc = run_ranks([sys.executable, str(script), what], 2, cwd, rank_env(ZYGOTE_MARKER="m"), timeout)
+        proc = run_ranks([sys.executable, str(script), what], 2, cwd, rank_env(), timeout)
     finally:
         if saved is None:
             os.environ.pop(launcher.OPT_OUT_ENV)
@@ -63,6 +65,7 @@ def test_a_forked_rank_behaves_as_a_fresh_interpreter(tmp_path, what):
     fresh, expected, fresh_cwd = _run(tmp_path, what, fork=False)
     assert launcher._servers and all(s.usable for s in launcher._servers.values()), "the server was not used"
     assert forked.returncode == fresh.returncode == {"ok": 0, "exit": 3, "message": 1, "raise": 1}[what]
+    assert seen[0]["random"] != seen[1]["random"]  # each rank seeded afresh, not the server's state
     for got, want in zip(seen, expected, strict=True):
         assert got.pop("torch") and not want.pop("torch")  # forked: torch already imported; nothing else differs
         assert got.pop("cwd") == str(cwd) and want.pop("cwd") == str(fresh_cwd)
@@ -71,16 +74,33 @@ def test_a_forked_rank_behaves_as_a_fresh_interpreter(tmp_path, what):
     assert [line for line in forked.stderr.splitlines() if "File " not in line] \
         == [line for line in fresh.stderr.splitlines() if "File " not in line]
     assert not seen[0]["lightning"] and not seen[0]["parent"]
-    assert seen[0]["random"] != seen[1]["random"]  # each rank seeded afresh, not the server's state
     for rank in range(2):  # atexit handlers ran in both
         assert (cwd / f"atexit{rank}").read_text() == (fresh_cwd / f"atexit{rank}").read_text() == "ran"
 
 
 @pytest.mark.traffic_unchecked("the probe script uses no torch.distributed")
 def test_a_timed_out_forked_rank_is_killed(tmp_path):
-    import subprocess
     with pytest.raises(subprocess.TimeoutExpired):
         _run(tmp_path, "hang", fork=True, timeout=5)
+
+
+@pytest.mark.traffic_unchecked("the probe script uses no torch.distributed")
+@pytest.mark.parametrize("fork", [True, False], ids=["forked", "fresh"])
+@pytest.mark.parametrize("other", [False, True], ids=["", "other-environment"])
+def test_a_killed_rank_has_the_signals_negative_return_code(tmp_path, monkeypatch, fork, other):
+    """As ``subprocess.Popen``; a launch whose environment differs from the server's gets a plain process."""
+    script = tmp_path / "probe.py"
+    script.write_text(SCRIPT)
+    monkeypatch.setenv(launcher.OPT_OUT_ENV, "1" if fork else "0")
+    env = rank_env(LOCAL_RANK="0", **({"SOMETHING_ELSE": "1"} if other else {}))
+    proc = launcher.start([sys.executable, str(script), "hang"], tmp_path, env, str(tmp_path / "out"),
+                          str(tmp_path / "err"))
+    assert isinstance(proc, launcher.Rank) == (fork and not other)
+    with pytest.raises(subprocess.TimeoutExpired):
+        proc.wait(timeout=0.5)
+    assert proc.returncode is None
+    proc.kill()
+    assert proc.wait(timeout=60) == proc.returncode == -signal.SIGKILL
 
 
 DIST_SCRIPT = textwrap.dedent("""
