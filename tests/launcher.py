@@ -16,6 +16,7 @@ differs from the server's (:func:`_key`), or ``LIGHTNING_ASYNC_PP_TEST_FORK=0``,
 from __future__ import annotations
 
 import atexit
+import contextlib
 import json
 import multiprocessing
 import multiprocessing.process
@@ -26,6 +27,7 @@ import subprocess
 import sys
 import threading
 import traceback
+import warnings
 from pathlib import Path
 from typing import Optional
 
@@ -75,13 +77,17 @@ def start(cmd: list[str], cwd: Path, env: dict, stdout: str, stderr: str):
             return subprocess.Popen(cmd, cwd=cwd, env=env, stdout=out, stderr=err, stdin=subprocess.DEVNULL)
     process = server.context.Process(target=_run_script, daemon=False, args=(
         cmd[1], cmd[2:], dict(env), str(cwd), stdout, stderr, server.sys_path))
-    process.start()
+    with _environ(server.env):  # should multiprocessing restart a dead server, with the server's environment
+        process.start()
     return Rank(process, cmd)
 
 
 class _Server:
+    """The session's fork server, for launches whose :func:`_key` is ``key``; ``usable`` once it has imported
+    :data:`PRELOAD` with no thread but the main one."""
+
     def __init__(self, key: tuple, env: dict) -> None:
-        self.key = key
+        self.key, self.env = key, env
         self.context = multiprocessing.get_context("forkserver")
         self.context.set_forkserver_preload([__name__, *PRELOAD])
         # What ``python script.py`` has on sys.path after the script's folder, under this environment (the
@@ -89,26 +95,34 @@ class _Server:
         self.sys_path = json.loads(subprocess.run(
             [sys.executable, "-c", "import sys, json; print(json.dumps(sys.path[1:]))"], env=env,
             capture_output=True, text=True, check=True).stdout)
-        saved = dict(os.environ)
-        try:  # the server (and multiprocessing's resource tracker) inherit this process's environment
-            os.environ.clear()
-            os.environ.update(env)
-            from multiprocessing import forkserver
+        from multiprocessing import forkserver
+        with _environ(env):  # the server (and multiprocessing's resource tracker) inherit this environment
             forkserver.ensure_running()
             probe = self.context.Process(target=os._exit, args=(0,))  # returns once the server has imported
             probe.start()
             probe.join()
-        finally:
-            os.environ.clear()
-            os.environ.update(saved)
         # Forking a process with other threads running can deadlock the child (a lock held by a thread that
         # is not copied): the server must have one thread after the imports (OMP_NUM_THREADS=1 keeps OpenBLAS's
         # pool from starting).
         threads = len(os.listdir(f"/proc/{forkserver._forkserver._forkserver_pid}/task"))
         self.usable = probe.exitcode == 0 and threads == 1
+        if not self.usable:
+            warnings.warn(f"tests/launcher.py: the fork server has {threads} threads; ranks start as processes")
 
 
-_servers: dict[tuple, _Server] = {}
+_server = None  # the _Server, or False where it could not start
+
+
+@contextlib.contextmanager
+def _environ(env: dict):
+    saved = dict(os.environ)
+    os.environ.clear()
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
 
 
 def _key(cmd: list[str], env: dict) -> tuple:
@@ -120,16 +134,18 @@ def _key(cmd: list[str], env: dict) -> tuple:
 
 
 def _server_for(cmd: list[str], env: dict) -> Optional[_Server]:
+    global _server
     if os.environ.get(OPT_OUT_ENV, "1") == "0" or cmd[0] != sys.executable or len(cmd) < 2 \
             or cmd[1].startswith("-") or sys.platform != "linux":
         return None
     key = _key(cmd, env)
-    if not _servers:  # one server per session, for the first launch's environment
-        server_env = {k: v for k, v in env.items() if k not in PER_RUN}
-        server_env["PYTHONPATH"] = dict(key[1])["PYTHONPATH"]
-        _servers[key] = _Server(key, server_env)
-    server = _servers.get(key)
-    return server if server is not None and server.usable else None
+    if _server is None:  # one server per session, for the first launch's environment
+        try:
+            _server = _Server(key, dict(key[1]))
+        except Exception as e:  # no server: every launch a plain process
+            warnings.warn(f"tests/launcher.py: no fork server ({e!r}); ranks start as processes")
+            _server = False
+    return _server if _server and _server.usable and _server.key == key else None
 
 
 def _exit_code(code) -> int:

@@ -63,7 +63,7 @@ def _run(tmp_path: Path, what: str, fork: bool, timeout: float = 120):
 def test_a_forked_rank_behaves_as_a_fresh_interpreter(tmp_path, what):
     forked, seen, cwd = _run(tmp_path, what, fork=True)
     fresh, expected, fresh_cwd = _run(tmp_path, what, fork=False)
-    assert launcher._servers and all(s.usable for s in launcher._servers.values()), "the server was not used"
+    assert launcher._server and launcher._server.usable, "the server was not used"
     assert forked.returncode == fresh.returncode == {"ok": 0, "exit": 3, "message": 1, "raise": 1}[what]
     assert seen[0]["random"] != seen[1]["random"]  # each rank seeded afresh, not the server's state
     for got, want in zip(seen, expected, strict=True):
