@@ -9,9 +9,11 @@ How: one ``multiprocessing`` fork server per pytest session, started with the la
 per-run variables (:data:`PER_RUN`), has imported :data:`PRELOAD` (modules that read no rank variable at import:
 Lightning, whose ``rank_zero_only.rank`` comes from ``LOCAL_RANK``, is left to each rank). Each rank is a fork
 of it that makes itself what ``python script.py args`` would be (:func:`_run_script`): the given environment,
-working directory, ``sys.argv``, ``sys.path``, stdout/stderr files, ``__main__``; exit code, atexit handlers and
-the traffic recorder (tests/traffic_hook) as in a fresh interpreter. A launch whose import-time environment
-differs from the server's (:func:`_key`), or ``LIGHTNING_ASYNC_PP_TEST_FORK=0``, gets plain subprocesses.
+working directory, ``sys.argv``, ``sys.path``, stdout/stderr files, ``__main__``, freshly seeded ``random``,
+numpy and torch generators; exit code, atexit handlers and the traffic recorder (tests/traffic_hook) as in a fresh
+interpreter. What stays the server's: the modules already imported and the string hash seed (``PYTHONHASHSEED``).
+A launch whose import-time environment differs from the server's (:func:`_key`), a server that could not start or
+runs threads, or ``LIGHTNING_ASYNC_PP_TEST_FORK=0``: plain subprocesses.
 """
 from __future__ import annotations
 
