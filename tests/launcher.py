@@ -40,7 +40,7 @@ PRELOAD = ("torch", "torch.distributed.distributed_c10d", "torchmetrics", "torch
 #: of the server's environment nor of the key.
 PER_RUN = frozenset({"MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK",
                      "LOCAL_WORLD_SIZE", "GROUP_RANK", "PL_GLOBAL_SEED", "PL_SEED_WORKERS", "PYTEST_CURRENT_TEST",
-                     "LIGHTNING_ASYNC_PP_TRAFFIC", "LIGHTNING_ASYNC_PP_STRICT_TAGS"})
+                     "LIGHTNING_ASYNC_PP_TRAFFIC", "LIGHTNING_ASYNC_PP_STRICT_TAGS", OPT_OUT_ENV})
 _HOOK = Path(__file__).parent / "traffic_hook"
 
 
