@@ -2,8 +2,10 @@
 
 The processes a test starts inherit ``LIGHTNING_ASYNC_PP_TRAFFIC`` (a fresh directory per test) and ``PYTHONPATH``
 with ``tests/traffic_hook`` first, whose ``sitecustomize`` installs the recorder (tests/traffic.py) in each of
-them; ``LIGHTNING_ASYNC_PP_STRICT_TAGS=1`` (unless set otherwise) replaces tags by per-pair sequence numbers, so
-gloo pairs messages by position as NCCL does. After the test, every job whose ranks all exited cleanly is replayed
+them (a rank forked from tests/launcher.py's server, whose torch was imported before, installs it itself;
+``LIGHTNING_ASYNC_PP_TEST_FORK=0`` starts fresh interpreters instead); ``LIGHTNING_ASYNC_PP_STRICT_TAGS=1``
+(unless set otherwise) replaces tags by per-pair sequence numbers, so gloo pairs messages by position as NCCL
+does. After the test, every job whose ranks all exited cleanly is replayed
 under NCCL's rules (``traffic.check``).
 
 ``LIGHTNING_ASYNC_PP_TRAFFIC_CHECK``: ``fail`` (default) fails the test with the violations, ``report`` prints

@@ -14,6 +14,7 @@ import lightning as L
 import torch
 from torch.utils.data import DataLoader
 
+import launcher
 from helpers import TinyLM, make_dataset
 from lightning_async_pp import AsyncPipelineStrategy
 
@@ -22,10 +23,16 @@ SCRIPT = Path(__file__).parent / "scripts" / "pipeline_fit.py"
 
 def run_multiprocess(cfg: dict, tmp_path: Path, timeout: float = 240, launch: str = "at_once") -> subprocess.CompletedProcess:
     out = tmp_path / "final.pt"
-    env = {k: v for k, v in os.environ.items() if k not in _RENDEZVOUS}
-    env.update(PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
     return run_ranks([sys.executable, str(SCRIPT), "--config", json.dumps(cfg), "--out", str(out)],
-                     cfg["stages"] * cfg.get("dp", 1), tmp_path, env, timeout, launch)
+                     cfg["stages"] * cfg.get("dp", 1), tmp_path, rank_env(), timeout, launch)
+
+
+def rank_env(**extra: str) -> dict:
+    """This process's environment less its rendezvous and seed variables, for a script's ranks: one environment
+    for every launch, so that they all share tests/launcher.py's server."""
+    env = {k: v for k, v in os.environ.items() if k not in _RENDEZVOUS}
+    env.update(PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", **extra)
+    return env
 
 
 def run_ranks(cmd: list[str], processes: int, cwd: Path, env: dict, timeout: float,
@@ -34,35 +41,33 @@ def run_ranks(cmd: list[str], processes: int, cwd: Path, env: dict, timeout: flo
 
     ``launch="lightning"``: started once, and Lightning's launcher starts ranks 1.. by running the script again
     when rank 0 reaches ``fit`` (what ``python train.py`` does). ``"at_once"``: every rank started together with
-    its rendezvous variables, as ``torchrun`` starts them (Lightning then starts no process), so the ranks' imports
-    (about 10 s of each process's start here) overlap instead of following each other. The ranks' outputs are
-    joined in rank order, the return code is the first rank's that failed."""
+    its rendezvous variables, as ``torchrun`` starts them (Lightning then starts no process), forked from a server
+    that has imported torch and the like (tests/launcher.py; ``LIGHTNING_ASYNC_PP_TEST_FORK=0``: fresh
+    interpreters, whose imports, about 10 s of each process's start here, at least overlap). The ranks' outputs
+    are joined in rank order, the return code is the first rank's that failed."""
     if launch == "lightning" or processes == 1:
         return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
     if launch != "at_once":
         raise ValueError(f"launch={launch!r}; use 'at_once' or 'lightning'")
     port = free_port()
-    # Files, not pipes: a rank blocked on a full pipe nobody reads yet would hold up the others.
-    files = [(tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")) for _ in range(processes)]
-    procs = [subprocess.Popen(cmd, cwd=cwd, stdout=out, stderr=err, text=True,
-                              env=dict(env, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(processes),
-                                       NODE_RANK="0", LOCAL_RANK=str(rank)))
-             for rank, (out, err) in enumerate(files)]
-    deadline = time.monotonic() + timeout
-    try:
-        for proc in procs:
-            proc.wait(timeout=max(0.0, deadline - time.monotonic()))
-    except subprocess.TimeoutExpired:
-        for proc in procs:
-            proc.kill()
-        raise subprocess.TimeoutExpired(cmd, timeout) from None
-    texts = []
-    for out, err in files:
-        texts.append([])
-        for f in (out, err):
-            f.seek(0)
-            texts[-1].append(f.read())
-            f.close()
+    with tempfile.TemporaryDirectory() as logs:
+        # Files, not pipes: a rank blocked on a full pipe nobody reads yet would hold up the others.
+        files = [(os.path.join(logs, f"{rank}.out"), os.path.join(logs, f"{rank}.err")) for rank in range(processes)]
+        procs = [launcher.start(cmd, cwd, dict(env, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                                               WORLD_SIZE=str(processes), NODE_RANK="0", LOCAL_RANK=str(rank)),
+                                *files[rank])
+                 for rank in range(processes)]
+        deadline = time.monotonic() + timeout
+        try:
+            for proc in procs:
+                proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            for proc in procs:
+                proc.kill()
+            for proc in procs:
+                proc.wait()
+            raise subprocess.TimeoutExpired(cmd, timeout) from None
+        texts = [[Path(f).read_text(errors="replace") for f in pair] for pair in files]
     failed = [proc.returncode for proc in procs if proc.returncode != 0]
     # A failed run's stderr names each rank's part and exit code (a rank killed by a signal has a negative one).
     label = (lambda r: f"\n---- rank {r} (exit code {procs[r].returncode}) ----\n") if failed else (lambda r: "")
@@ -141,10 +146,8 @@ _RENDEZVOUS = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK",
 
 def run_script(script: Path, cfg: dict, tmp_path: Path, timeout: float = 240, launch: str = "at_once") -> subprocess.CompletedProcess:
     """Run a tests/scripts/ script (``helpers.script_main``), which saves each rank's result in ``tmp_path/out``."""
-    env = {k: v for k, v in os.environ.items() if k not in _RENDEZVOUS}
-    env.update(PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
     return run_ranks([sys.executable, str(script), "--config", json.dumps(cfg), "--out", str(tmp_path / "out")],
-                     cfg.get("devices", 2), tmp_path, env, timeout, launch)
+                     cfg.get("devices", 2), tmp_path, rank_env(), timeout, launch)
 
 
 def script_ranks(script: Path, cfg: dict, tmp_path: Path, ranks: int = 2, timeout: float = 240) -> list[dict]:

@@ -18,10 +18,8 @@ docs/callbacks.md.
 from __future__ import annotations
 
 import inspect
-import json
 import math
 import os
-import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,7 +30,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent / "scripts"))
 import callback_fit  # noqa: E402
-from pipeline_runs import free_port  # noqa: E402
+from pipeline_runs import script_ranks  # noqa: E402
 
 from lightning_async_pp.lightning_callbacks import refusal  # noqa: E402
 
@@ -225,22 +223,9 @@ def test_resuming_with_a_weight_averaging_callback_is_refused_before_loading_nam
 
 
 def launch_two_processes(cfg: dict, tmp_path: Path, timeout: float = 900) -> list[dict]:
-    """Both ranks started here, as torchrun would (LOCAL_RANK set): Lightning then kills no process when a fit
-    raises, so a refused case leaves both processes ready for the next one."""
-    port = free_port()
-    procs = []
-    for rank in range(2):
-        env = {k: v for k, v in os.environ.items() if k not in ("PL_GLOBAL_SEED", "PL_SEED_WORKERS", "NODE_RANK")}
-        env.update(PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                   WORLD_SIZE="2", RANK=str(rank), LOCAL_RANK=str(rank), NODE_RANK="0")
-        procs.append(subprocess.Popen(
-            [sys.executable, str(SCRIPT), "--config", json.dumps(dict(cfg, root=str(tmp_path))),
-             "--out", str(tmp_path / "out")],
-            cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
-    outputs = [p.communicate(timeout=timeout) for p in procs]
-    for p, (stdout, stderr) in zip(procs, outputs):
-        assert p.returncode == 0, stdout[-2000:] + stderr[-6000:]
-    return [torch.load(tmp_path / "out" / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    """Both ranks started here, as torchrun would (``run_ranks``: LOCAL_RANK set): Lightning then kills no process
+    when a fit raises, so a refused case leaves both processes ready for the next one."""
+    return script_ranks(SCRIPT, dict(cfg, root=str(tmp_path)), tmp_path, ranks=2, timeout=timeout)
 
 
 @pytest.mark.multiprocess

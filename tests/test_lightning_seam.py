@@ -44,7 +44,6 @@ What the implementation must satisfy beyond docs/design/index.md (the exact word
 from __future__ import annotations
 
 import copy
-import json
 import os
 import re
 import subprocess
@@ -58,6 +57,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent / "scripts"))
 import seam_fit  # noqa: E402
 from helpers import delayed_loop, one_device_trainer  # noqa: E402
+from pipeline_runs import run_script  # noqa: E402
 from seam_fit import DictLM, SeamTinyLM, TiedLM, build_loader, build_model  # noqa: E402
 
 from lightning_async_pp import AsyncPipelineStrategy  # noqa: E402
@@ -98,14 +98,8 @@ def trainer(strategy=None, steps=STEPS, **kwargs) -> L.Trainer:
 
 
 def run_seam(cfg: dict, tmp_path: Path, timeout: float = 150) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK",
-                        "LOCAL_WORLD_SIZE", *_SEED_VARS)}
-    env.update(PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
-    return subprocess.run(
-        [sys.executable, str(SCRIPT), "--config", json.dumps(cfg), "--out", str(tmp_path / "out")],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=timeout,
-    )
+    """Both ranks started at once (``run_ranks``); tests/test_multiprocess.py covers Lightning's own launcher."""
+    return run_script(SCRIPT, cfg, tmp_path, timeout)
 
 
 def seam_results(cfg: dict, tmp_path: Path) -> list[dict]:

@@ -5,7 +5,6 @@ Every resumed run is compared with the uninterrupted run on one device (which th
 tests/test_multiprocess.py), or with a delayed loop written out here."""
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -16,6 +15,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent / "scripts"))
 from helpers import delayed_loop  # noqa: E402
+from pipeline_runs import run_script  # noqa: E402
 from scale_fit import ConfiguredMLP, build_loader, run  # noqa: E402
 
 from lightning_async_pp.consolidate import consolidate_checkpoint, main as consolidate_main  # noqa: E402
@@ -33,13 +33,8 @@ def max_difference(a: dict, b: dict) -> float:
 
 def multiprocess(cfg: dict, tmp_path: Path, timeout: float = 240) -> list[dict]:
     """Run scale_fit.py on ``cfg["devices"]`` processes; what each rank saved, rank 0 first."""
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK",
-                        "LOCAL_WORLD_SIZE", "PL_GLOBAL_SEED", "PL_SEED_WORKERS")}
-    env.update(PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
     out = tmp_path / "out"
-    proc = subprocess.run([sys.executable, str(SCRIPT), "--config", json.dumps(cfg), "--out", str(out)],
-                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=timeout)
+    proc = run_script(SCRIPT, cfg, tmp_path, timeout)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(cfg["devices"])]
 

@@ -7,14 +7,14 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
 import traffic
-from pipeline_runs import free_port
+import launcher
+from pipeline_runs import free_port, rank_env
 
 SCRIPT = Path(__file__).parent / "scripts" / "traffic_exchange.py"
 
@@ -213,22 +213,30 @@ def test_unmatched_messages_and_incomplete_jobs(tmp_path):
 
 
 @pytest.mark.multiprocess
-def test_recording_a_real_gloo_exchange_with_strict_tags(tmp_path):
-    """Two processes exchange over gloo with the recorder installed by tests/traffic_hook/sitecustomize.py and
-    strict tags: the exchange still delivers the right tensors, and the record holds every op, wait and host read."""
+@pytest.mark.parametrize("forked", [False, True], ids=["fresh", "forked"])
+def test_recording_a_real_gloo_exchange_with_strict_tags(tmp_path, monkeypatch, forked):
+    """Two processes exchange over gloo with the recorder installed by tests/traffic_hook/sitecustomize.py (fresh
+    interpreters) or by tests/launcher.py (ranks forked from its server, which imported torch.distributed before)
+    and strict tags: the exchange still delivers the right tensors, and the record holds every op, wait and host
+    read."""
     directory = Path(os.environ.get(traffic.TRAFFIC_ENV) or tmp_path / "traffic")
     hook = str(Path(__file__).parent / "traffic_hook")
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env = {k: v for k, v in rank_env().items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE="2", OMP_NUM_THREADS="1",
                PYTHONPATH=os.pathsep.join(filter(None, [hook, os.environ.get("PYTHONPATH")])),
                **{traffic.TRAFFIC_ENV: str(directory), traffic.STRICT_TAGS_ENV: "1"})
-    procs = [subprocess.Popen([sys.executable, str(SCRIPT), str(tmp_path / f"rank{r}.json")], env={**env, "RANK": str(r)},
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(2)]
+    monkeypatch.setenv(launcher.OPT_OUT_ENV, "1" if forked else "0")
+    logs = [(str(tmp_path / f"rank{r}.out"), str(tmp_path / f"rank{r}.err")) for r in range(2)]
+    procs = [launcher.start([sys.executable, str(SCRIPT), str(tmp_path / f"rank{r}.json")], tmp_path,
+                            {**env, "RANK": str(r)}, *logs[r]) for r in range(2)]
+    assert all(isinstance(p, launcher.Rank) == forked for p in procs), procs
     try:
-        outputs = [p.communicate(timeout=300)[0] for p in procs]
+        for p in procs:
+            p.wait(timeout=300)
     finally:
         for p in procs:
             p.kill()  # a no-op when it has exited
+    outputs = [Path(out).read_text() + Path(err).read_text() for out, err in logs]
     assert [p.returncode for p in procs] == [0, 0], outputs
     for r in range(2):
         assert json.loads((tmp_path / f"rank{r}.json").read_text())["ok"], outputs[r]

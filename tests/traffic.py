@@ -426,6 +426,24 @@ def _patch_package() -> None:
             setattr(package, name, _RECORDER.wrappers[name])
 
 
+def rebind_imported() -> None:
+    """Point every imported module's global that holds an original function at its wrapper: where torch was
+    imported before :func:`install` (tests/launcher.py's server), modules such as ``torch.distributed.device_mesh``
+    took the originals (``from .distributed_c10d import ...``), which they take the wrappers of when the recorder
+    is installed at c10d's import."""
+    if _RECORDER is None:
+        return
+    by_id = {id(original): _RECORDER.wrappers[name] for name, original in _RECORDER.originals.items()}
+    for module in list(sys.modules.values()):
+        names = getattr(module, "__dict__", None)
+        if not isinstance(names, dict) or module is _RECORDER.dist:
+            continue
+        for name, value in list(names.items()):
+            wrapper = by_id.get(id(value))
+            if wrapper is not None and value is not wrapper:
+                names[name] = wrapper
+
+
 class _AfterImport(importlib.abc.MetaPathFinder):
     """Runs a callback right after a module was executed (a post-import hook that imports nothing itself)."""
 
