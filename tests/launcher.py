@@ -41,6 +41,11 @@ PRELOAD = ("torch", "torch.distributed.distributed_c10d", "torchmetrics", "torch
 PER_RUN = frozenset({"MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK",
                      "LOCAL_WORLD_SIZE", "GROUP_RANK", "PL_GLOBAL_SEED", "PL_SEED_WORKERS", "PYTEST_CURRENT_TEST",
                      "LIGHTNING_ASYNC_PP_TRAFFIC", "LIGHTNING_ASYNC_PP_STRICT_TAGS", OPT_OUT_ENV})
+#: Variables torch and Lightning set in the pytest process itself while tests run (the inductor's cache folder,
+#: Lightning's CUDA check) and read only when used: a launch's own value reaches its ranks with the rest of its
+#: environment, so they are not part of the key (else every launch after the first test that set them would start
+#: plain processes, as the whole suite's run showed).
+SET_WHILE_TESTING = frozenset({"TORCHINDUCTOR_CACHE_DIR", "PYTORCH_NVML_BASED_CUDA_CHECK"})
 _HOOK = Path(__file__).parent / "traffic_hook"
 
 
@@ -130,7 +135,7 @@ def _environ(env: dict):
 def _key(cmd: list[str], env: dict) -> tuple:
     """What a preloaded import could have read: the interpreter and every variable but the per-run ones (the
     path deduplicated, as ``site`` does with ``sys.path``)."""
-    rest = {k: v for k, v in env.items() if k not in PER_RUN}
+    rest = {k: v for k, v in env.items() if k not in PER_RUN and k not in SET_WHILE_TESTING}
     rest["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(filter(None, rest.get("PYTHONPATH", "").split(os.pathsep))))
     return (cmd[0], tuple(sorted(rest.items())))
 
@@ -147,7 +152,29 @@ def _server_for(cmd: list[str], env: dict) -> Optional[_Server]:
         except Exception as e:  # no server: every launch a plain process
             warnings.warn(f"tests/launcher.py: no fork server ({e!r}); ranks start as processes")
             _server = False
-    return _server if _server and _server.usable and _server.key == key else None
+    if not (_server and _server.usable):
+        return None
+    if _server.key != key:
+        _warn_environment_differs(_server.key, key)
+        return None
+    return _server
+
+
+_differences_warned: set = set()
+
+
+def _warn_environment_differs(server_key: tuple, key: tuple) -> None:
+    """Once per set of variables: a launch whose environment differs from the server's is correct (a plain
+    process) but pays the imports again; the warning names the variables so the suite's speed cannot leak away
+    unnoticed."""
+    server, launch = dict(server_key[1]), dict(key[1])
+    names = tuple(sorted(k for k in server.keys() | launch.keys() if server.get(k) != launch.get(k)))
+    if server_key[0] != key[0]:
+        names = ("<interpreter>", *names)
+    if names not in _differences_warned:
+        _differences_warned.add(names)
+        warnings.warn(f"tests/launcher.py: this launch's environment differs from the fork server's in {names}; "
+                      "its ranks start as plain processes")
 
 
 def _exit_code(code) -> int:

@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import warnings
 from pathlib import Path
 
 import pytest
@@ -86,16 +87,23 @@ def test_a_timed_out_forked_rank_is_killed(tmp_path):
 
 @pytest.mark.traffic_unchecked("the probe script uses no torch.distributed")
 @pytest.mark.parametrize("fork", [True, False], ids=["forked", "fresh"])
-@pytest.mark.parametrize("other", [False, True], ids=["", "other-environment"])
+@pytest.mark.parametrize("other", ["", "other-environment", "set-while-testing"])
 def test_a_killed_rank_has_the_signals_negative_return_code(tmp_path, monkeypatch, fork, other):
-    """As ``subprocess.Popen``; a launch whose environment differs from the server's gets a plain process."""
+    """As ``subprocess.Popen``; a launch whose environment differs from the server's gets a plain process, except
+    in the variables torch and Lightning set in the test process while tests run (read when used, not at import):
+    the whole suite's first run fell back to plain processes after the first test that set them."""
     script = tmp_path / "probe.py"
     script.write_text(SCRIPT)
     monkeypatch.setenv(launcher.OPT_OUT_ENV, "1" if fork else "0")
-    env = rank_env(LOCAL_RANK="0", **({"SOMETHING_ELSE": "1"} if other else {}))
-    proc = launcher.start([sys.executable, str(script), "hang"], tmp_path, env, str(tmp_path / "out"),
-                          str(tmp_path / "err"))
-    assert isinstance(proc, launcher.Rank) == (fork and not other)
+    extra = {"": {}, "other-environment": {"SOMETHING_ELSE": "1"},
+             "set-while-testing": {"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor"),
+                                   "PYTORCH_NVML_BASED_CUDA_CHECK": "1"}}[other]
+    env = rank_env(LOCAL_RANK="0", **extra)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the other environment's warning is the point, not a failure
+        proc = launcher.start([sys.executable, str(script), "hang"], tmp_path, env, str(tmp_path / "out"),
+                              str(tmp_path / "err"))
+    assert isinstance(proc, launcher.Rank) == (fork and other != "other-environment")
     with pytest.raises(subprocess.TimeoutExpired):
         proc.wait(timeout=0.5)
     assert proc.returncode is None
