@@ -45,7 +45,7 @@ PER_RUN = frozenset({"MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_
 #: Lightning's CUDA check) and read only when used: a launch's own value reaches its ranks with the rest of its
 #: environment, so they are not part of the key (else every launch after the first test that set them would start
 #: plain processes, as the whole suite's run showed).
-SET_WHILE_TESTING = frozenset({"TORCHINDUCTOR_CACHE_DIR", "PYTORCH_NVML_BASED_CUDA_CHECK"})
+SET_WHILE_TESTING = frozenset({"TORCHINDUCTOR_CACHE_DIR", "PYTORCH_NVML_BASED_CUDA_CHECK", "TOKENIZERS_PARALLELISM"})
 _HOOK = Path(__file__).parent / "traffic_hook"
 
 
@@ -132,11 +132,25 @@ def _environ(env: dict):
         os.environ.update(saved)
 
 
-def _key(cmd: list[str], env: dict) -> tuple:
-    """What a preloaded import could have read: the interpreter and every variable but the per-run ones (the
-    path deduplicated, as ``site`` does with ``sys.path``)."""
-    rest = {k: v for k, v in env.items() if k not in PER_RUN and k not in SET_WHILE_TESTING}
+#: The variables a preloaded import can read: the interpreter's, the thread runtimes', torch's and Hugging Face's.
+#: Only these make up the key: tests and the libraries they run set others in the pytest process as they go (the
+#: whole suite's run fell back to plain processes after the first such test), which a rank reads, if at all, from
+#: its own environment when it runs.
+IMPORT_TIME_PREFIXES = ("PYTHON", "OMP_", "MKL_", "KMP_", "OPENBLAS_", "GOTO", "TORCH", "PYTORCH", "CUDA", "NCCL",
+                        "NVIDIA", "HF_", "HUGGINGFACE", "TRANSFORMERS", "TOKENIZERS", "TRITON", "LD_")
+
+
+def _server_env(env: dict) -> dict:
+    """The launch's environment less its per-run variables, the path deduplicated (as ``site`` does)."""
+    rest = {k: v for k, v in env.items() if k not in PER_RUN}
     rest["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(filter(None, rest.get("PYTHONPATH", "").split(os.pathsep))))
+    return rest
+
+
+def _key(cmd: list[str], env: dict) -> tuple:
+    """What a preloaded import could have read: the interpreter and the import-time variables."""
+    rest = {k: v for k, v in _server_env(env).items()
+            if k.startswith(IMPORT_TIME_PREFIXES) and k not in SET_WHILE_TESTING}
     return (cmd[0], tuple(sorted(rest.items())))
 
 
@@ -148,7 +162,7 @@ def _server_for(cmd: list[str], env: dict) -> Optional[_Server]:
     key = _key(cmd, env)
     if _server is None:  # one server per session, for the first launch's environment
         try:
-            _server = _Server(key, dict(key[1]))
+            _server = _Server(key, _server_env(env))
         except Exception as e:  # no server: every launch a plain process
             warnings.warn(f"tests/launcher.py: no fork server ({e!r}); ranks start as processes")
             _server = False

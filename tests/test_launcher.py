@@ -89,15 +89,16 @@ def test_a_timed_out_forked_rank_is_killed(tmp_path):
 @pytest.mark.parametrize("fork", [True, False], ids=["forked", "fresh"])
 @pytest.mark.parametrize("other", ["", "other-environment", "set-while-testing"])
 def test_a_killed_rank_has_the_signals_negative_return_code(tmp_path, monkeypatch, fork, other):
-    """As ``subprocess.Popen``; a launch whose environment differs from the server's gets a plain process, except
-    in the variables torch and Lightning set in the test process while tests run (read when used, not at import):
-    the whole suite's first run fell back to plain processes after the first test that set them."""
+    """As ``subprocess.Popen``; a launch whose import-time environment differs from the server's gets a plain
+    process, one that differs in variables tests, torch and Lightning set in the test process while tests run (read
+    when used, not at import) does not: the whole suite's first runs fell back to plain processes after the first
+    test that set one."""
     script = tmp_path / "probe.py"
     script.write_text(SCRIPT)
     monkeypatch.setenv(launcher.OPT_OUT_ENV, "1" if fork else "0")
-    extra = {"": {}, "other-environment": {"SOMETHING_ELSE": "1"},
+    extra = {"": {}, "other-environment": {"OMP_WAIT_POLICY": "passive"},  # read as the OpenMP runtime loads
              "set-while-testing": {"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor"),
-                                   "PYTORCH_NVML_BASED_CUDA_CHECK": "1"}}[other]
+                                   "PYTORCH_NVML_BASED_CUDA_CHECK": "1", "SOMETHING_ELSE": "1"}}[other]
     env = rank_env(LOCAL_RANK="0", **extra)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the other environment's warning is the point, not a failure
