@@ -45,7 +45,9 @@ PER_RUN = frozenset({"MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_
 #: Lightning's CUDA check) and read only when used: a launch's own value reaches its ranks with the rest of its
 #: environment, so they are not part of the key (else every launch after the first test that set them would start
 #: plain processes, as the whole suite's run showed).
-SET_WHILE_TESTING = frozenset({"TORCHINDUCTOR_CACHE_DIR", "PYTORCH_NVML_BASED_CUDA_CHECK", "TOKENIZERS_PARALLELISM"})
+SET_WHILE_TESTING = frozenset({"TORCHINDUCTOR_CACHE_DIR", "PYTORCH_NVML_BASED_CUDA_CHECK", "TOKENIZERS_PARALLELISM",
+                               # set by the inductor as it compiles (its worker pool, cache, OpenMP probe)
+                               "TORCH_WARM_POOL", "TRITON_CACHE_DIR", "KMP_DUPLICATE_LIB_OK"})
 _HOOK = Path(__file__).parent / "traffic_hook"
 
 
