@@ -153,6 +153,8 @@ def _key(cmd: list[str], env: dict) -> tuple:
     """What a preloaded import could have read: the interpreter and the import-time variables."""
     rest = {k: v for k, v in _server_env(env).items()
             if k.startswith(IMPORT_TIME_PREFIXES) and k not in SET_WHILE_TESTING}
+    # The traffic hook's folder: each rank installs the recorder from its own environment (_run_script).
+    rest["PYTHONPATH"] = os.pathsep.join(p for p in rest["PYTHONPATH"].split(os.pathsep) if p != str(_HOOK))
     return (cmd[0], tuple(sorted(rest.items())))
 
 
