@@ -12,13 +12,16 @@ splits (``lightning-async-pp-plan``'s cost model: FLOPs only).
     PYTHONPATH=$PWD .venv/bin/python benchmarks/balanced_split.py            # every split point, 3 rounds
     PYTHONPATH=$PWD .venv/bin/python benchmarks/balanced_split.py --quick    # 5 split points, 1 round, 3 steps
     PYTHONPATH=$PWD .venv/bin/python benchmarks/balanced_split.py --rounds 2 --named balanced parameters \
-        --points 7 9 10 11 12                                                  # BENCHMARKS.md's run
+        --points 8 9 10 11 12 13                                               # BENCHMARKS.md's run (14 min)
+    PYTHONPATH=$PWD .venv/bin/python benchmarks/balanced_split.py --layers 30 --rounds 2 \
+        --named balanced parameters --points 18 19 20 21 22 24                  # and at 30 layers (26 min)
 
 Lightning's launcher re-executes this script for rank 1; both ranks run the same list of fits.
 """
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import statistics
 import sys
@@ -36,6 +39,16 @@ from lightning_async_pp import AsyncPipelineStrategy  # noqa: E402
 from lightning_async_pp.models import Llama  # noqa: E402
 
 from benchmarks.harness import step_recorder  # noqa: E402
+
+
+def resident_mib() -> float:
+    """This process's resident memory now (Linux; nan elsewhere): one process runs every fit, so growth from fit to
+    fit shows here."""
+    try:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith("VmRSS")) / 1024
+    except (OSError, StopIteration):
+        return float("nan")
 
 
 def fit_once(args: argparse.Namespace, schedule: str, partition: Any) -> tuple[float, tuple[int, ...]]:
@@ -104,10 +117,15 @@ def main() -> None:
         for schedule, partition in configs:
             key = (schedule, str(partition))
             seconds, counts = fit_once(args, schedule, partition)
+            # A finished Trainer and its model reference each other (plain Lightning alike): without a collection
+            # here each fit's weights and optimizer state stay resident until Python's oldest generation is
+            # collected, about 1 GiB per fit at this shape (the first quiet run was killed for memory at fit 17).
+            gc.collect()
             times.setdefault(key, []).append(seconds)
             splits[key] = counts
             if rank0:
-                print(f"round {r} {schedule} {partition}: {list(counts)} {seconds:.3f} s/step", file=sys.stderr, flush=True)
+                print(f"round {r} {schedule} {partition}: {list(counts)} {seconds:.3f} s/step; this process "
+                      f"{resident_mib():.0f} MiB resident after the fit", file=sys.stderr, flush=True)
     if not rank0:
         return
     print(f"\nSmolLM-135M width, {args.layers} layers, batch {args.batch} x {args.seq} tokens, m={args.microbatches}, "
