@@ -139,13 +139,15 @@ def one_device_child(cfg: dict, out_dir: str) -> None:
 
 
 def two_process_trainer(cfg: dict, callback: Any) -> Any:
-    """The Trainer of the two-process runs: the strategy's default partition, nothing but ``callback`` added."""
+    """The Trainer of the two-process runs: the strategy's default partition unless ``--partition`` names another,
+    nothing but ``callback`` added."""
     import lightning as L
 
     from lightning_async_pp import AsyncPipelineStrategy
 
     return L.Trainer(
-        strategy=AsyncPipelineStrategy(schedule=cfg["schedule"], num_microbatches=cfg["m"]),
+        strategy=AsyncPipelineStrategy(schedule=cfg["schedule"], num_microbatches=cfg["m"],
+                                       partition=cfg.get("partition") or "balanced"),
         accelerator="cpu", devices=STAGES, max_steps=total_steps(cfg), callbacks=[callback], logger=False,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
         limit_val_batches=0, use_distributed_sampler=False,
@@ -569,6 +571,9 @@ def main() -> None:
     ap.add_argument("--peak-tflops", type=float, help="with --one-device: the device's peak, for MFU (H200 bf16: 989)")
     ap.add_argument("--memory", action="store_true",
                     help="instead of timing: each process's memory, measured and by the planner's memory model")
+    ap.add_argument("--partition", type=lambda v: [int(c) for c in v.split(",")] if v[0].isdigit() else v,
+                    default=None, help="the strategy's partition: balanced (default), parameters, uniform, or "
+                                       "layers per stage as 4,2 (the embedding and the head count as layers)")
     ap.add_argument("--json", help="also write every measurement to this file")
     ap.add_argument("--profile", help="write each rank's cProfile (wall clock) of the timed steps into this folder")
     ap.add_argument("--child", help=argparse.SUPPRESS)
@@ -609,7 +614,8 @@ def main() -> None:
                            schedule=schedule, optimizer=opt, steps=args.steps, warmup=args.warmup,
                            profile=os.path.abspath(args.profile) if args.profile else None,
                            one_device=args.one_device, accelerator=args.accelerator, precision=args.precision,
-                           peak_tflops=args.peak_tflops, untied=args.untied, memory=args.memory)
+                           peak_tflops=args.peak_tflops, untied=args.untied, memory=args.memory,
+                           partition=args.partition)
                 pair = run(cfg, timeout=1200)
                 rows.append({"optimizer": opt, "m": m, "schedule": schedule, "pair": pair})
                 if args.memory:
