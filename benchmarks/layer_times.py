@@ -6,7 +6,8 @@ per-stage times a two-process run measures (BENCHMARKS.md, "A realistic shape").
     PYTHONPATH=$PWD .venv/bin/python benchmarks/layer_times.py                       # vocabulary 8192, 4 rows
     PYTHONPATH=$PWD .venv/bin/python benchmarks/layer_times.py --vocab 49152 --rows 2
 
-The model is models.Llama at SmolLM-135M's width with ``--layers`` blocks; the last layer's time includes the loss.
+The model is models.Llama at SmolLM-135M's width with ``--layers`` blocks (``--hf``: transformers' LlamaForCausalLM
+at the same widths, as ``benchmarks/realistic_llama.py`` trains it); the last layer's time includes the loss.
 """
 from __future__ import annotations
 
@@ -14,9 +15,14 @@ import argparse
 import statistics
 import time
 
+import sys
+from pathlib import Path
+
 import torch
 
-from lightning_async_pp.models import Llama
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository root: the benchmarks package
+
+from lightning_async_pp.models import Llama  # noqa: E402
 
 
 def main() -> None:
@@ -26,10 +32,18 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=256)
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--hf", action="store_true", help="transformers' LlamaForCausalLM through models.HuggingFaceCausalLM "
+                                                      "(as benchmarks/realistic_llama.py) instead of models.Llama")
     args = ap.parse_args()
     torch.set_num_threads(1)  # as each process of a two-process run on two cores
     torch.manual_seed(0)
-    model = Llama("smollm-135m", vocab_size=args.vocab, num_layers=args.layers, max_seq_len=args.seq)
+    if args.hf:
+        from benchmarks.realistic_llama import llama_config
+        from lightning_async_pp.models import HuggingFaceCausalLM
+
+        model = HuggingFaceCausalLM(config=llama_config(dict(vocab=args.vocab, layers=args.layers, seq=args.seq)))
+    else:
+        model = Llama("smollm-135m", vocab_size=args.vocab, num_layers=args.layers, max_seq_len=args.seq)
     model.configure_model()
     layers = list(model.pipeline_layers())
     batch = torch.randint(0, args.vocab, (args.rows, args.seq + 1))
