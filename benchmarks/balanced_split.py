@@ -38,17 +38,7 @@ from torch.utils.data import DataLoader  # noqa: E402
 from lightning_async_pp import AsyncPipelineStrategy  # noqa: E402
 from lightning_async_pp.models import Llama  # noqa: E402
 
-from benchmarks.harness import step_recorder  # noqa: E402
-
-
-def resident_mib() -> float:
-    """This process's resident memory now (Linux; nan elsewhere): one process runs every fit, so growth from fit to
-    fit shows here."""
-    try:
-        with open("/proc/self/status") as f:
-            return next(int(line.split()[1]) for line in f if line.startswith("VmRSS")) / 1024
-    except (OSError, StopIteration):
-        return float("nan")
+from benchmarks.harness import resident_mib, step_recorder  # noqa: E402
 
 
 def fit_once(args: argparse.Namespace, schedule: str, partition: Any) -> tuple[float, tuple[int, ...]]:

@@ -93,17 +93,32 @@ def own_cpu_seconds() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-def peak_rss_mib() -> float:
-    """Peak resident memory of this process (VmHWM). Not ``getrusage``'s ``ru_maxrss``: that survives ``exec``,
-    so a child started by fork and exec would report at least its parent's peak."""
+def _status_mib(field: str) -> Optional[float]:
+    """A memory field of this process's /proc/self/status (``VmHWM``, ``VmRSS``) in MiB; None where unavailable."""
     try:
         with open("/proc/self/status") as f:
             for line in f:
-                if line.startswith("VmHWM:"):
+                if line.startswith(field + ":"):
                     return int(line.split()[1]) / 1024.0  # kB
     except OSError:
         pass
+    return None
+
+
+def peak_rss_mib() -> float:
+    """Peak resident memory of this process (VmHWM). Not ``getrusage``'s ``ru_maxrss``: that survives ``exec``,
+    so a child started by fork and exec would report at least its parent's peak."""
+    peak = _status_mib("VmHWM")
+    if peak is not None:
+        return peak
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0  # Linux reports KiB
+
+
+def resident_mib() -> float:
+    """Resident memory of this process now (VmRSS; nan where unavailable): where one process runs several fits,
+    growth from one to the next shows here, which the peak hides."""
+    now = _status_mib("VmRSS")
+    return float("nan") if now is None else now
 
 
 def total_steps(cfg: dict) -> int:

@@ -13,9 +13,8 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
-
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -23,6 +22,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository root: the benchmarks package
 
 from lightning_async_pp.models import Llama  # noqa: E402
+
+from benchmarks.harness import one_thread  # noqa: E402
 
 
 def main() -> None:
@@ -35,7 +36,7 @@ def main() -> None:
     ap.add_argument("--hf", action="store_true", help="transformers' LlamaForCausalLM through models.HuggingFaceCausalLM "
                                                       "(as benchmarks/realistic_llama.py) instead of models.Llama")
     args = ap.parse_args()
-    torch.set_num_threads(1)  # as each process of a two-process run on two cores
+    one_thread()  # as each process of a two-process run on two cores
     torch.manual_seed(0)
     if args.hf:
         from benchmarks.realistic_llama import llama_config
