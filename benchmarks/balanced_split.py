@@ -15,6 +15,8 @@ splits (``lightning-async-pp-plan``'s cost model: FLOPs only).
         --points 8 9 10 11 12 13                                               # BENCHMARKS.md's run (14 min)
     PYTHONPATH=$PWD .venv/bin/python benchmarks/balanced_split.py --layers 30 --rounds 2 \
         --named balanced parameters --points 18 19 20 21 22 24                  # and at 30 layers (26 min)
+    PYTHONPATH=$PWD .venv/bin/python benchmarks/balanced_split.py --rounds 2 --named balanced measured \
+        --points 11 12 13                                                       # layer_cost="measured" (BENCHMARKS.md)
 
 Lightning's launcher re-executes this script for rank 1; both ranks run the same list of fits.
 """
@@ -48,8 +50,11 @@ def fit_once(args: argparse.Namespace, schedule: str, partition: Any) -> tuple[f
     rows = list(torch.randint(0, 49152, (args.batch * (args.steps + 1), args.seq + 1), generator=g))
     loader = DataLoader(rows, batch_size=args.batch, drop_last=True)
     timer = step_recorder()  # median_step(): the first step (and setup) not counted
+    cost = "flops"
+    if partition == "measured":  # the balanced split by each layer timed on rank 0 (layer_cost="measured")
+        partition, cost = "balanced", "measured"
     strategy = AsyncPipelineStrategy(schedule, num_microbatches=args.microbatches, partition=partition,
-                                     pipeline_timeout=600.0, gather_final_weights=False)
+                                     pipeline_timeout=600.0, gather_final_weights=False, layer_cost=cost)
     trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=2, max_steps=args.steps, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                         num_sanity_val_steps=0, limit_val_batches=0, callbacks=[timer])
@@ -86,7 +91,9 @@ def main() -> None:
     ap.add_argument("--schedules", nargs="+", default=["2bw", "1f1b"])
     ap.add_argument("--points", nargs="+", type=int, default=None,
                     help="first-stage layer counts of the explicit splits to try (default: every one)")
-    ap.add_argument("--named", nargs="+", default=None, help="the named partitions to try (default: all three)")
+    ap.add_argument("--named", nargs="+", default=None,
+                    help="the named partitions to try (default: balanced, parameters, uniform; also: measured, the "
+                         "balanced split by measured layer times)")
     args = ap.parse_args()
     if args.quick:
         args.rounds, args.steps = 1, 3
@@ -129,8 +136,9 @@ def main() -> None:
             counts = splits[(schedule, name)]
             print(f"  | {name} | {list(counts)} | {seconds:.3f} | {seconds / explicit[best]:.3f} | "
                   f"{predicted(args, schedule, counts) * 1e3:.1f} ms |")
-        print(f"  parameters / balanced: {med['parameters'] / med['balanced']:.3f}; balanced / fastest explicit "
-              f"({best}): {med['balanced'] / explicit[best]:.3f}")
+        for name in (n for n in ("balanced", "measured") if n in med):
+            print(f"  {name} / fastest explicit ({best}): {med[name] / explicit[best]:.3f}"
+                  + (f"; parameters / {name}: {med['parameters'] / med[name]:.3f}" if "parameters" in med else ""))
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import itertools
 import random
+import time
 import warnings
 from dataclasses import replace
 
@@ -17,6 +18,7 @@ from lightning_async_pp.pipeline.config import PipelineConfig
 from lightning_async_pp.pipeline.cost import (LayerCost, MemoryModel, balanced_split, layer_costs, split_and_run_ahead,
                                               stage_memory_bytes, stage_peak)
 from lightning_async_pp.pipeline.memory import StageMemory
+from lightning_async_pp.pipeline.timing import measure_layer_times
 
 
 def brute_force(times, p, memory=None, cap=None):
@@ -164,6 +166,60 @@ def test_without_an_example_batch_the_split_falls_back_to_parameters_with_a_warn
         split = fit_and_split(Plain())
     assert split.method == "parameters" and split.time_share == ()
     assert any("example_input_array" in str(w.message) and "partition='parameters'" in str(w.message) for w in caught)
+
+
+class SlowFirst(Plain):
+    """Plain with a sleep before its first layer's every forward: that layer is the cheapest in FLOPs and, by far,
+    the slowest in time (50 ms against microseconds), on any CPU."""
+
+    def __init__(self, example=None):
+        torch.manual_seed(0)
+        super().__init__(example)
+        self.layers[0].register_forward_pre_hook(lambda module, args: time.sleep(0.05))
+
+
+def test_measured_layer_cost_splits_by_time_where_flops_miss_the_slow_layer_and_trains_the_same_numbers():
+    flops = fit_and_split(SlowFirst(example=torch.zeros(2, 8)))
+    assert (flops.counts, flops.cost) == ((3, 1), "flops")  # by FLOPs the sleeping layer costs least
+    measured_model = SlowFirst(example=torch.zeros(2, 8))
+    measured = fit_and_split(measured_model, layer_cost="measured")
+    assert (measured.method, measured.counts, measured.cost) == ("balanced", (1, 3), "measured")
+    assert measured.time_share[0] > 0.9 and "predicted compute share (measured time)" in measured.describe()
+    assert len(measured.memory_bytes) == 2  # the memory account is the same one
+    # Timing runs the layers on stand-ins: the fit trains exactly what the same split given explicitly trains.
+    explicit_model = SlowFirst(example=torch.zeros(2, 8))
+    assert fit_and_split(explicit_model, partition=[1, 3]).cost == "flops"
+    for (name, a), b in zip(measured_model.state_dict().items(), explicit_model.state_dict().values()):
+        assert torch.equal(a, b), name
+    # Any method reports measured shares when asked; one stage measures nothing.
+    uniform = fit_and_split(SlowFirst(example=torch.zeros(2, 8)), partition="uniform", layer_cost="measured")
+    assert uniform.counts == (2, 2) and uniform.cost == "measured" and uniform.time_share[0] > 0.9
+
+
+def test_measuring_layer_times_leaves_the_layers_and_the_random_state_untouched():
+    torch.manual_seed(0)
+    layers = [nn.Linear(8, 16), nn.Sequential(nn.Dropout(0.5), nn.Linear(16, 8), nn.BatchNorm1d(8))]
+    with torch.device("meta"):  # a layer built without memory (configure_model on meta) is timed on random values
+        layers.append(nn.Linear(8, 8))
+    before = [{k: v.clone() for k, v in layer.state_dict().items()} for layer in layers[:2]]
+    sample = torch.randn(4, 8)
+    rng = torch.get_rng_state()
+    times = measure_layer_times(layers, sample, lambda batch: batch, lambda out, batch: out.square().mean(),
+                                torch.device("cpu"), repeats=2)
+    assert len(times) == 3 and all(t > 0 for t in times)
+    assert torch.equal(torch.get_rng_state(), rng)  # the dropout and the random stand-ins drew on a forked state
+    for layer, state in zip(layers, before):
+        assert all(torch.equal(v, state[k]) for k, v in layer.state_dict().items())  # BatchNorm's statistics too
+        assert all(p.grad is None for p in layer.parameters())
+    assert layers[2].weight.is_meta
+    with pytest.raises(ValueError, match="repeats must be >= 1, got 0"):
+        measure_layer_times(layers, sample, lambda b: b, lambda o, b: o.sum(), torch.device("cpu"), repeats=0)
+
+
+def test_layer_cost_must_be_flops_or_measured():
+    with pytest.raises(ValueError, match=r"Unknown layer_cost 'flop' \(did you mean 'flops'\?\); valid ones are "
+                                         r"'flops', 'measured'"):
+        AsyncPipelineStrategy(layer_cost="flop")
 
 
 def test_stage_memory_gib_must_be_a_positive_number():

@@ -29,9 +29,16 @@ def test_2bw_two_stages_equal_the_one_device_2bw_run(tmp_path, optimizer):
     assert max_difference(multi, one_device_weights(dict(cfg, schedule="1f1b"))) > 1e-4
 
 
-def test_2bw_four_stages_equal_the_one_device_2bw_run(tmp_path):
-    cfg = dict(BASE, schedule="2bw", stages=4, model={"depth": 5})
+def test_2bw_four_stages_equal_the_one_device_2bw_run_on_the_split_rank_0_measured(tmp_path):
+    """The split is balanced by measured time (layer_cost="measured"), and layer 0 sleeps only in rank 0's
+    process: each process timing its own layers would choose another split, and the pipeline would not connect.
+    Every process takes rank 0's times, so all put layer 0 alone on stage 0."""
+    cfg = dict(BASE, schedule="2bw", stages=4, model={"depth": 5}, partition="balanced", layer_cost="measured",
+               example_batch=True, slow_on_rank0=0, report_split=True)
     assert max_difference(multiprocess_weights(cfg, tmp_path), one_device_weights(cfg)) < 1e-5
+    splits = [json.loads((tmp_path / f"split_{rank}.json").read_text()) for rank in range(4)]
+    assert all(s == splits[0] for s in splits), splits
+    assert splits[0]["method"] == "balanced" and splits[0]["cost"] == "measured" and splits[0]["counts"][0] == 1
 
 
 @pytest.mark.parametrize("stages", [2, 4])

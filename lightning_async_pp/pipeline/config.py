@@ -19,6 +19,9 @@ from lightning_async_pp.pipeline.schedule import MULTI_CHUNK_SCHEDULES, SCHEDULE
 DelaySpec = Union[int, Sequence[int], None]
 CheckpointingSpec = Union[bool, Sequence[int]]
 CompileSpec = Union[bool, Mapping[str, Any]]
+#: What a layer's cost is, for the balanced split and the split's report: FLOPs counted on fake tensors, or the
+#: forward and backward timed on the device, one layer at a time (docs/design/planner.md, "Balanced split").
+LAYER_COSTS = ("flops", "measured")
 
 
 def _is_int(value: object) -> bool:
@@ -34,6 +37,7 @@ class PipelineConfig:
     data_parallel_size: int = 1
     partition: PartitionSpec = "balanced"
     stage_memory_gib: Optional[float] = None  # partition="balanced": every stage's predicted peak at most this
+    layer_cost: str = "flops"  # one of LAYER_COSTS
     # 2bw's last stage runs the next batch's first microbatch before its update (a second gradient there); None: on,
     # unless stage_memory_gib leaves the last stage room for one gradient only (docs/design/planner.md, "Run-ahead")
     last_stage_run_ahead: Optional[bool] = None
@@ -82,6 +86,11 @@ class PipelineConfig:
                 )
         elif not isinstance(self.partition, Sequence) or not all(_is_int(c) for c in self.partition):
             raise ValueError(f"partition must be one of {PARTITION_METHODS} or a list of layer counts, got {self.partition!r}")
+        if self.layer_cost not in LAYER_COSTS:
+            close = difflib.get_close_matches(str(self.layer_cost), LAYER_COSTS, 1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise ValueError(f"Unknown layer_cost {self.layer_cost!r}{hint}; valid ones are "
+                             f"{', '.join(map(repr, LAYER_COSTS))}")
         if self.stage_memory_gib is not None and (isinstance(self.stage_memory_gib, bool) or not isinstance(
                 self.stage_memory_gib, (int, float)) or not self.stage_memory_gib > 0):
             raise ValueError(f"stage_memory_gib must be None (no cap) or a number of GiB > 0, got {self.stage_memory_gib!r}")

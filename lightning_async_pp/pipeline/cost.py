@@ -324,10 +324,11 @@ class SplitReport:
 
     method: str  # "balanced", "parameters", "uniform" or "explicit"
     counts: tuple[int, ...]  # layers per stage
-    time_share: tuple[float, ...]  # each stage's share of the model's compute (FLOPs); empty without costs
+    time_share: tuple[float, ...]  # each stage's share of the model's compute (by ``cost``); empty without costs
     memory_bytes: tuple[int, ...]  # each stage's predicted peak; empty without costs
     # 2bw's last stage runs the next batch's first microbatch before its update; None: no stage could
     run_ahead: Optional[bool] = None
+    cost: str = "flops"  # what ``time_share`` shares: "flops" (counted) or "measured" (timed on the device)
 
     @property
     def imbalance(self) -> Optional[float]:
@@ -339,7 +340,8 @@ class SplitReport:
     def describe(self) -> str:
         text = f"partition={self.method!r}: layers per stage {list(self.counts)}"
         if self.time_share:
-            text += ("; predicted compute share " + ", ".join(f"{t:.1%}" for t in self.time_share)
+            basis = "measured time" if self.cost == "measured" else "FLOPs"
+            text += (f"; predicted compute share ({basis}) " + ", ".join(f"{t:.1%}" for t in self.time_share)
                      + f" (slowest/mean {self.imbalance:.2f}); predicted peak memory "
                      + ", ".join(format_bytes(b) for b in self.memory_bytes))
         if self.run_ahead is False:
@@ -352,15 +354,19 @@ def format_bytes(n: float) -> str:
 
 
 def report_for(counts: Sequence[int], method: str, costs: Optional[Sequence[LayerCost]],
-               model: MemoryModel) -> SplitReport:
+               model: MemoryModel, measured_times: Optional[Sequence[float]] = None) -> SplitReport:
+    """``measured_times``: each layer's seconds timed on the device, shared instead of its FLOPs."""
     # None where no stage could run ahead (not 2bw, one stage, data parallelism)
     run_ahead = model.run_ahead if replace(model, run_ahead=True).runs_ahead(model.num_stages - 1) else None
     if not costs:
         return SplitReport(method, tuple(counts), (), (), run_ahead)
-    total = sum(c.flops for c in costs) or 1
+    measured = measured_times is not None
+    weights = [float(t) for t in measured_times] if measured_times is not None else [float(c.flops) for c in costs]
+    total = sum(weights) or 1.0
     shares, mems, start = [], [], 0
     for s, c in enumerate(counts):
-        shares.append(sum(x.flops for x in costs[start:start + c]) / total)
+        shares.append(sum(weights[start:start + c]) / total)
         mems.append(round(stage_memory_bytes(costs, start, start + c, s, model)))
         start += c
-    return SplitReport(method, tuple(counts), tuple(shares), tuple(mems), run_ahead)
+    return SplitReport(method, tuple(counts), tuple(shares), tuple(mems), run_ahead,
+                       cost="measured" if measured else "flops")

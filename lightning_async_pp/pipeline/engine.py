@@ -42,6 +42,7 @@ from lightning_async_pp.pipeline.placement import (
 from lightning_async_pp.pipeline.randomness import ForwardRandomness
 from lightning_async_pp.pipeline.runtime import PipelineRuntime, Span, StepTimes
 from lightning_async_pp.pipeline.stage import Stage
+from lightning_async_pp.pipeline.timing import measure_layer_times
 from lightning_async_pp.pipeline.topology import PipelineTopology
 from lightning_async_pp.pipeline.versions import WeightVersions
 
@@ -206,13 +207,14 @@ class PipelineEngine:
     def _choose_split(self, sample_batch: Any, input_fn: Callable[[Any], Any],
                       loss_fn: Callable[[Any, Any], Tensor]) -> SplitReport:
         """The layers per stage, and what the cost model predicts of them (docs/design/planner.md, "Balanced split").
-        Every process computes the same split: the costs depend only on the layers' shapes and the sample's."""
+        Every process computes the same split: the FLOPs depend only on the layers' shapes and the sample's, and
+        measured times are rank 0's on every process."""
         config, p = self.config, self.num_stages
         method = config.partition
         # One device models the p devices its stages stand for, so it picks the split p processes pick.
         model = MemoryModel(config.schedule, p, self.num_microbatches, config.data_parallel_size, config.shard_optimizer,
                             run_ahead=config.last_stage_run_ahead is not False)
-        costs = None
+        costs, measured = None, None
         if sample_batch is not None:
             try:
                 costs = layer_costs(self.layers, sample_batch, input_fn, loss_fn, device=self.device)
@@ -221,12 +223,15 @@ class PipelineEngine:
                     warnings.warn(f"partition='balanced' could not cost the layers on fake tensors "
                                   f"({type(err).__name__}: {err}); splitting by parameter counts instead", stacklevel=3)
                 costs = None
-            finally:
-                if self._metrics_fn is not None:  # what the costing's loss recorded must not count in a batch:
-                    try:  # read it once and drop it, as for a lookahead batch Lightning did not train
-                        self._metrics_fn()
-                    except Exception:  # nothing (or only fake values) recorded: nothing to drop
-                        pass
+            # Every process takes this branch or none: the fake-tensor costing is the same everywhere.
+            if costs is not None and config.layer_cost == "measured" and p > 1:
+                measured = self._measured_times(sample_batch, input_fn, loss_fn)
+            if self._metrics_fn is not None:  # what the costing's loss recorded must not count in a batch:
+                try:  # read it once and drop it, as for a lookahead batch Lightning did not train
+                    self._metrics_fn()
+                except Exception:  # nothing (or only fake values) recorded: nothing to drop
+                    pass
+        times = measured if measured is not None else [float(c.flops) for c in costs or ()]
         if method == "balanced":
             if costs is None:
                 if sample_batch is None and self.rank == 0:
@@ -236,12 +241,31 @@ class PipelineEngine:
                 counts = [len(r) for r in partition_layers(self.layers, p, "parameters")]
                 return report_for(counts, "parameters", None, model)
             cap = config.stage_memory_gib * 2**30 if config.stage_memory_gib is not None else None
-            counts, model = split_and_run_ahead([c.flops for c in costs], p, model, memory_cap=cap,
+            counts, model = split_and_run_ahead(times, p, model, memory_cap=cap,
                                                 memory=lambda i, j, s, mm: stage_memory_bytes(costs, i, j, s, mm),
                                                 run_ahead=config.last_stage_run_ahead)
-            return report_for(counts, "balanced", costs, model)
+            return report_for(counts, "balanced", costs, model, measured_times=measured)
         counts = [len(r) for r in partition_layers(self.layers, p, method)]
-        return report_for(counts, method if isinstance(method, str) else "explicit", costs, model)
+        return report_for(counts, method if isinstance(method, str) else "explicit", costs, model,
+                          measured_times=measured)
+
+    def _measured_times(self, sample_batch: Any, input_fn: Callable[[Any], Any],
+                        loss_fn: Callable[[Any, Any], Tensor]) -> Optional[list[float]]:
+        """``layer_cost="measured"``: rank 0 times each layer on its device (pipeline/timing.py) and every process
+        takes rank 0's times, so all choose one split (each timing its own would disagree by noise). ``None``
+        (the FLOPs are used) where rank 0 could not time them."""
+        times: Optional[list[float]] = None
+        if self.rank == 0:
+            try:
+                times = measure_layer_times(self.layers, sample_batch, input_fn, loss_fn, self.device)
+            except Exception as err:  # out of memory on the device, a layer that needs real weights
+                warnings.warn(f"layer_cost='measured' could not time the layers on {self.device} "
+                              f"({type(err).__name__}: {err}); using their FLOPs instead", stacklevel=4)
+        if self.is_multiprocess:
+            box = [times]
+            dist.broadcast_object_list(box, src=0)
+            times = box[0]
+        return times
 
     def own_layer_indices(self) -> list[int]:
         """The global indices of the layers this process runs."""

@@ -69,6 +69,11 @@ class AsyncPipelineStrategy(PipelineStateHooks, TrainingBatches, FailureReportin
             of layer counts per stage. The split is printed at setup and read as ``engine.stats.split``; see
             docs/design/planner.md, 'Balanced split'.
         stage_memory_gib: with ``partition="balanced"``, a cap on every stage's predicted peak memory (GiB).
+        layer_cost: what the balanced split (and the split's printed report) weighs each layer by: ``"flops"``
+            (default: forward and backward FLOPs counted on fake tensors, nothing run) or ``"measured"`` (rank 0
+            times each layer's forward and backward on its device, one layer in memory at a time, and every
+            process takes its times; memory-bound work and overheads that FLOPs miss are counted). See
+            docs/design/planner.md, 'Balanced split'.
         last_stage_run_ahead: 2bw's last stage runs the next batch's first microbatch before its update (a second
             gradient there); None: on unless ``stage_memory_gib`` leaves room for one gradient only; True; False
             (docs/design/planner.md, "Run-ahead").
@@ -137,6 +142,7 @@ class AsyncPipelineStrategy(PipelineStateHooks, TrainingBatches, FailureReportin
         compile: CompileSpec = False,
         stage_memory_gib: Optional[float] = None,
         last_stage_run_ahead: Optional[bool] = None,
+        layer_cost: str = "flops",
         *,
         accelerator: Any = None,
         parallel_devices: Any = None,
@@ -157,7 +163,7 @@ class AsyncPipelineStrategy(PipelineStateHooks, TrainingBatches, FailureReportin
             activation_checkpointing=activation_checkpointing, shard_optimizer=shard_optimizer,
             save_distributed_checkpoint=save_distributed_checkpoint, async_checkpoint=async_checkpoint,
             compile=compile, stage_memory_gib=stage_memory_gib,
-            last_stage_run_ahead=last_stage_run_ahead,
+            last_stage_run_ahead=last_stage_run_ahead, layer_cost=layer_cost,
         )
         super().__init__(
             accelerator=accelerator, parallel_devices=parallel_devices, cluster_environment=cluster_environment,

@@ -22,7 +22,7 @@ LIGHTNING_KWARGS = ("accelerator", "parallel_devices", "cluster_environment", "c
 OWN_KWARGS = ("schedule", "num_microbatches", "data_parallel_size", "partition", "delay", "sync_steps", "num_stages",
               "gather_final_weights", "pipeline_timeout", "check_batches", "save_distributed_checkpoint",
               "activation_checkpointing", "sync_from_step", "shard_optimizer", "async_checkpoint",
-              "compile", "stage_memory_gib", "last_stage_run_ahead")
+              "compile", "stage_memory_gib", "last_stage_run_ahead", "layer_cost")
 
 
 def refuse_unknown_keywords(unknown: dict[str, Any]) -> None:

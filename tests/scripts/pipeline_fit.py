@@ -10,6 +10,7 @@ import atexit
 import json
 import os
 import sys
+import time
 from pathlib import Path
 
 import lightning as L
@@ -45,12 +46,18 @@ def main() -> None:
         with torch.no_grad():  # a replica that initialized differently: setup must give it the first replica's
             for p in model.parameters():
                 p.add_(torch.randn_like(p))
+    if cfg.get("example_batch"):  # one microbatch, for partition="balanced" to cost the layers on
+        model.pipeline_example_batch = (torch.zeros(cfg["batch"] // cfg["microbatches"], 4),
+                                        torch.zeros(cfg["batch"] // cfg["microbatches"], 1))
+    if cfg.get("slow_on_rank0") is not None and os.environ.get("LOCAL_RANK", "0") == "0":
+        # This layer sleeps in every forward in rank 0's process only: timings differ by process on purpose.
+        model.layers[cfg["slow_on_rank0"]].register_forward_pre_hook(lambda module, args: time.sleep(0.03))
     monitor_logger, monitors = _monitoring(cfg)
     strategy = AsyncPipelineStrategy(
         schedule=cfg["schedule"], num_microbatches=cfg["microbatches"],
         data_parallel_size=cfg.get("dp", 1), partition=cfg.get("partition", "parameters"),
         pipeline_timeout=cfg.get("timeout", 60.0), sync_from_step=cfg.get("sync_from_step"),
-        shard_optimizer=cfg.get("shard_optimizer", False),
+        shard_optimizer=cfg.get("shard_optimizer", False), layer_cost=cfg.get("layer_cost", "flops"),
     )
     dataset = make_dataset(cfg.get("samples", 64))
     dp = cfg.get("dp", 1)
@@ -80,6 +87,10 @@ def main() -> None:
         link = trainer.strategy.engine.runtime.link
         with open(f"buffers_reused_{trainer.global_rank}.txt", "w") as f:  # in the test's tmp_path (the cwd)
             f.write(str(link.buffers_reused))
+    if cfg.get("report_split"):
+        with open(f"split_{trainer.global_rank}.json", "w") as f:  # in the test's tmp_path (the cwd)
+            split = trainer.strategy.engine.stats.split
+            json.dump({"method": split.method, "counts": split.counts, "cost": split.cost}, f)
     if host_reads is not None:
         with open(f"host_reads_{trainer.global_rank}.json", "w") as f:  # in the test's tmp_path (the cwd)
             json.dump(host_reads, f)
