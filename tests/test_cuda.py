@@ -70,3 +70,23 @@ def test_two_processes_over_nccl_equal_one_cuda_device(tmp_path):
     assert proc.returncode == 0, proc.stderr[-4000:]
     two = torch.load(tmp_path / "rank0.pt", weights_only=False)["state_dict"]
     assert max_difference({k: v.float().cpu() for k, v in two.items()}, pipeline_run("32-true")) < 1e-5
+
+
+def test_measured_layer_times_on_cuda_synchronize_and_leave_the_layers_and_the_cuda_random_state_untouched():
+    """layer_cost="measured" on the device it will run on: a layer 64x the FLOPs of another takes longer (the
+    timing waits for the device, not just the launch), and nothing of the model or the random state changes."""
+    from lightning_async_pp.pipeline.timing import measure_layer_times
+
+    torch.manual_seed(0)
+    layers = [torch.nn.Linear(256, 256), torch.nn.Sequential(torch.nn.Dropout(0.1), torch.nn.Linear(256, 16384),
+                                                              torch.nn.Linear(16384, 256))]
+    layers = [layer.cuda() for layer in layers]
+    before = [{k: v.clone() for k, v in layer.state_dict().items()} for layer in layers]
+    sample = torch.randn(4096, 256, device="cuda")
+    rng = torch.cuda.get_rng_state()
+    times = measure_layer_times(layers, sample, lambda b: b, lambda out, b: out.square().mean(), torch.device("cuda"))
+    assert times[1] > 4 * times[0], times
+    assert torch.equal(torch.cuda.get_rng_state(), rng)
+    for layer, state in zip(layers, before):
+        assert all(torch.equal(v, state[k]) for k, v in layer.state_dict().items())
+        assert all(p.grad is None for p in layer.parameters())

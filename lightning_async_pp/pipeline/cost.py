@@ -3,7 +3,8 @@
 Per layer: forward and backward FLOPs counted by ``torch.utils.flop_counter.FlopCounterMode`` while the layer runs
 on fake tensors (``FakeTensorMode``: shapes only, no memory, nothing computed) for a sample microbatch, the loss counted with the last
 layer; the bytes of its parameters, of what its forward keeps for backward (the tensors autograd saves) and of its
-input and output. Per stage: its time is its layers' FLOPs; its memory is the peak the planner's memory model
+input and output. Per stage: its time is its layers' FLOPs (or, with ``layer_cost="measured"``, their seconds
+timed by pipeline/timing.py); its memory is the peak the planner's memory model
 (:func:`lightning_async_pp.pipeline.memory.stage_memory`) walks on the schedule's action order, fed the stage's
 bytes (:func:`stage_peak`), the account the planner's memory table prints. The split (:func:`balanced_split`) is
 the contiguous one minimising the slowest stage's time with every stage's memory under a cap: an exact dynamic
