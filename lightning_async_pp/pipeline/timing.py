@@ -92,4 +92,3 @@ def measure_layer_times(layers: Sequence[nn.Module], sample_batch: Any, input_fn
             x = tree_map(lambda t: t.detach() if isinstance(t, Tensor) else t, out)
             del state, stand_ins, out  # this layer's memory goes before the next layer's comes
     return times
-
