@@ -469,6 +469,9 @@ def test_adapter_config_trains_two_steps_in_one_process(name, cls, tmp_path, mon
     config["trainer"].update(devices=1, max_steps=2, limit_val_batches=1, val_check_interval=2, log_every_n_steps=1,
                              default_root_dir=str(tmp_path))
     config["trainer"]["strategy"]["init_args"]["num_stages"] = 2
+    # and the split by each layer timed (YAML's layer_cost) on the data module's example batch: the adopted models'
+    # layers are still on meta when the split is chosen, so they are timed on random stand-ins
+    config["trainer"]["strategy"]["init_args"].update(partition="balanced", layer_cost="measured")
     config["trainer"]["logger"]["init_args"]["save_dir"] = str(tmp_path / "logs")
     config["data"].update(block_size=32, batch_size=4, max_bytes=60_000, cache_dir=str(tmp_path / "cache"))
     path = tmp_path / f"{name}.yaml"
@@ -476,6 +479,8 @@ def test_adapter_config_trains_two_steps_in_one_process(name, cls, tmp_path, mon
     cli = AsyncPipelineCLI(args=["fit", "--config", str(path)])
     assert isinstance(cli.model, cls) and cli.trainer.global_step == 2
     assert len(cli.model.pipeline_layers()) == 7 and cli.trainer.strategy.num_stages == 2
+    split = cli.trainer.strategy.engine.stats.split
+    assert (split.method, split.cost, sum(split.counts)) == ("balanced", "measured", 7), split
     assert torch.isfinite(cli.trainer.callback_metrics["val_loss"])
 
 
