@@ -10,6 +10,7 @@ from dataclasses import replace
 import pytest
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensor
 
 from helpers import one_device_trainer
 from lightning_async_pp import AsyncPipelineStrategy, PipelineModule
@@ -141,9 +142,10 @@ class Plain(PipelineModule):
         return torch.optim.SGD(self.parameters(), lr=0.01)
 
 
-def fit_and_split(model, **strategy):
+def fit_and_split(model, precision=None, **strategy):
     data = torch.utils.data.DataLoader(torch.randn(8, 8), batch_size=4)
-    trainer = one_device_trainer(AsyncPipelineStrategy("1f1b", num_microbatches=2, num_stages=2, **strategy), steps=1)
+    trainer = one_device_trainer(AsyncPipelineStrategy("1f1b", num_microbatches=2, num_stages=2, **strategy), steps=1,
+                                 **({"precision": precision} if precision else {}))
     trainer.fit(model, data)
     return trainer.strategy.engine.stats.split
 
@@ -194,6 +196,20 @@ def test_measured_layer_cost_splits_by_time_where_flops_miss_the_slow_layer_and_
     # Any method reports measured shares when asked; one stage measures nothing.
     uniform = fit_and_split(SlowFirst(example=torch.zeros(2, 8)), partition="uniform", layer_cost="measured")
     assert uniform.counts == (2, 2) and uniform.cost == "measured" and uniform.time_share[0] > 0.9
+
+
+def test_measured_layer_times_are_taken_under_the_precision_training_computes_in():
+    """Under bf16-mixed every forward of the training runs in autocast; so must the forwards that time the layers
+    (bf16 kernels take other times than fp32's), and nothing else may differ from the FLOPs split's run."""
+    autocast = []
+    model = Plain(example=torch.zeros(2, 8))
+    for layer in model.layers:
+        layer.register_forward_pre_hook(lambda module, args: autocast.append(torch.is_autocast_enabled("cpu"))
+                                        if not isinstance(args[0], FakeTensor) else None)
+    split = fit_and_split(model, layer_cost="measured", precision="bf16-mixed")
+    assert split.cost == "measured"
+    trained = 2 * 4  # one step: 2 microbatches through 4 layers
+    assert len(autocast) == trained + 4 * 4 and all(autocast), autocast  # timing: a warm-up and 3 runs per layer
 
 
 def test_measuring_layer_times_leaves_the_layers_and_the_random_state_untouched():

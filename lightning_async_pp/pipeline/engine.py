@@ -16,7 +16,7 @@ from __future__ import annotations
 import time
 import warnings
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -132,7 +132,8 @@ class PipelineEngine:
     def __init__(self, root: nn.Module, layers: Sequence[nn.Module], paths: Sequence[str], config: PipelineConfig, *,
                  input_fn: Callable[[Any], Any], loss_fn: Callable[[Any, Any], Tensor], device: torch.device,
                  world_size: int = 1, rank: int = 0, metric_names: Sequence[str] = (),
-                 metrics_fn: Optional[Callable[[], dict[str, Tensor]]] = None, sample_batch: Any = None) -> None:
+                 metrics_fn: Optional[Callable[[], dict[str, Tensor]]] = None, sample_batch: Any = None,
+                 compute_context: Callable[[], AbstractContextManager[Any]] = nullcontext) -> None:
         self.config = config
         self.root, self.layers, self.paths = root, list(layers), list(paths)
         self.world_size, self.rank, self.device = world_size, rank, device
@@ -146,6 +147,7 @@ class PipelineEngine:
         reassemble_layers(root, self.layers, self.paths)
         self.checkpointed_layers = config.checkpointed_layers(len(self.layers))
         self._metrics_fn = metrics_fn
+        self._compute_context = compute_context  # what training computes in (autocast): measured layer times too
         self.split = self._choose_split(sample_batch, input_fn, loss_fn)
         self.ranges = partition_layers(self.layers, self.num_stages, list(self.split.counts))
         self.stage_of_layer = [s for s, r in enumerate(self.ranges) for _ in r]
@@ -257,7 +259,8 @@ class PipelineEngine:
         times: Optional[list[float]] = None
         if self.rank == 0:
             try:
-                times = measure_layer_times(self.layers, sample_batch, input_fn, loss_fn, self.device)
+                times = measure_layer_times(self.layers, sample_batch, input_fn, loss_fn, self.device,
+                                            context=self._compute_context)
             except Exception as err:  # out of memory on the device, a layer that needs real weights
                 warnings.warn(f"layer_cost='measured' could not time the layers on {self.device} "
                               f"({type(err).__name__}: {err}); using their FLOPs instead", stacklevel=4)

@@ -13,7 +13,8 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable, Sequence
-from typing import Any, Optional
+from contextlib import AbstractContextManager, nullcontext
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -40,11 +41,12 @@ def _synchronize(device: torch.device) -> None:
 
 
 def measure_layer_times(layers: Sequence[nn.Module], sample_batch: Any, input_fn: Callable[[Any], Any],
-                        loss_fn: Callable[[Any, Any], Tensor], device: torch.device, *,
-                        repeats: int = 3) -> list[float]:
+                        loss_fn: Callable[[Any, Any], Tensor], device: torch.device, *, repeats: int = 3,
+                        context: Callable[[], AbstractContextManager[Any]] = nullcontext) -> list[float]:
     """Seconds each of ``layers`` takes for one forward and backward of ``sample_batch`` (one microbatch) on
     ``device``: the median of ``repeats`` runs after one warm-up; the last layer's include ``loss_fn``. A later
-    layer's input gradient is computed, the first layer's not, as in the pipeline."""
+    layer's input gradient is computed, the first layer's not, as in the pipeline. Each run is inside
+    ``context()``, what training runs in (the precision's autocast: bf16 kernels take other times than fp32's)."""
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats!r}")
     device = torch.device(device)
@@ -72,12 +74,13 @@ def measure_layer_times(layers: Sequence[nn.Module], sample_batch: Any, input_fn
             wrt = [t for t in _float_leaves(x) if t.requires_grad] + [t for t in stand_ins.values() if t.requires_grad]
 
             def run() -> Any:
-                out = functional_call(layer, state, (x,))
-                loss = loss_fn(out, batch) if last else out
-                outputs = [t for t in _float_leaves(loss) if t.requires_grad]
-                if outputs and wrt:
-                    torch.autograd.grad(outputs, wrt, grad_outputs=[torch.ones_like(t) for t in outputs],
-                                        allow_unused=True)
+                with context():
+                    out = functional_call(layer, state, (x,))
+                    loss = loss_fn(out, batch) if last else out
+                    outputs = [t for t in _float_leaves(loss) if t.requires_grad]
+                    if outputs and wrt:
+                        torch.autograd.grad(outputs, wrt, grad_outputs=[torch.ones_like(t) for t in outputs],
+                                            allow_unused=True)
                 return out
 
             out = run()  # warm-up: lazy initialisation, allocator growth, kernel selection
