@@ -299,7 +299,9 @@ class AsyncPipelineStrategy(PipelineStateHooks, TrainingBatches, FailureReportin
             input_fn=module.pipeline_input, loss_fn=module.pipeline_loss,
             device=self.root_device, world_size=self.world_size_total, rank=self.global_rank,
             metric_names=module.pipeline_metric_names(), metrics_fn=module.pipeline_metrics,
-            sample_batch=module.pipeline_sample(), compute_context=self.precision_plugin.train_step_context,
+            # the sample as training batches reach the layers (bf16-true: floating inputs in bf16), computed as they are
+            sample_batch=self.precision_plugin.convert_input(module.pipeline_sample()),
+            compute_context=self.precision_plugin.train_step_context,
         )
         rank_zero_info(f"lightning_async_pp: {self.engine.split.describe()}")
         # Layers built on the meta device (configure_model) get memory here, this process's stage only.
