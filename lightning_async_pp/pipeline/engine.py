@@ -225,14 +225,19 @@ class PipelineEngine:
                     warnings.warn(f"partition='balanced' could not cost the layers on fake tensors "
                                   f"({type(err).__name__}: {err}); splitting by parameter counts instead", stacklevel=3)
                 costs = None
-            # Every process takes this branch or none: the fake-tensor costing is the same everywhere.
-            if costs is not None and config.layer_cost == "measured" and p > 1:
-                measured = self._measured_times(sample_batch, input_fn, loss_fn)
-            if self._metrics_fn is not None:  # what the costing's loss recorded must not count in a batch:
-                try:  # read it once and drop it, as for a lookahead batch Lightning did not train
-                    self._metrics_fn()
-                except Exception:  # nothing (or only fake values) recorded: nothing to drop
-                    pass
+        # Whether the times are exchanged follows from the configuration alone, so every process joins the broadcast
+        # even where its own costing differed; a process uses the times only with costs of its own.
+        if config.layer_cost == "measured" and p > 1:
+            measured = self._measured_times(sample_batch if costs is not None else None, input_fn, loss_fn)
+            if costs is None or measured is None or len(measured) != len(costs):
+                measured = None
+        if sample_batch is not None and self._metrics_fn is not None:
+            # what the costing's loss recorded must not count in a batch: read it once and drop it, as for a
+            # lookahead batch Lightning did not train
+            try:
+                self._metrics_fn()
+            except Exception:  # nothing (or only fake values) recorded: nothing to drop
+                pass
         times = measured if measured is not None else [float(c.flops) for c in costs or ()]
         if method == "balanced":
             if costs is None:
@@ -255,9 +260,9 @@ class PipelineEngine:
                         loss_fn: Callable[[Any, Any], Tensor]) -> Optional[list[float]]:
         """``layer_cost="measured"``: rank 0 times each layer on its device (pipeline/timing.py) and every process
         takes rank 0's times, so all choose one split (each timing its own would disagree by noise). ``None``
-        (the FLOPs are used) where rank 0 could not time them."""
+        (the FLOPs are used) where rank 0 could not time them or has no sample (``sample_batch`` None)."""
         times: Optional[list[float]] = None
-        if self.rank == 0:
+        if self.rank == 0 and sample_batch is not None:
             try:
                 times = measure_layer_times(self.layers, sample_batch, input_fn, loss_fn, self.device,
                                             context=self._compute_context)
