@@ -200,6 +200,24 @@ def test_measured_layer_cost_splits_by_time_where_flops_miss_the_slow_layer_and_
     assert fit_and_split(SlowFirst(example=torch.zeros(2, 8)), layer_cost="measured", num_stages=1).cost == "flops"
 
 
+def test_resuming_under_another_split_of_as_many_stages_warns_and_names_the_checkpoints_split(tmp_path):
+    """The split decides dropout's streams: a resume that splits otherwise (a measured split timed again) says so."""
+    data = torch.utils.data.DataLoader(torch.randn(8, 8), batch_size=4)
+    first = one_device_trainer(AsyncPipelineStrategy("1f1b", num_microbatches=2, num_stages=2, partition=[1, 3]),
+                               steps=1)
+    first.fit(Plain(example=torch.zeros(2, 8)), data)
+    first.save_checkpoint(tmp_path / "one.ckpt")
+    for partition, warns in (([2, 2], True), ([1, 3], False)):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            one_device_trainer(AsyncPipelineStrategy("1f1b", num_microbatches=2, num_stages=2, partition=partition),
+                               steps=2).fit(Plain(example=torch.zeros(2, 8)), data, ckpt_path=tmp_path / "one.ckpt")
+        named = [w for w in caught if "the checkpoint was trained with [1, 3]" in str(w.message)]
+        assert bool(named) == warns, [str(w.message) for w in caught]
+        if warns:
+            assert "layers per stage [2, 2]" in str(named[0].message) and "partition=[1, 3]" in str(named[0].message)
+
+
 def test_measured_layer_times_are_taken_under_the_precision_training_computes_in():
     """Under bf16-mixed every forward of the training runs in autocast; so must the forwards that time the layers
     (bf16 kernels take other times than fp32's)."""

@@ -149,7 +149,7 @@ def checkpoint_meta(engine: Any, schedule: str, data_parallel_size: int) -> dict
     return {
         "format": FORMAT, "schedule": schedule, "num_stages": engine.num_stages,
         "data_parallel_size": data_parallel_size, "num_updates": engine.stats.batch_index,
-        "aliases": dict(engine.aliases),
+        "aliases": dict(engine.aliases), "layers_per_stage": list(engine.split.counts),
     }
 
 

@@ -156,6 +156,13 @@ class PipelineStateHooks:
         ckpt.load_engine(engine, module, tensors, num_updates, strict)
         # Keep only what load_optimizer_state_dict will take (nothing outside fit), not a second copy of the model.
         fitting = module.trainer.state.fn == TrainerFn.FITTING
+        saved = checkpoint.get("async_pipeline", {}).get("layers_per_stage")
+        if fitting and saved is not None and len(saved) == engine.num_stages and tuple(saved) != engine.split.counts:
+            rank_zero_warn(  # same stage count, other split: a noisy measured split, another example batch
+                f"resuming with layers per stage {list(engine.split.counts)}, but the checkpoint was trained with "
+                f"{list(saved)}: dropout's random streams and per-stage delays follow each layer's stage, so this run "
+                f"can draw other numbers than the uninterrupted run; pass partition={list(saved)} to continue it "
+                f"exactly (layer_cost='measured' can choose another split in each run)")
         self._tensors = {k: v for k, v in tensors.items() if k.startswith(ckpt.OPTIM)} if fitting else {}
         if not fitting:
             self._source = None
