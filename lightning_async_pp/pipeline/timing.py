@@ -6,7 +6,7 @@ microbatch forward and backward (the loss with the last layer) a few times, and 
 more than one layer's parameters and one microbatch's activations in memory. The layers themselves are not touched:
 each runs through ``functional_call`` on stand-ins for its parameters and buffers (its own values where it has any,
 random ones where it was built on the ``meta`` device), and the random state is restored afterwards, so a run
-with measured costs draws the same numbers as one without. See docs/design/planner.md, "Balanced split".
+with measured costs draws what the same split given explicitly draws. See docs/design/planner.md, "Balanced split".
 """
 from __future__ import annotations
 
