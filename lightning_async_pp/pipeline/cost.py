@@ -68,8 +68,15 @@ for _name, _fn in (("_scaled_dot_product_flash_attention_for_cpu", _cpu_flash),
         _CUSTOM_FLOPS[getattr(torch.ops.aten, _name)] = _fn
 
 
-def _float_leaves(x: Any) -> list[Tensor]:
+def float_leaves(x: Any) -> list[Tensor]:
     return [t for t in tree_flatten(x)[0] if isinstance(t, Tensor) and t.is_floating_point()]
+
+
+def as_stage_input(x: Any) -> Any:
+    """``x`` as a later stage receives it: its floating tensors new leaves that need their gradient (to send
+    back); the first layer's input does not, so the costing and the timing call this for later layers only."""
+    return tree_map(lambda t: t.detach().requires_grad_(True) if isinstance(t, Tensor) and t.is_floating_point()
+                    else t, x)
 
 
 def layer_costs(layers: Sequence[nn.Module], sample_batch: Any, input_fn: Callable[[Any], Any],
@@ -95,9 +102,8 @@ def layer_costs(layers: Sequence[nn.Module], sample_batch: Any, input_fn: Callab
             params = {n: fake(p, p.requires_grad) for n, p in layer.named_parameters(remove_duplicate=False)}
             buffers = {n: fake(b) for n, b in layer.named_buffers(remove_duplicate=False)}
             if i > 0:  # a later stage's input needs its gradient (to send back); the first layer's does not
-                x = tree_map(lambda t: t.detach().requires_grad_(True) if isinstance(t, Tensor) and t.is_floating_point()
-                             else t, x)
-            inputs = [t for t in _float_leaves(x) if t.requires_grad]
+                x = as_stage_input(x)
+            inputs = [t for t in float_leaves(x) if t.requires_grad]
             param_ids = {id(p) for p in params.values()}
             saved: dict[int, int] = {}
 
@@ -110,7 +116,7 @@ def layer_costs(layers: Sequence[nn.Module], sample_batch: Any, input_fn: Callab
                 out = functional_call(layer, {**params, **buffers}, (x,))
                 if i == len(layers) - 1:
                     out = loss_fn(out, batch)
-            outputs = [t for t in _float_leaves(out) if t.requires_grad]
+            outputs = [t for t in float_leaves(out) if t.requires_grad]
             wrt = inputs + [p for p in params.values() if p.requires_grad]
             with FlopCounterMode(display=False, custom_mapping=_CUSTOM_FLOPS) as backward:
                 if outputs and wrt:
@@ -124,8 +130,8 @@ def layer_costs(layers: Sequence[nn.Module], sample_batch: Any, input_fn: Callab
                     param_bytes += p.numel() * p.element_size()
             held = lambda ts: sum(t.numel() * t.element_size() for t in ts if id(t) not in saved)  # noqa: E731
             costs.append(LayerCost(forward.get_total_flops(), backward.get_total_flops(), param_bytes,
-                                   sum(saved.values()), input_bytes=held(_float_leaves(x)),
-                                   output_bytes=held(_float_leaves(out))))
+                                   sum(saved.values()), input_bytes=held(float_leaves(x)),
+                                   output_bytes=held(float_leaves(out))))
             x = tree_map(lambda t: t.detach() if isinstance(t, Tensor) else t, out)
     return costs
 
@@ -361,8 +367,7 @@ def report_for(counts: Sequence[int], method: str, costs: Optional[Sequence[Laye
     run_ahead = model.run_ahead if replace(model, run_ahead=True).runs_ahead(model.num_stages - 1) else None
     if not costs:
         return SplitReport(method, tuple(counts), (), (), run_ahead)
-    measured = measured_times is not None
-    weights = [float(t) for t in measured_times] if measured_times is not None else [float(c.flops) for c in costs]
+    weights = [float(c.flops) for c in costs] if measured_times is None else [float(t) for t in measured_times]
     total = sum(weights) or 1.0
     shares, mems, start = [], [], 0
     for s, c in enumerate(counts):
@@ -370,4 +375,4 @@ def report_for(counts: Sequence[int], method: str, costs: Optional[Sequence[Laye
         mems.append(round(stage_memory_bytes(costs, start, start + c, s, model)))
         start += c
     return SplitReport(method, tuple(counts), tuple(shares), tuple(mems), run_ahead,
-                       cost="measured" if measured else "flops")
+                       cost="flops" if measured_times is None else "measured")

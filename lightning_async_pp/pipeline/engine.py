@@ -238,7 +238,6 @@ class PipelineEngine:
                 self._metrics_fn()
             except Exception:  # nothing (or only fake values) recorded: nothing to drop
                 pass
-        times = measured if measured is not None else [float(c.flops) for c in costs or ()]
         if method == "balanced":
             if costs is None:
                 if sample_batch is None and self.rank == 0:
@@ -248,6 +247,7 @@ class PipelineEngine:
                 counts = [len(r) for r in partition_layers(self.layers, p, "parameters")]
                 return report_for(counts, "parameters", None, model)
             cap = config.stage_memory_gib * 2**30 if config.stage_memory_gib is not None else None
+            times = measured if measured is not None else [float(c.flops) for c in costs]
             counts, model = split_and_run_ahead(times, p, model, memory_cap=cap,
                                                 memory=lambda i, j, s, mm: stage_memory_bytes(costs, i, j, s, mm),
                                                 run_ahead=config.last_stage_run_ahead)

@@ -19,11 +19,9 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 from torch.func import functional_call
-from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils._pytree import tree_map
 
-
-def _float_leaves(x: Any) -> list[Tensor]:
-    return [t for t in tree_flatten(x)[0] if isinstance(t, Tensor) and t.is_floating_point()]
+from lightning_async_pp.pipeline.cost import as_stage_input, float_leaves
 
 
 def _stand_in(t: Tensor, device: torch.device, copy: bool = False) -> Tensor:
@@ -50,9 +48,9 @@ def measure_layer_times(layers: Sequence[nn.Module], sample_batch: Any, input_fn
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats!r}")
     device = torch.device(device)
-    devices = [device] if device.type not in ("cpu", "meta") else []
     times: list[float] = []
-    with torch.random.fork_rng(devices=devices, device_type=device.type if devices else "cuda"):
+    # the CPU's state always, the device's where it has one of its own
+    with torch.random.fork_rng(devices=[] if device.type == "cpu" else [device], device_type=device.type):
         batch = tree_map(lambda t: _stand_in(t, device) if isinstance(t, Tensor) else t, sample_batch)
         with torch.no_grad():
             x = input_fn(batch)
@@ -69,15 +67,14 @@ def measure_layer_times(layers: Sequence[nn.Module], sample_batch: Any, input_fn
             # buffers copied: a forward may update them in place (BatchNorm's running statistics)
             state.update({n: stand_in(b, False, copy=True) for n, b in layer.named_buffers(remove_duplicate=False)})
             if i > 0:  # a later stage's input needs its gradient (to send back); the first layer's does not
-                x = tree_map(lambda t: t.detach().requires_grad_(True) if isinstance(t, Tensor) and t.is_floating_point()
-                             else t, x)
-            wrt = [t for t in _float_leaves(x) if t.requires_grad] + [t for t in stand_ins.values() if t.requires_grad]
+                x = as_stage_input(x)
+            wrt = [t for t in float_leaves(x) if t.requires_grad] + [t for t in stand_ins.values() if t.requires_grad]
 
             def run() -> Any:
                 with context():
                     out = functional_call(layer, state, (x,))
                     loss = loss_fn(out, batch) if last else out
-                    outputs = [t for t in _float_leaves(loss) if t.requires_grad]
+                    outputs = [t for t in float_leaves(loss) if t.requires_grad]
                     if outputs and wrt:
                         torch.autograd.grad(outputs, wrt, grad_outputs=[torch.ones_like(t) for t in outputs],
                                             allow_unused=True)
