@@ -73,7 +73,7 @@ def test_two_processes_over_nccl_equal_one_cuda_device(tmp_path):
 
 
 def test_measured_layer_times_on_cuda_synchronize_and_leave_the_layers_and_the_cuda_random_state_untouched():
-    """layer_cost="measured" on the device it will run on: a layer 64x the FLOPs of another takes longer (the
+    """layer_cost="measured" on the device it will run on: a layer of about 190x the FLOPs of another takes longer (the
     timing waits for the device, not just the launch), and nothing of the model or the random state changes."""
     from lightning_async_pp.pipeline.timing import measure_layer_times
 
