@@ -8,7 +8,10 @@ samples, batch, seq,
 val_every + val_batches (validation during fit), text_samples (TextSamples keyword arguments),
 log_dir (a TensorBoardLogger there), timeout,
 packed (rows as packed batches {"input_ids", "position_ids"} of documents 1..7 tokens long, ``skip_document_ends``),
-eval_batch (the batch size of the non-fit calls of a sequence, last batch ragged).
+eval_batch (the batch size of the non-fit calls of a sequence, last batch ragged),
+activation_checkpointing, stage_memory_gib (strategy options as named), pool_buffers (receive buffers pooled as on
+CUDA: ``StageLink.REUSE_BUFFERS_ON_CPU``),
+cases: {name: config}: several runs in one launch (``run_cases``), each result under its name.
 """
 from __future__ import annotations
 
@@ -90,6 +93,12 @@ def make_trainer(cfg: dict) -> L.Trainer:
         kwargs["partition"] = cfg["partition"]
     if cfg.get("devices", 2) == 1:
         kwargs["num_stages"] = cfg.get("stages", 2)  # the one-device emulation of the same pipeline
+    for key in ("activation_checkpointing", "stage_memory_gib"):
+        if cfg.get(key) is not None:
+            kwargs[key] = cfg[key]
+    from lightning_async_pp.pipeline.comm import StageLink
+
+    StageLink.REUSE_BUFFERS_ON_CPU = bool(cfg.get("pool_buffers"))  # what CUDA does; each case sets its own
     strategy = AsyncPipelineStrategy(schedule=cfg.get("schedule", "2bw"), num_microbatches=cfg.get("microbatches", 4),
                                      pipeline_timeout=cfg.get("timeout", 60.0), **kwargs)
     callbacks = []
@@ -157,8 +166,19 @@ def run_sequence(cfg: dict, devices: int) -> tuple[dict, Llama, L.Trainer]:
     return result, model, trainer
 
 
+def run_cases(cfg: dict, devices: int) -> tuple[dict, Llama, L.Trainer]:
+    """``cfg["cases"]`` (name -> config) one after another in the same processes (one launch for several runs);
+    the result maps each name to what ``run`` returned. Without "cases": ``run(cfg)``."""
+    if "cases" not in cfg:
+        return run(cfg, devices)
+    results: dict[str, Any] = {}
+    for name, case in cfg["cases"].items():
+        results[name], model, trainer = run(case, devices)
+    return {"rank": trainer.global_rank, "cases": results}, model, trainer
+
+
 def main() -> None:
-    script_main(run)
+    script_main(run_cases)
 
 
 if __name__ == "__main__":
