@@ -88,7 +88,7 @@ def parser() -> argparse.ArgumentParser:
                         "whether it fits --device-memory-gib (needs a model shape)")
     t.add_argument("--tp-gbps", type=_positive, default=300.0,
                    help="bus bandwidth of the tensor-parallel group's all-gathers and reduce-scatters, GB/s "
-                        "(default 300: intra-node NVLink, as NCCL measures an H100 node's all-gather)")
+                        "(default 300: intra-node NVLink, somewhat below what NCCL's all-gather reaches on an H100 node)")
     t.add_argument("--tp-latency-s", type=_non_negative, default=10e-6, help="latency per ring step (default 10 µs)")
     t.add_argument("--device-memory-gib", type=_positive, default=76.0,
                    help="memory a device offers a stage, GiB (default 76: an 80 GB GPU less its CUDA context, "
