@@ -31,7 +31,8 @@ See docs/guide/planning.md and BENCHMARKS.md "Predicted beyond this machine".
 The package, one concern per module (every name importable from ``lightning_async_pp.plan``, as when it was
 one module): ``shapes.py`` (:class:`Shape`, :data:`MODELS`), ``costs.py`` (:class:`CostModel`: per-stage
 seconds, the balanced split, the data-parallel reduction; :func:`device_memory`), ``report.py`` (:func:`plan`:
-the Markdown tables; the timelines as a trace or a PNG) and ``cli.py`` (:func:`parser`, :func:`main`).
+the Markdown tables; the timelines as a trace or a PNG), ``tensor.py`` (``--tensor-parallel``: stages split over
+``t`` devices, per-device costs and the layouts that fit) and ``cli.py`` (:func:`parser`, :func:`main`).
 """
 from lightning_async_pp.plan.shapes import MODELS, Shape
 from lightning_async_pp.plan.costs import (DEFAULT_STAGES, CostModel, Costs, device_memory, optimizer_state_bytes,

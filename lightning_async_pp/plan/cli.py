@@ -11,6 +11,7 @@ from lightning_async_pp.pipeline.schedule import PLANNER_SCHEDULES
 from lightning_async_pp.plan.costs import DEFAULT_STAGES
 from lightning_async_pp.plan.report import plan
 from lightning_async_pp.plan.shapes import MODELS
+from lightning_async_pp.plan.tensor import check_tensor_parallel_args
 
 
 def parser() -> argparse.ArgumentParser:
@@ -81,6 +82,17 @@ def parser() -> argparse.ArgumentParser:
     d.add_argument("--shard-optimizer", action="store_true",
                    help="ZeRO-1 (the strategy's shard_optimizer=True): the memory table splits each stage's optimizer "
                         "state and correction buffer over its replicas")
+    t = ap.add_argument_group("tensor parallelism (a further table; the strategy does not run it yet)")
+    t.add_argument("--tensor-parallel", "-t", nargs="+", type=_positive_int,
+                   help="devices per stage: a table of each (pipeline, tensor) layout's step, memory per device and "
+                        "whether it fits --device-memory-gib (needs a model shape)")
+    t.add_argument("--tp-gbps", type=_positive, default=300.0,
+                   help="bus bandwidth of the tensor-parallel group's all-gathers and reduce-scatters, GB/s "
+                        "(default 300: intra-node NVLink, somewhat below what NCCL's all-gather reaches on an H100 node)")
+    t.add_argument("--tp-latency-s", type=_non_negative, default=10e-6, help="latency per ring step (default 10 µs)")
+    t.add_argument("--device-memory-gib", type=_positive, default=76.0,
+                   help="memory a device offers a stage, GiB (default 76: an 80 GB GPU less its CUDA context, "
+                        "NCCL's buffers and fragmentation)")
     return ap
 
 
@@ -139,6 +151,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
                  f"disagrees (leave it out)")
     if args.stages is None:
         args.stages = list(DEFAULT_STAGES)
+    if args.tensor_parallel:
+        check_tensor_parallel_args(ap, args)
     try:
         lines, _ = plan(args)
     except ValueError as err:  # a cost simulate() rejects, named there

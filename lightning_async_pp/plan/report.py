@@ -11,6 +11,7 @@ from lightning_async_pp.pipeline.cost import OPTIMIZER_STATE_RULES
 from lightning_async_pp.pipeline.memory import StageMemory
 from lightning_async_pp.pipeline.simulate import SimulationResult, simulate
 from lightning_async_pp.plan.costs import CostModel, Costs, device_memory, tied_kwargs
+from lightning_async_pp.plan.tensor import tensor_parallel_section
 
 
 def fmt_seconds(s: float) -> str:
@@ -244,6 +245,10 @@ def plan(args: argparse.Namespace) -> tuple[list[str], list[dict]]:
         for s in schedules:
             head += [f"{s} after", f"{s} overlapped"] + (["2bw deferred"] if s == "2bw" else [])
         lines += ["| " + " | ".join(head) + " |", "|" + "---:|" * len(head)] + dp_lines
+    if getattr(args, "tensor_parallel", None) and model.shape is not None:
+        tp_lines, tp_records = tensor_parallel_section(args, model.shape, model.stages(args.stages))
+        lines += tp_lines
+        records.append({"tensor_parallel": tp_records})
     if written:
         lines += ["", f"Timelines (Chrome trace) written to {written[0]}"
                   + (f" and {len(written) - 1} more files beside it" if len(written) > 1 else "")]

@@ -124,10 +124,13 @@ class Shape:
 #: ``smollm-360m``: the paper's 360M model (SmolLM-360M). ``llama-10b``: a Llama-style 10B shape (Llama-2-13B's
 #: width with 32 blocks, multi-head attention; 10.3B parameters with the tied embedding). ``smollm-135m``:
 #: SmolLM-135M. ``llama-3-8b``: Llama-3-8B (vocabulary 128256, embedding and head apart, sequence 8192).
+#: ``llama-3-70b``: Llama-3-70B's shape (80 blocks, hidden 8192, 64 heads, 8 key/value heads), sequence 8192.
 MODELS: dict[str, Shape] = {
     "smollm-135m": Shape(hidden=576, layers=30, heads=9, kv_heads=3, intermediate=1536, vocab=49152, seq_len=2048),
     "llama-3-8b": Shape(hidden=4096, layers=32, heads=32, kv_heads=8, intermediate=14336, vocab=128256,
                         seq_len=8192, tied=False),
     "smollm-360m": Shape(hidden=960, layers=32, heads=15, kv_heads=5, intermediate=2560, vocab=49152, seq_len=2048),
     "llama-10b": Shape(hidden=5120, layers=32, heads=40, kv_heads=40, intermediate=13824, vocab=32000, seq_len=2048),
+    "llama-3-70b": Shape(hidden=8192, layers=80, heads=64, kv_heads=8, intermediate=28672, vocab=128256,
+                         seq_len=8192, tied=False),
 }

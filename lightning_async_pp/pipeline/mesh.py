@@ -1,0 +1,129 @@
+"""The layout of data parallelism x pipeline stages x tensor parallelism over the processes, and its ``DeviceMesh``.
+
+``rank = (replica * stages + stage) * t + tp_rank``: the ``t`` tensor-parallel ranks of a stage are adjacent (one
+node, whose fast link carries the per-layer collectives), then a replica's stages, then the replicas. With ``t = 1``
+this is :class:`~lightning_async_pp.pipeline.topology.PipelineTopology`'s layout. The mesh dimensions are named as
+under Lightning's ``ModelParallelStrategy`` (``"data_parallel"``, ``"tensor_parallel"``) plus ``"pipeline"``.
+See docs/design/tensor-parallel.md, "The mesh". The engine does not run ``t > 1`` yet.
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Optional
+
+#: The mesh's dimension names, outermost first (the order of :func:`build_device_mesh`'s shape).
+MESH_DIMS = ("data_parallel", "pipeline", "tensor_parallel")
+
+
+def _positive(name: str, value: Any) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+
+@dataclass(frozen=True)
+class MeshLayout:
+    """Which process is which (replica, stage, tensor-parallel rank); pure arithmetic, no process group."""
+
+    world_size: int
+    data_parallel_size: int = 1
+    tensor_parallel_size: int = 1
+
+    def __post_init__(self) -> None:
+        _positive("world_size", self.world_size)
+        _positive("data_parallel_size", self.data_parallel_size)
+        _positive("tensor_parallel_size", self.tensor_parallel_size)
+        r, t = self.data_parallel_size, self.tensor_parallel_size
+        if self.world_size % (r * t) != 0:
+            multiples = ", ".join(str(r * t * k) for k in range(1, 4))
+            per_replica = self.world_size // r
+            hint = (f"; or, with {self.world_size} processes and data_parallel_size={r}, a tensor_parallel_size among "
+                    f"{[d for d in range(1, per_replica + 1) if per_replica % d == 0]}"
+                    if self.world_size % r == 0 else "")
+            raise ValueError(
+                f"{self.world_size} process(es) cannot be split into data_parallel_size={r} x pipeline stages x "
+                f"tensor_parallel_size={t}: {self.world_size} is not a multiple of {r} x {t} = {r * t}; use a "
+                f"process count (devices x num_nodes) of {multiples}, ...{hint}"
+            )
+
+    @property
+    def num_stages(self) -> int:
+        return self.world_size // (self.data_parallel_size * self.tensor_parallel_size)
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        """The mesh's shape, in :data:`MESH_DIMS` order."""
+        return (self.data_parallel_size, self.num_stages, self.tensor_parallel_size)
+
+    def rank_of(self, replica: int, stage: int, tp_rank: int) -> int:
+        for name, value, size in (("replica", replica, self.data_parallel_size), ("stage", stage, self.num_stages),
+                                  ("tp_rank", tp_rank, self.tensor_parallel_size)):
+            if not 0 <= value < size:
+                raise ValueError(f"{name} {value} is out of range: the layout has {size} (0..{size - 1})")
+        return (replica * self.num_stages + stage) * self.tensor_parallel_size + tp_rank
+
+    def coordinates(self, rank: int) -> tuple[int, int, int]:
+        """``(replica, stage, tp_rank)`` of ``rank``."""
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"rank {rank} is out of range for {self.world_size} process(es)")
+        tp_rank = rank % self.tensor_parallel_size
+        stage = rank // self.tensor_parallel_size % self.num_stages
+        return rank // (self.tensor_parallel_size * self.num_stages), stage, tp_rank
+
+    def tensor_parallel_ranks(self, rank: int) -> list[int]:
+        """The ranks that hold the shards of ``rank``'s stage (its tensor-parallel group), ``rank`` among them."""
+        replica, stage, _ = self.coordinates(rank)
+        return [self.rank_of(replica, stage, i) for i in range(self.tensor_parallel_size)]
+
+    def pipeline_ranks(self, rank: int) -> list[int]:
+        """Stage by stage, the ranks with ``rank``'s replica and tensor-parallel rank: its point-to-point peers
+        are its neighbours in this list (each rank exchanges its own part of a microbatch with its peer only)."""
+        replica, _, tp_rank = self.coordinates(rank)
+        return [self.rank_of(replica, s, tp_rank) for s in range(self.num_stages)]
+
+    def data_parallel_ranks(self, rank: int) -> list[int]:
+        """The replicas of ``rank``'s shard: same stage and tensor-parallel rank, every replica (its gradient
+        reduction's group)."""
+        _, stage, tp_rank = self.coordinates(rank)
+        return [self.rank_of(d, stage, tp_rank) for d in range(self.data_parallel_size)]
+
+
+def check_tensor_parallel_divides(tensor_parallel_size: int, sizes: Mapping[str, Optional[int]],
+                                  where: str = "the model") -> None:
+    """Refuse a ``tensor_parallel_size`` that does not evenly split each of ``sizes`` (``{"num_heads": 32,
+    "num_kv_heads": 8, ...}``; ``None`` values are skipped), naming the size and the values that would work."""
+    _positive("tensor_parallel_size", tensor_parallel_size)
+    t = tensor_parallel_size
+    for name, size in sizes.items():
+        if size is None:
+            continue
+        if size < t or size % t != 0:
+            valid = [d for d in range(1, size + 1) if size % d == 0 and d <= 64]
+            reason = "is larger than" if t > size else "does not divide"
+            raise ValueError(
+                f"tensor_parallel_size={t} {reason} {where}'s {name}={size}: each tensor-parallel rank must hold "
+                f"an equal share; use a tensor_parallel_size among {valid}"
+            )
+
+
+def build_device_mesh(layout: MeshLayout, device_type: str) -> Any:
+    """The ``DeviceMesh`` of ``layout`` over the default process group (collective: every rank calls it), with
+    dimensions :data:`MESH_DIMS`. Its row-major order is :class:`MeshLayout`'s, which is checked."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if not dist.is_initialized():
+        raise RuntimeError("build_device_mesh needs an initialized default process group")
+    if dist.get_world_size() != layout.world_size:
+        raise ValueError(f"the layout is for {layout.world_size} process(es), the process group has "
+                         f"{dist.get_world_size()}")
+    mesh = init_device_mesh(device_type, layout.shape, mesh_dim_names=MESH_DIMS)
+    rank = dist.get_rank()
+    expected = {"data_parallel": layout.data_parallel_ranks(rank), "pipeline": layout.pipeline_ranks(rank),
+                "tensor_parallel": layout.tensor_parallel_ranks(rank)}
+    for name, ranks in expected.items():
+        found = mesh[name].mesh.flatten().tolist()
+        if found != ranks:  # torch's mesh order changed: the groups would not be the layout's
+            raise RuntimeError(f"DeviceMesh dimension {name!r} of rank {rank} holds ranks {found}, the layout "
+                               f"expects {ranks}")
+    return mesh
