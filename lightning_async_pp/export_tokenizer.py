@@ -88,11 +88,13 @@ def vocab_size(path: str | os.PathLike) -> int:
 
 def tokenizer_config(tokens: Mapping[str, str]) -> dict[str, Any]:
     """A ``tokenizer_config.json`` for a bare ``tokenizer.json``: the generic fast class (the file as it is: no
-    family's tokens added, the file's own post-processor), ``tokens``, and decoding without transformers' space
+    family's tokens added, the file's own post-processor), ``tokens`` (the EOS as the PAD where none is named, as
+    the generation config's pad id, ``export.pad_with_eos``), and decoding without transformers' space
     clean-up (``"a ."`` stays ``"a ."``, as ``tokenizers`` decodes it), and no ``token_type_ids`` among the inputs
     (a causal LM's ``generate`` refuses them)."""
+    pad = {"pad_token": tokens["eos_token"]} if "eos_token" in tokens else {}  # batched prompts need one
     return {"tokenizer_class": "PreTrainedTokenizerFast", "clean_up_tokenization_spaces": False,
-            "model_input_names": ["input_ids", "attention_mask"], **tokens}
+            "model_input_names": ["input_ids", "attention_mask"], **pad, **tokens}
 
 
 def set_token_ids(target: Any, ids: Mapping[str, Optional[int]]) -> dict[str, tuple[Any, Any]]:
