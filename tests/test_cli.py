@@ -231,7 +231,7 @@ def test_data_help_lists_the_data_modules_options_beside_model_help(capsys):
 
 def test_a_value_the_library_refuses_once_the_run_started_ends_in_one_line_and_other_errors_keep_their_traceback(
         tmp_path, monkeypatch, capsys):
-    from lightning_async_pp.cli import main, own_refusal
+    from lightning_async_pp.cli import main
     from lightning_async_pp.pipeline import checkpoint as ckpt
 
     monkeypatch.chdir(tmp_path)
@@ -244,6 +244,8 @@ def test_a_value_the_library_refuses_once_the_run_started_ends_in_one_line_and_o
     assert err[-1].startswith(f"error: cannot read the checkpoint {str(damaged)!r}: the directory has no .metadata")
     assert "Traceback" not in "\n".join(err) and "JSONARGPARSE_DEBUG=true" in err[-2]
     # Only the package's own raise statements: Python's or another library's errors keep their traceback.
+    from lightning_async_pp.cli import own_refusal
+
     with pytest.raises(ValueError) as ours:
         ckpt.check_sharded(str(damaged))
     with pytest.raises(ValueError) as python:
