@@ -12,7 +12,8 @@ The tokens are read as the data reads them (:func:`~lightning_async_pp.data.toke
 ``tokenizer_config.json``'s ``eos_token``, else the first known end-of-text name the vocabulary has; BOS, PAD and
 UNK are the ones ``tokenizer_config.json`` names. Without a named BOS the EOS stands for it: every document the
 model trained on follows an EOS, and none starts with anything else (GPT-2's convention). UNK defaults to the
-tokenizer model's own ``unk_token``; PAD to none.
+tokenizer model's own ``unk_token``; PAD to none in the config's ids, but the EOS pads in ``tokenizer_config.json`` and
+the generation config (``export.pad_with_eos``).
 """
 from __future__ import annotations
 
