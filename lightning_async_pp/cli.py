@@ -4,9 +4,11 @@
 """
 from __future__ import annotations
 
+import argparse
 import difflib
 import importlib
 import inspect
+import linecache
 import os
 import re
 import sys
@@ -86,6 +88,10 @@ class AsyncPipelineCLI(LightningCLI):
                 rows = batch_size // microbatches
             model.pipeline_example_batch = data.example_batch(rows)
 
+    def add_arguments_to_parser(self, parser: Any) -> None:
+        # --model.help comes with the model's subclass mode; the data module's options are the data: keys themselves.
+        parser.add_argument("--data.help", action=_DataHelp, data_class=self.datamodule_class)
+
     def before_fit(self) -> None:
         _print_tensorboard_hint(self.trainer, "Training")
 
@@ -99,6 +105,22 @@ def _print_tensorboard_hint(trainer: Any, what: str) -> None:
     for lg in loggers:
         print(f"{what}: TensorBoard logs in {os.path.abspath(lg.log_dir)}\n"
               f"  view them with: tensorboard --logdir {lg.root_dir or lg.save_dir}", flush=True)
+
+
+class _DataHelp(argparse.Action):
+    """``--data.help``: the data module's options (the ``data:`` keys), as ``--model.help`` shows the model's."""
+
+    def __init__(self, option_strings: Any, dest: str, data_class: Any = None, **kwargs: Any) -> None:
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS,
+                         help=f"Show the help for the data module ({data_class.__name__}) and exit.")
+        self.data_class = data_class
+
+    def __call__(self, parser: Any, namespace: Any, values: Any, option_string: Optional[str] = None) -> None:
+        help_parser = type(parser)(prog=parser.prog, description=f"Help for --data ({self.data_class.__module__}."
+                                               f"{self.data_class.__qualname__}): the keys under data:")
+        help_parser.add_class_arguments(self.data_class, "data")
+        help_parser.print_help()
+        parser.exit()
 
 
 class _Deferred:
@@ -198,20 +220,44 @@ def _did_you_mean(option: str, class_path: str) -> str:
     return f" (did you mean {close[0]!r}?)" if close else ""
 
 
+def own_refusal(err: BaseException) -> bool:
+    """Whether ``err`` is one of this package's checks refusing a value: a ``ValueError`` or ``TypeError`` that a
+    ``raise`` statement in ``lightning_async_pp`` raised. One that torch or Lightning raised, or that Python raised
+    inside this package (a bug), is not: it keeps its traceback."""
+    if not isinstance(err, (ValueError, TypeError)) or err.__traceback__ is None:
+        return False
+    tb = err.__traceback__
+    while tb.tb_next is not None:
+        tb = tb.tb_next
+    filename = os.path.abspath(tb.tb_frame.f_code.co_filename)
+    package = os.path.dirname(os.path.abspath(lightning_async_pp.__file__))
+    return (filename.startswith(package + os.sep)
+            and linecache.getline(filename, tb.tb_lineno).lstrip().startswith("raise "))
+
+
 def main(args: ArgsType = None) -> None:
     """The ``lightning-async-pp`` console script. A refused configuration ends with its reason as the last line
-    (exit status 2, as argparse's); ``JSONARGPARSE_DEBUG=1`` raises it with the traceback instead."""
+    (exit status 2, as argparse's), and so does a value one of this package's checks refuses once the run started
+    (exit status 1; other errors keep their traceback); ``JSONARGPARSE_DEBUG=true`` raises both with the traceback
+    instead."""
     # Returns nothing: the console script passes the return value to sys.exit().
-    if os.environ.get("JSONARGPARSE_DEBUG"):
+    if os.environ.get("JSONARGPARSE_DEBUG", "").lower() == "true":  # as jsonargparse reads it (it refuses "1")
         AsyncPipelineCLI(args=args)
         return
     try:
         _ConsoleCLI(args=args)
     except ConfigurationError as err:
-        print("lightning-async-pp: the configuration was refused (--help lists the options; JSONARGPARSE_DEBUG=1 "
+        print("lightning-async-pp: the configuration was refused (--help lists the options; JSONARGPARSE_DEBUG=true "
               "shows the traceback)", file=sys.stderr)
         print(f"error: {err}", file=sys.stderr, flush=True)
         sys.exit(2)
+    except (ValueError, TypeError) as err:
+        if not own_refusal(err):
+            raise
+        print(f"lightning-async-pp: the run was stopped by a check ({type(err).__name__}; JSONARGPARSE_DEBUG=true "
+              f"shows the traceback)", file=sys.stderr)
+        print(f"error: {err}", file=sys.stderr, flush=True)
+        sys.exit(1)
 
 
 if __name__ == "__main__":

@@ -80,6 +80,7 @@ def export_hf(src: str | os.PathLike, out: str | os.PathLike, tokenizer: Optiona
     if generation is not None:  # the upstream one (sampling settings, stop ids), with the run's tokenizer's ids
         model.generation_config = GenerationConfig.from_pretrained(os.path.dirname(generation))
         export_tokenizer.set_token_ids(model.generation_config, ids)
+    pad_with_eos(model.generation_config)
     _check_out(out)
     model.save_pretrained(out)
     _copy(extras, out)
@@ -112,6 +113,15 @@ def export_litgpt(src: str | os.PathLike, out: str | os.PathLike, tokenizer: Opt
     if tokens:  # litgpt's Tokenizer reads its bos/eos from there
         _write_tokenizer_config(extras, tokens, out)
     return sorted(os.listdir(out))
+
+
+def pad_with_eos(generation: Any) -> None:
+    """A generation config without a pad id takes the (first) EOS id, as ``generate`` would, which otherwise warns
+    at every call. Only there: ``config.json``'s ``pad_token_id`` becomes the embedding's ``padding_idx`` in some
+    families (Llama), whose row then never trains again."""
+    eos = generation.eos_token_id
+    if generation.pad_token_id is None and eos is not None:
+        generation.pad_token_id = eos[0] if isinstance(eos, (list, tuple)) else eos
 
 
 def _check_out(out: str) -> None:

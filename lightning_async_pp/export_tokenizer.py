@@ -12,7 +12,8 @@ The tokens are read as the data reads them (:func:`~lightning_async_pp.data.toke
 ``tokenizer_config.json``'s ``eos_token``, else the first known end-of-text name the vocabulary has; BOS, PAD and
 UNK are the ones ``tokenizer_config.json`` names. Without a named BOS the EOS stands for it: every document the
 model trained on follows an EOS, and none starts with anything else (GPT-2's convention). UNK defaults to the
-tokenizer model's own ``unk_token``; PAD to none.
+tokenizer model's own ``unk_token``; PAD to none in the config's ids, but the EOS pads in ``tokenizer_config.json`` and
+the generation config (``export.pad_with_eos``).
 """
 from __future__ import annotations
 
@@ -88,11 +89,13 @@ def vocab_size(path: str | os.PathLike) -> int:
 
 def tokenizer_config(tokens: Mapping[str, str]) -> dict[str, Any]:
     """A ``tokenizer_config.json`` for a bare ``tokenizer.json``: the generic fast class (the file as it is: no
-    family's tokens added, the file's own post-processor), ``tokens``, and decoding without transformers' space
+    family's tokens added, the file's own post-processor), ``tokens`` (the EOS as the PAD where none is named, as
+    the generation config's pad id, ``export.pad_with_eos``), and decoding without transformers' space
     clean-up (``"a ."`` stays ``"a ."``, as ``tokenizers`` decodes it), and no ``token_type_ids`` among the inputs
     (a causal LM's ``generate`` refuses them)."""
+    pad = {"pad_token": tokens["eos_token"]} if "eos_token" in tokens else {}  # batched prompts need one
     return {"tokenizer_class": "PreTrainedTokenizerFast", "clean_up_tokenization_spaces": False,
-            "model_input_names": ["input_ids", "attention_mask"], **tokens}
+            "model_input_names": ["input_ids", "attention_mask"], **pad, **tokens}
 
 
 def set_token_ids(target: Any, ids: Mapping[str, Optional[int]]) -> dict[str, tuple[Any, Any]]:

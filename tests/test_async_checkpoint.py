@@ -67,6 +67,12 @@ def test_async_saves_write_the_synchronous_files_and_resume_to_the_uninterrupted
         assert (a / "__0_0.distcp").read_bytes() == (b / "__0_0.distcp").read_bytes()
         assert dcp.FileSystemReader(str(a)).read_metadata().state_dict_metadata == \
             dcp.FileSystemReader(str(b)).read_metadata().state_dict_metadata
+        # The background write lists every file's checksum too (meta.pt's, written before it, included).
+        sums_a, sums_b = ckpt.read_checksums(str(a)), ckpt.read_checksums(str(b))
+        assert sorted(sums_b) == sorted(f for f in os.listdir(b) if f != ckpt.CHECKSUMS_FILE)
+        assert sums_a["__0_0.distcp"] == sums_b["__0_0.distcp"] == ckpt.file_crc32(b / "__0_0.distcp")
+        for name in sums_b:
+            ckpt.verify_file(str(b), name, sums_b)
         meta_a, meta_b = ckpt.read_meta(str(a)), ckpt.read_meta(str(b))
         assert meta_a["async_pipeline"] == meta_b["async_pipeline"] and meta_a["loops"] == meta_b["loops"]
     resumed = run(dict(steps=6, checkpoint_dir=str(async_dir), resume="last", strategy_kwargs=ASYNC))[0]

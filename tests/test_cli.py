@@ -216,3 +216,41 @@ def test_the_cli_gives_the_model_one_microbatch_of_the_data_modules_shape_to_cos
     assert strategy.config.num_microbatches == 4
     assert cli.model.pipeline_sample().shape == (2, data.block_size + 1)
     assert strategy.config.partition == "balanced"
+
+
+def test_data_help_lists_the_data_modules_options_beside_model_help(capsys):
+    from lightning_async_pp.cli import main
+
+    for option, expected in (("--data.help", "--data.data_path"), ("--model.help=GPT", "--model.n_layer")):
+        with pytest.raises(SystemExit) as exited:
+            main(["fit", option])
+        assert exited.value.code == 0, option
+        out = capsys.readouterr().out
+        assert expected in out, (option, out[-2000:])
+
+
+def test_a_value_the_library_refuses_once_the_run_started_ends_in_one_line_and_other_errors_keep_their_traceback(
+        tmp_path, monkeypatch, capsys):
+    from lightning_async_pp.cli import main
+    from lightning_async_pp.pipeline import checkpoint as ckpt
+
+    monkeypatch.chdir(tmp_path)
+    damaged = tmp_path / "damaged.ckpt"  # a sharded checkpoint whose save never finished
+    damaged.mkdir()
+    with pytest.raises(SystemExit) as exited:  # parsed and built; the strategy refuses the checkpoint when fit loads it
+        main(["fit", "--config", str(demo_config(tmp_path)), f"--ckpt_path={damaged}"])
+    assert exited.value.code == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith(f"error: cannot read the checkpoint {str(damaged)!r}: the directory has no .metadata")
+    assert "Traceback" not in "\n".join(err) and "JSONARGPARSE_DEBUG=true" in err[-2]
+    # Only the package's own raise statements: Python's or another library's errors keep their traceback.
+    from lightning_async_pp.cli import own_refusal
+
+    with pytest.raises(ValueError) as ours:
+        ckpt.check_sharded(str(damaged))
+    with pytest.raises(ValueError) as python:
+        int("not a number")
+    assert own_refusal(ours.value) and not own_refusal(python.value)
+    monkeypatch.setenv("JSONARGPARSE_DEBUG", "true")
+    with pytest.raises(ckpt.UnreadableCheckpoint):
+        main(["fit", "--config", str(demo_config(tmp_path)), f"--ckpt_path={damaged}"])

@@ -184,6 +184,77 @@ def test_a_file_cut_short_or_not_a_checkpoint_is_refused_naming_it_and_never_adv
     assert "weights_only=False" not in message
 
 
+def flip_a_bit(file: Path, inside: torch.Tensor | None = None) -> None:
+    """One bit flipped in ``file`` (its size and structure unchanged, as disk or copy damage leaves it): in the middle
+    of the bytes of the tensor ``inside``, where nothing else notices it, else in the middle of the file."""
+    data = bytearray(file.read_bytes())
+    at = len(data) // 2
+    if inside is not None:
+        raw = inside.contiguous().numpy().tobytes()
+        at = data.find(raw) + len(raw) // 2
+        assert at >= len(raw) // 2, f"the tensor's bytes are not in {file}"
+    data[at] ^= 0x10
+    file.write_bytes(bytes(data))
+
+
+def largest_weight(saved: Path) -> torch.Tensor:
+    source = ckpt.ShardedSource(str(saved / "last.ckpt"))
+    state = source.read([k for k in source.shapes if k.startswith(ckpt.MODEL)])
+    return max(state.values(), key=torch.Tensor.numel)
+
+
+def test_a_flipped_bit_in_any_file_of_a_sharded_checkpoint_is_refused_naming_it_by_resume_consolidation_and_export(
+        saved, tmp_path, capsys):
+    from lightning_async_pp import export
+    from lightning_async_pp.consolidate import main as consolidate
+
+    listed = ckpt.read_checksums(str(saved / "last.ckpt"))
+    assert listed is not None and sorted(listed) == sorted(p.name for p in (saved / "last.ckpt").iterdir()
+                                                          if p.name != ckpt.CHECKSUMS_FILE)
+    for name in sorted(listed):
+        copy = tmp_path / name.strip("._") / "last.ckpt"
+        shutil.copytree(saved / "last.ckpt", copy)
+        flip_a_bit(copy / name, largest_weight(saved) if name.endswith(".distcp") else None)
+        calls = [lambda: export.read_checkpoint(copy)]
+        if name.endswith(".distcp"):  # a training run once: the tensors, which loaded silently before
+            calls.append(lambda: run(dict(steps=5, resume=str(copy))))
+        for call in calls:
+            message = refusal(call)
+            assert f"{str(copy / name)!r}: its CRC-32 is" in message and "damaged" in message, (name, message)
+            assert "another checkpoint" in message
+        refusal(consolidate, [str(copy), str(tmp_path / "one.ckpt")])
+        assert str(copy / name) in capsys.readouterr().err and not (tmp_path / "one.ckpt").exists()
+    # The list itself damaged: named as such, not blamed on a file it lists.
+    copy = tmp_path / "list" / "last.ckpt"
+    shutil.copytree(saved / "last.ckpt", copy)
+    text = (copy / ckpt.CHECKSUMS_FILE).read_text()
+    (copy / ckpt.CHECKSUMS_FILE).write_text(text.replace(listed[ckpt.META_FILE], f"{int(listed[ckpt.META_FILE], 16) ^ 1:08x}"))
+    message = refusal(export.read_checkpoint, copy)
+    assert f"{str(copy / ckpt.CHECKSUMS_FILE)!r}: its list of the files' checksums fails its own checksum" in message
+
+
+def test_a_flipped_bit_in_a_single_file_checkpoint_is_refused_naming_it_by_resume_and_export(saved, tmp_path):
+    from lightning_async_pp import export
+
+    whole = tmp_path / "one.ckpt"
+    ckpt.consolidate(str(saved / "last.ckpt"), str(whole))
+    flip_a_bit(whole, largest_weight(saved))
+    for message in (refusal(lambda: run(dict(steps=5, resume=str(whole)))), refusal(export.read_checkpoint, whole)):
+        assert f"{str(whole)!r}: it fails the checks of its zip records" in message and "CRC" in message, message
+        assert "damaged" in message and "another checkpoint" in message
+
+
+def test_a_checkpoint_saved_before_checksums_still_resumes_to_the_uninterrupted_weights_with_a_warning(
+        saved, uninterrupted, tmp_path):
+    folder = tmp_path / "ckpt"
+    shutil.copytree(saved, folder)
+    for listing in folder.glob(f"*/{ckpt.CHECKSUMS_FILE}"):
+        listing.unlink()
+    with pytest.warns(UserWarning, match=f"has no {ckpt.CHECKSUMS_FILE} .*read without checking"):
+        result = resume_last(folder)
+    assert max_difference(result["state_dict"], uninterrupted) <= 1e-6
+
+
 class RunsCode:
     """Unpickling it runs code: it appends to the file ``path`` (what a checkpoint crafted by someone else could do)."""
 
@@ -215,6 +286,8 @@ def test_no_part_of_a_checkpoint_runs_code_it_names_on_resume_consolidation_or_e
         shutil.copy(saved / "last.ckpt" / ckpt.META_FILE, crafted[name] / ckpt.META_FILE)
     crafted["meta"] = tmp_path / "meta.ckpt"
     shutil.copytree(saved / "last.ckpt", crafted["meta"])
+    # A crafted checkpoint carries no checksums, or ones that match it: the refusal must not rely on them.
+    (crafted["meta"] / ckpt.CHECKSUMS_FILE).unlink()
     meta = torch.load(crafted["meta"] / ckpt.META_FILE, weights_only=True)
     torch.save({**meta, "extra": RunsCode(ran)}, crafted["meta"] / ckpt.META_FILE)
     for name, path in crafted.items():

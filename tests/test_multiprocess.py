@@ -12,7 +12,7 @@ from pipeline_runs import max_difference, multiprocess_weights, one_device_weigh
 from torch.utils.data import DataLoader, Subset
 
 from lightning_async_pp import AsyncPipelineStrategy
-from lightning_async_pp.pipeline.checkpoint import read_meta
+from lightning_async_pp.pipeline.checkpoint import read_checksums, read_meta
 
 pytestmark = pytest.mark.multiprocess
 BASE = dict(microbatches=4, steps=6, batch=8)
@@ -202,6 +202,8 @@ def test_checkpoint_across_stages_resumes_to_the_uninterrupted_weights(tmp_path)
     assert proc.returncode == 0, proc.stderr[-5000:]
     saved = read_meta(str(checkpoints / "last.ckpt"))["async_pipeline"]  # a sharded checkpoint (the default)
     assert (saved["num_stages"], saved["num_updates"]) == (2, 3)
+    # Each process hashed the shard it wrote; the coordinator listed them with .metadata and meta.pt.
+    assert sorted(read_checksums(str(checkpoints / "last.ckpt"))) == [".metadata", "__0_0.distcp", "__1_0.distcp", "meta.pt"]
     resumed = multiprocess_weights(dict(cfg, resume_from=str(checkpoints / "last.ckpt"), model={"seed": 7}), tmp_path / "c")
     assert max_difference(resumed, uninterrupted) < 1e-6
 

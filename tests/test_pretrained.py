@@ -10,6 +10,7 @@ together; litgpt: what each rank reads and the lr-0 step, within the trainer-cal
 from __future__ import annotations
 
 import json
+import logging
 import os
 import sys
 from pathlib import Path
@@ -338,6 +339,15 @@ def bare_bpe(folder: Path, specials: tuple[str, ...] = (EOS,)):
     return tok
 
 
+class RecordedLog(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
 def test_a_bare_tokenizer_json_survives_export_to_autotokenizer_and_generate_with_its_own_special_ids(tmp_path):
     from transformers import AutoTokenizer, GenerationConfig
 
@@ -367,9 +377,18 @@ def test_a_bare_tokenizer_json_survives_export_to_autotokenizer_and_generate_wit
     reloaded = AutoModelForCausalLM.from_pretrained(out).eval()
     generation = GenerationConfig.from_pretrained(out)
     for config in (reloaded.config, generation, reloaded.generation_config):
-        assert (config.eos_token_id, config.bos_token_id, config.pad_token_id) == (eos, eos, None)
+        assert (config.eos_token_id, config.bos_token_id) == (eos, eos)
+    # No pad token named: the EOS pads in the generation config and the tokenizer, not in config.json (there it
+    # would be the embedding's padding_idx), so generate() does not warn "Setting `pad_token_id`" at every call.
+    assert reloaded.config.pad_token_id is None and generation.pad_token_id == eos and loaded.pad_token_id == eos
     prompt = loaded(text, return_tensors="pt")
-    generated = reloaded.generate(**prompt, max_new_tokens=6, do_sample=False, pad_token_id=eos)
+    warned = RecordedLog()
+    logging.getLogger("transformers").addHandler(warned)
+    try:
+        generated = reloaded.generate(**prompt, max_new_tokens=6, do_sample=False)
+    finally:
+        logging.getLogger("transformers").removeHandler(warned)
+    assert not [m for m in warned.messages if "pad_token_id" in m], warned.messages
     assert generated.shape[1] > prompt["input_ids"].shape[1] and int(generated.max()) < vocab
     assert torch.equal(generated[:, : prompt["input_ids"].shape[1]], prompt["input_ids"])
 

@@ -11,17 +11,23 @@ saved with any number of stages, data-parallel size or partition loads into any 
 
 Each stage contributes the keys of its own parameters; a sharded checkpoint is that dictionary written through
 ``torch.distributed.checkpoint`` (each process writes its own tensors), plus ``meta.pt`` with what is not a
-tensor (the loops' and data state, written once). A single file holds the same dictionary. Nothing of a checkpoint is read
-with ``weights_only=False`` (:class:`WeightsOnlyLoadPlanner`, :func:`read_settings`, :func:`read_meta`).
+tensor (the loops' and data state, written once), plus ``checksums.json`` with each file's CRC-32. A single file holds
+the same dictionary (``torch.save`` records a CRC-32 of each of its records). Nothing of a checkpoint is read
+with ``weights_only=False`` (:class:`WeightsOnlyLoadPlanner`, :func:`read_settings`, :func:`read_meta`), and no file
+is read before its checksum is checked (:func:`check_sharded`, :func:`check_file`).
 """
 from __future__ import annotations
 
 import ctypes
 import io
+import json
 import os
 import pickle
 import re
 import shutil
+import warnings
+import zipfile
+import zlib
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Callable, Optional
 
@@ -30,11 +36,15 @@ import torch.distributed.checkpoint as dcp
 from torch import Tensor, nn
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.storage import WriteResult
+from torch.futures import Future
 
 from lightning_async_pp.pipeline.sharding import local_optimizer, sync_group_settings
 
 MODEL, STASH, OPTIM, GROUP = "model.", "stash.", "optim.", "@group"
 META_FILE = "meta.pt"
+#: Each file's CRC-32 in a sharded checkpoint (docs/design/checkpoints.md, "Checksums"); earlier ones have none.
+CHECKSUMS_FILE = "checksums.json"
 FORMAT = 1
 
 
@@ -176,11 +186,23 @@ class MemorySource(TensorSource):
 class ShardedSource(TensorSource):
     def __init__(self, path: str) -> None:
         self.path = path
-        metadata = check_sharded(path).state_dict_metadata
-        self.shapes = {k: (m.size, m.properties.dtype) if hasattr(m, "size") else None for k, m in metadata.items()}
+        metadata = check_sharded(path)
+        self.shapes = {k: (m.size, m.properties.dtype) if hasattr(m, "size") else None
+                       for k, m in metadata.state_dict_metadata.items()}
+        self.checksums = read_checksums(path)
+        self.files: dict[str, set[str]] = {}  # key -> the shard files that hold it
+        for index, info in (getattr(metadata, "storage_data", None) or {}).items():
+            self.files.setdefault(index.fqn, set()).add(info.relative_path)
+        self.verified: set[str] = set()
 
     def read(self, keys: Iterable[str]) -> dict[str, Any]:
-        """Collective: every process calls it (each with the keys it needs)."""
+        """Collective: every process calls it (each with the keys it needs). The shard files that hold them are
+        checked against their checksums first (each once): a damaged one is named before anything is loaded."""
+        keys = list(keys)
+        if self.checksums is not None:
+            for relative in sorted({f for k in keys for f in self.files.get(k, ())} - self.verified):
+                verify_file(self.path, relative, self.checksums)
+                self.verified.add(relative)
         out: dict[str, Any] = {}
         for k in keys:
             shape = self.shapes[k]
@@ -236,12 +258,20 @@ def _first_line(err: BaseException) -> str:
 
 def check_sharded(path: str) -> Any:
     """The ``torch.distributed.checkpoint`` metadata of the sharded checkpoint directory ``path``, once every file it
-    needs is there and long enough: ``.metadata``, ``meta.pt`` and each shard up to the last byte the metadata
-    places in it. A :class:`UnreadableCheckpoint` names the first file that is missing or cut short."""
+    needs is there and long enough: ``.metadata`` (and its checksum), ``meta.pt`` and each shard up to the last byte
+    the metadata places in it. A :class:`UnreadableCheckpoint` names the first file that is missing, cut short or
+    damaged. A checkpoint without checksums (written by an earlier version) is read unchecked, with a warning."""
     index = os.path.join(path, ".metadata")
     if not os.path.isfile(index):
         raise UnreadableCheckpoint(path, "the directory has no .metadata (torch.distributed.checkpoint's index of the "
                                    "shards), so it is not a sharded checkpoint or its save never finished")
+    checksums = read_checksums(path)
+    if checksums is None:
+        warnings.warn(f"the checkpoint {path!r} has no {CHECKSUMS_FILE} (it was written before lightning-async-pp "
+                      f"recorded checksums, or by torch.distributed.checkpoint directly): its files are read without "
+                      f"checking that they are intact", stacklevel=2)
+    else:
+        verify_file(path, ".metadata", checksums)
     try:
         metadata = dcp.FileSystemReader(path).read_metadata()
     except Exception as err:
@@ -266,13 +296,125 @@ def check_sharded(path: str) -> Any:
 
 def check_file(path: str) -> None:
     """Refuse, before ``torch.load`` reads it, a checkpoint file that is not a ``torch.save`` archive (a zip file with
-    its index at the end): one cut short, or not a checkpoint at all."""
+    its index at the end): one cut short, or not a checkpoint at all; and one whose records fail the CRC-32 that
+    ``torch.save`` wrote for each (``torch.load`` does not check them): a damaged file."""
     if not os.path.exists(path):
         raise FileNotFoundError(f"no checkpoint at {path!r}")
     if not _ends_with_zip_index(path):
         raise UnreadableCheckpoint(path, f"it is not a torch.save archive ({os.path.getsize(path)} bytes without the "
                                    "zip index torch.save writes at its end): it was cut short (a copy or a save "
                                    "interrupted, a full disk), or it is not a checkpoint")
+    _check_records(path)
+
+
+def _check_records(path: str) -> None:
+    """Read each record of the ``torch.save`` archive ``path`` through :mod:`zipfile`, which checks its CRC-32 at
+    its end. A record whose recorded CRC is 0 is not checked: ``torch.save`` writes 0 when
+    ``torch.utils.serialization.config.save.compute_crc32`` is off."""
+    try:
+        with zipfile.ZipFile(path) as archive:
+            for info in archive.infolist():
+                if info.CRC == 0:
+                    continue
+                with archive.open(info) as record:
+                    while record.read(_CHUNK):
+                        pass
+    except (zipfile.BadZipFile, zlib.error, EOFError) as err:
+        raise UnreadableCheckpoint(path, f"it fails the checks of its zip records ({err}): it is damaged (it changed "
+                                   f"since torch.save wrote it: a flipped bit on the disk or in a copy)") from err
+
+
+# ---- checksums of a sharded checkpoint's files ----------------------------------------------------------------------
+_CHUNK = 8 << 20
+
+
+def file_crc32(path: str | os.PathLike) -> str:
+    """The CRC-32 of the file ``path`` as 8 hex digits (zlib's: about 4x as fast as blake2b here, BENCHMARKS.md;
+    it is against damage, not tampering)."""
+    crc, buffer = 0, bytearray(_CHUNK)
+    view = memoryview(buffer)
+    with open(path, "rb", buffering=0) as f:
+        while n := f.readinto(buffer):
+            crc = zlib.crc32(view[:n], crc)
+    return f"{crc:08x}"
+
+
+def _manifest_crc(files: Mapping[str, str]) -> str:
+    return f"{zlib.crc32(json.dumps(dict(files), sort_keys=True).encode()):08x}"
+
+
+def read_checksums(path: str) -> Optional[dict[str, str]]:
+    """The CRC-32 of each file that the sharded checkpoint ``path`` recorded at its save (``None`` where it recorded
+    none: one written before checksums were). The list carries its own checksum, so damage to it is named as such."""
+    manifest = os.path.join(path, CHECKSUMS_FILE)
+    if not os.path.isfile(manifest):
+        return None
+    try:
+        with open(manifest, encoding="utf-8") as f:
+            saved = json.load(f)
+        files = {str(k): str(v) for k, v in saved["files"].items()}
+        intact = saved["algorithm"] == "crc32" and saved["self"] == _manifest_crc(files)
+    except (ValueError, KeyError, TypeError, AttributeError) as err:
+        raise UnreadableCheckpoint(manifest, f"its list of the files' checksums cannot be read ({_first_line(err)}): "
+                                   "it is damaged") from err
+    if not intact:
+        raise UnreadableCheckpoint(manifest, "its list of the files' checksums fails its own checksum: it is damaged")
+    return files
+
+
+def verify_file(path: str, relative: str, checksums: Mapping[str, str]) -> None:
+    """Refuse the file ``relative`` of the sharded checkpoint ``path`` if it no longer has the CRC-32 recorded at its
+    save (a file the list does not name is not checked)."""
+    expected = checksums.get(relative)
+    if expected is None:
+        return
+    file = os.path.join(path, relative)
+    if not os.path.isfile(file):
+        raise UnreadableCheckpoint(file, f"the file is missing ({CHECKSUMS_FILE} lists it)")
+    found = file_crc32(file)
+    if found != expected:
+        raise UnreadableCheckpoint(file, f"its CRC-32 is {found}, but {CHECKSUMS_FILE} recorded {expected} when it was "
+                                   f"saved: the file changed since (a flipped bit on the disk or in a copy), it is "
+                                   f"damaged")
+
+
+class _FileSums(dict):
+    """The CRC-32 of the shard files one process wrote, carried to the coordinator among its write results."""
+
+
+class ChecksummedWriter(dcp.FileSystemWriter):
+    """``torch.distributed.checkpoint``'s file writer, which also records each file's CRC-32 in
+    ``checksums.json``: every process hashes the shards it wrote, inside DCP's write (an async save's background
+    thread), the coordinator receives them with the write results and, after ``.metadata``, writes the list with
+    the checksums of ``.metadata`` and ``meta.pt`` (written before the save). All of it is inside the temporary
+    directory, put in place only when complete."""
+
+    def write_data(self, plan: Any, planner: Any) -> Future:
+        written = super().write_data(plan, planner)
+        written.wait()
+        results = list(written.value())
+        sums = _FileSums({name: file_crc32(os.path.join(self.path, name))
+                          for name in {r.storage_data.relative_path for r in results}})
+        future: Future = Future()
+        future.set_result([*results, sums])
+        return future
+
+    def finish(self, metadata: Any, results: list[list[Any]]) -> None:
+        files: dict[str, str] = {}
+        for part in results:
+            for r in part:
+                if isinstance(r, _FileSums):
+                    files.update(r)
+        super().finish(metadata, [[r for r in part if isinstance(r, WriteResult)] for part in results])
+        for name in (".metadata", META_FILE):
+            if os.path.isfile(os.path.join(self.path, name)):
+                files[name] = file_crc32(os.path.join(self.path, name))
+        with open(os.path.join(self.path, CHECKSUMS_FILE), "w", encoding="utf-8") as f:
+            json.dump({"algorithm": "crc32", "files": dict(sorted(files.items())), "self": _manifest_crc(files)}, f,
+                      indent=1)
+            f.flush()
+            if self.sync_files:
+                os.fsync(f.fileno())
 
 
 def _ends_with_zip_index(path: str) -> bool:
@@ -428,9 +570,11 @@ def save_sharded(path: str, flat: Mapping[str, Any], meta: Mapping[str, Any], *,
     Everything goes into :func:`partial_path` first; only a complete checkpoint is put in place
     (:func:`put_in_place`), so a crash mid-save leaves the previous checkpoint at ``path``."""
     tmp = begin_sharded(path, is_coordinator=is_coordinator, barrier=barrier)
-    dcp.save(dict(flat), storage_writer=dcp.FileSystemWriter(tmp), no_dist=not torch.distributed.is_initialized())
+    if is_coordinator:  # before the shards: the coordinator's write lists its checksum with theirs
+        torch.save(dict(meta), os.path.join(tmp, META_FILE))
+    dcp.save(dict(flat), storage_writer=ChecksummedWriter(tmp), no_dist=not torch.distributed.is_initialized())
     if is_coordinator:
-        finish_sharded(path, meta)
+        put_in_place(tmp, path)
     barrier()
 
 
@@ -442,13 +586,6 @@ def begin_sharded(path: str, *, is_coordinator: bool, barrier: Callable[[], None
         os.makedirs(tmp)
     barrier()
     return tmp
-
-
-def finish_sharded(path: str, meta: Mapping[str, Any]) -> None:
-    """Coordinator only, once every shard and DCP's metadata are written: add ``meta.pt`` and put it in place."""
-    tmp = partial_path(path)
-    torch.save(dict(meta), os.path.join(tmp, META_FILE))
-    put_in_place(tmp, path)
 
 
 class PendingSave:
@@ -466,7 +603,7 @@ class PendingSave:
             # that the next save changes before this one is finished.
             torch.save(dict(meta), os.path.join(tmp, META_FILE))
         # The tensors are copied (staged) before this returns, so training may change them at once.
-        self.future = dcp.async_save(dict(flat), storage_writer=dcp.FileSystemWriter(tmp), process_group=process_group,
+        self.future = dcp.async_save(dict(flat), storage_writer=ChecksummedWriter(tmp), process_group=process_group,
                                      no_dist=not torch.distributed.is_initialized())
 
     def finish(self) -> None:
@@ -530,7 +667,11 @@ def resolve(path: str) -> str:
 def read_meta(path: str, weights_only: Optional[bool] = None) -> dict[str, Any]:
     """A sharded checkpoint's ``meta.pt``, read with ``weights_only=True`` unless the caller passes ``False`` (as
     ``Trainer.fit(weights_only=False)`` does, for a checkpoint the user trusts)."""
-    meta = os.path.join(resolve(path), META_FILE)
+    folder = resolve(path)
+    checksums = read_checksums(folder)
+    if checksums is not None:
+        verify_file(folder, META_FILE, checksums)
+    meta = os.path.join(folder, META_FILE)
     try:
         return torch.load(meta, weights_only=weights_only is not False, map_location="cpu")
     except Exception as err:
