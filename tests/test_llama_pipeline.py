@@ -3,7 +3,7 @@
 The one-device run is the emulation of the same 2-stage pipeline in one process, whose update rule the one-device
 tests check against written-out loops. Across processes a tied embedding/head is kept as one copy per stage whose
 gradients are summed (docs/design/stages.md, "Tied weights"), so the final weights must agree with one device, where
-the two stages share one leaf.
+the two stages share one Parameter; both add the stages' sums in stage order, so they agree bit for bit.
 """
 from __future__ import annotations
 
@@ -111,8 +111,8 @@ def test_a_sequence_of_trainer_calls_with_a_tie_across_processes_equals_one_devi
     # Each call builds a new engine on the model the previous call left (split across the processes): every
     # process must derive the same ties and groups from it (a mismatch used to wait in new_group until the
     # timeout), and the numbers must still be the one-device ones. A smaller lr than the default: the second fit
-    # starts a fresh AdamW, whose first steps scale the tied sum's 1e-8 rounding difference (summed across
-    # processes, one leaf on one device) by lr / eps for gradients near zero.
+    # starts a fresh AdamW, whose first steps scale any float32 rounding difference by lr / eps for gradients
+    # near zero.
     cfg = {"tie": True, "steps": 2, "partition": [3, 3], "sequence": sequence, "timeout": 30.0, "lr": 3e-4}
     _compare_calls(run_two_processes(cfg, tmp_path), one_device(cfg))
 
