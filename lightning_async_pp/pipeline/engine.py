@@ -499,9 +499,9 @@ class PipelineEngine:
         that norm.
 
         Each stage adds its squared norm (a parameter tied across stages counted on the stage that owns it); the
-        stages' sums are added in stage order, across processes in one scalar collective, so every stage calls this
-        for the same optimizers at the same step. Data-parallel replicas hold the same (averaged, whole) gradient: no reduction
-        across them. Scaling is torch's ``clip_grads_with_norm_``.
+        stages' sums are added in stage order, across processes in one scalar collective, so every stage calls
+        this for the same optimizers at the same step. Data-parallel replicas hold the same (averaged, whole)
+        gradient: no reduction across them. Scaling is torch's ``clip_grads_with_norm_``.
         """
         params = [p for p in params if p.grad is not None]
         device = params[0].grad.device if params else self.device
@@ -626,9 +626,6 @@ def check_names_and_shapes(expected: dict[str, tuple], found: dict[str, tuple], 
         raise ValueError(f"the checkpoint does not fit this model ({what}): " + ", ".join(parts))
 
 
-__all__ = ["PipelineConfig", "PipelineEngine", "PipelineStats", "StageView", "WeightVersions", "check_names_and_shapes"]
-
-
 def _sum_in_stage_order(t: Tensor, group: Any, size: int) -> Tensor:
     """The sum of ``t`` over ``group`` (one process per stage, a replica's ranks ascending with the stage), added
     left to right in stage order as one device adds its stages' parts, so both give the same bits. Two parts are
@@ -640,3 +637,6 @@ def _sum_in_stage_order(t: Tensor, group: Any, size: int) -> Tensor:
     parts = [torch.empty_like(t) for _ in range(size)]
     dist.all_gather(parts, t.contiguous(), group=group)
     return functools.reduce(operator.add, parts)
+
+
+__all__ = ["PipelineConfig", "PipelineEngine", "PipelineStats", "StageView", "WeightVersions", "check_names_and_shapes"]
