@@ -314,7 +314,7 @@ class PipelineRuntime:
             for owner, i, g in stage.take_borrowed_gradients(k):
                 j = first[owner.index] + i
                 if g is not None:
-                    gradients[j] = g if gradients[j] is None else gradients[j] + g
+                    gradients[j] = g if gradients[j] is None else gradients[j].add_(g)  # the owner's, taken
         return gradients
 
     def _loss_vector(self, b: int) -> Tensor:
