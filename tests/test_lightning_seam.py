@@ -196,6 +196,25 @@ def test_tied_embedding_and_head_across_stages_with_sharded_replicas_follow_the_
     assert max_difference(multi, delayed_loop(TiedLM(), batches_of(cfg)[:STEPS], delay=1)) < TOL
 
 
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_a_weight_tied_across_three_processes_trains_bit_for_bit_as_on_one_device(tmp_path):
+    # embed + block1 | block2 | block3 + head with the blocks' Linear shared: that parameter has a copy on each of
+    # the 3 stages, the embedding on stages 0 and 2. The tied gradient and clipping's norm add the stages' parts
+    # left to right in stage order, on one device as across processes (docs/design/stages.md, "Tied weights").
+    model = {"name": "tied", "blocks": 3, "share_blocks": True}
+    cases = {schedule: dict(TIED, model=model, schedule=schedule, partition=[2, 1, 2], clip=0.05, **OWN_SAMPLER)
+             for schedule in ("1f1b", "2bw")}
+    multi = seam_results({"cases": cases, "devices": 3}, tmp_path)[0]["cases"]
+    for name, cfg in cases.items():
+        got = multi[name]["state_dict"]
+        want = one_device(dict(cfg, strategy_kwargs={"num_stages": 3}))["state_dict"]
+        assert got.keys() == want.keys()
+        assert [k for k in want if not torch.equal(got[k], want[k])] == [], (name, max_difference(got, want))
+        assert torch.equal(got["block1.0.weight"], got["block3.0.weight"])  # the copies stayed identical
+    assert max_difference(want, state(build_model(cases["2bw"]))) > 1e-3  # the steps moved the weights
+
+
 # ---- 2. hooks exactly once per batch under the 2BW lookahead --------------------------------------------------------
 HOOKED = dict(model={"optimizer": "adamw"}, steps=STEPS, data={"samples": 64, "batch": 8}, microbatches=4)
 

@@ -13,6 +13,8 @@ See docs/design/update-rule.md for the version rule and the invariants.
 """
 from __future__ import annotations
 
+import functools
+import operator
 import time
 import warnings
 from collections.abc import Callable, Iterator, Sequence
@@ -462,9 +464,8 @@ class PipelineEngine:
         start = time.perf_counter()
         for i, tie, group in self._tied_slots:
             g = self.runtime.gradients[i]
-            if g is None:
-                g = self.runtime.gradients[i] = torch.zeros_like(tie.param)
-            dist.all_reduce(g, group=group)
+            self.runtime.gradients[i] = _sum_in_stage_order(g if g is not None else torch.zeros_like(tie.param),
+                                                            group, len(tie.stages))
         self.runtime.record_tied_sum(start, time.perf_counter())
 
     def cancel_lookahead(self) -> None:
@@ -498,17 +499,23 @@ class PipelineEngine:
         that norm.
 
         Each stage adds its squared norm (a parameter tied across stages counted on the stage that owns it); the
-        sum goes round the pipeline's stages in one scalar all-reduce, so every stage calls this for the same
-        optimizers at the same step. Data-parallel replicas hold the same (averaged, whole) gradient: no reduction
-        across them. Scaling is torch's ``clip_grads_with_norm_``.
+        stages' sums are added in stage order, across processes in one scalar collective, so every stage calls
+        this for the same optimizers at the same step. Data-parallel replicas hold the same (averaged, whole)
+        gradient: no reduction across them. Scaling is torch's ``clip_grads_with_norm_``.
         """
         params = [p for p in params if p.grad is not None]
-        counted = [p.grad for p in params if id(p) not in self._counted_elsewhere]
         device = params[0].grad.device if params else self.device
-        sq = (torch.stack([torch.linalg.vector_norm(g.detach(), dtype=torch.float32) ** 2 for g in counted]).sum()
-              if counted else torch.zeros((), device=device))
+        # Each stage's sum, then the stages' sums in stage order: on one device as across processes, to the bit.
+        stage_of = {id(p): stage.index for stage in self.stages for p in stage.params}
+        by_stage: dict[int, list[Tensor]] = {}
+        for p in params:
+            if id(p) not in self._counted_elsewhere:
+                by_stage.setdefault(stage_of.get(id(p), 0), []).append(p.grad)
+        sums = [torch.stack([torch.linalg.vector_norm(g.detach(), dtype=torch.float32) ** 2 for g in grads]).sum()
+                for _, grads in sorted(by_stage.items())]
+        sq = functools.reduce(operator.add, sums) if sums else torch.zeros((), device=device)
         if self.pipeline_group is not None:
-            dist.all_reduce(sq, group=self.pipeline_group)
+            sq = _sum_in_stage_order(sq, self.pipeline_group, self.num_stages)
         total = sq.sqrt()
         if params:
             torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
@@ -617,6 +624,19 @@ def check_names_and_shapes(expected: dict[str, tuple], found: dict[str, tuple], 
         if shapes:
             parts.append("different shapes: " + "; ".join(shapes[:8]))
         raise ValueError(f"the checkpoint does not fit this model ({what}): " + ", ".join(parts))
+
+
+def _sum_in_stage_order(t: Tensor, group: Any, size: int) -> Tensor:
+    """The sum of ``t`` over ``group`` (one process per stage, a replica's ranks ascending with the stage), added
+    left to right in stage order as one device adds its stages' parts, so both give the same bits. Two parts are
+    one addition, the same either way round: an all-reduce. More would be added in the backend's order: each
+    part is gathered and added here."""
+    if size == 2:
+        dist.all_reduce(t, group=group)
+        return t
+    parts = [torch.empty_like(t) for _ in range(size)]
+    dist.all_gather(parts, t.contiguous(), group=group)
+    return functools.reduce(operator.add, parts)
 
 
 __all__ = ["PipelineConfig", "PipelineEngine", "PipelineStats", "StageView", "WeightVersions", "check_names_and_shapes"]

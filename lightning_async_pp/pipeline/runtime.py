@@ -232,7 +232,7 @@ class PipelineRuntime:
             checks[1] = fingerprint(next_batch) if lookahead else None
             self._next_check = checks[1]
         for stage in self.stages:  # requires_grad as Lightning's hooks for this batch left it
-            stage.versions.settle_batch(k)
+            stage.settle_batch(k)
         lists = {s.index: step_actions(self.schedule, s.index, self.num_stages, m, carried_in=self._carried_in,
                                        lookahead=lookahead, last_ahead=self.last_ahead) for s in self.stages}
         first, last = self.stages[0], self.stages[-1]
@@ -284,7 +284,7 @@ class PipelineRuntime:
             loss = link.take_scalar(("loss", k, 0), "the batch loss")
         if link is not None:
             link.complete_sends()  # every receive of this step's sends was posted in this step
-        self.gradients = [g for stage in self.stages for g in stage.take_gradients(k)]
+        self.gradients = self._take_gradients(k)
         if self.reducer is not None:
             self.reducer.launch_rest()
             dist.all_reduce(loss, group=self.loss_group)  # its own group: not queued behind the gradient buckets
@@ -300,6 +300,22 @@ class PipelineRuntime:
         if self.reducer is not None and not self.reducer.OVERLAP:
             self.last_times.dp_comm = self.last_times.dp_comm_exposed = self.reducer.exposed_s
         return loss.to(torch.float32)
+
+    def _take_gradients(self, k: int) -> list[Optional[Tensor]]:
+        """Batch ``k``'s gradient of ``params``. A parameter that later stages here borrow (a tied one) gets its
+        owner's sum over the microbatches plus each borrowing stage's own sum, in stage order: the sum the
+        processes form when each stage holds a copy (PipelineEngine's tied sum), so one device gives their
+        bits. One leaf for all uses would add them microbatch by microbatch, in another order."""
+        gradients = [g for stage in self.stages for g in stage.take_gradients(k)]
+        first, offset = {}, 0
+        for stage in self.stages:
+            first[stage.index], offset = offset, offset + len(stage.params)
+        for stage in self.stages:  # in stage order
+            for owner, i, g in stage.take_borrowed_gradients(k):
+                j = first[owner.index] + i
+                if g is not None:
+                    gradients[j] = g if gradients[j] is None else gradients[j].add_(g)  # the owner's, taken
+        return gradients
 
     def _loss_vector(self, b: int) -> Tensor:
         """Batch ``b``'s loss and the module's declared metrics, one float64 vector (last stage, once the batch's
@@ -541,7 +557,7 @@ class PipelineRuntime:
             # (an MoE router's statistics, say) is taken and dropped, or it would count in the next batch.
             self.metrics_fn()
         for stage in self.stages:
-            stage.versions.forget_batch(k)
+            stage.forget_batch(k)
         link = self.link
         if link is None:
             return

@@ -35,8 +35,10 @@ class Stage:
     Forward and backward of every microbatch of batch ``b`` read the same version; gradients accumulate in that
     version's autograd leaves and are taken once the batch is complete. A parameter used by several layers of
     the stage is one leaf (``functional_call`` ties the names), so its gradient sums over every use. A parameter
-    listed in ``borrowed`` (``name -> (owner stage, index)``) belongs to another stage in this process and is
-    read from that stage's versions: one leaf for the whole process, exact as within a stage.
+    listed in ``borrowed`` (``name -> (owner stage, index)``) belongs to another stage in this process: it reads
+    that stage's version through a leaf of its own (the same memory), so its gradient sums this stage's uses
+    alone, as a stage's copy of a tied weight does across processes; the runtime then adds it to the owner's
+    (docs/design/stages.md, "Tied weights").
 
     ``checkpointed`` (one flag per layer) marks the layers whose forward is recomputed during backward
     (activation checkpointing). Each such layer runs under ``torch.utils.checkpoint`` with its weight tensors as
@@ -58,6 +60,8 @@ class Stage:
         compiled = compile_layers(layers, compile_options) if compile_options is not None else None
         self.layers = StageLayers(layers, compiled)
         self.borrowed = dict(borrowed or {})
+        # batch -> per borrowed name, the owner's leaf and this stage's own leaf on the same memory
+        self._borrowed_leaves: dict[int, list[tuple[Tensor, Tensor]]] = {}
         # named_parameters() lists a tensor shared by several layers once: one leaf serves every use.
         named = [(n, p) for n, p in self.layers.named_parameters() if n not in self.borrowed]
         self.param_names = [name for name, _ in named]
@@ -85,12 +89,31 @@ class Stage:
         return self.index == self.num_stages - 1
 
     def weights(self, leaves: Sequence[Tensor], batch_index: Optional[int] = None) -> dict[str, Tensor]:
-        """The tensors ``functional_call`` takes: ``leaves`` for this stage's own parameters, the owners' for
-        borrowed ones."""
+        """The tensors ``functional_call`` takes: ``leaves`` for this stage's own parameters; for borrowed ones,
+        this stage's own leaves on the owner's version of the batch (the owner's parameters without a batch)."""
         tensors = dict(zip(self.param_names, leaves))
-        for name, (owner, i) in self.borrowed.items():
-            tensors[name] = (owner.versions.leaves_for_batch(batch_index) if batch_index is not None else owner.params)[i]
+        if batch_index is not None:
+            tensors.update(zip(self.borrowed, self._borrowed_for_batch(batch_index)))
+        else:
+            tensors.update((name, owner.params[i]) for name, (owner, i) in self.borrowed.items())
         return tensors
+
+    def _borrowed_for_batch(self, batch_index: int) -> list[Tensor]:
+        """This stage's leaves for the borrowed parameters in batch ``batch_index``: each views the owner's leaf
+        for that batch, made again should the owner's leaves have been made anew."""
+        held = self._borrowed_leaves.get(batch_index)
+        sources = [owner.versions.leaves_for_batch(batch_index)[i] for owner, i in self.borrowed.values()]
+        if held is None or any(src is not old for src, (old, _) in zip(sources, held)):
+            held = [(src, src.detach().requires_grad_(src.requires_grad)) for src in sources]
+            self._borrowed_leaves[batch_index] = held
+        return [leaf for _, leaf in held]
+
+    def settle_batch(self, batch_index: int) -> None:
+        """Batch ``batch_index`` is trained now: every leaf it reads needs a gradient where the parameter does
+        (:meth:`WeightVersions.settle_batch`)."""
+        self.versions.settle_batch(batch_index)
+        for leaf, (owner, i) in zip(self._borrowed_for_batch(batch_index), self.borrowed.values()):
+            leaf.requires_grad_(owner.params[i].requires_grad)
 
     def forward(self, batch_index: int, x: Any) -> Any:
         leaves = self.versions.leaves_for_batch(batch_index)
@@ -127,6 +150,18 @@ class Stage:
 
     def take_gradients(self, batch_index: int) -> list[Tensor | None]:
         return self.versions.take_gradients(batch_index)
+
+    def take_borrowed_gradients(self, batch_index: int) -> list[tuple["Stage", int, Optional[Tensor]]]:
+        """``(owner stage, index there, gradient)`` of this stage's uses of each borrowed parameter in batch
+        ``batch_index`` (``None`` where none was needed); forgets that batch's borrowed leaves."""
+        held = self._borrowed_leaves.pop(batch_index, [])
+        return [(owner, i, leaf.grad if leaf.requires_grad else None)
+                for (owner, i), (_, leaf) in zip(self.borrowed.values(), held)]
+
+    def forget_batch(self, batch_index: int) -> None:
+        """Drop the leaves of a batch that will not be trained (a cancelled lookahead)."""
+        self.versions.forget_batch(batch_index)
+        self._borrowed_leaves.pop(batch_index, None)
 
 
 def _run_layer(layer: nn.Module, names: list[str], x: Any, *tensors: Tensor) -> Any:

@@ -6,7 +6,8 @@ ranks); the tests also import ``run`` to make the same run on one device in thei
 Config keys: devices, stages (on one device), schedule, microbatches, partition, steps, tie, max_seq_len, vocab, seed,
 samples, batch, seq,
 val_every + val_batches (validation during fit), text_samples (TextSamples keyword arguments),
-log_dir (a TensorBoardLogger there), timeout,
+log_dir (a TensorBoardLogger there), timeout, clip (Trainer's gradient_clip_val), strategy_kwargs (more
+AsyncPipelineStrategy arguments),
 packed (rows as packed batches {"input_ids", "position_ids"} of documents 1..7 tokens long, ``skip_document_ends``),
 eval_batch (the batch size of the non-fit calls of a sequence, last batch ragged),
 activation_checkpointing, stage_memory_gib (strategy options as named), pool_buffers (receive buffers pooled as on
@@ -99,6 +100,7 @@ def make_trainer(cfg: dict) -> L.Trainer:
     from lightning_async_pp.pipeline.comm import StageLink
 
     StageLink.REUSE_BUFFERS_ON_CPU = bool(cfg.get("pool_buffers"))  # what CUDA does; each case sets its own
+    kwargs.update(cfg.get("strategy_kwargs", {}))
     strategy = AsyncPipelineStrategy(schedule=cfg.get("schedule", "2bw"), num_microbatches=cfg.get("microbatches", 4),
                                      pipeline_timeout=cfg.get("timeout", 60.0), **kwargs)
     callbacks = []
@@ -115,7 +117,7 @@ def make_trainer(cfg: dict) -> L.Trainer:
     trainer = L.Trainer(
         strategy=strategy, accelerator="cpu", devices=cfg.get("devices", 2), max_steps=cfg.get("steps", 4),
         logger=logger, callbacks=callbacks, enable_checkpointing=False, enable_progress_bar=False,
-        enable_model_summary=False, num_sanity_val_steps=0, log_every_n_steps=1,
+        enable_model_summary=False, num_sanity_val_steps=0, log_every_n_steps=1, gradient_clip_val=cfg.get("clip"),
         limit_val_batches=cfg.get("val_batches", 1) if val_every or cfg.get("sequence") else 0, val_check_interval=val_every,
     )
     return trainer

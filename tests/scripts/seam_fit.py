@@ -217,19 +217,26 @@ class ScheduledTinyLM(SeamTinyLM):
 
 
 class TiedLM(SeamHooks, PipelineModule):
-    """Embedding -> block -> block -> head, the head's weight IS the embedding's (``head.weight = embed.weight``)."""
+    """Embedding -> block -> block -> head, the head's weight IS the embedding's (``head.weight = embed.weight``).
+    ``blocks`` blocks (``block1``, ``block2``, ...); with ``share_blocks`` every block's Linear takes the first
+    block's weight and bias, so a split can put one parameter on three stages."""
 
-    def __init__(self, vocab: int = 16, width: int = 8, seed: int = 0, **kwargs: Any) -> None:
+    def __init__(self, vocab: int = 16, width: int = 8, seed: int = 0, blocks: int = 2, share_blocks: bool = False,
+                 **kwargs: Any) -> None:
         super().__init__(**kwargs)
         torch.manual_seed(seed)
         self.embed = nn.Embedding(vocab, width)
-        self.block1 = nn.Sequential(nn.Linear(width, width), nn.Tanh())
-        self.block2 = nn.Sequential(nn.Linear(width, width), nn.Tanh())
+        self.blocks = blocks
+        for i in range(1, blocks + 1):
+            block = nn.Sequential(nn.Linear(width, width), nn.Tanh())
+            if share_blocks and i > 1:
+                block[0].weight, block[0].bias = self.block1[0].weight, self.block1[0].bias
+            setattr(self, f"block{i}", block)
         self.head = nn.Linear(width, vocab, bias=False)
         self.head.weight = self.embed.weight
 
     def pipeline_layers(self):
-        return [self.embed, self.block1, self.block2, self.head]
+        return [self.embed, *(getattr(self, f"block{i}") for i in range(1, self.blocks + 1)), self.head]
 
     def pipeline_loss(self, logits, batch):
         return nn.functional.cross_entropy(logits, batch[1])
