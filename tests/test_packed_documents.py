@@ -411,6 +411,41 @@ def test_packed_rows_through_a_synchronous_pipeline_on_one_device_train_as_plain
     assert max((weights[0][k] - weights[1][k]).abs().max().item() for k in weights[1]) < 1e-5
 
 
+def test_a_batch_with_skipped_targets_trains_and_validates_as_plain_lightning_whatever_the_microbatch_count():
+    """With skip_document_ends the microbatches hold different numbers of kept targets: the pipeline's batch loss,
+    and so its gradient, is the mean over the batch's kept targets (as Lightning's loop on the whole batch gives it),
+    not the mean of the microbatch means, at any microbatch count; validation's loss likewise."""
+    import sys
+
+    import lightning as L
+    from torch.utils.data import DataLoader
+
+    from lightning_async_pp import AsyncPipelineStrategy
+
+    sys.path.insert(0, str(Path(__file__).parent / "scripts"))
+    from llama_fit import packed_rows, token_rows
+
+    rows = packed_rows(token_rows(16, 16))
+    kept = [int((r["position_ids"][1:] != 0).sum()) for r in rows[:8]]
+    assert len(set(kept)) > 2  # the first batch's rows keep unequal numbers of targets
+    runs = {}
+    for name, strategy in (("plain", "auto"), ("m=4", AsyncPipelineStrategy(schedule="gpipe", num_microbatches=4,
+                                                                            num_stages=2)),
+                           ("m=8", AsyncPipelineStrategy(schedule="1f1b", num_microbatches=8, num_stages=2))):
+        L.seed_everything(0, verbose=False)
+        model = Llama("tiny", vocab_size=256, max_seq_len=32, lr=3e-3, skip_document_ends=True)
+        trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=1, max_steps=2, logger=False,
+                            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+        trainer.fit(model, DataLoader(rows, batch_size=8))
+        train_loss = float(trainer.callback_metrics["train_loss"])
+        val_loss = trainer.validate(model, DataLoader(rows, batch_size=16), verbose=False)[0]["val_loss"]
+        runs[name] = ({k: v.detach().clone() for k, v in model.state_dict().items()}, train_loss, val_loss)
+    weights, train_loss, val_loss = runs.pop("plain")
+    for name, (w, t, v) in runs.items():
+        assert max((w[k] - weights[k]).abs().max().item() for k in weights) < 1e-5, name
+        assert abs(t - train_loss) < 1e-5 and abs(v - val_loss) < 1e-5, (name, t, train_loss, v, val_loss)
+
+
 def test_packed_batches_resume_and_shard_by_data_parallel_rank_as_token_batches_do(tmp_path, monkeypatch):
     from types import SimpleNamespace
 

@@ -477,6 +477,9 @@ class HuggingFaceCausalLM(AdoptedCausalLM):
         logits, statistics = self._router_loss.split(output)
         return super().pipeline_loss(logits, batch) + self._router_loss.loss(statistics)
 
+    def pipeline_loss_weight(self, batch: Any) -> Any:
+        return packing.loss_weight(batch, self.skip_document_ends)  # kept targets, where some are skipped
+
     def pipeline_metric_names(self) -> tuple[str, ...]:
         return ("train_aux_loss",) if adds_router_loss(self.config) else ()
 

@@ -137,6 +137,15 @@ def document_loss(logits: Tensor, batch: Mapping[str, Tensor], skip_document_end
     return total / (targets != IGNORE).sum().clamp(min=1)
 
 
+def loss_weight(batch: Any, skip_document_ends: bool) -> Any:
+    """A microbatch's weight in its batch's mean loss (``PipelineModule.pipeline_loss_weight``): its rows, or with
+    ``skip_document_ends`` on a packed batch its kept targets (a tensor: counted where the batch is), so that the batch
+    loss is the mean over the batch's kept targets whatever the microbatch count."""
+    if isinstance(batch, Tensor) or not skip_document_ends:
+        return (batch if isinstance(batch, Tensor) else batch[INPUT_IDS]).shape[0]
+    return (document_targets(batch, True) != IGNORE).sum()
+
+
 def packed_input(batch: Mapping[str, Tensor]) -> dict[str, Tensor]:
     """What the first layer takes from a packed batch: all but the last column of its ids and positions."""
     return {INPUT_IDS: batch[INPUT_IDS][:, :-1], POSITION_IDS: batch[POSITION_IDS][:, :-1]}
