@@ -80,9 +80,13 @@ def loss_shares(weights: Sequence[Any]) -> Optional[Tensor]:
     (float64, on the weights' device: no host read), or ``None`` where the weights are equal numbers: the mean of the
     microbatch means, each divided by ``m`` as gradient accumulation does. A batch of weight 0 (every target of it
     skipped) gets shares 0."""
+    for w in weights:
+        if isinstance(w, bool) or not (isinstance(w, (int, float)) and w >= 0 or isinstance(w, Tensor) and w.numel() == 1):
+            raise TypeError(f"pipeline_loss_weight must return a number >= 0 or a one-element tensor (the microbatch's "
+                            f"weight in its batch's mean loss, such as its count of targets); got {w!r}")
     if all(isinstance(w, (int, float)) for w in weights) and len(set(weights)) == 1:
         return None
-    values = [torch.as_tensor(w, dtype=torch.float64).reshape(()) for w in weights]
+    values = [torch.as_tensor(w, dtype=torch.float64).detach().reshape(()) for w in weights]
     device = next((v.device for v in values if v.device.type != "cpu"), values[0].device)
     stacked = torch.stack([v.to(device) for v in values])
     return stacked / stacked.sum().clamp(min=1)
