@@ -452,9 +452,9 @@ class HuggingFaceCausalLM(AdoptedCausalLM):
 
     # ---- packed batches (models/packing.py) ------------------------------------------------------------------
     def pipeline_input(self, batch: Any) -> Any:
-        if not isinstance(batch, Mapping):
-            x = super().pipeline_input(batch)
-        else:  # a packed batch, or a clear error naming what it lacks
+        if not isinstance(batch, Mapping) or not (packing.POSITION_IDS in batch or set(batch) == {packing.INPUT_IDS}):
+            x = super().pipeline_input(batch)  # token rows, or a refusal naming the batch form taken (padding)
+        else:  # a packed batch, or a refusal naming what it lacks
             batch = packing.check_packed(batch, type(self).__name__)
             x = packing.packed_input(batch)
             check_packed_supported(self.model.config, x[packing.INPUT_IDS].shape[-1])

@@ -38,7 +38,7 @@ POSITION_DTYPES = (torch.int64, torch.int32)
 def check_packed(batch: Any, who: str) -> Mapping[str, Tensor]:
     """``batch`` if it is a packed batch of equal-shaped 2-D integer tensors (positions int64 or int32), else a
     clear error naming ``who``."""
-    if isinstance(batch, Mapping) and INPUT_IDS in batch and POSITION_IDS not in batch:
+    if isinstance(batch, Mapping) and set(batch) == {INPUT_IDS}:
         raise TypeError(f"{who}: a dict batch is a packed batch and needs {POSITION_IDS!r} beside {INPUT_IDS!r} "
                         f"(data.TextDataModule(document_mask=True) makes both); got keys {sorted(batch)}. Without "
                         f"documents, pass the token ids alone: a tensor (B, T + 1)")
