@@ -56,8 +56,9 @@ def check_packed(batch: Any, who: str) -> Mapping[str, Tensor]:
         raise ValueError(f"{who}: input_ids and position_ids must be integer tensors of one shape (B, T + 1); got "
                          f"{ids.dtype} {tuple(ids.shape)} and {pos.dtype} {tuple(pos.shape)}")
     if pos.dtype not in POSITION_DTYPES:
-        raise ValueError(f"{who}: position_ids of dtype {pos.dtype} would wrap past its largest value (a "
-                         f"later token read as position 0, a document start); give them as {' or '.join(map(str, POSITION_DTYPES))}")
+        accepted = " or ".join(map(str, POSITION_DTYPES))
+        raise ValueError(f"{who}: position_ids of dtype {pos.dtype} would wrap past its largest value (a later token "
+                         f"read as position 0, a document start); give them as {accepted}")
     return batch
 
 

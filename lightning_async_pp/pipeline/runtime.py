@@ -81,7 +81,8 @@ def loss_shares(weights: Sequence[Any]) -> Optional[Tensor]:
     microbatch means, each divided by ``m`` as gradient accumulation does. A batch of weight 0 (every target of it
     skipped) gets shares 0."""
     for w in weights:
-        if isinstance(w, bool) or not (isinstance(w, (int, float)) and w >= 0 or isinstance(w, Tensor) and w.numel() == 1):
+        count = isinstance(w, (int, float)) and not isinstance(w, bool) and w >= 0
+        if not (count or isinstance(w, Tensor) and w.numel() == 1):
             raise TypeError(f"pipeline_loss_weight must return a number >= 0 or a one-element tensor (the microbatch's "
                             f"weight in its batch's mean loss, such as its count of targets); got {w!r}")
     if all(isinstance(w, (int, float)) for w in weights) and len(set(weights)) == 1:
@@ -636,12 +637,13 @@ class PipelineRuntime:
         weights: list[Any] = []
 
         def accumulate(output: Any, mb: Any) -> None:
+            losses.append(scalar_loss(self.loss_fn(output, mb)).to(torch.float64))  # first: it refuses bad batches
             weights.append(self.weight_fn(mb))
-            losses.append(scalar_loss(self.loss_fn(output, mb)).to(torch.float64))
 
         call = self._forward_all(batch, "evaluation", accumulate)
         if self.stages[-1].is_last:
-            w = torch.stack([torch.as_tensor(v, dtype=torch.float64).reshape(()).to(l.device) for v, l in zip(weights, losses)])
+            w = torch.stack([torch.as_tensor(v, dtype=torch.float64).reshape(()).to(loss.device)
+                             for v, loss in zip(weights, losses)])
             total = (torch.stack(losses) * w).sum() / w.sum().clamp(min=1)
             if link is not None:
                 for rank in self.pipeline_ranks[:-1]:
