@@ -147,7 +147,8 @@ class _ConsoleCLI(AsyncPipelineCLI):
         try:
             super().parse_arguments(parser, args)
         except ArgumentError as err:
-            raise ConfigurationError(one_line_reason(str(err))) from err
+            reason = one_line_reason(str(err))
+            raise ConfigurationError(reason + _did_you_mean_key(reason, parser)) from err
 
     def instantiate_classes(self) -> None:
         try:
@@ -233,6 +234,19 @@ def own_refusal(err: BaseException) -> bool:
     package = os.path.dirname(os.path.abspath(lightning_async_pp.__file__))
     return (filename.startswith(package + os.sep)
             and linecache.getline(filename, tb.tb_lineno).lstrip().startswith("raise "))
+
+
+def _did_you_mean_key(reason: str, parser: Any) -> str:
+    """A "did you mean" for a key no subcommand takes (``data.documnet_mask``, from a config file or the command
+    line), from the keys the subcommands' parsers hold."""
+    unknown = (re.fullmatch(r"Subcommand '\w+' does not accept option '([^']+)'", reason)
+               or re.fullmatch(r"unrecognized arguments: --([^\s=]+).*", reason))
+    subcommands = getattr(parser, "_subcommands_action", None)
+    if unknown is None or subcommands is None:
+        return ""
+    keys = {action.dest for sub in subcommands._name_parser_map.values() for action in sub._actions}
+    close = difflib.get_close_matches(unknown.group(1), sorted(keys), 1)
+    return f" (did you mean {close[0]!r}?)" if close else ""
 
 
 def main(args: ArgsType = None) -> None:

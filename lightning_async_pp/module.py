@@ -8,6 +8,7 @@ import lightning as L
 import torch
 from torch import Tensor, nn
 
+from lightning_async_pp.pipeline.microbatch import batch_size_of
 from lightning_async_pp.strategy._lightning import PassesFetchedBatches
 
 
@@ -49,6 +50,15 @@ class PipelineModule(PassesFetchedBatches, L.LightningModule):
     def pipeline_loss(self, output: Any, batch: Any) -> Tensor:
         """The mean loss of the last layer's ``output`` for ``batch`` (a microbatch under the pipeline)."""
         raise NotImplementedError(f"{type(self).__name__} must implement pipeline_loss(output, batch)")
+
+    def pipeline_loss_weight(self, batch: Any) -> Any:
+        """How much a microbatch's mean loss weighs in its batch's mean: a number or a scalar tensor. The pipeline
+        takes the batch loss (and so its gradient) as ``sum_j w_j loss_j / sum_j w_j`` over the batch's microbatches,
+        evaluation too. Default: the microbatch's rows, which makes equal microbatches the mean of their means (the
+        whole batch's mean for a loss that averages over rows). A loss that averages over a varying number of
+        targets per row (skipped targets) returns that number, so the batch loss is the mean over all its targets,
+        as the batch in one piece gives it, whatever the microbatch count (docs/design/update-rule.md)."""
+        return batch_size_of(batch)
 
     def pipeline_input(self, batch: Any) -> Any:
         """What the first layer takes. Default: the batch itself if it is a tensor, its first element if it is

@@ -158,6 +158,8 @@ def test_one_key_of_an_adapter_config_mapping_is_overridden_from_the_command_lin
     ("--trainer.strategy.init_args.num_microbatch=4",  # jsonargparse refuses it while parsing
      "error: trainer.strategy: AsyncPipelineStrategy: 'num_microbatch' is not one of its options "
      "(did you mean 'num_microbatches'?)"),
+    ("--data.documnet_mask=true",  # a key no class takes: jsonargparse names it alone
+     "error: unrecognized arguments: --data.documnet_mask=true (did you mean 'data.document_mask'?)"),
 ])
 def test_the_console_script_ends_a_refused_configuration_with_its_one_line_reason(tmp_path, monkeypatch, capsys,
                                                                                    override, reason):
@@ -170,6 +172,18 @@ def test_the_console_script_ends_a_refused_configuration_with_its_one_line_reaso
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1] == reason
     assert "Traceback" not in err and not any(line.startswith("usage:") for line in err)
+
+
+def test_a_misspelt_data_key_in_a_config_file_is_refused_with_the_key_it_resembles(tmp_path, monkeypatch, capsys):
+    from lightning_async_pp.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    typo = tmp_path / "typo.yaml"
+    typo.write_text(yaml.safe_dump({"data": {"documnet_mask": True}}))
+    with pytest.raises(SystemExit):
+        main(["fit", "--config", str(demo_config(tmp_path)), "--config", str(typo)])
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        "error: Subcommand 'fit' does not accept option 'data.documnet_mask' (did you mean 'data.document_mask'?)")
 
 
 def test_consolidate_help_says_its_whole_first_sentence(capsys):

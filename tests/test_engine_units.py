@@ -240,3 +240,14 @@ def test_an_optimizer_over_a_wholly_frozen_stage_is_one_empty_group_that_trains_
             p.grad = torch.full_like(p, 0.1 * (step + 1))
             opt.step()
     assert torch.equal(w, reference_w) and not torch.equal(w, initial)
+
+
+def test_a_loss_weight_that_is_not_a_count_is_refused_naming_the_hook():
+    from lightning_async_pp.pipeline.runtime import loss_shares
+
+    assert loss_shares([2, 2, 2]) is None  # equal microbatches: each loss divided by m, as before the hook
+    torch.testing.assert_close(loss_shares([torch.tensor(3), 1, 0]), torch.tensor([0.75, 0.25, 0.0], dtype=torch.float64))
+    assert loss_shares([torch.tensor(0), torch.tensor(0)]).tolist() == [0.0, 0.0]  # every target skipped: no NaN
+    for bad in (None, -1, True, torch.ones(2)):
+        with pytest.raises(TypeError, match="pipeline_loss_weight must return a number >= 0 or a one-element tensor"):
+            loss_shares([1, bad])

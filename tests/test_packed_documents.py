@@ -185,8 +185,9 @@ def test_a_tokenizers_end_of_text_ends_each_record(tmp_path):
 
 
 # ---- transformers families -------------------------------------------------------------------------------------
-def hf_pair(family: str, attention: str = "sdpa", **overrides):
-    """The adapter on a tiny config of ``family`` and the upstream model with its weights (fp32, ``attention``)."""
+def hf_pair(family: str, attention: str = "sdpa", positions: int | None = None, **overrides):
+    """The adapter on a tiny config of ``family`` and the upstream model with its weights (fp32, ``attention``;
+    ``positions``: the config's max_position_embeddings, else the tiny config's 128)."""
     pytest.importorskip("transformers")
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -195,6 +196,8 @@ def hf_pair(family: str, attention: str = "sdpa", **overrides):
 
     config = tiny_config(AutoConfig.for_model(family, **overrides))
     config.vocab_size = VOCAB
+    if positions is not None:
+        config.max_position_embeddings = positions
     config._attn_implementation = attention
     ours = HuggingFaceCausalLM(config, init_seed=0)
     ours.configure_model()
@@ -251,6 +254,56 @@ def test_a_family_not_verified_with_packed_rows_is_refused_by_name(family):
     batch, _ = packed_row()
     with pytest.raises(ValueError, match=f"cannot take packed batches with document masks .* model_type '{family}'"):
         ours.pipeline_input(batch)
+
+
+DYNAMIC = {"rope_scaling": {"rope_type": "dynamic", "factor": 4.0}}
+LONGROPE = {"rope_scaling": {"rope_type": "longrope", "short_factor": [1.0] * 32, "long_factor": [3.0] * 32},
+            "original_max_position_embeddings": 8}  # factors per frequency of the full head (64), cut for the tiny one
+
+
+@pytest.mark.hf
+@pytest.mark.parametrize("overrides, positions, rope", [(DYNAMIC, 16, "dynamic"), (LONGROPE, 64, "longrope")],
+                         ids=["dynamic", "longrope"])
+def test_a_rope_whose_tables_follow_the_longest_document_is_refused_by_name_past_its_length(overrides, positions, rope):
+    """Past ``max_position_embeddings`` (dynamic) or ``original_max_position_embeddings`` (longrope) transformers
+    recomputes the rotary tables from the microbatch's largest position: a short document of a packed row would not
+    get the logits it gets alone. Rows within that length are exact per document."""
+    ours, upstream = hf_pair("llama", positions=positions, **overrides)
+    long_row, _ = packed_row()  # 21 tokens, documents of up to 9
+    with pytest.raises(ValueError, match=f"packed rows of 21 tokens with rope_type '{rope}': past (16|8) positions"):
+        ours.pipeline_input(long_row)
+    batch, docs = packed_row(lengths=(3, 5), seed=1)  # 7 tokens: within 8
+    with torch.no_grad():
+        packed = ours.pipeline_forward(batch)[0]
+        alone = torch.cat([upstream(input_ids=d.unsqueeze(0)).logits[0] for d in docs])
+    torch.testing.assert_close(packed, alone[: packed.shape[0]], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.hf
+def test_rows_longer_than_max_position_embeddings_are_refused_before_any_update_naming_both_numbers():
+    import lightning as L
+    from torch.utils.data import DataLoader
+
+    ours, _ = hf_pair("llama", positions=16)
+    rows = torch.randint(0, VOCAB, (4, 21), generator=torch.Generator().manual_seed(0))
+    with pytest.raises(ValueError, match="rows of 20 tokens are longer than the config's max_position_embeddings 16"):
+        ours.pipeline_input(rows)
+    with pytest.raises(ValueError, match="rows of 20 tokens"):
+        ours.pipeline_input({"input_ids": rows, "position_ids": torch.arange(21).expand(4, 21)})
+    before = {k: v.clone() for k, v in ours.state_dict().items()}
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=1, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False)
+    with pytest.raises(ValueError, match="max_position_embeddings 16"):
+        trainer.fit(ours.train(), DataLoader(rows, batch_size=2))
+    assert trainer.global_step == 0 and all(torch.equal(v, before[k]) for k, v in ours.state_dict().items())
+    ours.pipeline_input(rows[:, :17])  # 16 tokens: taken
+
+
+@pytest.mark.hf
+def test_an_hf_dict_batch_without_position_ids_is_told_the_key_it_lacks():
+    ours, _ = hf_pair("llama")
+    with pytest.raises(TypeError, match="needs 'position_ids' beside 'input_ids'.*got keys \\['input_ids'\\]"):
+        ours.pipeline_input({"input_ids": packed_row()[0]["input_ids"]})
 
 
 @pytest.mark.hf
@@ -358,6 +411,41 @@ def test_packed_rows_through_a_synchronous_pipeline_on_one_device_train_as_plain
     assert max((weights[0][k] - weights[1][k]).abs().max().item() for k in weights[1]) < 1e-5
 
 
+def test_a_batch_with_skipped_targets_trains_and_validates_as_plain_lightning_whatever_the_microbatch_count():
+    """With skip_document_ends the microbatches hold different numbers of kept targets: the pipeline's batch loss,
+    and so its gradient, is the mean over the batch's kept targets (as Lightning's loop on the whole batch gives it),
+    not the mean of the microbatch means, at any microbatch count; validation's loss likewise."""
+    import sys
+
+    import lightning as L
+    from torch.utils.data import DataLoader
+
+    from lightning_async_pp import AsyncPipelineStrategy
+
+    sys.path.insert(0, str(Path(__file__).parent / "scripts"))
+    from llama_fit import packed_rows, token_rows
+
+    rows = packed_rows(token_rows(16, 16))
+    kept = [int((r["position_ids"][1:] != 0).sum()) for r in rows[:8]]
+    assert len(set(kept)) > 2  # the first batch's rows keep unequal numbers of targets
+    runs = {}
+    for name, strategy in (("plain", "auto"), ("m=4", AsyncPipelineStrategy(schedule="gpipe", num_microbatches=4,
+                                                                            num_stages=2)),
+                           ("m=8", AsyncPipelineStrategy(schedule="1f1b", num_microbatches=8, num_stages=2))):
+        L.seed_everything(0, verbose=False)
+        model = Llama("tiny", vocab_size=256, max_seq_len=32, lr=3e-3, skip_document_ends=True)
+        trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=1, max_steps=2, logger=False,
+                            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+        trainer.fit(model, DataLoader(rows, batch_size=8))
+        train_loss = float(trainer.callback_metrics["train_loss"])
+        val_loss = trainer.validate(model, DataLoader(rows, batch_size=16), verbose=False)[0]["val_loss"]
+        runs[name] = ({k: v.detach().clone() for k, v in model.state_dict().items()}, train_loss, val_loss)
+    weights, train_loss, val_loss = runs.pop("plain")
+    for name, (w, t, v) in runs.items():
+        assert max((w[k] - weights[k]).abs().max().item() for k in weights) < 1e-5, name
+        assert abs(t - train_loss) < 1e-5 and abs(v - val_loss) < 1e-5, (name, t, train_loss, v, val_loss)
+
+
 def test_packed_batches_resume_and_shard_by_data_parallel_rank_as_token_batches_do(tmp_path, monkeypatch):
     from types import SimpleNamespace
 
@@ -400,6 +488,40 @@ def test_a_microbatch_whose_every_target_is_skipped_has_loss_zero_not_nan():
     loss = model.pipeline_loss(logits_of(model, batch), batch)
     loss.backward()
     assert loss.item() == 0.0 and all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
+
+
+def test_position_ids_of_a_dtype_that_wraps_are_refused_naming_the_dtype_and_what_is_taken():
+    model = models()["llama"]
+    ids = torch.randint(0, VOCAB, (1, 301))
+    positions = torch.arange(301).unsqueeze(0)  # one document of 301 tokens
+    assert positions.to(torch.uint8)[0, 256] == 0  # uint8 wraps: the 257th token would sit at position 0
+    with pytest.raises(ValueError, match="position_ids of dtype torch.uint8 .* give them as torch.int64 or torch.int32"):
+        model.pipeline_input({"input_ids": ids, "position_ids": positions.to(torch.uint8)})
+    for dtype in (torch.int16, torch.bool):
+        with pytest.raises(ValueError, match=f"{dtype}"):
+            model.pipeline_input({"input_ids": ids, "position_ids": positions.to(dtype)})
+    model.pipeline_input({"input_ids": ids, "position_ids": positions.to(torch.int32)})  # taken
+
+
+def test_a_dict_batch_without_position_ids_is_told_the_key_it_lacks():
+    with pytest.raises(TypeError, match="Llama: a dict batch is a packed batch and needs 'position_ids' beside "
+                                        "'input_ids'.*got keys \\['input_ids'\\]"):
+        models()["llama"].pipeline_input({"input_ids": torch.zeros(2, 9, dtype=torch.long)})
+
+
+def test_skip_document_ends_without_document_mask_is_refused_before_training(tmp_path, small_files):
+    import lightning as L
+
+    model = GPT(vocab_size=256, block_size=BLOCK, n_layer=1, n_head=2, n_embd=16, skip_document_ends=True)
+    dm = TextDataModule(data_path=str(small_files), cache_dir=str(tmp_path / "c"), block_size=BLOCK, batch_size=2,
+                        val_fraction=0.0)
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=1, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False)
+    with pytest.raises(ValueError, match="skip_document_ends=True but TextDataModule has document_mask=False"):
+        trainer.fit(model, datamodule=dm)
+    assert trainer.global_step == 0
+    dm.check_model_documents(False)  # taken: nothing to skip
+    TextDataModule(data_path=str(small_files), document_mask=True).check_model_documents(True)  # taken
 
 
 def test_throughput_counts_a_packed_batchs_tokens_once_not_its_positions():

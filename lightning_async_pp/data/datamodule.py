@@ -225,6 +225,7 @@ class TextDataModule(L.LightningDataModule):
         # Lightning calls this on one process per node before setup(); build_token_cache is also safe to call
         # from every process, so setup() repeats it for a DataModule used outside a Trainer.
         self.check_model_vocab()
+        self.check_model_documents()
         self.optimized_dirs()
 
     # ---- vocabulary ----------------------------------------------------------------------------------------------
@@ -299,6 +300,21 @@ class TextDataModule(L.LightningDataModule):
                              f"ids up to {data_vocab - 1} would index past its embedding; set the model's vocab_size "
                              f"to at least {data_vocab}")
 
+    def check_model_documents(self, skip_document_ends: Optional[bool] = None) -> None:
+        """Refuse a model that skips document ends (``skip_document_ends=True``) under ``document_mask=False``: its
+        batches would be token rows, with no documents to end, and the setting would do nothing. ``None``: the
+        trainer's module's (an attribute or a hyperparameter of that name)."""
+        if skip_document_ends is None:
+            module = getattr(self.trainer, "lightning_module", None) if self.trainer is not None else None
+            skip_document_ends = getattr(module, "skip_document_ends", None)
+            if skip_document_ends is None and module is not None:
+                skip_document_ends = getattr(module, "hparams", {}).get("skip_document_ends")
+        if skip_document_ends is True and not self.document_mask:
+            raise ValueError("the model has skip_document_ends=True but TextDataModule has document_mask=False: its "
+                             "batches are token rows without documents, so nothing would be skipped; set the data's "
+                             "document_mask: true (packed rows, positions restarting at each document) or the "
+                             "model's skip_document_ends: false")
+
     # ---- datasets ------------------------------------------------------------------------------------------------
     def data_parallel_size_and_rank(self) -> tuple[int, int]:
         """From the strategy's ``distributed_sampler_kwargs`` when there is a trainer, else what litdata detects."""
@@ -313,6 +329,7 @@ class TextDataModule(L.LightningDataModule):
 
     def setup(self, stage: Optional[str] = None) -> None:
         self.check_model_vocab()  # before any tokenizing or training step
+        self.check_model_documents()
         train_dir, val_dir = self.optimized_dirs()
         env = data_parallel_env(*self.data_parallel_size_and_rank())
         train = self._dataset(train_dir, shuffle=True)

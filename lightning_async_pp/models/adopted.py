@@ -145,9 +145,14 @@ class AdoptedCausalLM(BuiltInInit, PipelineModule):
         return self.token_rows(batch)[:, :-1]
 
     def pipeline_sample(self) -> Any:
-        """The example batch if one is set, else one row of 128 tokens (and its target)."""
+        """The example batch if one is set, else one row of 128 tokens (fewer if the config's
+        ``max_position_embeddings`` or ``block_size`` is smaller) and its target."""
         sample = super().pipeline_sample()
-        return sample if sample is not None else torch.zeros(1, 129, dtype=torch.long)
+        if sample is not None:
+            return sample
+        limits = [getattr(self.config, name, None) for name in ("max_position_embeddings", "block_size")]
+        length = min([128, *(n for n in limits if isinstance(n, int) and not isinstance(n, bool) and n > 0)])
+        return torch.zeros(1, length + 1, dtype=torch.long)
 
     def pipeline_loss(self, logits: Tensor, batch: Tensor) -> Tensor:
         return F.cross_entropy(logits.flatten(0, 1).float(), self.token_rows(batch)[:, 1:].flatten())

@@ -169,6 +169,9 @@ class GPT(PipelineModule):
             return F.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten())
         return packing.document_loss(logits, batch, self.hparams.skip_document_ends)
 
+    def pipeline_loss_weight(self, batch: Any) -> Any:
+        return packing.loss_weight(batch, self.hparams.skip_document_ends)  # kept targets, where some are skipped
+
     # ---- optimizer ---------------------------------------------------------------------------------------------
     def configure_optimizers(self) -> torch.optim.Optimizer:
         groups = decay_matrices_only(self.named_parameters(), self.hparams.weight_decay)

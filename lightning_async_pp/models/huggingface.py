@@ -257,8 +257,33 @@ PACKED_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 PACKED_ATTENTION = ("sdpa", "eager")
 
 
-def check_packed_supported(config: Any) -> None:
-    """Refuse, naming the family, a config whose packed rows are not verified exact (see :data:`PACKED_FAMILIES`)."""
+def rope_types(config: Any) -> set[str]:
+    """The config's rope types (``rope_scaling`` in transformers 4, ``rope_parameters`` in 5, which may hold one per
+    kind of layer; ``default`` if none)."""
+    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    if not isinstance(rope, Mapping):
+        return {"default"}
+    kinds = list(rope.values()) if rope and all(isinstance(v, Mapping) for v in rope.values()) else [rope]
+    return {str(kind.get("rope_type", kind.get("type", "default"))) for kind in kinds}
+
+
+def position_dependent_rope(config: Any) -> Optional[tuple[str, int]]:
+    """``(rope type, length)`` if the rotary tables change once a sequence is longer than ``length``, else ``None``.
+    transformers (``modeling_rope_utils.dynamic_rope_update``) then recomputes them from the largest position in the
+    call: a ``dynamic`` type past ``max_position_embeddings``, ``longrope`` past ``original_max_position_embeddings``.
+    In a packed row that is the longest document's, so a short document would not get the tables it gets alone."""
+    for kind in sorted(rope_types(config)):
+        if "dynamic" in kind:  # transformers' own test
+            return kind, config.max_position_embeddings
+        if kind == "longrope":
+            return kind, (config.original_max_position_embeddings if hasattr(config, "original_max_position_embeddings")
+                          else config.max_position_embeddings)
+    return None
+
+
+def check_packed_supported(config: Any, length: Optional[int] = None) -> None:
+    """Refuse, naming the family, a config whose packed rows are not verified exact (see :data:`PACKED_FAMILIES`),
+    and rows of ``length`` tokens (if given) past which its rotary tables follow the longest document."""
     family = config.model_type
     if family not in PACKED_FAMILIES:
         why = (" (a mixture of experts: its router statistics would have to travel with the positions)"
@@ -266,6 +291,13 @@ def check_packed_supported(config: Any) -> None:
         raise ValueError(f"HuggingFaceCausalLM cannot take packed batches with document masks (position_ids) for "
                          f"model_type {family!r}{why}: verified exact only for {', '.join(PACKED_FAMILIES)}; train "
                          f"it on token rows (TextDataModule(document_mask=False))")
+    rope = position_dependent_rope(config)
+    if rope is not None and length is not None and length > rope[1]:
+        raise ValueError(f"HuggingFaceCausalLM cannot take packed rows of {length} tokens with rope_type {rope[0]!r}: "
+                         f"past {rope[1]} positions its rotary tables follow the largest position of the microbatch "
+                         f"(its longest document), so a shorter document would not get the tables it gets alone; "
+                         f"use a block_size of at most {rope[1]}, a rope_type whose tables do not depend on the "
+                         f"sequence (default, linear, llama3, yarn), or token rows (document_mask=False)")
     attention = getattr(config, "_attn_implementation", None) or "eager"
     if attention not in PACKED_ATTENTION:
         raise ValueError(f"HuggingFaceCausalLM cannot take packed batches with attn_implementation {attention!r}: "
@@ -420,10 +452,19 @@ class HuggingFaceCausalLM(AdoptedCausalLM):
 
     # ---- packed batches (models/packing.py) ------------------------------------------------------------------
     def pipeline_input(self, batch: Any) -> Any:
-        if not packing.is_packed(batch):
-            return super().pipeline_input(batch)
-        check_packed_supported(self.model.config)
-        return packing.packed_input(packing.check_packed(batch, type(self).__name__))
+        if not isinstance(batch, Mapping) or not (packing.POSITION_IDS in batch or set(batch) == {packing.INPUT_IDS}):
+            x = super().pipeline_input(batch)  # token rows, or a refusal naming the batch form taken (padding)
+        else:  # a packed batch, or a refusal naming what it lacks
+            batch = packing.check_packed(batch, type(self).__name__)
+            x = packing.packed_input(batch)
+            check_packed_supported(self.model.config, x[packing.INPUT_IDS].shape[-1])
+        length = (x[packing.INPUT_IDS] if isinstance(x, Mapping) else x).shape[-1]
+        limit = getattr(self.config, "max_position_embeddings", None)
+        if isinstance(limit, int) and length > limit:  # as models.Llama refuses rows past max_seq_len
+            raise ValueError(f"HuggingFaceCausalLM: rows of {length} tokens are longer than the config's "
+                             f"max_position_embeddings {limit}; use a block_size of at most {limit} (or a config "
+                             f"with max_position_embeddings >= {length})")
+        return x
 
     # ---- MoE: the router's load-balancing term (models/moe.py) ---------------------------------------------------
     def pipeline_loss(self, output: Any, batch: Any) -> torch.Tensor:
@@ -435,6 +476,9 @@ class HuggingFaceCausalLM(AdoptedCausalLM):
             return super().pipeline_loss(output, batch)
         logits, statistics = self._router_loss.split(output)
         return super().pipeline_loss(logits, batch) + self._router_loss.loss(statistics)
+
+    def pipeline_loss_weight(self, batch: Any) -> Any:
+        return packing.loss_weight(batch, self.skip_document_ends)  # kept targets, where some are skipped
 
     def pipeline_metric_names(self) -> tuple[str, ...]:
         return ("train_aux_loss",) if adds_router_loss(self.config) else ()

@@ -298,6 +298,9 @@ class Llama(BuiltInInit, PipelineModule):
             return F.cross_entropy(logits.flatten(0, 1).float(), batch[:, 1:].flatten())
         return packing.document_loss(logits, batch, self.hparams.skip_document_ends)
 
+    def pipeline_loss_weight(self, batch: Any) -> Any:
+        return packing.loss_weight(batch, self.hparams.skip_document_ends)  # kept targets, where some are skipped
+
     # ---- optimizer ---------------------------------------------------------------------------------------------
     def configure_optimizers(self) -> torch.optim.Optimizer:
         # As GPT: weight decay on matrices (linear weights, the embedding) only, not on norm gains. A tied matrix

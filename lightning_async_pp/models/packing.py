@@ -31,8 +31,17 @@ def is_packed(batch: Any) -> bool:
     return isinstance(batch, Mapping) and INPUT_IDS in batch and POSITION_IDS in batch
 
 
+#: The dtypes ``position_ids`` may have: a narrower one wraps (uint8 at 256) and would invent document starts.
+POSITION_DTYPES = (torch.int64, torch.int32)
+
+
 def check_packed(batch: Any, who: str) -> Mapping[str, Tensor]:
-    """``batch`` if it is a packed batch of equal-shaped 2-D integer tensors, else a clear error naming ``who``."""
+    """``batch`` if it is a packed batch of equal-shaped 2-D integer tensors (positions int64 or int32), else a
+    clear error naming ``who``."""
+    if isinstance(batch, Mapping) and set(batch) == {INPUT_IDS}:
+        raise TypeError(f"{who}: a dict batch is a packed batch and needs {POSITION_IDS!r} beside {INPUT_IDS!r} "
+                        f"(data.TextDataModule(document_mask=True) makes both); got keys {sorted(batch)}. Without "
+                        f"documents, pass the token ids alone: a tensor (B, T + 1)")
     if not isinstance(batch, Mapping) or not is_packed(batch):
         keys = sorted(batch) if isinstance(batch, Mapping) else type(batch).__name__
         raise TypeError(f"{who} takes a token tensor (B, T + 1) or a packed batch {{'input_ids', 'position_ids'}} "
@@ -42,9 +51,14 @@ def check_packed(batch: Any, who: str) -> Mapping[str, Tensor]:
         raise TypeError(f"{who}: a packed batch holds input_ids and position_ids only; got also {extra} (padding "
                         f"masks and labels are not taken: pack the text into full rows, data.TextDataModule)")
     ids, pos = batch[INPUT_IDS], batch[POSITION_IDS]
-    if ids.dim() != 2 or ids.shape != pos.shape or ids.is_floating_point() or pos.is_floating_point():
+    if (ids.dim() != 2 or ids.shape != pos.shape or ids.is_floating_point() or pos.is_floating_point()
+            or torch.bool in (ids.dtype, pos.dtype)):
         raise ValueError(f"{who}: input_ids and position_ids must be integer tensors of one shape (B, T + 1); got "
                          f"{ids.dtype} {tuple(ids.shape)} and {pos.dtype} {tuple(pos.shape)}")
+    if pos.dtype not in POSITION_DTYPES:
+        accepted = " or ".join(map(str, POSITION_DTYPES))
+        raise ValueError(f"{who}: position_ids of dtype {pos.dtype} would wrap past its largest value (a later token "
+                         f"read as position 0, a document start); give them as {accepted}")
     return batch
 
 
@@ -122,6 +136,15 @@ def document_loss(logits: Tensor, batch: Mapping[str, Tensor], skip_document_end
     targets = document_targets(batch, skip_document_ends).flatten()
     total = F.cross_entropy(logits.flatten(0, 1).float(), targets, ignore_index=IGNORE, reduction="sum")
     return total / (targets != IGNORE).sum().clamp(min=1)
+
+
+def loss_weight(batch: Any, skip_document_ends: bool) -> Any:
+    """A microbatch's weight in its batch's mean loss (``PipelineModule.pipeline_loss_weight``): its rows, or with
+    ``skip_document_ends`` on a packed batch its kept targets (a tensor: counted where the batch is), so that the batch
+    loss is the mean over the batch's kept targets whatever the microbatch count."""
+    if isinstance(batch, Tensor) or not skip_document_ends:
+        return (batch if isinstance(batch, Tensor) else batch[INPUT_IDS]).shape[0]
+    return (document_targets(batch, True) != IGNORE).sum()
 
 
 def packed_input(batch: Mapping[str, Tensor]) -> dict[str, Tensor]:

@@ -135,7 +135,8 @@ class PipelineEngine:
                  input_fn: Callable[[Any], Any], loss_fn: Callable[[Any, Any], Tensor], device: torch.device,
                  world_size: int = 1, rank: int = 0, metric_names: Sequence[str] = (),
                  metrics_fn: Optional[Callable[[], dict[str, Tensor]]] = None, sample_batch: Any = None,
-                 compute_context: Callable[[], AbstractContextManager[Any]] = nullcontext) -> None:
+                 compute_context: Callable[[], AbstractContextManager[Any]] = nullcontext,
+                 weight_fn: Optional[Callable[[Any], Any]] = None) -> None:
         self.config = config
         self.root, self.layers, self.paths = root, list(layers), list(paths)
         self.world_size, self.rank, self.device = world_size, rank, device
@@ -204,7 +205,7 @@ class PipelineEngine:
         self._dp_group = dp_group if self.is_multiprocess else None
         self._loss_group = loss_group
         self._ties_due = False  # the tied-gradient sum waits for the data-parallel reduction
-        self._input_fn, self._loss_fn = input_fn, loss_fn
+        self._input_fn, self._loss_fn, self._weight_fn = input_fn, loss_fn, weight_fn
         self._metric_names, self._metrics_fn = tuple(metric_names), metrics_fn
         self.stages: list[Stage] = []
 
@@ -320,7 +321,7 @@ class PipelineEngine:
         self.stages = self._build_stages(self._local, self._delays)
         self.runtime = PipelineRuntime(
             self.stages, schedule=self.config.schedule, num_microbatches=self.num_microbatches,
-            input_fn=self._input_fn, loss_fn=self._loss_fn, link=self._link,
+            input_fn=self._input_fn, loss_fn=self._loss_fn, weight_fn=self._weight_fn, link=self._link,
             pipeline_ranks=self.topology.pipeline_ranks if self.topology else [0],
             dp_group=self._dp_group, dp_size=self.config.data_parallel_size, check_batches=self.config.check_batches,
             loss_group=self._loss_group, metric_names=self._metric_names, metrics_fn=self._metrics_fn,

@@ -36,6 +36,7 @@ from lightning_async_pp.pipeline.structure import as_received, flatten, input_gr
 
 InputFn = Callable[[Any], Any]
 LossFn = Callable[[Any, Any], Tensor]
+WeightFn = Callable[[Any], Any]  # a microbatch -> its weight in the batch's mean loss (a number or a scalar tensor)
 
 
 @dataclass
@@ -74,6 +75,24 @@ class BatchMismatch(RuntimeError):
     """Two stages of one pipeline were given different batches."""
 
 
+def loss_shares(weights: Sequence[Any]) -> Optional[Tensor]:
+    """Each microbatch's share of its batch's mean loss, from its weight (``pipeline_loss_weight``): ``w_j / sum w``
+    (float64, on the weights' device: no host read), or ``None`` where the weights are equal numbers: the mean of the
+    microbatch means, each divided by ``m`` as gradient accumulation does. A batch of weight 0 (every target of it
+    skipped) gets shares 0."""
+    for w in weights:
+        count = isinstance(w, (int, float)) and not isinstance(w, bool) and w >= 0
+        if not (count or isinstance(w, Tensor) and w.numel() == 1):
+            raise TypeError(f"pipeline_loss_weight must return a number >= 0 or a one-element tensor (the microbatch's "
+                            f"weight in its batch's mean loss, such as its count of targets); got {w!r}")
+    if all(isinstance(w, (int, float)) for w in weights) and len(set(weights)) == 1:
+        return None
+    values = [torch.as_tensor(w, dtype=torch.float64).detach().reshape(()) for w in weights]
+    device = next((v.device for v in values if v.device.type != "cpu"), values[0].device)
+    stacked = torch.stack([v.to(device) for v in values])
+    return stacked / stacked.sum().clamp(min=1)
+
+
 def scalar_loss(loss: Any) -> Tensor:
     if not isinstance(loss, Tensor) or loss.numel() != 1:
         shape = tuple(loss.shape) if isinstance(loss, Tensor) else type(loss).__name__
@@ -103,6 +122,7 @@ class PipelineRuntime:
         num_microbatches: int,
         input_fn: InputFn,
         loss_fn: LossFn,
+        weight_fn: Optional[WeightFn] = None,
         link: Optional[StageLink] = None,
         pipeline_ranks: Sequence[int] = (0,),
         dp_group: Any = None,
@@ -119,6 +139,10 @@ class PipelineRuntime:
         self.schedule = schedule
         self.num_microbatches = num_microbatches
         self.input_fn, self.loss_fn = input_fn, loss_fn
+        # A microbatch's weight in its batch's mean loss (the module's pipeline_loss_weight; default its rows): the
+        # last stage, which holds the whole batch, weighs each microbatch loss by it (docs/design/update-rule.md).
+        self.weight_fn: WeightFn = weight_fn if weight_fn is not None else batch_size_of
+        self._shares: dict[int, Optional[Tensor]] = {}  # batch -> its microbatches' shares of the loss (last stage)
         # Scalars the loss computation of a batch produced besides the loss (the module's pipeline_metrics(), read on
         # the last stage after the batch's last loss): they travel with the loss, so every rank can log them.
         self.metric_names, self.metrics_fn = tuple(metric_names), metrics_fn
@@ -278,6 +302,7 @@ class PipelineRuntime:
         self._compare_checks()
 
         if last.is_last:
+            self._shares.pop(k, None)
             loss = self._loss_vectors.pop(k) if k in self._loss_vectors else self._loss_vector(k)
         else:
             assert link is not None
@@ -411,7 +436,11 @@ class PipelineRuntime:
             with self.randomness.forward(stage.index, b, j):
                 out = stage.forward(b, self.input_fn(mb) if stage.is_first else x)
                 if stage.is_last:
-                    out = scalar_loss(self.loss_fn(out, mb)) / self.num_microbatches
+                    out = scalar_loss(self.loss_fn(out, mb))  # first: it refuses a batch it does not take
+                    if b not in self._shares:  # the last stage holds the whole batch: every microbatch's weight
+                        self._shares[b] = loss_shares([self.weight_fn(piece) for piece in microbatches[action.batch]])
+                    shares = self._shares[b]
+                    out = out / self.num_microbatches if shares is None else out * shares[j].to(out.dtype)
             if stage.is_last:
                 self._losses[b] = self._losses.get(b, 0.0) + out.detach().to(torch.float64)
                 out_leaves: Any = out
@@ -552,6 +581,7 @@ class PipelineRuntime:
         self._trained_buffers = {}
         for key in [key for key in self._inflight if key[1] == k]:
             del self._inflight[key]
+        self._shares.pop(k, None)
         if self._losses.pop(k, None) is not None and self.metric_names and self.metrics_fn is not None:
             # The last stage's share of it (``last_ahead``): what the module recorded for that microbatch's loss
             # (an MoE router's statistics, say) is taken and dropped, or it would count in the next batch.
@@ -616,18 +646,21 @@ class PipelineRuntime:
 
     @torch.no_grad()
     def eval_loss(self, batch: Any) -> Tensor:
-        """The batch's mean loss (microbatch losses weighted by their sizes, so a ragged batch is exact)."""
+        """The batch's mean loss: microbatch losses weighted by their weights (default their rows, so a ragged batch
+        is exact; kept targets for a packed model that skips some, as the batch in one piece)."""
         link = self.link
-        weighted: list[Tensor] = []
-        rows: list[int] = []
+        losses: list[Tensor] = []
+        weights: list[Any] = []
 
         def accumulate(output: Any, mb: Any) -> None:
-            rows.append(batch_size_of(mb))
-            weighted.append(scalar_loss(self.loss_fn(output, mb)).to(torch.float64) * rows[-1])
+            losses.append(scalar_loss(self.loss_fn(output, mb)).to(torch.float64))  # first: it refuses bad batches
+            weights.append(self.weight_fn(mb))
 
         call = self._forward_all(batch, "evaluation", accumulate)
         if self.stages[-1].is_last:
-            total = torch.stack(weighted).sum() / sum(rows)
+            w = torch.stack([torch.as_tensor(v, dtype=torch.float64).reshape(()).to(loss.device)
+                             for v, loss in zip(weights, losses)])
+            total = (torch.stack(losses) * w).sum() / w.sum().clamp(min=1)
             if link is not None:
                 for rank in self.pipeline_ranks[:-1]:
                     link.send_scalar(total, rank)

@@ -297,7 +297,7 @@ class AsyncPipelineStrategy(PipelineStateHooks, TrainingBatches, FailureReportin
         previous = self.engine  # the engine of this trainer's previous call, if any
         self.engine = PipelineEngine(
             module, module._pipeline_all_layers, module._pipeline_layer_paths, self.config,
-            input_fn=module.pipeline_input, loss_fn=module.pipeline_loss,
+            input_fn=module.pipeline_input, loss_fn=module.pipeline_loss, weight_fn=module.pipeline_loss_weight,
             device=self.root_device, world_size=self.world_size_total, rank=self.global_rank,
             metric_names=module.pipeline_metric_names(), metrics_fn=module.pipeline_metrics,
             # the sample as training batches reach the layers (bf16-true: floating inputs in bf16), computed as they are
