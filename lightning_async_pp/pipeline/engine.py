@@ -133,7 +133,8 @@ class PipelineEngine:
                  input_fn: Callable[[Any], Any], loss_fn: Callable[[Any, Any], Tensor], device: torch.device,
                  world_size: int = 1, rank: int = 0, metric_names: Sequence[str] = (),
                  metrics_fn: Optional[Callable[[], dict[str, Tensor]]] = None, sample_batch: Any = None,
-                 compute_context: Callable[[], AbstractContextManager[Any]] = nullcontext) -> None:
+                 compute_context: Callable[[], AbstractContextManager[Any]] = nullcontext,
+                 layer_times: Optional[Sequence[float]] = None) -> None:
         self.config = config
         self.root, self.layers, self.paths = root, list(layers), list(paths)
         self.world_size, self.rank, self.device = world_size, rank, device
@@ -148,6 +149,9 @@ class PipelineEngine:
         self.checkpointed_layers = config.checkpointed_layers(len(self.layers))
         self._metrics_fn = metrics_fn
         self._compute_context = compute_context  # what training computes in (autocast): measured layer times too
+        # layer_cost="measured": the times an earlier engine of the same run took (every process holds the same
+        # ones), reused so that one run keeps one split: timing again could choose another by noise
+        self.layer_times: Optional[list[float]] = list(layer_times) if layer_times is not None else None
         self.split = self._choose_split(sample_batch, input_fn, loss_fn)
         self.ranges = partition_layers(self.layers, self.num_stages, list(self.split.counts))
         self.stage_of_layer = [s for s, r in enumerate(self.ranges) for _ in r]
@@ -228,7 +232,9 @@ class PipelineEngine:
         # Whether the times are exchanged follows from the configuration alone, so every process joins the broadcast
         # even where its own costing differed; a process uses the times only with costs of its own.
         if config.layer_cost == "measured" and p > 1:
-            measured = self._measured_times(sample_batch if costs is not None else None, input_fn, loss_fn)
+            if self.layer_times is None or len(self.layer_times) != len(self.layers):
+                self.layer_times = self._measured_times(sample_batch if costs is not None else None, input_fn, loss_fn)
+            measured = self.layer_times
             if costs is None or measured is None or len(measured) != len(costs):
                 measured = None
         if sample_batch is not None and self._metrics_fn is not None:

@@ -303,6 +303,8 @@ class AsyncPipelineStrategy(PipelineStateHooks, TrainingBatches, FailureReportin
             # the sample as training batches reach the layers (bf16-true: floating inputs in bf16), computed as they are
             sample_batch=self.precision_plugin.convert_input(module.pipeline_sample()),
             compute_context=self.precision_plugin.train_step_context,
+            # one split per Trainer: a later call reuses the layer times the first call measured
+            layer_times=previous.layer_times if previous is not None else None,
         )
         rank_zero_info(f"lightning_async_pp: {self.engine.split.describe()}")
         # Layers built on the meta device (configure_model) get memory here, this process's stage only.
