@@ -90,3 +90,44 @@ def test_measured_layer_times_on_cuda_synchronize_and_leave_the_layers_and_the_c
     for layer, state in zip(layers, before):
         assert all(torch.equal(v, state[k]) for k, v in layer.state_dict().items())
         assert all(p.grad is None for p in layer.parameters())
+
+
+def test_costing_on_cuda_leaves_the_hf_rotary_module_and_litgpts_rope_cache_on_the_cpu_and_real():
+    """Issue 54, item 12: the engine costs the layers (still on the CPU or meta) on fake CUDA tensors; the hooks
+    that move the shared rotary tables to the input's device must not leave fake CUDA tensors behind. The CPU suite
+    checks the same on the meta device (tests/test_adapters.py)."""
+    pytest.importorskip("transformers")
+    from torch._subclasses.fake_tensor import FakeTensor
+    from transformers import AutoConfig
+
+    from lightning_async_pp.models import HuggingFaceCausalLM
+    from lightning_async_pp.pipeline.cost import layer_costs
+
+    models = [HuggingFaceCausalLM(AutoConfig.for_model(
+        model_type="llama", vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64), init_seed=3)]
+    try:
+        from lightning_async_pp.models import LitGPT
+        models.append(LitGPT({"name": "pythia-14m", "n_layer": 2, "vocab_size": 256, "padded_vocab_size": 256},
+                             init_seed=3))
+    except ImportError:  # litgpt not installed
+        pass
+    batch = torch.randint(0, 256, (2, 17), generator=torch.Generator().manual_seed(0))
+    for model in models:
+        model.configure_model()
+        model.eval()
+        with torch.no_grad():
+            before = model.pipeline_loss(model(batch), batch)
+        costs = layer_costs(model.pipeline_layers(), batch, model.pipeline_input, model.pipeline_loss,
+                            device=torch.device("cuda"))
+        assert costs[1].forward_flops > 0
+        for layer in model.pipeline_layers():
+            for hook in layer._forward_pre_hooks.values():
+                held = [*getattr(getattr(hook, "rotary", None), "buffers", lambda: [])(),
+                        *[t for t in vars(getattr(hook, "rope", object())).values() if isinstance(t, torch.Tensor)]]
+                assert all(not isinstance(t, FakeTensor) and t.device.type == "cpu" for t in held), type(model)
+        with torch.no_grad():
+            assert torch.equal(model.pipeline_loss(model(batch), batch), before)  # the next real forward runs
+        model.cuda()
+        with torch.no_grad():  # and on the device, where the hooks move the tables for real
+            torch.testing.assert_close(model.pipeline_loss(model(batch.cuda()), batch.cuda()).cpu(), before)

@@ -12,7 +12,9 @@ program over prefix sums. See docs/design/planner.md, "Balanced split".
 """
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import types
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from typing import Any, Optional
 
@@ -79,6 +81,53 @@ def as_stage_input(x: Any) -> Any:
                     else t, x)
 
 
+def _plain_object(value: Any) -> bool:
+    """An instance whose attributes a hook's state lives in (not a module, class, function or builtin value)."""
+    return (hasattr(value, "__dict__") and not isinstance(value, (nn.Module, type, types.FunctionType,
+                                                                  types.MethodType, types.ModuleType)))
+
+
+@contextmanager
+def left_as_they_were(layers: Sequence[nn.Module]) -> Iterator[None]:
+    """Costing runs the layers' own code, which may cache what it computes or move a shared table to its input's
+    device (an HF model's shared rotary module, litgpt's ``RopeCache``, both held by the layers' forward hooks): on
+    fake tensors of another device that cache would keep fake tensors, and the next real forward would fail.
+    Whatever tensors the layers, their submodules, their hooks and the objects those hold (two levels) keep are
+    put back afterwards, the very objects, whatever the costing did."""
+    modules: dict[int, tuple[nn.Module, dict, dict, dict]] = {}
+    objects: dict[int, tuple[Any, dict]] = {}
+
+    def visit(value: Any, depth: int) -> None:
+        if isinstance(value, nn.Module):
+            for m in value.modules():
+                if id(m) in modules:
+                    continue
+                modules[id(m)] = (m, dict(m._parameters), dict(m._buffers),
+                                  {k: v for k, v in vars(m).items() if isinstance(v, Tensor)})
+                for hook in [*m._forward_pre_hooks.values(), *m._forward_hooks.values()]:
+                    visit(getattr(hook, "__self__", hook), 0)  # a bound method's object, or the hook object
+        elif _plain_object(value) and id(value) not in objects and depth <= 2:
+            objects[id(value)] = (value, dict(vars(value)))
+            for attr in list(vars(value).values()):
+                visit(attr, depth + 1)
+
+    for layer in layers:
+        visit(layer, 0)
+    try:
+        yield
+    finally:
+        for m, params, buffers, tensors in modules.values():
+            for store, before in ((m._parameters, params), (m._buffers, buffers)):
+                store.clear()
+                store.update(before)
+            for k in [k for k, v in vars(m).items() if isinstance(v, Tensor) and k not in tensors]:
+                delattr(m, k)  # a tensor the costing cached on the module
+            vars(m).update(tensors)
+        for obj, attrs in objects.values():
+            vars(obj).clear()
+            vars(obj).update(attrs)
+
+
 def layer_costs(layers: Sequence[nn.Module], sample_batch: Any, input_fn: Callable[[Any], Any],
                 loss_fn: Callable[[Any, Any], Tensor], device: Optional[torch.device] = None) -> list[LayerCost]:
     """Run ``sample_batch`` (one microbatch) through ``layers`` one at a time on fake tensors (shapes, no memory:
@@ -87,7 +136,8 @@ def layer_costs(layers: Sequence[nn.Module], sample_batch: Any, input_fn: Callab
 
     The layers themselves are not touched: each runs through ``functional_call`` with fake stand-ins for its
     parameters and buffers on ``device`` (default: the CPU), so real and ``meta`` layers are costed alike, and code
-    that moves something to its input's device sees the device it will run on."""
+    that moves something to its input's device sees the device it will run on; what that code cached or moved is
+    put back afterwards (:func:`left_as_they_were`)."""
     device = torch.device("cpu") if device is None else torch.device(device)
     mode = FakeTensorMode(allow_non_fake_inputs=True)
 
@@ -95,7 +145,7 @@ def layer_costs(layers: Sequence[nn.Module], sample_batch: Any, input_fn: Callab
         return torch.empty(t.shape, dtype=t.dtype, device=device, requires_grad=grad)
 
     costs = []
-    with mode:
+    with left_as_they_were(layers), mode:
         batch = tree_map(lambda t: fake(t) if isinstance(t, Tensor) else t, sample_batch)
         x = input_fn(batch)
         for i, layer in enumerate(layers):

@@ -21,7 +21,7 @@ from torch import Tensor, nn
 from torch.func import functional_call
 from torch.utils._pytree import tree_map
 
-from lightning_async_pp.pipeline.cost import as_stage_input, float_leaves
+from lightning_async_pp.pipeline.cost import as_stage_input, float_leaves, left_as_they_were
 
 
 def _stand_in(t: Tensor, device: torch.device, copy: bool = False) -> Tensor:
@@ -50,7 +50,8 @@ def measure_layer_times(layers: Sequence[nn.Module], sample_batch: Any, input_fn
     device = torch.device(device)
     times: list[float] = []
     # the CPU's state always, the device's where it has one of its own
-    with torch.random.fork_rng(devices=[] if device.type == "cpu" else [device], device_type=device.type):
+    with torch.random.fork_rng(devices=[] if device.type == "cpu" else [device], device_type=device.type), \
+            left_as_they_were(layers):  # a hook's shared table moved to the device: put back
         batch = tree_map(lambda t: _stand_in(t, device) if isinstance(t, Tensor) else t, sample_batch)
         with torch.no_grad():
             x = input_fn(batch)
