@@ -13,8 +13,8 @@ program over prefix sums. See docs/design/planner.md, "Balanced split".
 from __future__ import annotations
 
 import types
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Collection, Iterator, Sequence
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, replace
 from typing import Any, Optional
 
@@ -23,6 +23,7 @@ from torch import Tensor, nn
 from torch.func import functional_call
 from torch.utils._pytree import tree_flatten, tree_map
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils.flop_counter import FlopCounterMode
 
 from lightning_async_pp.pipeline.memory import PeakPoint, StageMemory, action_order, order_peak_points, stage_memory
@@ -128,11 +129,26 @@ def left_as_they_were(layers: Sequence[nn.Module]) -> Iterator[None]:
             vars(obj).update(attrs)
 
 
+def _storage(t: Tensor) -> StorageWeakRef:
+    return StorageWeakRef(t.untyped_storage())
+
+
+def tensor_leaves(x: Any) -> list[Tensor]:
+    return [t for t in tree_flatten(x)[0] if isinstance(t, Tensor)]
+
+
 def layer_costs(layers: Sequence[nn.Module], sample_batch: Any, input_fn: Callable[[Any], Any],
-                loss_fn: Callable[[Any, Any], Tensor], device: Optional[torch.device] = None) -> list[LayerCost]:
+                loss_fn: Callable[[Any, Any], Tensor], device: Optional[torch.device] = None, *,
+                checkpointed: Collection[int] = (),
+                context: Callable[[], AbstractContextManager[Any]] = nullcontext) -> list[LayerCost]:
     """Run ``sample_batch`` (one microbatch) through ``layers`` one at a time on fake tensors (shapes, no memory:
     ``FakeTensorMode``), counting each layer's forward and backward FLOPs (the last layer's include ``loss_fn``)
-    and the bytes its forward saves for backward.
+    and the bytes its forward saves for backward, inside ``context()``: what training computes in (the
+    precision's autocast, under which a matmul keeps bf16 copies of its operands, not fp32 ones).
+
+    A layer in ``checkpointed`` (activation checkpointing: its forward runs again in its backward) keeps only its
+    input (less what the layer before already keeps of it); what its forward saves is allocated again in its
+    backward (its transient), and its backward's FLOPs include the forward's once more (docs/design/planner.md).
 
     The layers themselves are not touched: each runs through ``functional_call`` with fake stand-ins for its
     parameters and buffers on ``device`` (default: the CPU), so real and ``meta`` layers are costed alike, and code
@@ -140,31 +156,41 @@ def layer_costs(layers: Sequence[nn.Module], sample_batch: Any, input_fn: Callab
     put back afterwards (:func:`left_as_they_were`)."""
     device = torch.device("cpu") if device is None else torch.device(device)
     mode = FakeTensorMode(allow_non_fake_inputs=True)
+    checkpointed = frozenset(checkpointed)
 
     def fake(t: Tensor, grad: bool = False) -> Tensor:
         return torch.empty(t.shape, dtype=t.dtype, device=device, requires_grad=grad)
 
     costs = []
-    with left_as_they_were(layers), mode:
+    kept_before: set[StorageWeakRef] = set()  # the storages the layer before keeps for its own backward
+    with left_as_they_were(layers), context(), mode:
         batch = tree_map(lambda t: fake(t) if isinstance(t, Tensor) else t, sample_batch)
         x = input_fn(batch)
         for i, layer in enumerate(layers):
+            last = i == len(layers) - 1
             params = {n: fake(p, p.requires_grad) for n, p in layer.named_parameters(remove_duplicate=False)}
             buffers = {n: fake(b) for n, b in layer.named_buffers(remove_duplicate=False)}
             if i > 0:  # a later stage's input needs its gradient (to send back); the first layer's does not
                 x = as_stage_input(x)
             inputs = [t for t in float_leaves(x) if t.requires_grad]
-            param_ids = {id(p) for p in params.values()}
-            saved: dict[int, int] = {}
+            # by storage: a view of a parameter (a linear layer saves its weight transposed) is no activation, and
+            # views of one tensor (q, k, v cut from one projection) are counted once
+            param_storages = {_storage(p) for p in params.values()}
+            saved: dict[StorageWeakRef, int] = {}  # the layer's
+            loss_saved: dict[StorageWeakRef, int] = {}  # the loss's (outside a checkpointed layer's recomputation)
+            into = [saved]
 
             def pack(t: Tensor) -> Tensor:
-                if id(t) not in param_ids:
-                    saved[id(t)] = t.numel() * t.element_size()
+                key = _storage(t)
+                if key not in param_storages:
+                    into[0][key] = t.untyped_storage().nbytes()
                 return t
 
             with FlopCounterMode(display=False, custom_mapping=_CUSTOM_FLOPS) as forward, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
                 out = functional_call(layer, {**params, **buffers}, (x,))
-                if i == len(layers) - 1:
+                layer_forward = forward.get_total_flops()
+                if last:
+                    into[0] = loss_saved
                     out = loss_fn(out, batch)
             outputs = [t for t in float_leaves(out) if t.requires_grad]
             wrt = inputs + [p for p in params.values() if p.requires_grad]
@@ -178,10 +204,20 @@ def layer_costs(layers: Sequence[nn.Module], sample_batch: Any, input_fn: Callab
                 if id(p) not in seen:
                     seen.add(id(p))
                     param_bytes += p.numel() * p.element_size()
-            held = lambda ts: sum(t.numel() * t.element_size() for t in ts if id(t) not in saved)  # noqa: E731
-            costs.append(LayerCost(forward.get_total_flops(), backward.get_total_flops(), param_bytes,
+            backward_flops, transient = backward.get_total_flops(), 0
+            if i in checkpointed:  # torch.utils.checkpoint keeps the layer's inputs, and runs its forward again
+                transient, backward_flops = sum(saved.values()), backward_flops + layer_forward
+                # what the layer before keeps is counted there (0 here), and no input is counted again for a stage
+                # that starts here
+                saved = {_storage(t): 0 if _storage(t) in kept_before else t.untyped_storage().nbytes()
+                         for t in tensor_leaves(x)}
+            saved.update(loss_saved)
+            held = lambda ts: sum(b.untyped_storage().nbytes() for b in {_storage(t): t for t in ts  # noqa: E731
+                                                                           if _storage(t) not in saved}.values())
+            costs.append(LayerCost(forward.get_total_flops(), backward_flops, param_bytes,
                                    sum(saved.values()), input_bytes=held(float_leaves(x)),
-                                   output_bytes=held(float_leaves(out))))
+                                   output_bytes=held(float_leaves(out)), transient_bytes=transient))
+            kept_before = set(saved)
             x = tree_map(lambda t: t.detach() if isinstance(t, Tensor) else t, out)
     return costs
 
@@ -219,6 +255,9 @@ class MemoryModel:
     optimizer: str = "adamw"
     correction_buffers: float = 0.0
     virtual_stages: int = 2  # chunks per device under interleaved_1f1b (the planner's)
+    # Per layer: the bytes of state the configured optimizer keeps for its parameters, found by the strategy from
+    # one step on meta stand-ins (ErrorFeedback's buffer, Muon's momentum, any optimizer's); None: ``optimizer``'s rule
+    state_bytes: Optional[tuple[int, ...]] = None
 
     def runs_ahead(self, stage: int) -> bool:
         """Whether ``stage`` runs the next batch's first backward before this batch's update (two gradients):
@@ -252,7 +291,8 @@ def stage_peak(costs: Sequence[LayerCost], start: int, stop: int, stage: int, mo
       and its output (sent to the stage after), which the runtime holds until the backward;
     - working set of a backward: the kept bytes plus the largest layer's transient; a batch's first backward
       allocates the gradients as it frees activations, so it peaks at the larger of the two;
-    - the optimizer's state (``model.optimizer``) and a correction's buffers, split over the replicas under
+    - the optimizer's state (``model.state_bytes`` where known, else ``model.optimizer``'s rule) and a
+      correction's buffers, split over the replicas under
       ``shard_optimizer``, and the correction's transient copy in the update.
 
     The balanced split's memory check and the planner's memory table are both this function."""
@@ -266,7 +306,8 @@ def stage_peak(costs: Sequence[LayerCost], start: int, stop: int, stage: int, mo
             + (layers[-1].output_bytes if stage < p - 1 else 0))
     working = kept + max(c.transient_bytes for c in layers)
     correction = round(model.correction_buffers * weights / shards)
-    state = optimizer_state(model.optimizer, weights, sum(c.matrix_param_bytes for c in layers)) // shards
+    state = (sum(model.state_bytes[start:stop]) if model.state_bytes is not None
+             else optimizer_state(model.optimizer, weights, sum(c.matrix_param_bytes for c in layers))) // shards
     return stage_memory(model.action_order() if result is None else result, stage, weight_bytes=weights,
                         saved_bytes=kept, working_bytes=working, first_working_bytes=max(working, weights),
                         optimizer_state_bytes=state, correction_bytes=correction, update_bytes=correction,
