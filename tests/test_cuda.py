@@ -131,3 +131,39 @@ def test_costing_on_cuda_leaves_the_hf_rotary_module_and_litgpts_rope_cache_on_t
         model.cuda()
         with torch.no_grad():  # and on the device, where the hooks move the tables for real
             torch.testing.assert_close(model.pipeline_loss(model(batch.cuda()), batch.cuda()).cpu(), before)
+
+
+def test_what_the_account_says_a_layer_keeps_is_what_the_cuda_allocator_holds_after_its_forward():
+    """Issue 54, item 4, against the allocator: after a block's forward the allocator holds its output plus what
+    the account says it keeps (its saved activations and, under bf16 autocast, the cached bf16 weights); a
+    checkpointed block holds only its output and those casts (its input, which the account charges it, was there
+    before)."""
+    from contextlib import nullcontext
+
+    from torch.utils.checkpoint import checkpoint
+
+    from lightning_async_pp.pipeline.cost import layer_costs
+
+    torch.manual_seed(0)
+    b, d, h = 64, 512, 2048
+    layers = [torch.nn.Sequential(torch.nn.Linear(d, h), torch.nn.ReLU(), torch.nn.Linear(h, d)).cuda()
+              for _ in range(3)]
+    loss = lambda out, batch: out.square().mean()  # noqa: E731
+    autocast = lambda: torch.autocast("cuda", dtype=torch.bfloat16)  # noqa: E731
+    for context in (nullcontext, autocast):
+        for checkpointed in (set(), {1}):
+            cost = layer_costs(layers, torch.zeros(b, d), lambda x: x, loss, device=torch.device("cuda"),
+                               checkpointed=checkpointed, context=context)[1]
+            x = torch.randn(b, d, device="cuda", requires_grad=True)
+            with context():
+                torch.cuda.synchronize()
+                base = torch.cuda.memory_allocated()
+                out = (checkpoint(layers[1], x, use_reentrant=False) if checkpointed else layers[1](x))
+                torch.cuda.synchronize()
+                held = torch.cuda.memory_allocated() - base - out.untyped_storage().nbytes()
+            if checkpointed:
+                # (autocast caches the bf16 weights in a checkpointed forward too)
+                assert held == cost.cast_bytes and cost.activation_bytes == x.untyped_storage().nbytes()
+            else:
+                assert held == cost.activation_bytes + cost.cast_bytes, (context, held, cost)
+            del out, x

@@ -139,3 +139,22 @@ def test_the_plan_names_a_small_models_parameter_count_in_millions():
                         "--stages 2 --microbatches 2 --schedules 1f1b")
     model_line = next(line for line in lines if line.startswith("Model:"))
     assert "0.00 B" not in model_line and "90.4 K parameters" in model_line  # 2 blocks of 37 K, the 16 K embedding
+
+
+def test_the_plans_memory_formulas_keep_what_the_engine_counts_and_the_output_names_the_difference():
+    """Issue 54, item 5: the plan (0.13 GiB) and the engine's setup line (161 MiB) disagreed for one small shape
+    without a word. A block's kept bytes are the same in both (fp32, 4 bytes per value); what the plan adds, the
+    backward's transient estimate, is named under its memory table."""
+    from dataclasses import replace
+
+    shape = replace(MODELS["smollm-135m"], layers=2, seq_len=64)
+    model = Llama("smollm-135m", vocab_size=shape.vocab, num_layers=2)
+    model._configured = True
+    costs = layer_costs(model.pipeline_layers(), torch.zeros(2, 65, dtype=torch.long), model.pipeline_input,
+                        model.pipeline_loss)
+    planned = shape.layer_saved_bytes(False, 2 * 64, 4)
+    assert [c.activation_bytes for c in costs[1:-1]] == [planned[0] - 2 * 64 * 8, planned[1] - 2 * 64 * (
+        4 * shape.hidden + 4 + 2 * 4 * shape.hidden + 4 * shape.vocab + 8)]  # less the embedding's and head's parts
+    lines, _ = run_plan("--model smollm-135m --layers 2 --seq-len 64 --stages 2 --microbatches 2 --schedules 1f1b")
+    text = "\n".join(lines)
+    assert "The engine prints its own account at setup" in text and "no backward transient" in text

@@ -40,6 +40,7 @@ class LayerCost:
     output_bytes: int = 0  # its floating output not among what it keeps: a stage ending here holds it (sent on)
     transient_bytes: int = 0  # what its backward allocates beyond what it keeps, at its peak (0: not measured)
     matrix_param_bytes: int = 0  # of ``param_bytes``, the hidden matrices' (Muon keeps one momentum for them)
+    cast_bytes: int = 0  # autocast's cached copies of its weights: held once per step, whatever the microbatches
 
     @property
     def flops(self) -> int:
@@ -192,6 +193,16 @@ def layer_costs(layers: Sequence[nn.Module], sample_batch: Any, input_fn: Callab
                 if last:
                     into[0] = loss_saved
                     out = loss_fn(out, batch)
+            cast_bytes = 0
+            if torch.is_autocast_enabled(device.type):
+                # Autocast casts each weight once per region and caches the copy: every microbatch's forward
+                # keeps the same one. A second forward finds which saved storages are those cached casts.
+                again: dict[StorageWeakRef, int] = {}
+                into[0] = again
+                with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                    functional_call(layer, {**params, **buffers}, (x,))
+                casts = {k for k in again if k in saved} - {_storage(t) for t in tensor_leaves(x)}  # inputs differ
+                cast_bytes = sum(saved.pop(k) for k in casts)
             outputs = [t for t in float_leaves(out) if t.requires_grad]
             wrt = inputs + [p for p in params.values() if p.requires_grad]
             with FlopCounterMode(display=False, custom_mapping=_CUSTOM_FLOPS) as backward:
@@ -216,7 +227,8 @@ def layer_costs(layers: Sequence[nn.Module], sample_batch: Any, input_fn: Callab
                                                                            if _storage(t) not in saved}.values())
             costs.append(LayerCost(forward.get_total_flops(), backward_flops, param_bytes,
                                    sum(saved.values()), input_bytes=held(float_leaves(x)),
-                                   output_bytes=held(float_leaves(out)), transient_bytes=transient))
+                                   output_bytes=held(float_leaves(out)), transient_bytes=transient,
+                                   cast_bytes=cast_bytes))
             kept_before = set(saved)
             x = tree_map(lambda t: t.detach() if isinstance(t, Tensor) else t, out)
     return costs
@@ -289,6 +301,7 @@ def stage_peak(costs: Sequence[LayerCost], start: int, stop: int, stage: int, mo
     - weights: the layers' parameters (and as many bytes of gradient per batch whose gradients exist);
     - kept per microbatch: what the layers' forwards keep, plus the stage's input (received from the stage before)
       and its output (sent to the stage after), which the runtime holds until the backward;
+    - autocast's cached casts of the weights (bf16-mixed), once, beside whatever else is held;
     - working set of a backward: the kept bytes plus the largest layer's transient; a batch's first backward
       allocates the gradients as it frees activations, so it peaks at the larger of the two;
     - the optimizer's state (``model.state_bytes`` where known, else ``model.optimizer``'s rule) and a
@@ -308,11 +321,13 @@ def stage_peak(costs: Sequence[LayerCost], start: int, stop: int, stage: int, mo
     correction = round(model.correction_buffers * weights / shards)
     state = (sum(model.state_bytes[start:stop]) if model.state_bytes is not None
              else optimizer_state(model.optimizer, weights, sum(c.matrix_param_bytes for c in layers))) // shards
-    return stage_memory(model.action_order() if result is None else result, stage, weight_bytes=weights,
+    peak = stage_memory(model.action_order() if result is None else result, stage, weight_bytes=weights,
                         saved_bytes=kept, working_bytes=working, first_working_bytes=max(working, weights),
                         optimizer_state_bytes=state, correction_bytes=correction, update_bytes=correction,
                         run_ahead=model.run_ahead and model.data_parallel_size == 1,
                         points=model.peak_points(stage) if result is None else None)
+    casts = sum(c.cast_bytes for c in layers)  # beside whatever is in flight, at every point of the step
+    return replace(peak, activations=peak.activations + casts) if casts else peak
 
 
 def stage_memory_bytes(costs: Sequence[LayerCost], start: int, stop: int, stage: int, model: MemoryModel) -> float:

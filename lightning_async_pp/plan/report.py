@@ -254,7 +254,11 @@ def plan(args: argparse.Namespace) -> tuple[list[str], list[dict]]:
                      if args.data_parallel > 1 else "")
                   + (f"; optimizer state and correction split over the {args.data_parallel} replicas (ZeRO-1)"
                      if args.shard_optimizer and args.data_parallel > 1 else "")
-                  + ". docs/guide/planning.md, \"Memory\".", "",
+                  + ". The engine prints its own account at setup (the same function, `cost.stage_peak`), fed what "
+                  "its layers keep as costed on fake tensors in the run's precision (a block at 4 bytes per value "
+                  "keeps what these formulas say), the configured optimizer's state, and no backward transient: "
+                  "for a small model this table's larger figure is mostly the head's transient (the loss's "
+                  "gradients, 8 x vocabulary bytes per token). docs/guide/planning.md, \"Memory\".", "",
                   "| p | m | schedule | device | weights | versions | gradients | optimizer state | correction | "
                   "activations | total |", "|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|", *memory_lines]
     if dp_lines:
