@@ -130,6 +130,13 @@ def left_as_they_were(layers: Sequence[nn.Module]) -> Iterator[None]:
             vars(obj).update(attrs)
 
 
+def _autocast_on(device: torch.device) -> bool:
+    try:
+        return torch.is_autocast_enabled(device.type)
+    except RuntimeError:  # a device autocast does not know (meta)
+        return False
+
+
 def _storage(t: Tensor) -> StorageWeakRef:
     return StorageWeakRef(t.untyped_storage())
 
@@ -194,7 +201,7 @@ def layer_costs(layers: Sequence[nn.Module], sample_batch: Any, input_fn: Callab
                     into[0] = loss_saved
                     out = loss_fn(out, batch)
             cast_bytes = 0
-            if torch.is_autocast_enabled(device.type):
+            if _autocast_on(device):
                 # Autocast casts each weight once per region and caches the copy: every microbatch's forward
                 # keeps the same one. A second forward finds which saved storages are those cached casts.
                 again: dict[StorageWeakRef, int] = {}
