@@ -269,7 +269,7 @@ class MemoryModel:
     data_parallel_size: int = 1
     shard_optimizer: bool = False
     run_ahead: bool = True  # 2bw's last stage may run ahead (PipelineConfig.last_stage_run_ahead)
-    # The optimizer whose state is counted (the engine builds it after the split, so assumes AdamW) and a delay
+    # The optimizer whose state is counted by rule where ``state_bytes`` is not known (the planner's) and a delay
     # correction's buffers per parameter (ErrorFeedback: 1, and as many transient copies in its update).
     optimizer: str = "adamw"
     correction_buffers: float = 0.0
