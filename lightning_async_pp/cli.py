@@ -81,9 +81,12 @@ class AsyncPipelineCLI(LightningCLI):
         if (isinstance(model, PipelineModule) and model.pipeline_example_batch is None
                 and callable(getattr(data, "example_batch", None))):
             rows = 1
-            config = getattr(getattr(self, "trainer", None) and self.trainer.strategy, "config", None)
+            strategy = getattr(self, "trainer", None) and self.trainer.strategy
             batch_size = getattr(data, "batch_size", None)
-            microbatches = getattr(config, "num_microbatches", None)
+            try:  # the strategy's count, its default (max(4, stages)) included
+                microbatches = getattr(strategy, "num_microbatches", None)
+            except ValueError:  # a layout the strategy refuses at setup, with its own message
+                microbatches = None
             if isinstance(batch_size, int) and isinstance(microbatches, int) and batch_size % microbatches == 0:
                 rows = batch_size // microbatches
             model.pipeline_example_batch = data.example_batch(rows)

@@ -550,3 +550,52 @@ def test_the_planners_optimizer_state_is_what_the_optimizer_keeps_for_an_hf_llam
     counted = optimizer_state_bytes(name, shape.layer_parameters(False), shape.layer_matrix_parameters(False), 4)
     tied_copy = {"adamw": 2, "muon": 2, "sgd": 1}[name] * VOCAB * TINY["hidden_size"] * 4
     assert counted - tied_copy == held
+
+
+def _held_tables(model):
+    """Every tensor the model's layers reach outside their parameters: their buffers and what their forward hooks
+    hold (HF's shared rotary module, litgpt's RopeCache), by where it is held."""
+    found = {}
+    for i, layer in enumerate(model.pipeline_layers()):
+        for name, b in layer.named_buffers():
+            found[f"{i}.{name}"] = b
+        for j, hook in enumerate([*layer._forward_pre_hooks.values(), *layer._forward_hooks.values()]):
+            for attr, value in vars(hook).items() if hasattr(hook, "__dict__") else ():
+                if isinstance(value, torch.nn.Module):
+                    found.update({f"{i}.hook{j}.{attr}.{n}": b for n, b in value.named_buffers()})
+                elif hasattr(value, "__dict__"):
+                    found.update({f"{i}.hook{j}.{attr}.{n}": t for n, t in vars(value).items()
+                                  if isinstance(t, torch.Tensor)})
+    return found
+
+
+@pytest.mark.parametrize("adapter", ["hf", pytest.param("litgpt", marks=needs_litgpt)])
+def test_costing_on_another_device_leaves_the_shared_rotary_tables_as_they_were(adapter):
+    """Issue 54, item 12: costing on fake tensors of another device (CUDA in a run; ``meta`` here) ran the hooks that
+    move the shared rotary tables to the input's device, and they kept fake tensors: the next real forward raised."""
+    from torch._subclasses.fake_tensor import FakeTensor
+    from lightning_async_pp.pipeline.cost import layer_costs
+
+    if adapter == "hf":
+        model = built(HuggingFaceCausalLM(hf_config("llama-tied"), init_seed=3)).eval()
+    else:
+        model = built(LitGPT({"name": "pythia-14m", "n_layer": 2, "vocab_size": VOCAB, "padded_vocab_size": VOCAB},
+                             init_seed=3)).eval()
+    batch = tokens()
+    with torch.no_grad():
+        before = model.pipeline_loss(model(batch), batch)
+    tables = {k: (t, t.clone()) for k, t in _held_tables(model).items()}
+    assert any("hook" in k for k in tables), sorted(tables)  # the shared tables are among those checked
+    try:
+        costs = layer_costs(model.pipeline_layers(), batch, model.pipeline_input, model.pipeline_loss,
+                            device=torch.device("meta"))
+        assert len(costs) == len(model.pipeline_layers()) and costs[1].forward_flops > 0
+    except RuntimeError as err:  # HF's rotary forward enters torch.autocast("meta"), which meta cannot (CUDA can)
+        assert adapter == "hf" and "unsupported scalarType" in str(err), err
+    after_tables = _held_tables(model)
+    assert sorted(after_tables) == sorted(tables)
+    for k, t in after_tables.items():
+        assert not isinstance(t, FakeTensor) and t.device.type == "cpu", k
+        assert t is tables[k][0] and torch.equal(t, tables[k][1]), k
+    with torch.no_grad():
+        assert torch.equal(model.pipeline_loss(model(batch), batch), before)

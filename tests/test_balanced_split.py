@@ -303,3 +303,139 @@ def test_last_stage_run_ahead_must_be_none_true_or_false():
     with pytest.raises(ValueError, match=r"last_stage_run_ahead must be None .* True or False, got 'no'"):
         PipelineConfig(last_stage_run_ahead="no")
     assert PipelineConfig(last_stage_run_ahead=False).last_stage_run_ahead is False
+
+
+def test_a_measured_split_is_timed_once_per_trainer_and_a_later_call_keeps_it(monkeypatch):
+    """Issue 54, item 10: a validate after fit on the same Trainer timed the layers again; where noise changed the
+    split, it ran on other stages than the fit (a KeyError on the stages' weights, or a silent change)."""
+    from lightning_async_pp.pipeline import engine as engine_module
+
+    timings = iter([[10.0, 1.0, 1.0, 1.0], [1.0, 1.0, 1.0, 10.0]])  # the second timing would split (3, 1)
+    calls = []
+
+    def noisy(layers, *args, **kwargs):
+        calls.append(len(layers))
+        return next(timings)
+
+    monkeypatch.setattr(engine_module, "measure_layer_times", noisy)
+    data = torch.utils.data.DataLoader(torch.randn(8, 8), batch_size=4)
+    trainer = one_device_trainer(AsyncPipelineStrategy("1f1b", num_microbatches=2, num_stages=2,
+                                                       layer_cost="measured"), steps=1)
+    model = Plain(example=torch.zeros(2, 8))
+    trainer.fit(model, data)
+    fitted = trainer.strategy.engine.stats.split
+    assert fitted.counts == (1, 3) and fitted.cost == "measured"
+    trainer.validate(model, data)
+    assert trainer.strategy.engine.stats.split == fitted and calls == [4]
+    trainer.fit(model, data)  # a further call of the same Trainer: the same split again, untimed
+    assert trainer.strategy.engine.stats.split == fitted and calls == [4]
+
+
+# ---- issue 54, item 4: the account counts what training keeps (checkpointing, autocast, the configured optimizer)
+B, D, H = 4, 64, 256  # microbatch rows, model width, hidden width of each block's MLP
+
+
+class Blocks(PipelineModule):
+    """Four MLP blocks (Linear, ReLU, Linear), SGD without momentum unless ``optimizer`` builds another."""
+
+    def __init__(self, optimizer=None):
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = nn.ModuleList([nn.Sequential(nn.Linear(D, H), nn.ReLU(), nn.Linear(H, D)) for _ in range(4)])
+        self.example_input_array = torch.zeros(B, D)
+        self.make_optimizer = optimizer or (lambda named: torch.optim.SGD([p for _, p in named], lr=0.01))
+
+    def pipeline_layers(self):
+        return list(self.blocks)
+
+    def pipeline_loss(self, output, batch):
+        return output.square().mean()
+
+    def configure_optimizers(self):
+        return self.make_optimizer(list(self.named_parameters()))
+
+
+def block_trainer(model, precision=None, **strategy):
+    data = torch.utils.data.DataLoader(torch.randn(2 * B, D), batch_size=2 * B)
+    trainer = one_device_trainer(AsyncPipelineStrategy("1f1b", num_microbatches=2, num_stages=2,
+                                                       **{"partition": [2, 2], **strategy}),
+                                 steps=1, **({"precision": precision} if precision else {}))
+    trainer.fit(model, data)
+    return trainer
+
+
+def test_a_block_keeps_its_input_and_its_relu_output_and_checkpointed_only_its_input():
+    """Counted by hand (an independent reference): a later block keeps its input (B x D, for the first Linear's
+    weight gradient) and the ReLU's output (B x H, for the ReLU and the second Linear), never its weights again
+    (a linear layer saves its weight transposed: a view of the parameter, not an activation); checkpointed, it keeps
+    its input only and allocates the rest again in its backward, whose FLOPs then include the forward's."""
+    layers = Blocks().pipeline_layers()
+    loss = lambda out, batch: out.square().mean()  # noqa: E731
+    plain = layer_costs(layers, torch.zeros(B, D), lambda b: b, loss)
+    ckpt = layer_costs(layers, torch.zeros(B, D), lambda b: b, loss, checkpointed={1, 2})
+    assert plain[1].activation_bytes == plain[2].activation_bytes == 4 * (B * D + B * H)
+    assert ckpt[1].activation_bytes == ckpt[2].activation_bytes == 4 * B * D
+    assert ckpt[1].transient_bytes == plain[1].activation_bytes and ckpt[0] == plain[0] and ckpt[3] == plain[3]
+    assert ckpt[1].backward_flops == plain[1].backward_flops + plain[1].forward_flops
+    # under bf16 autocast a Linear keeps bf16 copies of its input and weight, the ReLU its bf16 output; the weight
+    # copies are autocast's cached casts, made once per step and shared by every microbatch's forward
+    bf16 = layer_costs(layers, torch.zeros(B, D), lambda b: b, loss,
+                       context=lambda: torch.autocast("cpu", dtype=torch.bfloat16))
+    assert bf16[1].activation_bytes == 2 * (B * D + B * H) and bf16[1].cast_bytes == 2 * (D * H + H * D)
+
+
+def test_the_engine_costs_the_split_with_checkpointing_and_a_cap_it_makes_room_for_is_accepted():
+    """With checkpointing on, the engine's predicted peaks drop by the block's kept bytes less its input for
+    each microbatch in flight, and a cap that only checkpointing meets is accepted (it was refused, suggesting
+    activation checkpointing while it was on)."""
+    off = block_trainer(Blocks()).strategy.engine.stats.split
+    on = block_trainer(Blocks(), activation_checkpointing=True).strategy.engine.stats.split
+    # Stage 0 of 1f1b at m = 2 peaks beside one batch's gradients: off, with one microbatch's two blocks kept (their
+    # inputs and ReLU outputs) and its output; on, in the second backward, where the two blocks' inputs and the
+    # output are kept and one block's forward is recomputed (its input and ReLU output again).
+    kept_off = 2 * 4 * (B * D + B * H) + 4 * B * D
+    kept_on = 2 * 4 * B * D + 4 * B * D + 4 * (B * D + B * H)
+    assert off.memory_bytes[0] - on.memory_bytes[0] == kept_off - kept_on > 0, (on, off)
+    cap = (on.memory_bytes[0] + off.memory_bytes[0]) / 2 / 2**30
+    with pytest.raises(ValueError, match="no split"):
+        block_trainer(Blocks(), partition="balanced", stage_memory_gib=cap)
+    capped = block_trainer(Blocks(), partition="balanced", stage_memory_gib=cap, activation_checkpointing=True)
+    assert max(capped.strategy.engine.stats.split.memory_bytes) <= cap * 2**30
+
+
+def test_the_engine_costs_the_layers_in_the_precisions_autocast():
+    seen = []
+    model = Blocks()
+    for block in model.blocks:
+        block.register_forward_pre_hook(lambda module, args: seen.append(torch.is_autocast_enabled("cpu"))
+                                        if isinstance(args[0], FakeTensor) else None)
+    block_trainer(model, precision="bf16-mixed")
+    assert len(seen) == 2 * 4 and all(seen), seen  # under autocast each forward runs twice (to find the casts)
+
+
+def real_state_bytes(trainer):
+    """What the run's optimizers keep per stage after their steps (the reference: real tensors, real steps)."""
+    engine = trainer.strategy.engine
+    out = []
+    for stage in engine.stages:
+        mine = {id(p) for p in stage.params}
+        out.append(sum(t.numel() * t.element_size() for o in trainer.optimizers for p, state in o.state.items()
+                       if id(p) in mine for t in state.values() if isinstance(t, torch.Tensor)))
+    return out
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "muon", "error_feedback_muon"])
+def test_the_split_counts_the_optimizer_state_the_configured_optimizer_keeps(optimizer):
+    """The account assumed AdamW; now each stage's predicted peak holds what the configured optimizer keeps, as
+    a real step leaves it (here: the predicted peak less SGD's, which keeps nothing)."""
+    from lightning_async_pp.optim import ErrorFeedback, Muon
+
+    make = {"adamw": lambda named: torch.optim.AdamW([p for _, p in named], lr=1e-3),
+            "muon": lambda named: Muon(named, lr=1e-3),
+            "error_feedback_muon": lambda named: ErrorFeedback(named, optimizer=lambda ps: Muon(ps, lr=1e-3))}[optimizer]
+    sgd = block_trainer(Blocks()).strategy.engine.stats.split
+    trainer = block_trainer(Blocks(make))
+    predicted = [a - b for a, b in zip(trainer.strategy.engine.stats.split.memory_bytes, sgd.memory_bytes)]
+    real = real_state_bytes(trainer)
+    assert all(r > 0 for r in real)
+    assert predicted == real, (predicted, real)

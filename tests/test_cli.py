@@ -268,3 +268,17 @@ def test_a_value_the_library_refuses_once_the_run_started_ends_in_one_line_and_o
     monkeypatch.setenv("JSONARGPARSE_DEBUG", "true")
     with pytest.raises(ckpt.UnreadableCheckpoint):
         main(["fit", "--config", str(demo_config(tmp_path)), f"--ckpt_path={damaged}"])
+
+
+def test_with_num_microbatches_left_at_its_default_the_cli_costs_the_split_on_one_microbatch_of_the_default_count(
+        tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    config = yaml.safe_load(demo_config(tmp_path).read_text())
+    del config["trainer"]["strategy"]["init_args"]["num_microbatches"]  # the default: max(4, stages) = 4
+    config["trainer"]["strategy"]["init_args"]["num_stages"] = 2
+    config["data"]["batch_size"] = 8
+    path = tmp_path / "default_microbatches.yaml"
+    path.write_text(yaml.safe_dump(config))
+    cli = AsyncPipelineCLI(args=["--config", str(path)], run=False)
+    assert cli.trainer.strategy.config.num_microbatches is None and cli.trainer.strategy.num_microbatches == 4
+    assert cli.model.pipeline_sample().shape == (2, cli.datamodule.block_size + 1)  # 8 rows / 4 microbatches

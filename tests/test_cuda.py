@@ -90,3 +90,80 @@ def test_measured_layer_times_on_cuda_synchronize_and_leave_the_layers_and_the_c
     for layer, state in zip(layers, before):
         assert all(torch.equal(v, state[k]) for k, v in layer.state_dict().items())
         assert all(p.grad is None for p in layer.parameters())
+
+
+def test_costing_on_cuda_leaves_the_hf_rotary_module_and_litgpts_rope_cache_on_the_cpu_and_real():
+    """Issue 54, item 12: the engine costs the layers (still on the CPU or meta) on fake CUDA tensors; the hooks
+    that move the shared rotary tables to the input's device must not leave fake CUDA tensors behind. The CPU suite
+    checks the same on the meta device (tests/test_adapters.py)."""
+    pytest.importorskip("transformers")
+    from torch._subclasses.fake_tensor import FakeTensor
+    from transformers import AutoConfig
+
+    from lightning_async_pp.models import HuggingFaceCausalLM
+    from lightning_async_pp.pipeline.cost import layer_costs
+
+    models = [HuggingFaceCausalLM(AutoConfig.for_model(
+        model_type="llama", vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64), init_seed=3)]
+    try:
+        from lightning_async_pp.models import LitGPT
+        models.append(LitGPT({"name": "pythia-14m", "n_layer": 2, "vocab_size": 256, "padded_vocab_size": 256},
+                             init_seed=3))
+    except ImportError:  # litgpt not installed
+        pass
+    batch = torch.randint(0, 256, (2, 17), generator=torch.Generator().manual_seed(0))
+    for model in models:
+        model.configure_model()
+        model.eval()
+        with torch.no_grad():
+            before = model.pipeline_loss(model(batch), batch)
+        costs = layer_costs(model.pipeline_layers(), batch, model.pipeline_input, model.pipeline_loss,
+                            device=torch.device("cuda"))
+        assert costs[1].forward_flops > 0
+        for layer in model.pipeline_layers():
+            for hook in layer._forward_pre_hooks.values():
+                held = [*getattr(getattr(hook, "rotary", None), "buffers", lambda: [])(),
+                        *[t for t in vars(getattr(hook, "rope", object())).values() if isinstance(t, torch.Tensor)]]
+                assert all(not isinstance(t, FakeTensor) and t.device.type == "cpu" for t in held), type(model)
+        with torch.no_grad():
+            assert torch.equal(model.pipeline_loss(model(batch), batch), before)  # the next real forward runs
+        model.cuda()
+        with torch.no_grad():  # and on the device, where the hooks move the tables for real
+            torch.testing.assert_close(model.pipeline_loss(model(batch.cuda()), batch.cuda()).cpu(), before)
+
+
+def test_what_the_account_says_a_layer_keeps_is_what_the_cuda_allocator_holds_after_its_forward():
+    """Issue 54, item 4, against the allocator: after a block's forward the allocator holds its output plus what
+    the account says it keeps (its saved activations and, under bf16 autocast, the cached bf16 weights); a
+    checkpointed block holds only its output and those casts (its input, which the account charges it, was there
+    before)."""
+    from contextlib import nullcontext
+
+    from torch.utils.checkpoint import checkpoint
+
+    from lightning_async_pp.pipeline.cost import layer_costs
+
+    torch.manual_seed(0)
+    b, d, h = 64, 512, 2048
+    layers = [torch.nn.Sequential(torch.nn.Linear(d, h), torch.nn.ReLU(), torch.nn.Linear(h, d)).cuda()
+              for _ in range(3)]
+    loss = lambda out, batch: out.square().mean()  # noqa: E731
+    autocast = lambda: torch.autocast("cuda", dtype=torch.bfloat16)  # noqa: E731
+    for context in (nullcontext, autocast):
+        for checkpointed in (set(), {1}):
+            cost = layer_costs(layers, torch.zeros(b, d), lambda x: x, loss, device=torch.device("cuda"),
+                               checkpointed=checkpointed, context=context)[1]
+            x = torch.randn(b, d, device="cuda", requires_grad=True)
+            with context():
+                torch.cuda.synchronize()
+                base = torch.cuda.memory_allocated()
+                out = (checkpoint(layers[1], x, use_reentrant=False) if checkpointed else layers[1](x))
+                torch.cuda.synchronize()
+                held = torch.cuda.memory_allocated() - base - out.untyped_storage().nbytes()
+            if checkpointed:
+                # (autocast caches the bf16 weights in a checkpointed forward too)
+                assert held == cost.cast_bytes and cost.activation_bytes == x.untyped_storage().nbytes()
+            else:
+                assert held == cost.activation_bytes + cost.cast_bytes, (context, held, cost)
+            del out, x

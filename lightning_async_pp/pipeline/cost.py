@@ -12,7 +12,9 @@ program over prefix sums. See docs/design/planner.md, "Balanced split".
 """
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import types
+from collections.abc import Callable, Collection, Iterator, Sequence
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, replace
 from typing import Any, Optional
 
@@ -21,6 +23,7 @@ from torch import Tensor, nn
 from torch.func import functional_call
 from torch.utils._pytree import tree_flatten, tree_map
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils.flop_counter import FlopCounterMode
 
 from lightning_async_pp.pipeline.memory import PeakPoint, StageMemory, action_order, order_peak_points, stage_memory
@@ -37,6 +40,7 @@ class LayerCost:
     output_bytes: int = 0  # its floating output not among what it keeps: a stage ending here holds it (sent on)
     transient_bytes: int = 0  # what its backward allocates beyond what it keeps, at its peak (0: not measured)
     matrix_param_bytes: int = 0  # of ``param_bytes``, the hidden matrices' (Muon keeps one momentum for them)
+    cast_bytes: int = 0  # autocast's cached copies of its weights: held once per step, whatever the microbatches
 
     @property
     def flops(self) -> int:
@@ -79,43 +83,133 @@ def as_stage_input(x: Any) -> Any:
                     else t, x)
 
 
+def _plain_object(value: Any) -> bool:
+    """An instance whose attributes a hook's state lives in (not a module, class, function or builtin value)."""
+    return (hasattr(value, "__dict__") and not isinstance(value, (nn.Module, type, types.FunctionType,
+                                                                  types.MethodType, types.ModuleType)))
+
+
+@contextmanager
+def left_as_they_were(layers: Sequence[nn.Module]) -> Iterator[None]:
+    """Costing runs the layers' own code, which may cache what it computes or move a shared table to its input's
+    device (an HF model's shared rotary module, litgpt's ``RopeCache``, both held by the layers' forward hooks): on
+    fake tensors of another device that cache would keep fake tensors, and the next real forward would fail.
+    Whatever tensors the layers, their submodules, their hooks and the objects those hold (two levels) keep are
+    put back afterwards, the very objects, whatever the costing did."""
+    modules: dict[int, tuple[nn.Module, dict, dict, dict]] = {}
+    objects: dict[int, tuple[Any, dict]] = {}
+
+    def visit(value: Any, depth: int) -> None:
+        if isinstance(value, nn.Module):
+            for m in value.modules():
+                if id(m) in modules:
+                    continue
+                modules[id(m)] = (m, dict(m._parameters), dict(m._buffers),
+                                  {k: v for k, v in vars(m).items() if isinstance(v, Tensor)})
+                for hook in [*m._forward_pre_hooks.values(), *m._forward_hooks.values()]:
+                    visit(getattr(hook, "__self__", hook), 0)  # a bound method's object, or the hook object
+        elif _plain_object(value) and id(value) not in objects and depth <= 2:
+            objects[id(value)] = (value, dict(vars(value)))
+            for attr in list(vars(value).values()):
+                visit(attr, depth + 1)
+
+    for layer in layers:
+        visit(layer, 0)
+    try:
+        yield
+    finally:
+        for m, params, buffers, tensors in modules.values():
+            for store, before in ((m._parameters, params), (m._buffers, buffers)):
+                store.clear()
+                store.update(before)
+            for k in [k for k, v in vars(m).items() if isinstance(v, Tensor) and k not in tensors]:
+                delattr(m, k)  # a tensor the costing cached on the module
+            vars(m).update(tensors)
+        for obj, attrs in objects.values():
+            vars(obj).clear()
+            vars(obj).update(attrs)
+
+
+def _autocast_on(device: torch.device) -> bool:
+    try:
+        return torch.is_autocast_enabled(device.type)
+    except RuntimeError:  # a device autocast does not know (meta)
+        return False
+
+
+def _storage(t: Tensor) -> StorageWeakRef:
+    return StorageWeakRef(t.untyped_storage())
+
+
+def tensor_leaves(x: Any) -> list[Tensor]:
+    return [t for t in tree_flatten(x)[0] if isinstance(t, Tensor)]
+
+
 def layer_costs(layers: Sequence[nn.Module], sample_batch: Any, input_fn: Callable[[Any], Any],
-                loss_fn: Callable[[Any, Any], Tensor], device: Optional[torch.device] = None) -> list[LayerCost]:
+                loss_fn: Callable[[Any, Any], Tensor], device: Optional[torch.device] = None, *,
+                checkpointed: Collection[int] = (),
+                context: Callable[[], AbstractContextManager[Any]] = nullcontext) -> list[LayerCost]:
     """Run ``sample_batch`` (one microbatch) through ``layers`` one at a time on fake tensors (shapes, no memory:
     ``FakeTensorMode``), counting each layer's forward and backward FLOPs (the last layer's include ``loss_fn``)
-    and the bytes its forward saves for backward.
+    and the bytes its forward saves for backward, inside ``context()``: what training computes in (the
+    precision's autocast, under which a matmul keeps bf16 copies of its operands, not fp32 ones).
+
+    A layer in ``checkpointed`` (activation checkpointing: its forward runs again in its backward) keeps only its
+    input (less what the layer before already keeps of it); what its forward saves is allocated again in its
+    backward (its transient), and its backward's FLOPs include the forward's once more (docs/design/planner.md).
 
     The layers themselves are not touched: each runs through ``functional_call`` with fake stand-ins for its
     parameters and buffers on ``device`` (default: the CPU), so real and ``meta`` layers are costed alike, and code
-    that moves something to its input's device sees the device it will run on."""
+    that moves something to its input's device sees the device it will run on; what that code cached or moved is
+    put back afterwards (:func:`left_as_they_were`)."""
     device = torch.device("cpu") if device is None else torch.device(device)
     mode = FakeTensorMode(allow_non_fake_inputs=True)
+    checkpointed = frozenset(checkpointed)
 
     def fake(t: Tensor, grad: bool = False) -> Tensor:
         return torch.empty(t.shape, dtype=t.dtype, device=device, requires_grad=grad)
 
     costs = []
-    with mode:
+    kept_before: set[StorageWeakRef] = set()  # the storages the layer before keeps for its own backward
+    with left_as_they_were(layers), context(), mode:
         batch = tree_map(lambda t: fake(t) if isinstance(t, Tensor) else t, sample_batch)
         x = input_fn(batch)
         for i, layer in enumerate(layers):
+            last = i == len(layers) - 1
             params = {n: fake(p, p.requires_grad) for n, p in layer.named_parameters(remove_duplicate=False)}
             buffers = {n: fake(b) for n, b in layer.named_buffers(remove_duplicate=False)}
             if i > 0:  # a later stage's input needs its gradient (to send back); the first layer's does not
                 x = as_stage_input(x)
             inputs = [t for t in float_leaves(x) if t.requires_grad]
-            param_ids = {id(p) for p in params.values()}
-            saved: dict[int, int] = {}
+            # by storage: a view of a parameter (a linear layer saves its weight transposed) is no activation, and
+            # views of one tensor (q, k, v cut from one projection) are counted once
+            param_storages = {_storage(p) for p in params.values()}
+            saved: dict[StorageWeakRef, int] = {}  # the layer's
+            loss_saved: dict[StorageWeakRef, int] = {}  # the loss's (outside a checkpointed layer's recomputation)
+            into = [saved]
 
             def pack(t: Tensor) -> Tensor:
-                if id(t) not in param_ids:
-                    saved[id(t)] = t.numel() * t.element_size()
+                key = _storage(t)
+                if key not in param_storages:
+                    into[0][key] = t.untyped_storage().nbytes()
                 return t
 
             with FlopCounterMode(display=False, custom_mapping=_CUSTOM_FLOPS) as forward, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
                 out = functional_call(layer, {**params, **buffers}, (x,))
-                if i == len(layers) - 1:
+                layer_forward = forward.get_total_flops()
+                if last:
+                    into[0] = loss_saved
                     out = loss_fn(out, batch)
+            cast_bytes = 0
+            if _autocast_on(device):
+                # Autocast casts each weight once per region and caches the copy: every microbatch's forward
+                # keeps the same one. A second forward finds which saved storages are those cached casts.
+                again: dict[StorageWeakRef, int] = {}
+                into[0] = again
+                with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                    functional_call(layer, {**params, **buffers}, (x,))
+                casts = {k for k in again if k in saved} - {_storage(t) for t in tensor_leaves(x)}  # inputs differ
+                cast_bytes = sum(saved.pop(k) for k in casts)
             outputs = [t for t in float_leaves(out) if t.requires_grad]
             wrt = inputs + [p for p in params.values() if p.requires_grad]
             with FlopCounterMode(display=False, custom_mapping=_CUSTOM_FLOPS) as backward:
@@ -128,10 +222,21 @@ def layer_costs(layers: Sequence[nn.Module], sample_batch: Any, input_fn: Callab
                 if id(p) not in seen:
                     seen.add(id(p))
                     param_bytes += p.numel() * p.element_size()
-            held = lambda ts: sum(t.numel() * t.element_size() for t in ts if id(t) not in saved)  # noqa: E731
-            costs.append(LayerCost(forward.get_total_flops(), backward.get_total_flops(), param_bytes,
+            backward_flops, transient = backward.get_total_flops(), 0
+            if i in checkpointed:  # torch.utils.checkpoint keeps the layer's inputs, and runs its forward again
+                transient, backward_flops = sum(saved.values()), backward_flops + layer_forward
+                # what the layer before keeps is counted there (0 here), and no input is counted again for a stage
+                # that starts here
+                saved = {_storage(t): 0 if _storage(t) in kept_before else t.untyped_storage().nbytes()
+                         for t in tensor_leaves(x)}
+            saved.update(loss_saved)
+            held = lambda ts: sum(b.untyped_storage().nbytes() for b in {_storage(t): t for t in ts  # noqa: E731
+                                                                           if _storage(t) not in saved}.values())
+            costs.append(LayerCost(forward.get_total_flops(), backward_flops, param_bytes,
                                    sum(saved.values()), input_bytes=held(float_leaves(x)),
-                                   output_bytes=held(float_leaves(out))))
+                                   output_bytes=held(float_leaves(out)), transient_bytes=transient,
+                                   cast_bytes=cast_bytes))
+            kept_before = set(saved)
             x = tree_map(lambda t: t.detach() if isinstance(t, Tensor) else t, out)
     return costs
 
@@ -164,11 +269,14 @@ class MemoryModel:
     data_parallel_size: int = 1
     shard_optimizer: bool = False
     run_ahead: bool = True  # 2bw's last stage may run ahead (PipelineConfig.last_stage_run_ahead)
-    # The optimizer whose state is counted (the engine builds it after the split, so assumes AdamW) and a delay
+    # The optimizer whose state is counted by rule where ``state_bytes`` is not known (the planner's) and a delay
     # correction's buffers per parameter (ErrorFeedback: 1, and as many transient copies in its update).
     optimizer: str = "adamw"
     correction_buffers: float = 0.0
     virtual_stages: int = 2  # chunks per device under interleaved_1f1b (the planner's)
+    # Per layer: the bytes of state the configured optimizer keeps for its parameters, found by the strategy from
+    # one step on meta stand-ins (ErrorFeedback's buffer, Muon's momentum, any optimizer's); None: ``optimizer``'s rule
+    state_bytes: Optional[tuple[int, ...]] = None
 
     def runs_ahead(self, stage: int) -> bool:
         """Whether ``stage`` runs the next batch's first backward before this batch's update (two gradients):
@@ -200,9 +308,11 @@ def stage_peak(costs: Sequence[LayerCost], start: int, stop: int, stage: int, mo
     - weights: the layers' parameters (and as many bytes of gradient per batch whose gradients exist);
     - kept per microbatch: what the layers' forwards keep, plus the stage's input (received from the stage before)
       and its output (sent to the stage after), which the runtime holds until the backward;
+    - autocast's cached casts of the weights (bf16-mixed), once, beside whatever else is held;
     - working set of a backward: the kept bytes plus the largest layer's transient; a batch's first backward
       allocates the gradients as it frees activations, so it peaks at the larger of the two;
-    - the optimizer's state (``model.optimizer``) and a correction's buffers, split over the replicas under
+    - the optimizer's state (``model.state_bytes`` where known, else ``model.optimizer``'s rule) and a
+      correction's buffers, split over the replicas under
       ``shard_optimizer``, and the correction's transient copy in the update.
 
     The balanced split's memory check and the planner's memory table are both this function."""
@@ -216,12 +326,15 @@ def stage_peak(costs: Sequence[LayerCost], start: int, stop: int, stage: int, mo
             + (layers[-1].output_bytes if stage < p - 1 else 0))
     working = kept + max(c.transient_bytes for c in layers)
     correction = round(model.correction_buffers * weights / shards)
-    state = optimizer_state(model.optimizer, weights, sum(c.matrix_param_bytes for c in layers)) // shards
-    return stage_memory(model.action_order() if result is None else result, stage, weight_bytes=weights,
+    state = (sum(model.state_bytes[start:stop]) if model.state_bytes is not None
+             else optimizer_state(model.optimizer, weights, sum(c.matrix_param_bytes for c in layers))) // shards
+    peak = stage_memory(model.action_order() if result is None else result, stage, weight_bytes=weights,
                         saved_bytes=kept, working_bytes=working, first_working_bytes=max(working, weights),
                         optimizer_state_bytes=state, correction_bytes=correction, update_bytes=correction,
                         run_ahead=model.run_ahead and model.data_parallel_size == 1,
                         points=model.peak_points(stage) if result is None else None)
+    casts = sum(c.cast_bytes for c in layers)  # beside whatever is in flight, at every point of the step
+    return replace(peak, activations=peak.activations + casts) if casts else peak
 
 
 def stage_memory_bytes(costs: Sequence[LayerCost], start: int, stop: int, stage: int, model: MemoryModel) -> float:

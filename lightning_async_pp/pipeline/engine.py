@@ -136,7 +136,9 @@ class PipelineEngine:
                  world_size: int = 1, rank: int = 0, metric_names: Sequence[str] = (),
                  metrics_fn: Optional[Callable[[], dict[str, Tensor]]] = None, sample_batch: Any = None,
                  compute_context: Callable[[], AbstractContextManager[Any]] = nullcontext,
-                 weight_fn: Optional[Callable[[Any], Any]] = None) -> None:
+                 weight_fn: Optional[Callable[[Any], Any]] = None,
+                 layer_times: Optional[Sequence[float]] = None,
+                 optimizer_state_bytes: Optional[Sequence[int]] = None) -> None:
         self.config = config
         self.root, self.layers, self.paths = root, list(layers), list(paths)
         self.world_size, self.rank, self.device = world_size, rank, device
@@ -151,6 +153,14 @@ class PipelineEngine:
         self.checkpointed_layers = config.checkpointed_layers(len(self.layers))
         self._metrics_fn = metrics_fn
         self._compute_context = compute_context  # what training computes in (autocast): measured layer times too
+        # layer_cost="measured": the times an earlier engine of the same run took (every process holds the same
+        # ones), reused so that one run keeps one split: timing again could choose another by noise
+        self.layer_times: Optional[list[float]] = list(layer_times) if layer_times is not None else None
+        # per layer, the configured optimizer's state (None: AdamW's two moments are assumed)
+        if optimizer_state_bytes is not None and len(optimizer_state_bytes) != len(self.layers):
+            raise ValueError(f"optimizer_state_bytes has {len(optimizer_state_bytes)} values for "
+                             f"{len(self.layers)} layers; give one per layer")
+        self.optimizer_state_bytes = tuple(optimizer_state_bytes) if optimizer_state_bytes is not None else None
         self.split = self._choose_split(sample_batch, input_fn, loss_fn)
         self.ranges = partition_layers(self.layers, self.num_stages, list(self.split.counts))
         self.stage_of_layer = [s for s, r in enumerate(self.ranges) for _ in r]
@@ -218,11 +228,13 @@ class PipelineEngine:
         method = config.partition
         # One device models the p devices its stages stand for, so it picks the split p processes pick.
         model = MemoryModel(config.schedule, p, self.num_microbatches, config.data_parallel_size, config.shard_optimizer,
-                            run_ahead=config.last_stage_run_ahead is not False)
+                            run_ahead=config.last_stage_run_ahead is not False, state_bytes=self.optimizer_state_bytes)
         costs, measured = None, None
         if sample_batch is not None:
             try:
-                costs = layer_costs(self.layers, sample_batch, input_fn, loss_fn, device=self.device)
+                # as training runs them: in the precision's autocast, checkpointed layers recomputed
+                costs = layer_costs(self.layers, sample_batch, input_fn, loss_fn, device=self.device,
+                                    checkpointed=self.checkpointed_layers, context=self._compute_context)
             except Exception as err:  # a layer that cannot run on fake tensors (data-dependent shapes, .item())
                 if method == "balanced" and self.rank == 0:
                     warnings.warn(f"partition='balanced' could not cost the layers on fake tensors "
@@ -231,7 +243,9 @@ class PipelineEngine:
         # Whether the times are exchanged follows from the configuration alone, so every process joins the broadcast
         # even where its own costing differed; a process uses the times only with costs of its own.
         if config.layer_cost == "measured" and p > 1:
-            measured = self._measured_times(sample_batch if costs is not None else None, input_fn, loss_fn)
+            if self.layer_times is None or len(self.layer_times) != len(self.layers):
+                self.layer_times = self._measured_times(sample_batch if costs is not None else None, input_fn, loss_fn)
+            measured = self.layer_times
             if costs is None or measured is None or len(measured) != len(costs):
                 measured = None
         if sample_batch is not None and self._metrics_fn is not None:
@@ -268,7 +282,7 @@ class PipelineEngine:
         if self.rank == 0 and sample_batch is not None:
             try:
                 times = measure_layer_times(self.layers, sample_batch, input_fn, loss_fn, self.device,
-                                            context=self._compute_context)
+                                            context=self._compute_context, checkpointed=self.checkpointed_layers)
             except Exception as err:  # out of memory on the device, a layer that needs real weights
                 warnings.warn(f"layer_cost='measured' could not time the layers on {self.device} "
                               f"({type(err).__name__}: {err}); using their FLOPs instead", stacklevel=4)

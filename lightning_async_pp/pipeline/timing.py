@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
@@ -20,8 +20,9 @@ import torch
 from torch import Tensor, nn
 from torch.func import functional_call
 from torch.utils._pytree import tree_map
+from torch.utils.checkpoint import checkpoint
 
-from lightning_async_pp.pipeline.cost import as_stage_input, float_leaves
+from lightning_async_pp.pipeline.cost import as_stage_input, float_leaves, left_as_they_were
 
 
 def _stand_in(t: Tensor, device: torch.device, copy: bool = False) -> Tensor:
@@ -40,17 +41,21 @@ def _synchronize(device: torch.device) -> None:
 
 def measure_layer_times(layers: Sequence[nn.Module], sample_batch: Any, input_fn: Callable[[Any], Any],
                         loss_fn: Callable[[Any, Any], Tensor], device: torch.device, *, repeats: int = 3,
-                        context: Callable[[], AbstractContextManager[Any]] = nullcontext) -> list[float]:
+                        context: Callable[[], AbstractContextManager[Any]] = nullcontext,
+                        checkpointed: Collection[int] = ()) -> list[float]:
     """Seconds each of ``layers`` takes for one forward and backward of ``sample_batch`` (one microbatch) on
     ``device``: the median of ``repeats`` runs after one warm-up; the last layer's include ``loss_fn``. A later
     layer's input gradient is computed, the first layer's not, as in the pipeline. Each run is inside
-    ``context()``, what training runs in (the precision's autocast: bf16 kernels take other times than fp32's)."""
+    ``context()``, what training runs in (the precision's autocast: bf16 kernels take other times than fp32's); a
+    layer in ``checkpointed`` runs under ``torch.utils.checkpoint``, as the stage runs it (its backward recomputes
+    its forward)."""
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats!r}")
     device = torch.device(device)
     times: list[float] = []
     # the CPU's state always, the device's where it has one of its own
-    with torch.random.fork_rng(devices=[] if device.type == "cpu" else [device], device_type=device.type):
+    with torch.random.fork_rng(devices=[] if device.type == "cpu" else [device], device_type=device.type), \
+            left_as_they_were(layers):  # a hook's shared table moved to the device: put back
         batch = tree_map(lambda t: _stand_in(t, device) if isinstance(t, Tensor) else t, sample_batch)
         with torch.no_grad():
             x = input_fn(batch)
@@ -72,7 +77,10 @@ def measure_layer_times(layers: Sequence[nn.Module], sample_batch: Any, input_fn
 
             def run() -> Any:
                 with context():
-                    out = functional_call(layer, state, (x,))
+                    if i in checkpointed:
+                        out = checkpoint(functional_call, layer, state, (x,), use_reentrant=False)
+                    else:
+                        out = functional_call(layer, state, (x,))
                     loss = loss_fn(out, batch) if last else out
                     outputs = [t for t in float_leaves(loss) if t.requires_grad]
                     if outputs and wrt:

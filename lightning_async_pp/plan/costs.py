@@ -8,8 +8,8 @@ import argparse
 from dataclasses import dataclass, field, replace
 from typing import Optional, Sequence
 
-from lightning_async_pp.pipeline.cost import (LayerCost, MemoryModel, optimizer_state, split_and_run_ahead,
-                                              stage_memory_bytes, stage_peak)
+from lightning_async_pp.pipeline.cost import (LayerCost, MemoryModel, balanced_split, optimizer_state,
+                                              smallest_peak, split_and_run_ahead, stage_memory_bytes, stage_peak)
 from lightning_async_pp.pipeline.memory import StageMemory
 from lightning_async_pp.pipeline.partition import _balanced_counts
 from lightning_async_pp.pipeline.schedule import check_schedule, chunks_per_device, device_of
@@ -41,6 +41,7 @@ class CostModel:
         self.layer_forward: list[float] = []  # seconds of forward per pipeline layer and microbatch
         self.fixed_stages: Optional[int] = None
         self.comm_s = args.comm_s if args.comm_s is not None else 0.0
+        self._splits: dict[tuple[int, int, str], tuple[list[int], bool, Optional[float]]] = {}
         if args.stage_forward_s:
             self.fixed_stages = len(args.stage_forward_s)
             self.stage_backward = args.stage_backward_s or [args.backward_ratio * f for f in args.stage_forward_s]
@@ -100,18 +101,10 @@ class CostModel:
         ring = lambda b: 2 * (r - 1) / r * b / (gbps * 1e9) + 2 * (r - 1) * args.dp_latency_s  # noqa: E731
         return [ring(b) for b in nbytes], nbytes
 
-    def memory_model(self, p: int, m: int) -> MemoryModel:
-        """What the balanced split's memory cap is checked against: the memory table's account
-        (``pipeline.cost.stage_peak``) under 2bw if it is planned and runs at this ``(p, m)``, else under 1f1b (or
-        gpipe, if it alone is planned)."""
+    def memory_model(self, p: int, m: int, schedule: str) -> MemoryModel:
+        """What the balanced split's memory cap is checked against for ``schedule``: the memory table's account
+        (``pipeline.cost.stage_peak``) under that schedule's action order, as the engine running it checks it."""
         args = self.args
-        schedule = "gpipe" if args.schedules == ["gpipe"] else "1f1b"
-        if "2bw" in args.schedules:
-            try:
-                check_schedule("2bw", p, m)
-                schedule = "2bw"
-            except ValueError:  # m < p: 2bw is refused here, its table row too
-                pass
         return MemoryModel(schedule, p, m, args.data_parallel, args.shard_optimizer, optimizer=args.optimizer,
                            correction_buffers=args.correction_buffers, virtual_stages=args.virtual_stages)
 
@@ -119,26 +112,53 @@ class CostModel:
         """Whether 2bw's last stage runs the next batch's first microbatch before its update (a second gradient):
         ``--last-stage-run-ahead``, where ``auto`` turns it off only where no split fits ``--stage-memory-gib``
         with it and one fits without (as the engine decides)."""
-        return self._split_and_run_ahead(p, m)[1]
+        return self._split_and_run_ahead(p, m, "2bw")[1]
 
-    def _split_and_run_ahead(self, p: int, m: int) -> tuple[list[int], bool]:
+    def over_cap(self, p: int, m: int, schedule: str) -> Optional[float]:
+        """``None`` where some split of ``p`` stages keeps every device of ``schedule`` under ``--stage-memory-gib``
+        (or no cap is given); else the smallest largest peak (bytes) any split reaches: the split used is then one
+        that reaches it, and the report marks the schedule's rows as over the cap."""
+        return self._split_and_run_ahead(p, m, schedule)[2]
+
+    def _split_and_run_ahead(self, p: int, m: int, schedule: str) -> tuple[list[int], bool, Optional[float]]:
+        key = (p, m, schedule)
+        if key not in self._splits:
+            self._splits[key] = self._choose_split(p, m, schedule)
+        return self._splits[key]
+
+    def _choose_split(self, p: int, m: int, schedule: str) -> tuple[list[int], bool, Optional[float]]:
         choice = {"auto": None, "on": True, "off": False}[getattr(self.args, "last_stage_run_ahead", "auto")]
         if self.fixed_stages is not None or p > len(self.layer_forward):  # costs per stage given: no split to choose
-            return [], choice is not False
-        memory, cap = None, None
-        if self.shape is not None:
-            layers = self.layer_costs()
-            memory = lambda i, j, s, mm: stage_memory_bytes(layers, i, j, s, mm)  # noqa: E731
-            if self.args.stage_memory_gib is not None:
-                cap = self.args.stage_memory_gib * 2**30
-        counts, used = split_and_run_ahead(self.layer_forward, p, self.memory_model(p, m), memory=memory,
-                                           memory_cap=cap, run_ahead=choice)
-        return counts, used.run_ahead
+            return [], choice is not False, None
+        try:
+            check_schedule(schedule, p, m)
+        except ValueError:  # the schedule is refused at (p, m): its rows say so, no memory to weigh
+            return balanced_split(self.layer_forward, p), choice is not False, None
+        model = self.memory_model(p, m, schedule)
+        if self.shape is None:
+            counts, used = split_and_run_ahead(self.layer_forward, p, model, run_ahead=choice)
+            return counts, used.run_ahead, None
+        layers = self.layer_costs()
+        memory = lambda i, j, s, mm: stage_memory_bytes(layers, i, j, s, mm)  # noqa: E731
+        cap = self.args.stage_memory_gib * 2**30 if self.args.stage_memory_gib is not None else None
+        try:
+            counts, used = split_and_run_ahead(self.layer_forward, p, model, memory=memory, memory_cap=cap,
+                                               run_ahead=choice)
+            return counts, used.run_ahead, None
+        except ValueError:
+            if cap is None:
+                raise
+        # No split fits: the one nearest to fitting (its largest peak the least; 2bw without the run-ahead's second
+        # gradient unless it was asked for), marked over the cap where it is reported.
+        least_model = replace(model, run_ahead=choice is True)
+        fn = lambda i, j, s: memory(i, j, s, least_model)  # noqa: E731
+        least = smallest_peak(len(self.layer_forward), p, fn)
+        return balanced_split(self.layer_forward, p, memory=fn, memory_cap=least), least_model.run_ahead, least
 
-    def split(self, p: int, m: int, method: str = "balanced") -> list[int]:
+    def split(self, p: int, m: int, method: str = "balanced", schedule: str = "2bw") -> list[int]:
         """Layers per stage by ``method``: ``balanced`` (``pipeline.cost.balanced_split``: the slowest stage's
-        forward and backward least, every stage's memory under ``--stage-memory-gib``, as the engine splits),
-        ``parameters`` or ``uniform``."""
+        forward and backward least, every device's memory under ``schedule`` under ``--stage-memory-gib``, as the
+        engine running ``schedule`` splits), ``parameters`` or ``uniform``."""
         n = len(self.layer_forward)
         if method == "uniform":
             return _balanced_counts([1] * n, p)
@@ -146,7 +166,7 @@ class CostModel:
             if self.shape is None:
                 return _balanced_counts([1] * n, p)
             return _balanced_counts(self.shape.layer_parameters(self.args.split_blocks), p)
-        return self._split_and_run_ahead(p, m)[0]
+        return self._split_and_run_ahead(p, m, schedule)[0]
 
     def layer_costs(self) -> list[LayerCost]:
         assert self.shape is not None
@@ -154,14 +174,16 @@ class CostModel:
         return self.shape.layer_costs(args.split_blocks, args.microbatch_size * self.shape.seq_len,
                                       args.bytes_per_value, args.param_bytes, self.backward_ratio)
 
-    def costs(self, p: int, m: int = 1, counts: Optional[list[int]] = None) -> Optional[Costs]:
+    def costs(self, p: int, m: int = 1, counts: Optional[list[int]] = None, schedule: str = "2bw") -> Optional[Costs]:
+        """Per-stage seconds of ``counts`` (default: ``schedule``'s balanced split); ``None`` where ``p`` is more
+        stages than layers."""
         if self.fixed_stages is not None:
             return Costs(list(self.args.stage_forward_s), list(self.stage_backward), self.comm_s, None,
                          self.dp_reduction(p, None)[0])
         if p > len(self.layer_forward):
             return None
         if counts is None:
-            counts = self.split(p, m)
+            counts = self.split(p, m, schedule=schedule)
         forward, start = [], 0
         for c in counts:
             forward.append(sum(self.layer_forward[start : start + c]))

@@ -22,6 +22,14 @@ def fmt_seconds(s: float) -> str:
     return f"{s * 1e6:.3g} µs"
 
 
+def fmt_count(n: float) -> str:
+    """A parameter count in the unit that shows it: 10.31 B, 134.5 M, 7.2 K (not 0.00 B for a small model)."""
+    for scale, unit, digits in ((1e9, "B", 2), (1e6, "M", 1), (1e3, "K", 1)):
+        if n >= scale:
+            return f"{n / scale:.{digits}f} {unit}"
+    return f"{n:.0f}"
+
+
 def label(schedule: str, args: argparse.Namespace) -> str:
     return f"interleaved_1f1b (v={args.virtual_stages})" if schedule == "interleaved_1f1b" else schedule
 
@@ -90,7 +98,7 @@ def plan(args: argparse.Namespace) -> tuple[list[str], list[dict]]:
         sh = model.shape
         lines += [
             f"Model: hidden {sh.hidden}, {sh.layers} blocks, {sh.heads} heads ({sh.kv_heads} key/value), intermediate "
-            f"{sh.intermediate}, vocabulary {sh.vocab}, sequence {sh.seq_len}: {sh.parameters() / 1e9:.2f} B "
+            f"{sh.intermediate}, vocabulary {sh.vocab}, sequence {sh.seq_len}: {fmt_count(sh.parameters())} "
             f"parameters; {'attention and MLP as separate pipeline layers' if args.split_blocks else 'one pipeline layer per block'}.",
             f"Forward FLOPs per token: attention {sh.attention_flops() / 1e6:.1f} M + MLP {sh.mlp_flops() / 1e6:.1f} M "
             f"per block, head {sh.head_flops() / 1e6:.1f} M; backward = {args.backward_ratio:g} x forward.",
@@ -130,9 +138,13 @@ def plan(args: argparse.Namespace) -> tuple[list[str], list[dict]]:
     several = len(model.stages(args.stages)) * len(args.microbatches) * len(schedules) > 1
     split_lines: list[str] = []
     behind: list[str] = []  # (p, m) where 2bw's last stage does not run ahead
+    over: list[str] = []  # (schedule, p, m) where no split keeps every device under --stage-memory-gib
     for p in model.stages(args.stages):
         for m in args.microbatches:
-            costs = model.costs(p, m)
+            planned = list(dict.fromkeys([*schedules, "1f1b"]))
+            # each schedule on the balanced split under its own memory model (the one the engine running it picks)
+            per = {s: model.costs(p, m, schedule=s) for s in planned}
+            costs = per[schedules[0]]
             if costs is None:
                 lines.append(f"| {p} | {m} | - | - | more stages than the {len(model.layer_forward)} pipeline layers"
                              + (" (--split-blocks doubles them)" if model.shape and not args.split_blocks else "")
@@ -140,12 +152,14 @@ def plan(args: argparse.Namespace) -> tuple[list[str], list[dict]]:
                 continue
             results: dict[str, Optional[SimulationResult]] = {}
             refused: dict[str, str] = {}
-            for s in dict.fromkeys([*schedules, "1f1b"]):
+            for s in planned:
+                c = per[s]
+                assert c is not None
                 try:
                     # as the engine runs it: 2bw's last stage runs ahead with one pipeline only
                     ahead = ({} if s != "2bw" or (model.run_ahead(p, m) and args.data_parallel == 1)
                              else {"last_ahead": False})
-                    results[s] = simulate(s, p, m, costs.forward_s, costs.backward_s, comm_s=costs.comm_s,
+                    results[s] = simulate(s, p, m, c.forward_s, c.backward_s, comm_s=c.comm_s,
                                           optimizer_s=args.optimizer_s, steps=args.steps, **ahead,
                                           virtual_stages=args.virtual_stages,
                                           weight_grad_fraction=args.weight_grad_fraction, **tied_kwargs(args, s, p))
@@ -164,9 +178,9 @@ def plan(args: argparse.Namespace) -> tuple[list[str], list[dict]]:
             sync = {s: r for s, r in results.items() if r is not None and s != "2bw"}
             best = min(sync, key=lambda s: sync[s].step_time_s)  # type: ignore[union-attr]
             counts = costs.layers_per_stage
-            split = "-" if counts is None else (str(counts[0]) if len(set(counts)) == 1 else f"{min(counts)}-{max(counts)}")
             for s in schedules:
                 r = results[s]
+                split = split_cell(per[s].layers_per_stage, model.over_cap(p, m, s) if r is not None else None)  # type: ignore[union-attr]
                 if r is None:
                     lines.append(f"| {p} | {m} | {split} | {label(s, args)} | {refused[s]} | - | - | - | - | - | - |")
                     continue
@@ -176,7 +190,13 @@ def plan(args: argparse.Namespace) -> tuple[list[str], list[dict]]:
                              f"{r.bubble_fraction:.1%} | {optimizer_fraction(r):.1%} | {base.step_time_s / r.step_time_s:.2f} | {versus} | "
                              f"{r.peak_activation_memory:.3g} | {weights} |")
             records.append({"p": p, "m": m, "layers_per_stage": counts, "best_sync": best,
-                            "results": {s: r for s, r in results.items() if s in schedules}})
+                            "results": {s: r for s, r in results.items() if s in schedules},
+                            "schedule_splits": {s: per[s].layers_per_stage for s in schedules},  # type: ignore[union-attr]
+                            "over_cap": {s: model.over_cap(p, m, s) for s in schedules
+                                         if results[s] is not None and model.over_cap(p, m, s) is not None}})
+            for s, least in records[-1]["over_cap"].items():
+                over.append(f"{label(s, args)} at p = {p}, m = {m} (the least largest peak of any split: "
+                            f"{least / 2**30:.2f} GiB)")
             if "2bw" in schedules and p > 1 and args.data_parallel == 1 and not model.run_ahead(p, m):
                 behind.append(f"p = {p}, m = {m}")
             if counts is not None and model.shape is not None:  # identical layers: every method splits alike
@@ -184,7 +204,7 @@ def plan(args: argparse.Namespace) -> tuple[list[str], list[dict]]:
                 split_lines += rows
             if model.shape is not None and counts is not None:
                 tokens = args.microbatch_size * model.shape.seq_len
-                memory = {s: device_memory(model.shape, counts, results[s], tokens=tokens,
+                memory = {s: device_memory(model.shape, per[s].layers_per_stage, results[s], tokens=tokens,  # type: ignore
                                            value_bytes=args.bytes_per_value, param_bytes=args.param_bytes,
                                            optimizer=args.optimizer,
                                            correction_buffers=args.correction_buffers, split_blocks=args.split_blocks,
@@ -192,11 +212,17 @@ def plan(args: argparse.Namespace) -> tuple[list[str], list[dict]]:
                                            run_ahead=model.run_ahead(p, m))
                           for s in schedules if results[s] is not None}
                 records[-1]["memory"] = memory
-                memory_lines += [memory_row(p, m, label(s, args), per_device) for s, per_device in memory.items()]
+                memory_lines += [memory_row(p, m, label(s, args), per_device, s in records[-1]["over_cap"])
+                                 for s, per_device in memory.items()]
             if costs.dp_reduce_s:
-                dp = dp_row(args, p, m, costs, [s for s in schedules if results[s] is not None])
+                dp = dp_row(args, p, m, per, [s for s in schedules if results[s] is not None])
                 dp_lines.append(dp[0])
                 records[-1]["data_parallel"] = dp[1]
+    if over:
+        lines += ["", f"**Over the cap**: no split keeps every device under --stage-memory-gib "
+                  f"{args.stage_memory_gib:g} for " + "; ".join(over) + ". Those rows (marked *over cap*) use the "
+                  "split nearest to fitting; the engine would refuse them: more stages, fewer microbatches in "
+                  "flight, activation checkpointing or a larger cap."]
     if behind:
         lines += ["", "2bw's last stage does not run the next batch ahead of its update at "
                   + "; ".join(behind) + (": no split fits --stage-memory-gib with its second gradient"
@@ -209,7 +235,8 @@ def plan(args: argparse.Namespace) -> tuple[list[str], list[dict]]:
                   "stage's forward and backward least"
                   + (f", every stage's predicted memory under {args.stage_memory_gib:g} GiB" if args.stage_memory_gib
                      else "") + "), *parameters* (parameter counts balanced) and *uniform* (layer counts); "
-                  "*x balanced*: this split's step / the balanced one's. The tables above use the balanced split.", "",
+                  "*x balanced*: this split's step / the balanced one's. The tables above use the balanced split, each "
+                  "schedule its own (its memory weighed on its own action order).", "",
                   "| p | m | schedule | split | layers per stage | step | x balanced |",
                   "|---:|---:|---|---|---|---:|---:|", *split_lines]
     if memory_lines:
@@ -228,7 +255,11 @@ def plan(args: argparse.Namespace) -> tuple[list[str], list[dict]]:
                      if args.data_parallel > 1 else "")
                   + (f"; optimizer state and correction split over the {args.data_parallel} replicas (ZeRO-1)"
                      if args.shard_optimizer and args.data_parallel > 1 else "")
-                  + ". docs/guide/planning.md, \"Memory\".", "",
+                  + ". The engine prints its own account at setup (the same function, `cost.stage_peak`), fed what "
+                  "its layers keep as costed on fake tensors in the run's precision (a block at 4 bytes per value "
+                  "keeps what these formulas say), the configured optimizer's state, and no backward transient: "
+                  "for a small model this table's larger figure is mostly the head's transient (the loss's "
+                  "gradients, 8 x vocabulary bytes per token). docs/guide/planning.md, \"Memory\".", "",
                   "| p | m | schedule | device | weights | versions | gradients | optimizer state | correction | "
                   "activations | total |", "|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|", *memory_lines]
     if dp_lines:
@@ -258,18 +289,29 @@ def plan(args: argparse.Namespace) -> tuple[list[str], list[dict]]:
     return lines, records
 
 
+def split_cell(counts: Optional[list[int]], over: Optional[float] = None) -> str:
+    """The main table's *layers per stage*: the count, or the range where stages differ; *over cap* where no split
+    fits ``--stage-memory-gib`` (``over``: the least largest peak, bytes)."""
+    text = "-" if counts is None else (str(counts[0]) if len(set(counts)) == 1 else f"{min(counts)}-{max(counts)}")
+    return text if over is None else f"{text} (over cap)"
+
+
 def split_rows(args: argparse.Namespace, model: CostModel, p: int, m: int,
                results: dict[str, Optional[SimulationResult]], schedules: list[str]) -> tuple[list[str], dict]:
-    """Rows of the split table: each schedule simulated on the balanced, parameters and uniform splits."""
+    """Rows of the split table: each schedule simulated on the balanced split (its own: the memory cap is checked
+    under its action order), the parameters and the uniform split. The record's balanced ``layers_per_stage`` is
+    the first schedule's; each schedule's is in ``layers_per_stage_by_schedule``."""
     rows, record = [], {}
     for method in ("balanced", "parameters", "uniform"):
-        counts = model.split(p, m, method)
-        costs = model.costs(p, m, counts)
-        assert costs is not None
-        record[method] = {"layers_per_stage": counts}
-        for s in schedules:
-            if s not in ("2bw", "1f1b", "gpipe", "zb_h1") or results.get(s) is None:
-                continue
+        listed = [s for s in schedules if s in ("2bw", "1f1b", "gpipe", "zb_h1") and results.get(s) is not None]
+        by_schedule = {s: model.split(p, m, method, schedule=s) for s in schedules}
+        record[method] = {"layers_per_stage": by_schedule[schedules[0]]}
+        if method == "balanced":
+            record[method]["layers_per_stage_by_schedule"] = by_schedule
+        for s in listed:
+            counts = by_schedule[s]
+            costs = model.costs(p, m, counts)
+            assert costs is not None
             r = results[s] if method == "balanced" else simulate(
                 s, p, m, costs.forward_s, costs.backward_s, comm_s=costs.comm_s, optimizer_s=args.optimizer_s,
                 steps=args.steps, weight_grad_fraction=args.weight_grad_fraction, **tied_kwargs(args, s, p))
@@ -282,23 +324,31 @@ def split_rows(args: argparse.Namespace, model: CostModel, p: int, m: int,
     return rows, record
 
 
-def memory_row(p: int, m: int, schedule: str, per_device: list[StageMemory]) -> str:
+def memory_row(p: int, m: int, schedule: str, per_device: list[StageMemory], over_cap: bool = False) -> str:
     device = max(range(len(per_device)), key=lambda d: per_device[d].total)
     peak = per_device[device]
     gib = [f"{b / 2**30:.2f}" for b in (peak.weights, peak.versions, peak.gradients, peak.optimizer_state,
                                          peak.correction, peak.activations, peak.total)]
+    if over_cap:
+        gib[-1] += " (over cap)"
     return f"| {p} | {m} | {schedule} | {device} | " + " | ".join(gib) + " |"
 
 
-def dp_row(args: argparse.Namespace, p: int, m: int, costs: Costs, schedules: list[str]) -> tuple[str, dict]:
-    """One row of the data-parallel table and its results: every schedule with each placement of the reduction."""
-    cells = [str(p), str(m), f"{max(costs.gradient_bytes) / 2**30:.2f} GiB" if costs.gradient_bytes else "-",
-             fmt_seconds(max(costs.dp_reduce_s))]
+def dp_row(args: argparse.Namespace, p: int, m: int, per: dict[str, Optional[Costs]],
+           schedules: list[str]) -> tuple[str, dict]:
+    """One row of the data-parallel table and its results: every schedule (on its own split: ``per``) with each
+    placement of the reduction; the gradient and reduction columns are the largest over the schedules' splits."""
+    split = [c for c in per.values() if c is not None]
+    grads = [max(c.gradient_bytes) for c in split if c.gradient_bytes]
+    cells = [str(p), str(m), f"{max(grads) / 2**30:.2f} GiB" if grads else "-",
+             fmt_seconds(max(max(c.dp_reduce_s) for c in split))]
     results: dict[str, SimulationResult] = {}
     for s in args.schedules:
         if s not in schedules:
             cells += ["-", "-"] + (["-"] if s == "2bw" else [])
             continue
+        costs = per[s]
+        assert costs is not None
         for mode in ("none", "backward") + (("deferred",) if s == "2bw" else ()):
             r = results[f"{s}/{mode}"] = simulate(
                 s, p, m, costs.forward_s, costs.backward_s, comm_s=costs.comm_s, optimizer_s=args.optimizer_s,

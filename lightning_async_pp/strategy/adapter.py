@@ -35,6 +35,7 @@ from lightning_async_pp.pipeline.comm import elastic_attempt_store
 from lightning_async_pp.pipeline.config import CheckpointingSpec, CompileSpec, DelaySpec, PipelineConfig
 from lightning_async_pp.pipeline.engine import PipelineEngine
 from lightning_async_pp.pipeline.partition import PartitionSpec
+from lightning_async_pp.strategy.optimizer_state import optimizer_state_per_layer
 from lightning_async_pp.pipeline.placement import (
     layer_paths,
     parameters_on_meta,
@@ -303,6 +304,11 @@ class AsyncPipelineStrategy(PipelineStateHooks, TrainingBatches, FailureReportin
             # the sample as training batches reach the layers (bf16-true: floating inputs in bf16), computed as they are
             sample_batch=self.precision_plugin.convert_input(module.pipeline_sample()),
             compute_context=self.precision_plugin.train_step_context,
+            # one split per Trainer: a later call reuses the layer times the first call measured
+            layer_times=previous.layer_times if previous is not None else None,
+            # the split's memory account counts the optimizer's state as the configured optimizer keeps it
+            optimizer_state_bytes=(previous.optimizer_state_bytes if previous is not None
+                                   else optimizer_state_per_layer(module, module._pipeline_all_layers)),
         )
         rank_zero_info(f"lightning_async_pp: {self.engine.split.describe()}")
         # Layers built on the meta device (configure_model) get memory here, this process's stage only.

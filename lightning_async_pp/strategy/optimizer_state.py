@@ -1,0 +1,67 @@
+"""What the configured optimizer keeps per pipeline layer, for the split's memory account (docs/design/planner.md,
+"Balanced split").
+
+The optimizers are built only after the split (each stage over its own parameters), so the split cannot read their
+state. Instead the module's ``configure_optimizers()`` is run once over ``meta`` stand-ins of its parameters (no
+memory, nothing computed; the model's own parameters are put back untouched), each optimizer steps once on zero
+``meta`` gradients, and the tensors it then keeps per parameter are counted: AdamW's two moments, Muon's momentum
+for hidden matrices, ErrorFeedback's buffer beside what it wraps, any optimizer's own."""
+from __future__ import annotations
+
+import warnings
+from collections.abc import Sequence
+from typing import Any, Optional
+
+import torch
+from torch import Tensor, nn
+
+from lightning_async_pp.strategy import _lightning
+
+
+def optimizer_state_per_layer(module: Any, layers: Sequence[nn.Module]) -> Optional[list[int]]:
+    """Bytes of optimizer state per layer of ``layers`` as ``module.configure_optimizers()``'s optimizers keep it
+    after a step; ``None`` (the account then assumes AdamW) where that cannot be found on ``meta`` stand-ins, with a
+    warning naming why."""
+    owners = [(m, name, p) for m in module.modules() for name, p in m._parameters.items() if p is not None]
+    stand_ins: dict[int, nn.Parameter] = {}
+    for _, _, p in owners:  # a parameter held twice (tied) gets one stand-in
+        if id(p) not in stand_ins:
+            stand_ins[id(p)] = nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device="meta"),
+                                            requires_grad=p.requires_grad)
+    try:
+        for m, name, p in owners:
+            m._parameters[name] = stand_ins[id(p)]
+        with torch.random.fork_rng(devices=[]):  # a configure_optimizers that draws leaves no trace
+            optimizers = _lightning.configure_optimizers(module)
+            for p in stand_ins.values():
+                p.grad = torch.zeros_like(p) if p.requires_grad else None
+            for optimizer in optimizers:
+                optimizer.step()
+    except Exception as err:  # an optimizer that cannot step on meta tensors, a configure_optimizers needing values
+        warnings.warn(f"the split's memory account could not find what the configured optimizer keeps "
+                      f"({type(err).__name__}: {err}); it assumes AdamW's two moments per parameter", stacklevel=3)
+        return None
+    finally:
+        for m, name, p in owners:
+            m._parameters[name] = p
+    per_parameter: dict[int, int] = {}
+    for optimizer in optimizers:
+        for original, stand_in in stand_ins.items():
+            state = optimizer.state.get(stand_in, {}) if hasattr(optimizer.state, "get") else {}
+            per_parameter[original] = per_parameter.get(original, 0) + sum(
+                t.numel() * t.element_size() for t in _tensors(state))
+    out = []
+    for layer in layers:
+        mine = {id(p) for p in layer.parameters()}
+        out.append(sum(per_parameter.get(i, 0) for i in mine))
+    return out
+
+
+def _tensors(state: Any) -> list[Tensor]:
+    if isinstance(state, Tensor):
+        return [state]
+    if isinstance(state, dict):
+        return [t for v in state.values() for t in _tensors(v)]
+    if isinstance(state, (list, tuple)):
+        return [t for v in state for t in _tensors(v)]
+    return []
