@@ -22,7 +22,7 @@ def point_at(p: Tensor, storage: Tensor) -> None:
     """Make parameter ``p`` hold ``storage`` (a plain tensor of its local shape) without copying, so that an
     in-place update of ``p`` writes ``storage``. ``p.data = storage`` would replace a DTensor parameter's wrapper
     but leave its local tensor where it was (torch 2.14): the local tensor itself is re-pointed (torch-private
-    ``_local_tensor``; tests/test_engine_units.py fails if torch changes it)."""
+    ``_local_tensor``; tests/test_tensor_parallel.py fails if torch changes it)."""
     if isinstance(p, DTensor):
         p._local_tensor.data = storage
     else:
