@@ -254,3 +254,11 @@ def test_rich_bar_titles_an_epoch_without_limit_epoch_n_not_epoch_n_of_minus_two
         titles[name] = bar._get_train_description(0).rstrip()
     assert titles["plain"] == "Epoch 0/-2"  # Lightning's own title, which the strategy's replacement rewrites
     assert titles["pipeline"] == "Epoch 0" and titles["epochs"] == "Epoch 0/1"
+
+
+def test_a_modules_device_mesh_is_the_attribute_the_strategy_sets():
+    model = TinyLM()
+    assert model.device_mesh is None
+    mesh = object()
+    _lightning.set_device_mesh(model, mesh)
+    assert model.device_mesh is mesh

@@ -11,7 +11,10 @@ names a directory, and ``tests/conftest.py`` does that for every test marked ``m
 - every point-to-point op (``isend``, ``irecv``, ``send``, ``recv``; a ``batch_isend_irecv`` as one unit holding
   its ops) and every collective (``all_reduce``, ``broadcast``, ``all_gather*``, ``reduce*``, ``gather``,
   ``scatter``, ``barrier``, the ``*_object`` ones, ``all_to_all*``, ``monitored_barrier``; only the outermost
-  call, so ``all_gather_object`` is one collective, not the ``all_gather`` it makes), in issue order: kind, peer
+  call, so ``all_gather_object`` is one collective, not the ``all_gather`` it makes), and the functional
+  collectives of ``torch.distributed._functional_collectives`` that DTensor's redistributions issue (tensor
+  parallelism: ``funcol.all_reduce``, ``all_gather_single``, ``reduce_scatter_single``, ...; each taken as waited
+  at once, as the stream that uses its result waits for it), in issue order: kind, peer
   (global rank), tag, shape, dtype, process group (its name, equal on all ranks, and its ranks), an op id, the
   issuing thread and the caller (the innermost frames in ``lightning_async_pp`` or ``tests``);
 - every wait on an op (``Work.wait()``, ``Work.is_completed()`` returning True, the implicit wait of a blocking
@@ -87,6 +90,11 @@ _COLLECTIVES = {
     "all_to_all": (None, None, None),
     "all_to_all_single": ("input", None, None),
 }
+#: The functional collectives (``torch.distributed._functional_collectives``) recorded: DTensor's redistributions
+#: call them, not the c10d functions above. Each takes its tensor first and its group as ``group``.
+_FUNCTIONAL = ("all_reduce", "all_gather_tensor", "all_gather_single", "reduce_scatter_tensor", "reduce_scatter_single",
+               "all_to_all_single", "broadcast", "all_gather_inplace", "all_reduce_coalesced",
+               "all_gather_into_tensor_coalesced", "reduce_scatter_tensor_coalesced")
 _HERE = os.path.dirname(os.path.abspath(__file__))
 _PACKAGE_PART = os.sep + "lightning_async_pp" + os.sep
 _OWN_FILES = (os.path.abspath(__file__), os.path.join(_HERE, "traffic_hook"))
@@ -358,6 +366,27 @@ class _Recorder:
 
         return wrapper
 
+    def functional(self, name: str, original: Any, funcol: Any) -> Any:
+        signature = inspect.signature(original)
+
+        @functools.wraps(original)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            if self._depth() > 0:
+                return original(*args, **kwargs)
+            bound = signature.bind(*args, **kwargs)
+            a = bound.arguments
+            pg = self.dist._resolve_process_group(funcol._resolve_group_name(a["group"], a.get("tag", "")))
+            group = self._group(pg)
+            if group is None:
+                return original(*args, **kwargs)
+            first = next(iter(a.values()))
+            op_id = self._op("coll", group, first if hasattr(first, "shape") else None, call=f"funcol.{name}")
+            result = self._call_nested(original, *args, **kwargs)
+            self.waited([op_id], "blocking")
+            return result
+
+        return wrapper
+
     def init_process_group(self, original: Any) -> Any:
         @functools.wraps(original)
         def wrapper(*args: Any, **kwargs: Any) -> Any:
@@ -410,6 +439,10 @@ def install(directory: str, strict_tags: bool) -> None:
         recorder.originals[name], recorder.wrappers[name] = original, wrapper
         setattr(c10d, name, wrapper)
     _patch_package()
+    if "torch.distributed._functional_collectives" in sys.modules:
+        install_functional(sys.modules["torch.distributed._functional_collectives"])
+    else:
+        sys.meta_path.insert(0, _AfterImport({"torch.distributed._functional_collectives": install_functional}))
     torch.Tensor.item = recorder.tensor_read("item", torch.Tensor.item)
     torch.Tensor.tolist = recorder.tensor_read("tolist", torch.Tensor.tolist)
     sys.excepthook = recorder._excepthook(sys.excepthook)
@@ -482,6 +515,18 @@ def install_when_imported(directory: str, strict_tags: bool) -> None:
         "torch.distributed.distributed_c10d": lambda module: install(directory, strict_tags),
         "torch.distributed": lambda module: _patch_package(),
     }))
+
+
+def install_functional(funcol: Any) -> None:
+    """Record the functional collectives of ``funcol`` (``torch.distributed._functional_collectives``, imported by
+    DTensor): its callers use them as the module's attributes, so the attributes are replaced."""
+    if _RECORDER is None or getattr(funcol, "_recorded", False):
+        return
+    for name in _FUNCTIONAL:
+        original = getattr(funcol, name, None)
+        if original is not None:
+            setattr(funcol, name, _RECORDER.functional(name, original, funcol))
+    funcol._recorded = True
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -21,6 +21,7 @@ from typing import Any, Optional
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from lightning_async_pp.models import packing
 from lightning_async_pp.models.meta_built import BuiltInInit
@@ -111,11 +112,12 @@ class Attention(nn.Module):
         B, T, _ = x.shape
         if T > self.max_seq_len:
             raise ValueError(f"Sequence of length {T} is longer than max_seq_len {self.max_seq_len}")
-        # (B, T, heads * head_dim) -> (B, heads, T, head_dim)
-        q = self.q_proj(x).view(B, T, self.num_heads, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        v = self.v_proj(x).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        gqa = self.num_kv_heads != self.num_heads
+        # (B, T, heads * head_dim) -> (B, heads, T, head_dim); -1 heads: under tensor parallelism (column-wise
+        # q, k, v) this rank holds heads / t query and kv_heads / t key/value heads
+        q = self.q_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)
+        gqa = q.size(1) != k.size(1)
         if position_ids is None:
             cos, sin = rotary_cos_sin(T, self.head_dim, self.rope_theta, x.device)
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
@@ -125,7 +127,7 @@ class Attention(nn.Module):
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
             mask = packing.document_causal_mask(position_ids)  # built once per microbatch on this stage
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
-        return self.o_proj(y.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim))
+        return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
 
 
 class SwiGLU(nn.Module):
@@ -256,6 +258,28 @@ class Llama(BuiltInInit, PipelineModule):
         self._materialize()  # what layers built here would get; keeps requires_grad (a layer frozen in setup)
         self._configured = True
         self.init_weights()
+        mesh = self.device_mesh  # set by a strategy with tensor parallelism (AsyncPipelineStrategy, ModelParallelStrategy)
+        if mesh is not None and "tensor_parallel" in (mesh.mesh_dim_names or ()) and mesh["tensor_parallel"].size() > 1:
+            self.parallelize(mesh["tensor_parallel"])
+
+    def parallelize(self, tp_mesh: Any) -> None:
+        """Apply the tensor-parallel plan over ``tp_mesh`` (docs/design/tensor-parallel.md, "What runs"): in each
+        block, q, k, v, gate and up column-wise (each rank computes its heads and its share of the MLP's hidden
+        units), o and down row-wise (partial sums all-reduced into the whole, replicated output). The embedding,
+        the head and the norms stay whole on every rank, so what crosses a stage boundary is the whole
+        activation. Per block and microbatch: two all-reduces of ``tokens x hidden`` forward, two backward."""
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+        from lightning_async_pp.pipeline.mesh import check_tensor_parallel_divides
+
+        cfg = self.config
+        check_tensor_parallel_divides(tp_mesh.size(), {"num_heads": cfg.num_heads, "num_kv_heads": cfg.num_kv_heads,
+                                                       "intermediate_size": cfg.intermediate_size}, "Llama")
+        plan = {"attn.q_proj": ColwiseParallel(), "attn.k_proj": ColwiseParallel(), "attn.v_proj": ColwiseParallel(),
+                "attn.o_proj": RowwiseParallel(), "mlp.gate_proj": ColwiseParallel(),
+                "mlp.up_proj": ColwiseParallel(), "mlp.down_proj": RowwiseParallel()}
+        for block in self.blocks:
+            parallelize_module(block, tp_mesh, plan)
 
     def init_weights(self) -> None:
         """(Re-)initialize every layer that is materialized (layers on the ``meta`` device are skipped)."""
@@ -276,8 +300,12 @@ class Llama(BuiltInInit, PipelineModule):
                 p.fill_(1.0)
                 continue
             std = residual_std if name.endswith(("o_proj.weight", "down_proj.weight")) else 0.02
-            # Drawn on the CPU, then copied: the same weights whatever the device.
-            p.copy_(torch.empty(p.shape, dtype=torch.float32).normal_(0.0, std, generator=generator))
+            # Drawn on the CPU, then copied: the same weights whatever the device (a tensor-parallel shard takes
+            # its slice of the whole matrix one device draws).
+            full = torch.empty(p.shape, dtype=torch.float32).normal_(0.0, std, generator=generator)
+            if isinstance(p, DTensor):
+                full = distribute_tensor(full.to(p.device), p.device_mesh, p.placements, src_data_rank=None)
+            p.copy_(full)
 
     # ---- the PipelineModule contract -------------------------------------------------------------------------
     def pipeline_layers(self) -> Sequence[nn.Module]:

@@ -13,6 +13,7 @@ from typing import Any, Optional, Union
 
 import torch
 
+from lightning_async_pp.pipeline.mesh import MeshLayout
 from lightning_async_pp.pipeline.partition import PARTITION_METHODS, PartitionSpec
 from lightning_async_pp.pipeline.schedule import MULTI_CHUNK_SCHEDULES, SCHEDULES, check_schedule
 
@@ -35,6 +36,7 @@ class PipelineConfig:
     schedule: str = "2bw"
     num_microbatches: Optional[int] = None
     data_parallel_size: int = 1
+    tensor_parallel_size: int = 1  # each stage split over this many processes (DTensor tensor parallelism)
     partition: PartitionSpec = "balanced"
     stage_memory_gib: Optional[float] = None  # partition="balanced": every stage's predicted peak at most this
     layer_cost: str = "flops"  # one of LAYER_COSTS
@@ -66,6 +68,8 @@ class PipelineConfig:
                              f"{', '.join(map(repr, SCHEDULES))}")
         if not _is_int(self.data_parallel_size) or self.data_parallel_size < 1:
             raise ValueError(f"data_parallel_size must be a positive integer, got {self.data_parallel_size!r}")
+        if not _is_int(self.tensor_parallel_size) or self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be a positive integer, got {self.tensor_parallel_size!r}")
         if self.num_microbatches is not None and (not _is_int(self.num_microbatches) or self.num_microbatches < 1):
             raise ValueError(f"num_microbatches must be a positive integer, got {self.num_microbatches!r}")
         if not _is_int(self.sync_steps) or self.sync_steps < 0:
@@ -128,6 +132,30 @@ class PipelineConfig:
                 raise ValueError(f"activation_checkpointing must list distinct layer indices >= 0, got {list(spec)!r}")
             object.__setattr__(self, "activation_checkpointing", tuple(spec))  # frozen: keep an immutable copy
         self._check_compile()
+        if self.tensor_parallel_size > 1:
+            self._refuse_with_tensor_parallelism()
+
+    def _refuse_with_tensor_parallelism(self) -> None:
+        """The options not supported with ``tensor_parallel_size > 1`` yet (docs/design/tensor-parallel.md, "What
+        runs"): refused here, before any process starts."""
+        unsupported = [
+            (self.schedule not in ("2bw", "1f1b"), f"schedule={self.schedule!r}", "use '2bw' or '1f1b'"),
+            (self.compile is not False, f"compile={self.compile!r}", "use compile=False"),
+            (self.activation_checkpointing not in (False, ()), f"activation_checkpointing={self.activation_checkpointing!r}",
+             "use activation_checkpointing=False"),
+            (self.data_parallel_size != 1, f"data_parallel_size={self.data_parallel_size}", "use data_parallel_size=1"),
+            (self.shard_optimizer, "shard_optimizer=True", "use shard_optimizer=False"),
+            (self.layer_cost != "flops", f"layer_cost={self.layer_cost!r}", "use layer_cost='flops'"),
+            (self.stage_memory_gib is not None, f"stage_memory_gib={self.stage_memory_gib!r}",
+             "use stage_memory_gib=None (the memory model does not divide by the tensor-parallel size yet)"),
+            (self.delay is not None, f"delay={self.delay!r}", "drop delay"),
+            (self.num_stages is not None, f"num_stages={self.num_stages!r}", "drop num_stages (the stages are the "
+             "processes / tensor_parallel_size)"),
+        ]
+        for refused, what, instead in unsupported:
+            if refused:
+                raise ValueError(f"{what} is not supported with tensor_parallel_size > 1 yet "
+                                 f"(tensor_parallel_size={self.tensor_parallel_size}); {instead}")
 
     def _check_compile(self) -> None:
         spec = self.compile
@@ -181,13 +209,8 @@ class PipelineConfig:
     def stages_for(self, world_size: int) -> int:
         """Pipeline stages for ``world_size`` processes (on one process: ``num_stages`` or the delay list's length)."""
         if world_size > 1:
-            if world_size % self.data_parallel_size != 0:
-                raise ValueError(
-                    f"{world_size} process(es) cannot be split into data_parallel_size={self.data_parallel_size} "
-                    f"equal pipelines; use a device count (devices x num_nodes) that is a multiple of "
-                    f"{self.data_parallel_size}, or a data_parallel_size that divides {world_size}"
-                )
-            return world_size // self.data_parallel_size
+            # refuses a world that data_parallel_size x tensor_parallel_size does not divide, naming the numbers
+            return MeshLayout(world_size, self.data_parallel_size, self.tensor_parallel_size).num_stages
         if self.num_stages is not None:
             return self.num_stages
         return len(self.delay) if isinstance(self.delay, (list, tuple)) else 1
@@ -239,6 +262,9 @@ class PipelineConfig:
                 )
         elif self.data_parallel_size != 1:
             raise ValueError(f"data_parallel_size={self.data_parallel_size} needs at least that many processes; got one device")
+        elif self.tensor_parallel_size != 1:
+            raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size} needs at least that many processes (one "
+                             f"per shard of a stage); got one device")
         self.stage_delays(num_stages)
         check_schedule(self.schedule, num_stages, self.microbatches_for(num_stages))
 

@@ -44,6 +44,7 @@ from lightning_async_pp.pipeline.placement import (
 from lightning_async_pp.pipeline.randomness import ForwardRandomness
 from lightning_async_pp.pipeline.runtime import PipelineRuntime, Span, StepTimes
 from lightning_async_pp.pipeline.stage import Stage
+from lightning_async_pp.pipeline.tensor_parallel import local_tensor
 from lightning_async_pp.pipeline.timing import measure_layer_times
 from lightning_async_pp.pipeline.topology import PipelineTopology
 from lightning_async_pp.pipeline.versions import WeightVersions
@@ -145,7 +146,9 @@ class PipelineEngine:
         self.is_multiprocess = world_size > 1
         self.num_stages = config.stages_for(world_size)
         self.num_microbatches = config.microbatches_for(self.num_stages)
-        self.topology = PipelineTopology(world_size, config.data_parallel_size, rank) if self.is_multiprocess else None
+        self.tensor_parallel_size = config.tensor_parallel_size
+        self.topology = (PipelineTopology(world_size, config.data_parallel_size, rank, config.tensor_parallel_size)
+                         if self.is_multiprocess else None)
         config.check(world_size)
         # A previous engine on this model (an earlier trainer call) took other stages' layers out of the tree:
         # put them back, so the ties, names and groups below are derived from the same model on every process.
@@ -306,14 +309,14 @@ class PipelineEngine:
         topology = self.topology
         for tie, group in self._tie_groups:
             assert topology is not None
-            dist.broadcast(tie.param.data, src=topology.rank_of(tie.owner, topology.dp_rank), group=group)
+            dist.broadcast(local_tensor(tie.param).data, src=topology.rank_of(tie.owner), group=group)
         if self._dp_group is not None:
             # Replicas start from the first replica's weights and buffers, as DDP does: a model initialized
             # differently per process (an unseeded run) would otherwise train r different models.
             assert topology is not None
             held = nn.ModuleList([self.layers[i] for i in own])
             for t in [*held.parameters(), *held.buffers()]:
-                dist.broadcast(t.data, src=topology.rank_of(topology.stage, 0), group=self._dp_group)
+                dist.broadcast(local_tensor(t).data, src=topology.rank_of(topology.stage, 0), group=self._dp_group)
 
     @contextmanager
     def whole_model(self) -> Iterator[None]:
@@ -350,6 +353,10 @@ class PipelineEngine:
         index = {id(p): i for i, p in enumerate(self.params)}
         self._tied_slots = [(index[id(tie.param)], tie, group) for tie, group in self._tie_groups]
         self._counted_elsewhere = {id(t.param) for t in self.ties if self.topology and t.owner != self.topology.stage}
+        if self.topology is not None and self.topology.tp_rank != 0:
+            # A plain (replicated) parameter's gradient is whole and equal on every tensor-parallel rank: counted on
+            # rank 0 only; a DTensor parameter's local shard on every rank.
+            self._counted_elsewhere |= {id(p) for p in self.params if local_tensor(p) is p}
         return self
 
     @classmethod
@@ -372,15 +379,19 @@ class PipelineEngine:
                 "(shape, stages)): " + "; ".join(f"rank {r}: {v}" for r, v in enumerate(everyone))
                 + ". Every process must build the same model with the same pipeline_layers()"
             )
+        # The global norm's group: every stage and tensor-parallel rank of one replica.
+        t = topology.tensor_parallel_size
         for d in range(topology.data_parallel_size):
-            group = dist.new_group([topology.rank_of(s, d) for s in range(topology.num_stages)])
+            group = dist.new_group([topology.rank_of(s, d, i) for s in range(topology.num_stages) for i in range(t)])
             if d == topology.dp_rank:
                 self.pipeline_group = group
+        # A tie per replica and tensor-parallel rank: rank i of each stage holds the same shard of the tied tensor.
         for tie in self.ties:
             for d in range(topology.data_parallel_size):
-                group = dist.new_group([topology.rank_of(s, d) for s in tie.stages])
-                if d == topology.dp_rank and topology.stage in tie.stages:
-                    self._tie_groups.append((tie, group))
+                for i in range(t):
+                    group = dist.new_group([topology.rank_of(s, d, i) for s in tie.stages])
+                    if (d, i) == (topology.dp_rank, topology.tp_rank) and topology.stage in tie.stages:
+                        self._tie_groups.append((tie, group))
 
     def _build_stages(self, local: list[int], delays: list[int]) -> list[Stage]:
         stages: list[Stage] = []
@@ -479,8 +490,8 @@ class PipelineEngine:
         start = time.perf_counter()
         for i, tie, group in self._tied_slots:
             g = self.runtime.gradients[i]
-            self.runtime.gradients[i] = _sum_in_stage_order(g if g is not None else torch.zeros_like(tie.param),
-                                                            group, len(tie.stages))
+            self.runtime.gradients[i] = _sum_in_stage_order(
+                g if g is not None else torch.zeros_like(local_tensor(tie.param)), group, len(tie.stages))
         self.runtime.record_tied_sum(start, time.perf_counter())
 
     def cancel_lookahead(self) -> None:
@@ -516,23 +527,30 @@ class PipelineEngine:
         Each stage adds its squared norm (a parameter tied across stages counted on the stage that owns it); the
         stages' sums are added in stage order, across processes in one scalar collective, so every stage calls
         this for the same optimizers at the same step. Data-parallel replicas hold the same (averaged, whole)
-        gradient: no reduction across them. Scaling is torch's ``clip_grads_with_norm_``.
+        gradient: no reduction across them. Scaling is torch's ``clip_grads_with_norm_``. Under tensor parallelism
+        every rank adds its shards' squares (a replicated parameter on tensor-parallel rank 0 only) and the sum
+        spans every stage's tensor-parallel ranks (docs/design/tensor-parallel.md, "Weights, gradients and
+        optimizer state per shard").
         """
         params = [p for p in params if p.grad is not None]
-        device = params[0].grad.device if params else self.device
+        device = local_tensor(params[0].grad).device if params else self.device
         # Each stage's sum, then the stages' sums in stage order: on one device as across processes, to the bit.
         stage_of = {id(p): stage.index for stage in self.stages for p in stage.params}
         by_stage: dict[int, list[Tensor]] = {}
         for p in params:
             if id(p) not in self._counted_elsewhere:
-                by_stage.setdefault(stage_of.get(id(p), 0), []).append(p.grad)
+                by_stage.setdefault(stage_of.get(id(p), 0), []).append(local_tensor(p.grad))
         sums = [torch.stack([torch.linalg.vector_norm(g.detach(), dtype=torch.float32) ** 2 for g in grads]).sum()
                 for _, grads in sorted(by_stage.items())]
         sq = functools.reduce(operator.add, sums) if sums else torch.zeros((), device=device)
         if self.pipeline_group is not None:
-            sq = _sum_in_stage_order(sq, self.pipeline_group, self.num_stages)
+            sq = _sum_in_stage_order(sq, self.pipeline_group, self.num_stages * self.tensor_parallel_size)
         total = sq.sqrt()
-        if params:
+        if params and self.tensor_parallel_size > 1:
+            # clip_grads_with_norm_'s scaling, on the local shards (it cannot mix DTensor gradients and a plain norm)
+            coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+            torch._foreach_mul_([local_tensor(p.grad) for p in params], coef)
+        elif params:
             torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
         return total
 
@@ -642,8 +660,9 @@ def check_names_and_shapes(expected: dict[str, tuple], found: dict[str, tuple], 
 
 
 def _sum_in_stage_order(t: Tensor, group: Any, size: int) -> Tensor:
-    """The sum of ``t`` over ``group`` (one process per stage, a replica's ranks ascending with the stage), added
-    left to right in stage order as one device adds its stages' parts, so both give the same bits. Two parts are
+    """The sum of ``t`` over ``group`` (a replica's processes, ranks ascending with the stage, then the
+    tensor-parallel rank), added left to right in stage order as one device adds its stages' parts, so both give
+    the same bits. Two parts are
     one addition, the same either way round: an all-reduce. More would be added in the backend's order: each
     part is gathered and added here."""
     if size == 2:

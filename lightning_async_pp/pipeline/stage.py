@@ -9,6 +9,7 @@ from torch.func import functional_call
 from torch.utils.checkpoint import checkpoint
 
 from lightning_async_pp.pipeline.compiled import compile_layers
+from lightning_async_pp.pipeline.tensor_parallel import as_laid_out, dtensor_spec
 from lightning_async_pp.pipeline.versions import WeightVersions
 
 
@@ -66,6 +67,8 @@ class Stage:
         named = [(n, p) for n, p in self.layers.named_parameters() if n not in self.borrowed]
         self.param_names = [name for name, _ in named]
         self.params = [p for _, p in named]
+        # A DTensor parameter's leaves are its local shards; the forward reads them as DTensors laid out alike.
+        self._specs = [dtensor_spec(p) for p in self.params]
         self.versions = WeightVersions(self.params, delay=delay, sync_steps=sync_steps, sync_from_step=sync_from_step)
         self.checkpointed = [bool(c) for c in checkpointed] if checkpointed is not None else [False] * len(layers)
         if len(self.checkpointed) != len(layers):
@@ -89,9 +92,10 @@ class Stage:
         return self.index == self.num_stages - 1
 
     def weights(self, leaves: Sequence[Tensor], batch_index: Optional[int] = None) -> dict[str, Tensor]:
-        """The tensors ``functional_call`` takes: ``leaves`` for this stage's own parameters; for borrowed ones,
-        this stage's own leaves on the owner's version of the batch (the owner's parameters without a batch)."""
-        tensors = dict(zip(self.param_names, leaves))
+        """The tensors ``functional_call`` takes: ``leaves`` (laid out as their shards, under tensor parallelism) for
+        this stage's own parameters; for borrowed ones, this stage's own leaves on the owner's version of the batch
+        (the owner's parameters without a batch)."""
+        tensors = {n: as_laid_out(leaf, spec) for n, leaf, spec in zip(self.param_names, leaves, self._specs)}
         if batch_index is not None:
             tensors.update(zip(self.borrowed, self._borrowed_for_batch(batch_index)))
         else:

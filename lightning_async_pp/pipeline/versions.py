@@ -20,6 +20,8 @@ from typing import Any, Optional
 import torch
 from torch import Tensor, nn
 
+from lightning_async_pp.pipeline.tensor_parallel import local_tensor, point_at
+
 
 class WeightVersions:
     def __init__(self, params: Sequence[nn.Parameter], delay: int = 1, sync_steps: int = 0,
@@ -41,10 +43,11 @@ class WeightVersions:
         # Parameter by parameter, so that each original is freed as soon as its copies exist: the peak is the
         # versions plus one tensor, not the versions plus the whole stage again.
         self.slots: list[list[Tensor]] = [[] for _ in range(delay + 1)]
+        # A DTensor parameter (tensor parallelism) keeps its local shard here: the slots are this rank's shards.
         for p in self.params:
             for slot in self.slots:
-                slot.append(p.detach().clone())
-            p.data = self.slots[0][-1]
+                slot.append(local_tensor(p).detach().clone())
+            point_at(p, self.slots[0][-1])
         self._leaves: dict[int, list[Tensor]] = {}
         self.scales: Optional[list[float]] = None  # weight prediction: ``s`` per parameter, None when off
         self._predicted = 0  # the newest version whose prediction its slot holds (prediction on)
@@ -67,7 +70,7 @@ class WeightVersions:
         self.scales = [float(s) for s in scales]
         newest = self.slots[self.num_updates % len(self.slots)]
         for p, t in zip(self.params, newest):
-            p.data = t.clone()
+            point_at(p, t.clone())
         self._predicted = self.num_updates
 
     @property
@@ -84,7 +87,7 @@ class WeightVersions:
         slot = self.slots[self.num_updates % len(self.slots)]
         for t, p, s in zip(slot, self.params, self.scales):
             factor = s * self.delay
-            t.mul_(-factor).add_(p.detach(), alpha=1.0 + factor)  # W_k + f (W_k - W_{k-1})
+            t.mul_(-factor).add_(local_tensor(p).detach(), alpha=1.0 + factor)  # W_k + f (W_k - W_{k-1})
         self._predicted = self.num_updates
 
     def predicted_newest(self) -> list[Tensor]:
@@ -122,7 +125,7 @@ class WeightVersions:
                     f"{max(0, self.num_updates - self.delay)}..{self.num_updates} are held"
                 )
             if self.scales is not None and self.delay_for_batch(batch_index) == 0:
-                slot = [p.data for p in self.params]  # a synchronous batch: the true W_k, before its update
+                slot = [local_tensor(p).detach() for p in self.params]  # a synchronous batch: the true W_k, before its update
             else:
                 self._form_prediction()
                 slot = self.slots[version % len(self.slots)]
@@ -159,7 +162,7 @@ class WeightVersions:
             self._form_prediction()  # the one for W_k, while the parameters still hold W_k
             target = (self.num_updates + 1) % len(self.slots)
             for dst, p in zip(self.slots[target], self.params):
-                dst.copy_(p.detach())
+                dst.copy_(local_tensor(p).detach())
             self.num_updates += 1
             return
         current = (self.num_updates) % len(self.slots)
@@ -172,7 +175,7 @@ class WeightVersions:
 
     def _point_params_at(self, slot_index: int) -> None:
         for p, t in zip(self.params, self.slots[slot_index]):
-            p.data = t
+            point_at(p, t)
 
     # ---- introspection and checkpoints -------------------------------------------------------------------
     def stash_nbytes(self) -> int:
@@ -186,7 +189,7 @@ class WeightVersions:
         if not max(0, self.num_updates - self.delay) <= j <= self.num_updates:
             raise IndexError(f"version {j} is not held (held: {max(0, self.num_updates - self.delay)}..{self.num_updates})")
         if self.scales is not None and j == self.num_updates:
-            return [p.data for p in self.params]
+            return [local_tensor(p).detach() for p in self.params]
         return self.slots[j % len(self.slots)]
 
     def state_dict(self) -> dict[str, Any]:
@@ -216,7 +219,7 @@ class WeightVersions:
             self._point_params_at(k % len(self.slots))
             return
         for p, src in zip(self.params, versions[k]):
-            p.data.copy_(src)
+            local_tensor(p).detach().copy_(src)
         predicted = state.get("predicted_newest")
         for dst, src in zip(self.slots[k % len(self.slots)], predicted or versions.get(k - 1, versions[k])):
             dst.copy_(src)

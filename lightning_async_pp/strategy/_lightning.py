@@ -159,3 +159,10 @@ def epoch_title_without_epoch_limit(trainer: Any) -> None:
                 return text
 
             callback._get_train_description = title
+
+
+def set_device_mesh(module: Any, mesh: Any) -> None:
+    """Make ``mesh`` the module's ``device_mesh`` (what ``configure_model`` reads), as Lightning's
+    ``ModelParallelStrategy.setup_environment`` does. Relies on: ``LightningModule.device_mesh`` returning the
+    ``_device_mesh`` attribute (there is no public setter)."""
+    module._device_mesh = mesh

@@ -42,7 +42,9 @@ from lightning_async_pp.pipeline.placement import (
     refusing_loads_onto_meta,
     replace_meta_tensors,
 )
+from lightning_async_pp.pipeline.mesh import build_device_mesh
 from lightning_async_pp.pipeline.sharding import local_optimizer, shard_optimizers
+from lightning_async_pp.pipeline.tensor_parallel import parameter_grad
 from lightning_async_pp.pipeline.topology import PipelineTopology
 from lightning_async_pp.strategy import _lightning, options, processes
 from lightning_async_pp.strategy.batches import TrainingBatches
@@ -63,6 +65,12 @@ class AsyncPipelineStrategy(PipelineStateHooks, TrainingBatches, FailureReportin
         num_microbatches: microbatches each training batch is split into along dim 0. Default: the number of
             stages, at least 4 (``2bw`` needs at least one per stage).
         data_parallel_size: pipelines side by side; the stages are the processes divided by this.
+        tensor_parallel_size: processes per stage (default 1): each stage's matrices are split over this many
+            processes with torch's DTensor tensor parallelism, the model's own ``parallelize_module`` plan applied in
+            ``configure_model`` to ``self.device_mesh["tensor_parallel"]`` (as under Lightning's
+            ``ModelParallelStrategy``); stages = processes / (``data_parallel_size`` x this). Runs ``models.Llama``
+            with ``torch.optim.AdamW`` under ``2bw`` and ``1f1b``, ``gather_final_weights=False`` and no checkpoints;
+            everything else is refused with it (docs/design/tensor-parallel.md, "What runs").
         partition: ``"balanced"`` (default: the contiguous split whose slowest stage is fastest, each layer's
             forward and backward FLOPs counted on fake tensors for the model's example batch, every stage's
             predicted memory under ``stage_memory_gib``; without an example batch, parameter counts, with a
@@ -130,6 +138,7 @@ class AsyncPipelineStrategy(PipelineStateHooks, TrainingBatches, FailureReportin
         num_microbatches: Optional[int] = None,
         data_parallel_size: int = 1,
         partition: PartitionSpec = "balanced",
+        tensor_parallel_size: int = 1,
         delay: DelaySpec = None,
         sync_steps: int = 0,
         num_stages: Optional[int] = None,
@@ -159,7 +168,7 @@ class AsyncPipelineStrategy(PipelineStateHooks, TrainingBatches, FailureReportin
         options.refuse_unknown_keywords(unknown)
         self.config = PipelineConfig(
             schedule=schedule, num_microbatches=num_microbatches, data_parallel_size=data_parallel_size,
-            partition=partition, delay=delay, sync_steps=sync_steps, sync_from_step=sync_from_step,
+            tensor_parallel_size=tensor_parallel_size, partition=partition, delay=delay, sync_steps=sync_steps, sync_from_step=sync_from_step,
             num_stages=num_stages,
             pipeline_timeout=pipeline_timeout, check_batches=check_batches,
             activation_checkpointing=activation_checkpointing, shard_optimizer=shard_optimizer,
@@ -184,6 +193,7 @@ class AsyncPipelineStrategy(PipelineStateHooks, TrainingBatches, FailureReportin
         self._update_started: Optional[float] = None
         self._reported: Optional[BaseException] = None  # the failure already reported to the other stages
         self._requeue: Optional[RequeueAtStepBoundary] = None
+        self._device_mesh: Any = None  # tensor_parallel_size > 1: the mesh of data_parallel x pipeline x tensor_parallel
 
     # ---- shape of the run -------------------------------------------------------------------------------------
     @property
@@ -210,8 +220,19 @@ class AsyncPipelineStrategy(PipelineStateHooks, TrainingBatches, FailureReportin
         return self.parallel_devices[self.local_rank if self.is_multiprocess else 0]
 
     @property
+    def tensor_parallel_size(self) -> int:
+        return self.config.tensor_parallel_size
+
+    @property
     def topology(self) -> PipelineTopology:
-        return PipelineTopology(self.world_size_total, self.data_parallel_size, self.global_rank)
+        return PipelineTopology(self.world_size_total, self.data_parallel_size, self.global_rank,
+                                self.tensor_parallel_size)
+
+    @property
+    def device_mesh(self) -> Any:
+        """With ``tensor_parallel_size > 1``: the ``DeviceMesh`` (dimensions ``"data_parallel"``, ``"pipeline"``,
+        ``"tensor_parallel"``) that ``configure_model`` reads as ``self.device_mesh``; ``None`` otherwise."""
+        return self._device_mesh
 
     @property
     def num_stages(self) -> int:
@@ -276,6 +297,10 @@ class AsyncPipelineStrategy(PipelineStateHooks, TrainingBatches, FailureReportin
         super().setup_distributed()
         processes.set_rng_states(states)
         processes.destroy_process_groups_at_exit()
+        if self.tensor_parallel_size > 1:
+            # Before configure_model, which applies the model's plan to the mesh's "tensor_parallel" dimension.
+            self._device_mesh = build_device_mesh(self.topology.layout, self.root_device.type)
+            _lightning.set_device_mesh(self.lightning_module, self._device_mesh)
 
     # ---- building the engine ------------------------------------------------------------------------------------
     def setup(self, trainer: Trainer) -> None:
@@ -286,6 +311,8 @@ class AsyncPipelineStrategy(PipelineStateHooks, TrainingBatches, FailureReportin
         if _lightning.undo_whole_model_compile(module):
             self.config = options.compile_per_layer(self.config)
         options.refuse_unsupported(trainer, self.precision_plugin, self.config)
+        options.refuse_with_tensor_parallelism(trainer, module, self.config, self.gather_final_weights,
+                                               previous_call=self.engine is not None)
         self.model = self.precision_plugin.convert_module(self.model)
         # The full layer list is remembered on the module: after a multi-process call, other stages' layers are
         # placeholders in rank 0's tree (unless gathered back), and a later call must still find the originals.
@@ -327,6 +354,7 @@ class AsyncPipelineStrategy(PipelineStateHooks, TrainingBatches, FailureReportin
                 self.setup_optimizers(trainer)
             self.engine.check_tied_hyperparameters(self.optimizers)
             check_corrections(self.optimizers, self.lr_scheduler_configs, self.config.stage_delays(self.engine.num_stages))
+            options.refuse_optimizers_with_tensor_parallelism(self.optimizers, self.config)
             self.engine.set_weight_prediction(prediction_scales(self.optimizers))  # before sharding or a restore
             if self.config.shard_optimizer and self.engine.dp_group is not None:
                 self.optimizers = shard_optimizers(self.optimizers, self.engine.dp_group)  # ZeRO-1 per stage
@@ -387,6 +415,9 @@ class AsyncPipelineStrategy(PipelineStateHooks, TrainingBatches, FailureReportin
 
     def eval_loss(self, batch: Any) -> Tensor:
         assert self.engine is not None
+        if self.tensor_parallel_size > 1:  # whether fit has a validation loader is known only once it is loaded
+            raise ValueError(f"validation is not supported with tensor_parallel_size > 1 yet (tensor_parallel_size="
+                             f"{self.tensor_parallel_size}); pass Trainer(limit_val_batches=0) or no val_dataloaders")
         with self._reporting_failures():
             return self.engine.evaluate(batch)
 
@@ -407,7 +438,7 @@ class AsyncPipelineStrategy(PipelineStateHooks, TrainingBatches, FailureReportin
         self.pre_backward(closure_loss)
         closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
         for p, g in zip(engine.params, engine.gradients):
-            p.grad = g
+            p.grad = parameter_grad(p, g)  # a DTensor parameter's gradient as a DTensor of its local shard
         # Clipping is Lightning's to call, after this (configure_gradient_clipping, self.clip_gradients); by norm
         # it reaches _clip_grad_by_norm, which takes the norm over every stage.
         # A synchronous batch's update (sync_steps, sync_from_step) is not compensated as a stale one.

@@ -8,6 +8,7 @@ import dataclasses
 import difflib
 from typing import Any
 
+import torch
 from lightning.pytorch.plugins.precision import MixedPrecision
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
@@ -19,7 +20,8 @@ from lightning_async_pp.pipeline.config import PipelineConfig
 #: may pass them); anything else is refused instead of reaching DistributedDataParallel, which is not used.
 LIGHTNING_KWARGS = ("accelerator", "parallel_devices", "cluster_environment", "checkpoint_io", "precision_plugin",
                     "process_group_backend", "timeout", "start_method")
-OWN_KWARGS = ("schedule", "num_microbatches", "data_parallel_size", "partition", "delay", "sync_steps", "num_stages",
+OWN_KWARGS = ("schedule", "num_microbatches", "data_parallel_size", "tensor_parallel_size", "partition", "delay",
+              "sync_steps", "num_stages",
               "gather_final_weights", "pipeline_timeout", "check_batches", "save_distributed_checkpoint",
               "activation_checkpointing", "sync_from_step", "shard_optimizer", "async_checkpoint",
               "compile", "stage_memory_gib", "last_stage_run_ahead", "layer_cost")
@@ -64,6 +66,49 @@ def refuse_unsupported(trainer: Any, precision_plugin: Any, config: PipelineConf
         # The link would point at a checkpoint still being written: a crash then leaves "last" dangling.
         raise ValueError("async_checkpoint=True cannot be combined with ModelCheckpoint(save_last='link'); use "
                          "save_last=True (a second checkpoint, written after the first) or async_checkpoint=False")
+
+
+#: The optimizers allowed with ``tensor_parallel_size > 1`` yet: an elementwise update, so that each shard's update
+#: is the slice of one device's, and tested against one device (docs/design/tensor-parallel.md, "What runs").
+TENSOR_PARALLEL_OPTIMIZERS = (torch.optim.AdamW,)
+
+
+def refuse_with_tensor_parallelism(trainer: Any, module: Any, config: PipelineConfig, gather_final_weights: bool,
+                                   previous_call: bool) -> None:
+    """What ``tensor_parallel_size > 1`` does not run yet and that needs the trainer or the model to see: refused
+    at setup, before training (the options alone are refused by ``PipelineConfig``)."""
+    if config.tensor_parallel_size == 1:
+        return
+    from lightning_async_pp.models.llama import Llama
+
+    t = config.tensor_parallel_size
+    refused = []
+    if not isinstance(module, Llama):
+        refused.append((f"the model {type(module).__name__}", "models.Llama is the one model with a tensor-parallel "
+                        "plan yet; use tensor_parallel_size=1"))
+    if trainer.state.fn != TrainerFn.FITTING:
+        refused.append((f"trainer.{trainer.state.fn.value}()", "only trainer.fit() runs; use tensor_parallel_size=1"))
+    if previous_call:
+        refused.append(("a second trainer call on the same Trainer", "use a new Trainer"))
+    if gather_final_weights:
+        refused.append(("gather_final_weights=True (the default)", "pass gather_final_weights=False"))
+    if trainer.checkpoint_callbacks or getattr(trainer, "ckpt_path", None):
+        refused.append(("checkpoints (ModelCheckpoint, ckpt_path)", "pass Trainer(enable_checkpointing=False)"))
+    if refused:
+        what, instead = refused[0]
+        raise ValueError(f"{what} is not supported with tensor_parallel_size > 1 yet (tensor_parallel_size={t}); "
+                         f"{instead}")
+
+
+def refuse_optimizers_with_tensor_parallelism(optimizers: Any, config: PipelineConfig) -> None:
+    if config.tensor_parallel_size == 1:
+        return
+    for optimizer in optimizers:
+        if type(optimizer) not in TENSOR_PARALLEL_OPTIMIZERS:
+            raise ValueError(
+                f"the optimizer {type(optimizer).__name__} is not supported with tensor_parallel_size > 1 yet "
+                f"(tensor_parallel_size={config.tensor_parallel_size}): only elementwise updates are exact on shards "
+                f"so far; use one of {', '.join('torch.optim.' + o.__name__ for o in TENSOR_PARALLEL_OPTIMIZERS)}")
 
 
 def compile_per_layer(config: PipelineConfig) -> PipelineConfig:

@@ -54,6 +54,9 @@ class PipelineStateHooks:
                 return
             raise RuntimeError("AsyncPipelineStrategy can save a checkpoint only once its setup has run (inside a "
                                "trainer call, or after one)")
+        if self.config.tensor_parallel_size > 1:
+            raise ValueError(f"saving a checkpoint is not supported with tensor_parallel_size > 1 yet "
+                             f"(tensor_parallel_size={self.config.tensor_parallel_size}); use tensor_parallel_size=1")
         path = os.fspath(filepath)
         own = self.not_a_replica
         module_state = checkpoint.pop("state_dict")
@@ -123,6 +126,10 @@ class PipelineStateHooks:
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
         if self.lightning_module.trainer.state.fn == TrainerFn.FITTING:
             check_resume(self.lightning_module.trainer.callbacks)  # before anything is loaded
+        if self.config.tensor_parallel_size > 1:
+            raise ValueError(f"loading a checkpoint (ckpt_path={os.fspath(checkpoint_path)!r}) is not supported with "
+                             f"tensor_parallel_size > 1 yet (tensor_parallel_size={self.config.tensor_parallel_size}); "
+                             f"use tensor_parallel_size=1")
         self.finish_pending_save()
         path = ckpt.resolve(os.fspath(checkpoint_path))
         if ckpt.is_sharded(path):

@@ -13,6 +13,10 @@ eval_batch (the batch size of the non-fit calls of a sequence, last batch ragged
 activation_checkpointing, stage_memory_gib (strategy options as named), pool_buffers (receive buffers pooled as on
 CUDA: ``StageLink.REUSE_BUFFERS_ON_CPU``),
 cases: {name: config}: several runs in one launch (``run_cases``), each result under its name.
+tensor_parallel (tensor_parallel_size; the weights are not gathered: every rank returns its stage's parameters
+whole as "stage_weights", each DTensor's shards gathered over its tensor-parallel group, and its own shards as
+"local_weights"), clip (gradient_clip_val), swap_shards (a control: the model takes each sharded matrix's
+neighbouring tensor-parallel rank's slice at initialization).
 """
 from __future__ import annotations
 
@@ -70,6 +74,25 @@ class LlamaGroupedByName(Llama):
         ], lr=self.hparams.lr)
 
 
+class LlamaSwappedShards(Llama):
+    """A wrong shard (the control of the tensor-parallel tests): each sharded matrix starts from the slice of the
+    neighbouring tensor-parallel rank instead of its own."""
+
+    @torch.no_grad()
+    def init_layer(self, index: int, layer: torch.nn.Module) -> None:
+        from torch.distributed.tensor import DTensor
+
+        super().init_layer(index, layer)
+        for p in layer.parameters():
+            if isinstance(p, DTensor):
+                local = p.to_local()
+                t = p.device_mesh.size()
+                rank = p.device_mesh.get_local_rank()
+                full = p.full_tensor()
+                dim = p.placements[0].dim
+                local.copy_(full.chunk(t, dim=dim)[(rank + 1) % t])
+
+
 def build(cfg: dict) -> tuple[Llama, DataLoader, L.Trainer]:
     L.seed_everything(cfg.get("seed", 0), verbose=False)
     tie = cfg.get("tie", True)
@@ -78,7 +101,7 @@ def build(cfg: dict) -> tuple[Llama, DataLoader, L.Trainer]:
     kwargs: dict[str, Any] = {}
     if cfg.get("groups_by_name"):
         kwargs["rank_dependent_lr"] = cfg["groups_by_name"] == "rank_dependent"
-    model = (LlamaGroupedByName if cfg.get("groups_by_name") else Llama)(
+    model = (LlamaGroupedByName if cfg.get("groups_by_name") else LlamaSwappedShards if cfg.get("swap_shards") else Llama)(
         "tiny", vocab_size=cfg.get("vocab", 256), tie_embeddings=tie, max_seq_len=cfg.get("max_seq_len", 64),
         lr=cfg.get("lr", 3e-3), skip_document_ends=bool(cfg.get("packed")), **kwargs)
     rows: Any = token_rows(cfg.get("samples", 32), cfg.get("seq", 16))
@@ -94,6 +117,8 @@ def make_trainer(cfg: dict) -> L.Trainer:
         kwargs["partition"] = cfg["partition"]
     if cfg.get("devices", 2) == 1:
         kwargs["num_stages"] = cfg.get("stages", 2)  # the one-device emulation of the same pipeline
+    if cfg.get("tensor_parallel"):
+        kwargs.update(tensor_parallel_size=cfg["tensor_parallel"], gather_final_weights=False)
     for key in ("activation_checkpointing", "stage_memory_gib"):
         if cfg.get(key) is not None:
             kwargs[key] = cfg[key]
@@ -119,6 +144,7 @@ def make_trainer(cfg: dict) -> L.Trainer:
         logger=logger, callbacks=callbacks, enable_checkpointing=False, enable_progress_bar=False,
         enable_model_summary=False, num_sanity_val_steps=0, log_every_n_steps=1, gradient_clip_val=cfg.get("clip"),
         limit_val_batches=cfg.get("val_batches", 1) if val_every or cfg.get("sequence") else 0, val_check_interval=val_every,
+        gradient_clip_val=cfg.get("clip"),
     )
     return trainer
 
@@ -134,9 +160,24 @@ def run(cfg: dict, devices: int) -> tuple[dict, Llama, L.Trainer]:
     samples = [c for c in trainer.callbacks if type(c).__name__ == "TextSamples"]
     if samples:
         result["texts"] = samples[0].history
-    if trainer.is_global_zero:
+    if cfg.get("tensor_parallel") and devices > 1:
+        result.update(stage_weights(model))
+    elif trainer.is_global_zero:
         result["state_dict"] = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
     return result, model, trainer
+
+
+def stage_weights(model: Llama) -> dict[str, Any]:
+    """This rank's stage's parameters whole (a DTensor's shards gathered over its tensor-parallel group: every rank
+    of the stage calls this) and its own local tensors."""
+    from torch.distributed.tensor import DTensor
+
+    whole, local = {}, {}
+    for name, p in model.named_parameters():
+        p = p.detach()
+        whole[name] = (p.full_tensor() if isinstance(p, DTensor) else p).cpu().clone()
+        local[name] = (p.to_local() if isinstance(p, DTensor) else p).cpu().clone()
+    return {"stage_weights": whole, "local_weights": local}
 
 
 def run_sequence(cfg: dict, devices: int) -> tuple[dict, Llama, L.Trainer]:

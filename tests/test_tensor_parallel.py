@@ -1,0 +1,165 @@
+"""Tensor parallelism inside each stage (``tensor_parallel_size``): 2 stages x 2 tensor-parallel ranks of
+``models.Llama`` train the one-device run's weights; what is not supported yet is refused before training; the
+engine keeps a DTensor parameter's local shard in its weight versions.
+
+The tolerance (docs/design/tensor-parallel.md, "Matching one device"): tensor parallelism changes only the order
+of sums (a row-parallel product adds two partial products, the norm of the clipped gradient adds shards), a few
+ulps per operation; AdamW's normalization ``m / (sqrt(v) + eps)`` turns them into up to about ``1e-3`` of one
+step (lr ``3e-3``) for an element whose gradient is near zero. After 3 steps the largest difference measured is
+about ``1e-5``; the bound is ``TOL = 5e-5``, while a wrong shard (the control) moves weights by more than ``1e-2``.
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.distributed as dist
+from lightning.pytorch.trainer.states import TrainerFn
+
+sys.path.insert(0, str(Path(__file__).parent / "scripts"))
+import llama_fit  # noqa: E402
+from pipeline_runs import max_difference, run_here_on_one_device, script_ranks  # noqa: E402
+
+from lightning_async_pp import AsyncPipelineStrategy  # noqa: E402
+from lightning_async_pp.models import Llama  # noqa: E402
+from lightning_async_pp.pipeline.config import PipelineConfig  # noqa: E402
+from lightning_async_pp.pipeline.topology import PipelineTopology  # noqa: E402
+from lightning_async_pp.pipeline.versions import WeightVersions  # noqa: E402
+from lightning_async_pp.strategy import options  # noqa: E402
+
+SCRIPT = Path(__file__).parent / "scripts" / "llama_fit.py"
+TOL = 5e-5
+BASE = {"tie": True, "steps": 3, "microbatches": 4, "partition": [3, 3]}  # embed + 2 blocks | 2 blocks + head
+CASES = {
+    "2bw": {**BASE, "schedule": "2bw"},
+    "1f1b_clipped": {**BASE, "schedule": "1f1b", "clip": 0.5},
+    "wrong_shard": {**BASE, "schedule": "1f1b", "steps": 1, "swap_shards": True},
+}
+
+
+def _whole_model(ranks: list[dict], case: str) -> dict[str, torch.Tensor]:
+    """The model's weights from tensor-parallel rank 0 of each stage (ranks 0 and 2), by state-dict name."""
+    merged: dict[str, torch.Tensor] = {}
+    for r in (0, 2):
+        merged.update(ranks[r]["cases"][case]["stage_weights"])
+    merged.setdefault("head.proj.weight", merged["embed.weight"])  # the tie: one parameter, listed once
+    return merged
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_two_stages_of_two_tensor_parallel_ranks_train_llama_as_one_device(tmp_path):
+    ranks = script_ranks(SCRIPT, {"devices": 4, "cases": {n: {**c, "tensor_parallel": 2} for n, c in CASES.items()}},
+                         tmp_path, ranks=4, timeout=420)
+    for name in ("2bw", "1f1b_clipped"):
+        reference = run_here_on_one_device(llama_fit.run, CASES[name])["state_dict"]
+        weights = _whole_model(ranks, name)
+        assert max_difference(weights, reference) < TOL, name
+        assert max_difference(weights, run_here_on_one_device(llama_fit.run, {**CASES[name], "steps": 0})
+                              ["state_dict"]) > 1e-3, name  # the steps did move the weights
+        for r in (0, 2):  # each rank holds half of a sharded matrix; a replicated one whole, equal on both ranks
+            mine, other = ranks[r]["cases"][name]["local_weights"], ranks[r + 1]["cases"][name]["local_weights"]
+            assert mine["blocks.1.attn.q_proj.weight" if r == 0 else "blocks.3.mlp.down_proj.weight"].shape in (
+                (32, 64), (64, 86))
+            for n, value in mine.items():
+                if value.shape == ranks[r]["cases"][name]["stage_weights"][n].shape:
+                    assert torch.equal(value, other[n]), (name, n)
+    # The control: a rank that starts from its neighbour's shard is far outside the tolerance.
+    wrong = _whole_model(ranks, "wrong_shard")
+    assert max_difference(wrong, run_here_on_one_device(llama_fit.run, CASES["wrong_shard"])["state_dict"]) > 1e-2
+
+
+# ---- the engine's local shards ---------------------------------------------------------------------------------
+@pytest.fixture
+def two_rank_mesh():
+    """Rank 0 of a fake 2-process group in this process (torch's test backend: collectives do nothing) and its
+    one-dimensional tensor-parallel mesh."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    yield init_device_mesh("cpu", (2,), mesh_dim_names=("tensor_parallel",))
+    dist.destroy_process_group()
+
+
+def test_weight_versions_keep_a_dtensor_parameters_local_shard_and_updates_write_the_newest_slot(two_rank_mesh):
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+
+    layer = parallelize_module(torch.nn.Linear(4, 6, bias=False), two_rank_mesh, ColwiseParallel())
+    p = layer.weight
+    assert isinstance(p, DTensor) and p.to_local().shape == (3, 4)
+    versions = WeightVersions([p], delay=1)
+    assert [s[0].shape for s in versions.slots] == [(3, 4), (3, 4)]  # each slot one local shard
+    before = versions.slots[0][0].clone()
+    versions.prepare_update()
+    with torch.no_grad():
+        p.add_(1.0)  # the optimizer's in-place update of W_1
+    # it wrote the newest slot (p points there, through torch's private _local_tensor), the stash W_0 is intact
+    assert torch.equal(versions.slots[1][0], before + 1.0)
+    assert torch.equal(versions.slots[0][0], before)
+    assert torch.equal(p.to_local(), versions.version(1)[0])
+
+
+# ---- what is refused -------------------------------------------------------------------------------------------
+def test_the_layout_puts_a_stages_tensor_parallel_ranks_side_by_side_and_pipelines_per_tensor_parallel_rank():
+    topology = PipelineTopology(world_size=4, data_parallel_size=1, rank=3, tensor_parallel_size=2)
+    assert (topology.num_stages, topology.stage, topology.tp_rank, topology.dp_rank) == (2, 1, 1, 0)
+    assert topology.pipeline_ranks == [1, 3]  # the peer of rank 3 is tensor-parallel rank 1 of stage 0
+    assert topology.rank_to_stage == {0: 0, 1: 0, 2: 1, 3: 1}
+    assert PipelineConfig(tensor_parallel_size=2).stages_for(4) == 2
+    with pytest.raises(ValueError, match=r"6 process\(es\) cannot be split .* tensor_parallel_size=4"):
+        PipelineConfig(tensor_parallel_size=4).stages_for(6)
+
+
+@pytest.mark.parametrize("option, match", [
+    ({"schedule": "zb_h1"}, "schedule='zb_h1' is not supported with tensor_parallel_size > 1 yet"),
+    ({"schedule": "gpipe"}, "schedule='gpipe' is not supported"),
+    ({"compile": True}, "compile=True is not supported"),
+    ({"activation_checkpointing": True}, "activation_checkpointing=True is not supported"),
+    ({"data_parallel_size": 2}, "data_parallel_size=2 is not supported"),
+    ({"layer_cost": "measured"}, "layer_cost='measured' is not supported"),
+    ({"stage_memory_gib": 10}, "stage_memory_gib=10 is not supported"),
+    ({"tensor_parallel_size": 0}, "tensor_parallel_size must be a positive integer, got 0"),
+])
+def test_options_not_supported_with_tensor_parallelism_are_refused_naming_them(option, match):
+    with pytest.raises(ValueError, match=match):
+        AsyncPipelineStrategy(**{"tensor_parallel_size": 2, **option})
+
+
+def test_tensor_parallelism_on_one_process_is_refused():
+    with pytest.raises(ValueError, match="tensor_parallel_size=2 needs at least that many processes"):
+        PipelineConfig(tensor_parallel_size=2).check(1)
+
+
+def _trainer(fn=TrainerFn.FITTING, checkpointing=False):
+    return SimpleNamespace(state=SimpleNamespace(fn=fn), checkpoint_callbacks=[object()] if checkpointing else [],
+                           ckpt_path=None)
+
+
+@pytest.mark.parametrize("trainer, module, gather, match", [
+    (_trainer(), "other", False, "the model TinyLM is not supported with tensor_parallel_size > 1 yet"),
+    (_trainer(TrainerFn.VALIDATING), "llama", False, r"trainer.validate\(\) is not supported"),
+    (_trainer(), "llama", True, r"gather_final_weights=True \(the default\) is not supported"),
+    (_trainer(checkpointing=True), "llama", False, r"checkpoints \(ModelCheckpoint, ckpt_path\) is not supported"),
+])
+def test_setups_not_supported_with_tensor_parallelism_are_refused_naming_them(trainer, module, gather, match):
+    from helpers import TinyLM
+
+    model = Llama("tiny") if module == "llama" else TinyLM()
+    with pytest.raises(ValueError, match=match):
+        options.refuse_with_tensor_parallelism(trainer, model, PipelineConfig(tensor_parallel_size=2), gather,
+                                               previous_call=False)
+
+
+def test_an_optimizer_whose_update_is_not_elementwise_is_refused_with_tensor_parallelism():
+    from lightning_async_pp.optim import Muon
+
+    muon = Muon([torch.nn.Parameter(torch.zeros(4, 4))])
+    with pytest.raises(ValueError, match="the optimizer Muon is not supported with tensor_parallel_size > 1 yet"):
+        options.refuse_optimizers_with_tensor_parallelism([muon], PipelineConfig(tensor_parallel_size=2))
+    options.refuse_optimizers_with_tensor_parallelism([torch.optim.AdamW([torch.nn.Parameter(torch.zeros(2))])],
+                                                      PipelineConfig(tensor_parallel_size=2))
