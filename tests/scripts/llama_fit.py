@@ -15,7 +15,7 @@ CUDA: ``StageLink.REUSE_BUFFERS_ON_CPU``),
 cases: {name: config}: several runs in one launch (``run_cases``), each result under its name.
 tensor_parallel (tensor_parallel_size; the weights are not gathered: every rank returns its stage's parameters
 whole as "stage_weights", each DTensor's shards gathered over its tensor-parallel group, and its own shards as
-"local_weights"), clip (gradient_clip_val), swap_shards (a control: the model takes each sharded matrix's
+"local_weights"), swap_shards (a control: the model takes each sharded matrix's
 neighbouring tensor-parallel rank's slice at initialization).
 """
 from __future__ import annotations
@@ -144,7 +144,6 @@ def make_trainer(cfg: dict) -> L.Trainer:
         logger=logger, callbacks=callbacks, enable_checkpointing=False, enable_progress_bar=False,
         enable_model_summary=False, num_sanity_val_steps=0, log_every_n_steps=1, gradient_clip_val=cfg.get("clip"),
         limit_val_batches=cfg.get("val_batches", 1) if val_every or cfg.get("sequence") else 0, val_check_interval=val_every,
-        gradient_clip_val=cfg.get("clip"),
     )
     return trainer
 
