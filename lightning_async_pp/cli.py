@@ -93,7 +93,9 @@ class AsyncPipelineCLI(LightningCLI):
 
     def add_arguments_to_parser(self, parser: Any) -> None:
         # --model.help comes with the model's subclass mode; the data module's options are the data: keys themselves.
-        parser.add_argument("--data.help", action=_DataHelp, data_class=self.datamodule_class)
+        # In the data's subclass mode LightningCLI adds --data.help itself; without a data module there is none.
+        if self.datamodule_class is not None and not self.subclass_mode_data:
+            parser.add_argument("--data.help", action=_DataHelp, data_class=self.datamodule_class)
 
     def before_fit(self) -> None:
         _print_tensorboard_hint(self.trainer, "Training")

@@ -282,3 +282,14 @@ def test_with_num_microbatches_left_at_its_default_the_cli_costs_the_split_on_on
     cli = AsyncPipelineCLI(args=["--config", str(path)], run=False)
     assert cli.trainer.strategy.config.num_microbatches is None and cli.trainer.strategy.num_microbatches == 4
     assert cli.model.pipeline_sample().shape == (2, cli.datamodule.block_size + 1)  # 8 rows / 4 microbatches
+
+
+def test_the_cli_builds_with_the_data_in_subclass_mode_or_no_data_module(tmp_path, monkeypatch):
+    # --data.help is ours only for a fixed data module: LightningCLI adds its own in the data's subclass mode (the
+    # two conflicted), and with no data module there are no data options (building the CLI raised).
+    monkeypatch.chdir(tmp_path)
+    model = ["--model", "lightning_async_pp.models.GPT", "--trainer.max_steps", "1"]
+    cli = AsyncPipelineCLI(args=model + ["--data", "lightning_async_pp.data.TextDataModule"], run=False,
+                           subclass_mode_data=True)
+    assert isinstance(cli.datamodule, TextDataModule)
+    assert AsyncPipelineCLI(args=model, run=False, datamodule_class=None).datamodule is None

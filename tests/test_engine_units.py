@@ -248,6 +248,10 @@ def test_a_loss_weight_that_is_not_a_count_is_refused_naming_the_hook():
     assert loss_shares([2, 2, 2]) is None  # equal microbatches: each loss divided by m, as before the hook
     torch.testing.assert_close(loss_shares([torch.tensor(3), 1, 0]), torch.tensor([0.75, 0.25, 0.0], dtype=torch.float64))
     assert loss_shares([torch.tensor(0), torch.tensor(0)]).tolist() == [0.0, 0.0]  # every target skipped: no NaN
+    # Weights of any scale: the shares add up to 1 (fractions summing below 1 were left unnormalised).
+    torch.testing.assert_close(loss_shares([0.5, 0.25]), torch.tensor([2 / 3, 1 / 3], dtype=torch.float64))
+    torch.testing.assert_close(loss_shares([torch.tensor(0.3), torch.tensor(0.1)]),
+                               torch.tensor([0.75, 0.25], dtype=torch.float64))
     for bad in (None, -1, True, torch.ones(2)):
         with pytest.raises(TypeError, match="pipeline_loss_weight must return a number >= 0 or a one-element tensor"):
             loss_shares([1, bad])

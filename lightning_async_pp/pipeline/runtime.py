@@ -78,19 +78,32 @@ class BatchMismatch(RuntimeError):
 def loss_shares(weights: Sequence[Any]) -> Optional[Tensor]:
     """Each microbatch's share of its batch's mean loss, from its weight (``pipeline_loss_weight``): ``w_j / sum w``
     (float64, on the weights' device: no host read), or ``None`` where the weights are equal numbers: the mean of the
-    microbatch means, each divided by ``m`` as gradient accumulation does. A batch of weight 0 (every target of it
-    skipped) gets shares 0."""
+    microbatch means, each divided by ``m`` as gradient accumulation does."""
+    if all(isinstance(w, (int, float)) and not isinstance(w, bool) for w in weights) and len(set(weights)) == 1:
+        check_loss_weights(weights)
+        return None
+    return weight_shares(weights)
+
+
+def check_loss_weights(weights: Sequence[Any]) -> None:
+    """Refuse a weight that is neither a number >= 0 nor a one-element tensor, naming the hook (a tensor's sign is
+    not read: that would wait for the device)."""
     for w in weights:
         count = isinstance(w, (int, float)) and not isinstance(w, bool) and w >= 0
         if not (count or isinstance(w, Tensor) and w.numel() == 1):
             raise TypeError(f"pipeline_loss_weight must return a number >= 0 or a one-element tensor (the microbatch's "
                             f"weight in its batch's mean loss, such as its count of targets); got {w!r}")
-    if all(isinstance(w, (int, float)) for w in weights) and len(set(weights)) == 1:
-        return None
+
+
+def weight_shares(weights: Sequence[Any]) -> Tensor:
+    """``w_j / sum w`` as a float64 vector on the weights' device, whatever the weights' scale (fractions too); all
+    shares 0 where the weights add up to 0 (every target of the batch skipped), not NaN."""
+    check_loss_weights(weights)
     values = [torch.as_tensor(w, dtype=torch.float64).detach().reshape(()) for w in weights]
     device = next((v.device for v in values if v.device.type != "cpu"), values[0].device)
     stacked = torch.stack([v.to(device) for v in values])
-    return stacked / stacked.sum().clamp(min=1)
+    total = stacked.sum()
+    return stacked / torch.where(total > 0, total, torch.ones_like(total))
 
 
 def scalar_loss(loss: Any) -> Tensor:
@@ -658,9 +671,8 @@ class PipelineRuntime:
 
         call = self._forward_all(batch, "evaluation", accumulate)
         if self.stages[-1].is_last:
-            w = torch.stack([torch.as_tensor(v, dtype=torch.float64).reshape(()).to(loss.device)
-                             for v, loss in zip(weights, losses)])
-            total = (torch.stack(losses) * w).sum() / w.sum().clamp(min=1)
+            shares = weight_shares(weights)
+            total = (torch.stack(losses) * shares.to(losses[0].device)).sum()
             if link is not None:
                 for rank in self.pipeline_ranks[:-1]:
                     link.send_scalar(total, rank)
