@@ -79,13 +79,14 @@ def refuse_with_tensor_parallelism(trainer: Any, module: Any, config: PipelineCo
     at setup, before training (the options alone are refused by ``PipelineConfig``)."""
     if config.tensor_parallel_size == 1:
         return
+    from lightning_async_pp.models.huggingface import HuggingFaceCausalLM
     from lightning_async_pp.models.llama import Llama
 
     t = config.tensor_parallel_size
     refused = []
-    if not isinstance(module, Llama):
-        refused.append((f"the model {type(module).__name__}", "models.Llama is the one model with a tensor-parallel "
-                        "plan yet; use tensor_parallel_size=1"))
+    if not isinstance(module, (Llama, HuggingFaceCausalLM)):
+        refused.append((f"the model {type(module).__name__}", "models.Llama and models.HuggingFaceCausalLM are the "
+                        "models with a tensor-parallel plan yet; use tensor_parallel_size=1"))
     if trainer.state.fn != TrainerFn.FITTING:
         refused.append((f"trainer.{trainer.state.fn.value}()", "only trainer.fit() runs; use tensor_parallel_size=1"))
     if previous_call:

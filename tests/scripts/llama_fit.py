@@ -16,7 +16,8 @@ cases: {name: config}: several runs in one launch (``run_cases``), each result u
 tensor_parallel (tensor_parallel_size; the weights are not gathered: every rank returns its stage's parameters
 whole as "stage_weights", each DTensor's shards gathered over its tensor-parallel group, and its own shards as
 "local_weights"), swap_shards (a control: the model takes each sharded matrix's
-neighbouring tensor-parallel rank's slice at initialization).
+neighbouring tensor-parallel rank's slice at initialization), model ("hf": a tiny transformers Llama,
+``HF_LLAMA``, through models.HuggingFaceCausalLM; else models.Llama).
 """
 from __future__ import annotations
 
@@ -32,7 +33,13 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from helpers import script_main  # noqa: E402
 
 from lightning_async_pp import AsyncPipelineStrategy  # noqa: E402
-from lightning_async_pp.models import Llama  # noqa: E402
+from lightning_async_pp.models import HuggingFaceCausalLM, Llama  # noqa: E402
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing is downloaded: configs are built here
+#: The tiny transformers Llama of ``model: "hf"`` (tests/scripts/adapter_fit.py's, with 4 blocks): the partition
+#: [3, 4] splits it as embedding + 2 blocks | 2 blocks + norm + head.
+HF_LLAMA = dict(model_type="llama", vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
 
 
 def packed_rows(rows: list[torch.Tensor], seed: int = 4) -> list[dict[str, torch.Tensor]]:
@@ -74,23 +81,32 @@ class LlamaGroupedByName(Llama):
         ], lr=self.hparams.lr)
 
 
+@torch.no_grad()
+def swap_shards(layer: torch.nn.Module) -> None:
+    """Each sharded matrix of ``layer`` takes the slice of the neighbouring tensor-parallel rank."""
+    from torch.distributed.tensor import DTensor
+
+    for p in layer.parameters():
+        if isinstance(p, DTensor):
+            t, rank = p.device_mesh.size(), p.device_mesh.get_local_rank()
+            p.to_local().copy_(p.full_tensor().chunk(t, dim=p.placements[0].dim)[(rank + 1) % t])
+
+
 class LlamaSwappedShards(Llama):
     """A wrong shard (the control of the tensor-parallel tests): each sharded matrix starts from the slice of the
     neighbouring tensor-parallel rank instead of its own."""
 
-    @torch.no_grad()
     def init_layer(self, index: int, layer: torch.nn.Module) -> None:
-        from torch.distributed.tensor import DTensor
-
         super().init_layer(index, layer)
-        for p in layer.parameters():
-            if isinstance(p, DTensor):
-                local = p.to_local()
-                t = p.device_mesh.size()
-                rank = p.device_mesh.get_local_rank()
-                full = p.full_tensor()
-                dim = p.placements[0].dim
-                local.copy_(full.chunk(t, dim=dim)[(rank + 1) % t])
+        swap_shards(layer)
+
+
+class HFSwappedShards(HuggingFaceCausalLM):
+    """``LlamaSwappedShards`` of the transformers adapter."""
+
+    def init_layer(self, index: int, layer: torch.nn.Module) -> None:
+        super().init_layer(index, layer)
+        swap_shards(layer)
 
 
 def build(cfg: dict) -> tuple[Llama, DataLoader, L.Trainer]:
@@ -101,9 +117,14 @@ def build(cfg: dict) -> tuple[Llama, DataLoader, L.Trainer]:
     kwargs: dict[str, Any] = {}
     if cfg.get("groups_by_name"):
         kwargs["rank_dependent_lr"] = cfg["groups_by_name"] == "rank_dependent"
-    model = (LlamaGroupedByName if cfg.get("groups_by_name") else LlamaSwappedShards if cfg.get("swap_shards") else Llama)(
-        "tiny", vocab_size=cfg.get("vocab", 256), tie_embeddings=tie, max_seq_len=cfg.get("max_seq_len", 64),
-        lr=cfg.get("lr", 3e-3), skip_document_ends=bool(cfg.get("packed")), **kwargs)
+    model: Any
+    if cfg.get("model") == "hf":
+        model = (HFSwappedShards if cfg.get("swap_shards") else HuggingFaceCausalLM)(
+            {**HF_LLAMA, "tie_word_embeddings": tie}, lr=cfg.get("lr", 3e-3), init_seed=cfg.get("seed", 0))
+    else:
+        model = (LlamaGroupedByName if cfg.get("groups_by_name") else LlamaSwappedShards if cfg.get("swap_shards") else Llama)(
+            "tiny", vocab_size=cfg.get("vocab", 256), tie_embeddings=tie, max_seq_len=cfg.get("max_seq_len", 64),
+            lr=cfg.get("lr", 3e-3), skip_document_ends=bool(cfg.get("packed")), **kwargs)
     rows: Any = token_rows(cfg.get("samples", 32), cfg.get("seq", 16))
     if cfg.get("packed"):
         rows = packed_rows(rows)

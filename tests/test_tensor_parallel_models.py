@@ -1,0 +1,86 @@
+"""Tensor parallelism for the models beyond ``models.Llama``: a tied ``models.HuggingFaceCausalLM`` Llama with
+transformers' own plan trains, on 2 stages x 2 tensor-parallel ranks, the one-device run's weights; a family
+without a plan (or not verified) is refused by name.
+
+The tolerance is tests/test_tensor_parallel.py's (docs/design/tensor-parallel.md, "Matching one device"): the
+plan is the same column-/row-wise split of q, k, v, o and the MLP, so the same reorderings of sums.
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent / "scripts"))
+import llama_fit  # noqa: E402
+from pipeline_runs import max_difference, run_here_on_one_device, script_ranks  # noqa: E402
+
+from lightning_async_pp.models.huggingface import as_pretrained_config, tensor_parallel_plan  # noqa: E402
+
+SCRIPT = Path(__file__).parent / "scripts" / "llama_fit.py"
+TOL = 5e-5
+HF = {"model": "hf", "tie": True, "steps": 3, "microbatches": 4, "partition": [3, 4]}  # embed + 2 | 2 + norm + head
+CASES = {
+    "hf_2bw": {**HF, "schedule": "2bw"},
+    "hf_1f1b_clipped": {**HF, "schedule": "1f1b", "clip": 0.5},
+    "hf_wrong_shard": {**HF, "schedule": "1f1b", "steps": 1, "swap_shards": True},
+}
+
+
+def _whole_model(ranks: list[dict], case: str) -> dict[str, torch.Tensor]:
+    """The model's weights from tensor-parallel rank 0 of each stage (ranks 0 and 2), by state-dict name."""
+    merged: dict[str, torch.Tensor] = {}
+    for r in (0, 2):
+        merged.update(ranks[r]["cases"][case]["stage_weights"])
+    merged.setdefault("lm_head.weight", merged["model.embed_tokens.weight"])  # the tie: one parameter, listed once
+    return merged
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_two_stages_of_two_tensor_parallel_ranks_train_a_tied_transformers_llama_as_one_device(tmp_path):
+    ranks = script_ranks(SCRIPT, {"devices": 4, "cases": {n: {**c, "tensor_parallel": 2} for n, c in CASES.items()}},
+                         tmp_path, ranks=4, timeout=420)
+    for name in ("hf_2bw", "hf_1f1b_clipped"):
+        reference = run_here_on_one_device(llama_fit.run, CASES[name])["state_dict"]
+        weights = _whole_model(ranks, name)
+        assert set(weights) == set(reference), name
+        assert max_difference(weights, reference) < TOL, name
+        assert max_difference(weights, run_here_on_one_device(llama_fit.run, {**CASES[name], "steps": 0})
+                              ["state_dict"]) > 1e-3, name  # the steps did move the weights
+        for r in (0, 2):  # transformers' plan shards the blocks' matrices; the rest is whole, equal on both ranks
+            mine, other = ranks[r]["cases"][name]["local_weights"], ranks[r + 1]["cases"][name]["local_weights"]
+            whole = ranks[r]["cases"][name]["stage_weights"]
+            q, down = f"model.layers.{r}.self_attn.q_proj.weight", f"model.layers.{r + 1}.mlp.down_proj.weight"
+            assert mine[q].shape == (16, 32) and whole[q].shape == (32, 32), (name, q)
+            assert mine[down].shape == (32, 32) and whole[down].shape == (32, 64), (name, down)
+            for n, value in mine.items():
+                if value.shape == whole[n].shape:
+                    assert torch.equal(value, other[n]), (name, n)
+    # The control: a rank that starts from its neighbour's shard is far outside the tolerance.
+    wrong = _whole_model(ranks, "hf_wrong_shard")
+    assert max_difference(wrong, run_here_on_one_device(llama_fit.run, CASES["hf_wrong_shard"])["state_dict"]) > 1e-2
+
+
+# ---- the plan and what is refused ------------------------------------------------------------------------------
+def test_the_transformers_plan_of_a_llama_layer_is_column_wise_q_k_v_gate_up_and_row_wise_o_down():
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    plan = tensor_parallel_plan(as_pretrained_config(llama_fit.HF_LLAMA), 2)
+    assert {n: type(s) for n, s in plan.items()} == {
+        "self_attn.q_proj": ColwiseParallel, "self_attn.k_proj": ColwiseParallel,
+        "self_attn.v_proj": ColwiseParallel, "self_attn.o_proj": RowwiseParallel,
+        "mlp.gate_proj": ColwiseParallel, "mlp.up_proj": ColwiseParallel, "mlp.down_proj": RowwiseParallel}
+
+
+@pytest.mark.parametrize("config, match", [
+    ({"model_type": "gpt2", "n_layer": 1}, r"model_type 'gpt2' has no tensor-parallel plan in transformers"),
+    ({"model_type": "qwen2"}, r"verified exact for model_type llama only, not 'qwen2'"),
+    ({**llama_fit.HF_LLAMA, "num_key_value_heads": 1}, r"tensor_parallel_size=2 is larger than model_type 'llama'"
+                                                       r"'s num_key_value_heads=1"),
+])
+def test_a_family_without_a_verified_plan_or_a_size_it_does_not_divide_is_refused_by_name(config, match):
+    with pytest.raises(ValueError, match=match):
+        tensor_parallel_plan(as_pretrained_config(config), 2)
