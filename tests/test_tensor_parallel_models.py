@@ -1,6 +1,7 @@
 """Tensor parallelism for the models beyond ``models.Llama``: a tied ``models.HuggingFaceCausalLM`` Llama with
-transformers' own plan trains, on 2 stages x 2 tensor-parallel ranks, the one-device run's weights; a family
-without a plan (or not verified) is refused by name.
+transformers' own plan, and a user's own ``PipelineModule`` applying its own plan in ``configure_model``, train,
+on 2 stages x 2 tensor-parallel ranks, the one-device run's weights; a family without a plan (or not verified) and
+a module that applies none are refused by name.
 
 The tolerance is tests/test_tensor_parallel.py's (docs/design/tensor-parallel.md, "Matching one device"): the
 plan is the same column-/row-wise split of q, k, v, o and the MLP, so the same reorderings of sums.
@@ -26,6 +27,7 @@ CASES = {
     "hf_2bw": {**HF, "schedule": "2bw"},
     "hf_1f1b_clipped": {**HF, "schedule": "1f1b", "clip": 0.5},
     "hf_wrong_shard": {**HF, "schedule": "1f1b", "steps": 1, "swap_shards": True},
+    "own_2bw": {"model": "own", "steps": 3, "microbatches": 4, "partition": [3, 3], "schedule": "2bw"},
 }
 
 
@@ -40,7 +42,8 @@ def _whole_model(ranks: list[dict], case: str) -> dict[str, torch.Tensor]:
 
 @pytest.mark.multiprocess
 @pytest.mark.slow
-def test_two_stages_of_two_tensor_parallel_ranks_train_a_tied_transformers_llama_as_one_device(tmp_path):
+def test_two_stages_of_two_tensor_parallel_ranks_train_a_tied_transformers_llama_and_a_users_own_plan_as_one_device(
+        tmp_path):
     ranks = script_ranks(SCRIPT, {"devices": 4, "cases": {n: {**c, "tensor_parallel": 2} for n, c in CASES.items()}},
                          tmp_path, ranks=4, timeout=420)
     for name in ("hf_2bw", "hf_1f1b_clipped"):
@@ -59,6 +62,10 @@ def test_two_stages_of_two_tensor_parallel_ranks_train_a_tied_transformers_llama
             for n, value in mine.items():
                 if value.shape == whole[n].shape:
                     assert torch.equal(value, other[n]), (name, n)
+    # A user's own module and plan (llama_fit.OwnPlanLM): fc column-wise, proj row-wise, initialized as one device.
+    own = {**ranks[0]["cases"]["own_2bw"]["stage_weights"], **ranks[2]["cases"]["own_2bw"]["stage_weights"]}
+    assert max_difference(own, run_here_on_one_device(llama_fit.run, CASES["own_2bw"])["state_dict"]) < TOL
+    assert ranks[0]["cases"]["own_2bw"]["local_weights"]["blocks.0.fc.weight"].shape == (64, 32)
     # The control: a rank that starts from its neighbour's shard is far outside the tolerance.
     wrong = _whole_model(ranks, "hf_wrong_shard")
     assert max_difference(wrong, run_here_on_one_device(llama_fit.run, CASES["hf_wrong_shard"])["state_dict"]) > 1e-2
@@ -84,3 +91,19 @@ def test_the_transformers_plan_of_a_llama_layer_is_column_wise_q_k_v_gate_up_and
 def test_a_family_without_a_verified_plan_or_a_size_it_does_not_divide_is_refused_by_name(config, match):
     with pytest.raises(ValueError, match=match):
         tensor_parallel_plan(as_pretrained_config(config), 2)
+
+
+def test_a_model_that_applies_no_tensor_parallel_plan_is_refused_naming_it():
+    from types import SimpleNamespace
+
+    from lightning.pytorch.trainer.states import TrainerFn
+
+    from lightning_async_pp.models import GPT
+    from lightning_async_pp.pipeline.config import PipelineConfig
+    from lightning_async_pp.strategy import options
+
+    trainer = SimpleNamespace(state=SimpleNamespace(fn=TrainerFn.FITTING), checkpoint_callbacks=[], ckpt_path=None)
+    with pytest.raises(ValueError, match=r"the model GPT is not supported with tensor_parallel_size > 1 yet .* applies "
+                                         r"no tensor-parallel plan"):
+        options.refuse_with_tensor_parallelism(trainer, GPT(n_layer=1), PipelineConfig(tensor_parallel_size=2), False,
+                                               previous_call=False)

@@ -17,7 +17,8 @@ tensor_parallel (tensor_parallel_size; the weights are not gathered: every rank 
 whole as "stage_weights", each DTensor's shards gathered over its tensor-parallel group, and its own shards as
 "local_weights"), swap_shards (a control: the model takes each sharded matrix's
 neighbouring tensor-parallel rank's slice at initialization), model ("hf": a tiny transformers Llama,
-``HF_LLAMA``, through models.HuggingFaceCausalLM; else models.Llama).
+``HF_LLAMA``, through models.HuggingFaceCausalLM; "own": ``OwnPlanLM``, a PipelineModule applying its own plan;
+else models.Llama).
 """
 from __future__ import annotations
 
@@ -33,6 +34,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from helpers import script_main  # noqa: E402
 
 from lightning_async_pp import AsyncPipelineStrategy  # noqa: E402
+from lightning_async_pp import PipelineModule  # noqa: E402
 from lightning_async_pp.models import HuggingFaceCausalLM, Llama  # noqa: E402
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing is downloaded: configs are built here
@@ -109,6 +111,53 @@ class HFSwappedShards(HuggingFaceCausalLM):
         swap_shards(layer)
 
 
+class ResidualMLP(torch.nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.norm = torch.nn.LayerNorm(width)
+        self.fc = torch.nn.Linear(width, 4 * width)
+        self.proj = torch.nn.Linear(4 * width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.proj(torch.nn.functional.gelu(self.fc(self.norm(x))))
+
+
+class OwnPlanLM(PipelineModule):
+    """A user's own PipelineModule with its own tensor-parallel plan, as docs/guide/models.md ("Tensor parallelism
+    in your own model") shows it: residual MLP blocks, ``fc`` column-wise and ``proj`` row-wise."""
+
+    def __init__(self, vocab: int = 256, width: int = 32, layers: int = 4, lr: float = 3e-3) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.blocks: Any = None
+
+    def configure_model(self) -> None:
+        if self.blocks is not None:  # Lightning calls this hook on every trainer entry point
+            return
+        h = self.hparams
+        self.embed = torch.nn.Embedding(h.vocab, h.width)
+        self.blocks = torch.nn.ModuleList(ResidualMLP(h.width) for _ in range(h.layers))
+        self.head = torch.nn.Sequential(torch.nn.LayerNorm(h.width), torch.nn.Linear(h.width, h.vocab))
+        mesh = self.device_mesh  # set by AsyncPipelineStrategy(tensor_parallel_size > 1), as by ModelParallelStrategy
+        if mesh is not None:
+            from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+            for block in self.blocks:
+                parallelize_module(block, mesh["tensor_parallel"], {"fc": ColwiseParallel(), "proj": RowwiseParallel()})
+
+    def pipeline_layers(self) -> list[torch.nn.Module]:
+        return [self.embed, *self.blocks, self.head]
+
+    def pipeline_input(self, batch: torch.Tensor) -> torch.Tensor:
+        return batch[:, :-1]
+
+    def pipeline_loss(self, logits: torch.Tensor, batch: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten())
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=self.hparams.lr)
+
+
 def build(cfg: dict) -> tuple[Llama, DataLoader, L.Trainer]:
     L.seed_everything(cfg.get("seed", 0), verbose=False)
     tie = cfg.get("tie", True)
@@ -118,7 +167,9 @@ def build(cfg: dict) -> tuple[Llama, DataLoader, L.Trainer]:
     if cfg.get("groups_by_name"):
         kwargs["rank_dependent_lr"] = cfg["groups_by_name"] == "rank_dependent"
     model: Any
-    if cfg.get("model") == "hf":
+    if cfg.get("model") == "own":
+        model = OwnPlanLM(lr=cfg.get("lr", 3e-3))
+    elif cfg.get("model") == "hf":
         model = (HFSwappedShards if cfg.get("swap_shards") else HuggingFaceCausalLM)(
             {**HF_LLAMA, "tie_word_embeddings": tie}, lr=cfg.get("lr", 3e-3), init_seed=cfg.get("seed", 0))
     else:
