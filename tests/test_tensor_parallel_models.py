@@ -107,3 +107,34 @@ def test_a_model_that_applies_no_tensor_parallel_plan_is_refused_naming_it():
                                          r"no tensor-parallel plan"):
         options.refuse_with_tensor_parallelism(trainer, GPT(n_layer=1), PipelineConfig(tensor_parallel_size=2), False,
                                                previous_call=False)
+
+
+def test_a_sharded_layer_initialized_inside_whole_parameters_holds_its_slice_of_the_one_device_values():
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from lightning_async_pp.pipeline.tensor_parallel import whole_parameters
+
+    # Rank 1 of a fake 2-process group (torch's test backend: collectives do nothing; none is needed here).
+    dist.init_process_group("fake", store=FakeStore(), rank=1, world_size=2)
+    try:
+        mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tensor_parallel",))
+        block = parallelize_module(llama_fit.ResidualMLP(8), mesh, {"fc": ColwiseParallel(), "proj": RowwiseParallel()})
+        torch.manual_seed(0)
+        one_device = llama_fit.ResidualMLP(8)
+        with whole_parameters(block):
+            assert not any(isinstance(p, DTensor) for p in block.parameters())
+            torch.manual_seed(0)
+            for module in (block.norm, block.fc, block.proj):
+                module.reset_parameters()
+        fc, proj = block.fc.weight, block.proj.weight
+        assert isinstance(fc, DTensor) and fc.to_local().shape == (16, 8) and proj.to_local().shape == (8, 16)
+        assert torch.equal(fc.to_local(), one_device.fc.weight.detach()[16:])  # rank 1: the second half of the rows
+        assert torch.equal(block.fc.bias.to_local(), one_device.fc.bias.detach()[16:])
+        assert torch.equal(proj.to_local(), one_device.proj.weight.detach()[:, 16:])  # ... of the columns
+        assert torch.equal(block.proj.bias.to_local(), one_device.proj.bias.detach())  # replicated: whole
+    finally:
+        dist.destroy_process_group()
