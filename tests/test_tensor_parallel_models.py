@@ -27,6 +27,7 @@ CASES = {
     "hf_2bw": {**HF, "schedule": "2bw"},
     "hf_1f1b_clipped": {**HF, "schedule": "1f1b", "clip": 0.5},
     "hf_wrong_shard": {**HF, "schedule": "1f1b", "steps": 1, "swap_shards": True},
+    "qwen2_2bw": {**HF, "schedule": "2bw", "hf_config": {"model_type": "qwen2"}},  # q, k, v with biases
     "own_2bw": {"model": "own", "steps": 3, "microbatches": 4, "partition": [3, 3], "schedule": "2bw"},
 }
 
@@ -62,6 +63,10 @@ def test_two_stages_of_two_tensor_parallel_ranks_train_a_tied_transformers_llama
             for n, value in mine.items():
                 if value.shape == whole[n].shape:
                     assert torch.equal(value, other[n]), (name, n)
+    # Qwen2's plan is Llama's; its q, k, v biases split with their rows.
+    qwen2 = _whole_model(ranks, "qwen2_2bw")
+    assert max_difference(qwen2, run_here_on_one_device(llama_fit.run, CASES["qwen2_2bw"])["state_dict"]) < TOL
+    assert ranks[0]["cases"]["qwen2_2bw"]["local_weights"]["model.layers.0.self_attn.k_proj.bias"].shape == (8,)
     # A user's own module and plan (llama_fit.OwnPlanLM): fc column-wise, proj row-wise, initialized as one device.
     own = {**ranks[0]["cases"]["own_2bw"]["stage_weights"], **ranks[2]["cases"]["own_2bw"]["stage_weights"]}
     assert max_difference(own, run_here_on_one_device(llama_fit.run, CASES["own_2bw"])["state_dict"]) < TOL
@@ -84,7 +89,7 @@ def test_the_transformers_plan_of_a_llama_layer_is_column_wise_q_k_v_gate_up_and
 
 @pytest.mark.parametrize("config, match", [
     ({"model_type": "gpt2", "n_layer": 1}, r"model_type 'gpt2' has no tensor-parallel plan in transformers"),
-    ({"model_type": "qwen2"}, r"verified exact for model_type llama only, not 'qwen2'"),
+    ({"model_type": "mistral"}, r"verified exact for model_type llama, qwen2 only, not 'mistral'"),
     ({**llama_fit.HF_LLAMA, "num_key_value_heads": 1}, r"tensor_parallel_size=2 is larger than model_type 'llama'"
                                                        r"'s num_key_value_heads=1"),
 ])

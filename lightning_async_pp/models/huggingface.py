@@ -514,7 +514,7 @@ class HuggingFaceCausalLM(AdoptedCausalLM):
 
 #: Families whose plan from transformers is verified exact against one device (tests/test_tensor_parallel_models.py);
 #: their attention reshapes by ``-1`` heads, so each rank runs its ``heads / t`` query and key/value heads.
-TENSOR_PARALLEL_FAMILIES = ("llama",)
+TENSOR_PARALLEL_FAMILIES = ("llama", "qwen2")
 #: transformers' plan styles and torch's equivalents (``integrations/tensor_parallel.py`` in transformers): a
 #: column-wise matrix gives its output's shard, a row-wise one all-reduces partial products into the whole output.
 TENSOR_PARALLEL_STYLES = ("colwise", "rowwise")

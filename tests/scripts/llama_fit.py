@@ -17,7 +17,7 @@ tensor_parallel (tensor_parallel_size; the weights are not gathered: every rank 
 whole as "stage_weights", each DTensor's shards gathered over its tensor-parallel group, and its own shards as
 "local_weights"), swap_shards (a control: the model takes each sharded matrix's
 neighbouring tensor-parallel rank's slice at initialization), model ("hf": a tiny transformers Llama,
-``HF_LLAMA``, through models.HuggingFaceCausalLM; "own": ``OwnPlanLM``, a PipelineModule applying its own plan;
+``HF_LLAMA`` updated by ``hf_config``, through models.HuggingFaceCausalLM; "own": ``OwnPlanLM``, a PipelineModule applying its own plan;
 else models.Llama).
 """
 from __future__ import annotations
@@ -171,7 +171,7 @@ def build(cfg: dict) -> tuple[Llama, DataLoader, L.Trainer]:
         model = OwnPlanLM(lr=cfg.get("lr", 3e-3))
     elif cfg.get("model") == "hf":
         model = (HFSwappedShards if cfg.get("swap_shards") else HuggingFaceCausalLM)(
-            {**HF_LLAMA, "tie_word_embeddings": tie}, lr=cfg.get("lr", 3e-3), init_seed=cfg.get("seed", 0))
+            {**HF_LLAMA, **cfg.get("hf_config", {}), "tie_word_embeddings": tie}, lr=cfg.get("lr", 3e-3), init_seed=cfg.get("seed", 0))
     else:
         model = (LlamaGroupedByName if cfg.get("groups_by_name") else LlamaSwappedShards if cfg.get("swap_shards") else Llama)(
             "tiny", vocab_size=cfg.get("vocab", 256), tie_embeddings=tie, max_seq_len=cfg.get("max_seq_len", 64),
