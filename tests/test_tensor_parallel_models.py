@@ -1,6 +1,7 @@
 """Tensor parallelism for the models beyond ``models.Llama``: a tied ``models.HuggingFaceCausalLM`` Llama with
 transformers' own plan, and a user's own ``PipelineModule`` applying its own plan in ``configure_model``, train,
-on 2 stages x 2 tensor-parallel ranks, the one-device run's weights; a family without a plan (or not verified) and
+on 2 stages x 2 tensor-parallel ranks, the one-device run's weights (the transformers Llama also from a
+save_pretrained folder); a family without a plan (or not verified) and
 a module that applies none are refused by name.
 
 The tolerance is tests/test_tensor_parallel.py's (docs/design/tensor-parallel.md, "Matching one device"): the
@@ -45,7 +46,12 @@ def _whole_model(ranks: list[dict], case: str) -> dict[str, torch.Tensor]:
 @pytest.mark.slow
 def test_two_stages_of_two_tensor_parallel_ranks_train_a_tied_transformers_llama_and_a_users_own_plan_as_one_device(
         tmp_path):
-    ranks = script_ranks(SCRIPT, {"devices": 4, "cases": {n: {**c, "tensor_parallel": 2} for n, c in CASES.items()}},
+    from test_pretrained import hf_folder
+
+    pretrained = {**HF, "schedule": "2bw", "steps": 2,
+                  "pretrained": str(hf_folder(tmp_path / "pretrained", num_hidden_layers=4))}
+    cases = {**CASES, "hf_pretrained": pretrained}
+    ranks = script_ranks(SCRIPT, {"devices": 4, "cases": {n: {**c, "tensor_parallel": 2} for n, c in cases.items()}},
                          tmp_path, ranks=4, timeout=420)
     for name in ("hf_2bw", "hf_1f1b_clipped"):
         reference = run_here_on_one_device(llama_fit.run, CASES[name])["state_dict"]
@@ -63,6 +69,11 @@ def test_two_stages_of_two_tensor_parallel_ranks_train_a_tied_transformers_llama
             for n, value in mine.items():
                 if value.shape == whole[n].shape:
                     assert torch.equal(value, other[n]), (name, n)
+    # From a save_pretrained folder: each rank's shards are the file's slices (then trained as one device).
+    reference = run_here_on_one_device(llama_fit.run, pretrained)["state_dict"]
+    assert max_difference(_whole_model(ranks, "hf_pretrained"), reference) < TOL
+    assert max_difference(reference, run_here_on_one_device(llama_fit.run, {**pretrained, "pretrained": None})
+                          ["state_dict"]) > 1e-2  # the file's weights, not the initialization's
     # Qwen2's plan is Llama's; its q, k, v biases split with their rows.
     qwen2 = _whole_model(ranks, "qwen2_2bw")
     assert max_difference(qwen2, run_here_on_one_device(llama_fit.run, CASES["qwen2_2bw"])["state_dict"]) < TOL
@@ -77,6 +88,7 @@ def test_two_stages_of_two_tensor_parallel_ranks_train_a_tied_transformers_llama
 
 
 # ---- the plan and what is refused ------------------------------------------------------------------------------
+@pytest.mark.hf  # make test also runs it on transformers 5.x: the plan is read there as in 4.x
 def test_the_transformers_plan_of_a_llama_layer_is_column_wise_q_k_v_gate_up_and_row_wise_o_down():
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 

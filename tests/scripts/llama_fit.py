@@ -17,7 +17,8 @@ tensor_parallel (tensor_parallel_size; the weights are not gathered: every rank 
 whole as "stage_weights", each DTensor's shards gathered over its tensor-parallel group, and its own shards as
 "local_weights"), swap_shards (a control: the model takes each sharded matrix's
 neighbouring tensor-parallel rank's slice at initialization), model ("hf": a tiny transformers Llama,
-``HF_LLAMA`` updated by ``hf_config``, through models.HuggingFaceCausalLM; "own": ``OwnPlanLM``, a PipelineModule applying its own plan;
+``HF_LLAMA`` updated by ``hf_config``, or the config and weights of the save_pretrained folder ``pretrained``,
+through models.HuggingFaceCausalLM; "own": ``OwnPlanLM``, a PipelineModule applying its own plan;
 else models.Llama).
 """
 from __future__ import annotations
@@ -170,8 +171,11 @@ def build(cfg: dict) -> tuple[Llama, DataLoader, L.Trainer]:
     if cfg.get("model") == "own":
         model = OwnPlanLM(lr=cfg.get("lr", 3e-3))
     elif cfg.get("model") == "hf":
+        config: Any = {**HF_LLAMA, **cfg.get("hf_config", {}), "tie_word_embeddings": tie}
+        if cfg.get("pretrained"):  # a save_pretrained folder's config and weights
+            config = None
         model = (HFSwappedShards if cfg.get("swap_shards") else HuggingFaceCausalLM)(
-            {**HF_LLAMA, **cfg.get("hf_config", {}), "tie_word_embeddings": tie}, lr=cfg.get("lr", 3e-3), init_seed=cfg.get("seed", 0))
+            config, lr=cfg.get("lr", 3e-3), init_seed=cfg.get("seed", 0), pretrained=cfg.get("pretrained"))
     else:
         model = (LlamaGroupedByName if cfg.get("groups_by_name") else LlamaSwappedShards if cfg.get("swap_shards") else Llama)(
             "tiny", vocab_size=cfg.get("vocab", 256), tie_embeddings=tie, max_seq_len=cfg.get("max_seq_len", 64),
