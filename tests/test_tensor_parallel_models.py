@@ -1,8 +1,7 @@
-"""Tensor parallelism for the models beyond ``models.Llama``: a tied ``models.HuggingFaceCausalLM`` Llama with
-transformers' own plan, and a user's own ``PipelineModule`` applying its own plan in ``configure_model``, train,
-on 2 stages x 2 tensor-parallel ranks, the one-device run's weights (the transformers Llama also from a
-save_pretrained folder); a family without a plan (or not verified) and
-a module that applies none are refused by name.
+"""Tensor parallelism for the models beyond ``models.Llama``: a tied ``models.HuggingFaceCausalLM`` Llama (also
+from a save_pretrained folder) and Qwen2 with transformers' own plan, and a user's own ``PipelineModule`` applying
+its own plan in ``configure_model``, train on 2 stages x 2 tensor-parallel ranks the one-device run's weights; a
+family without a plan (or not verified) and a module that applies none are refused by name.
 
 The tolerance is tests/test_tensor_parallel.py's (docs/design/tensor-parallel.md, "Matching one device"): the
 plan is the same column-/row-wise split of q, k, v, o and the MLP, so the same reorderings of sums.
