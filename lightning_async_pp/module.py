@@ -9,6 +9,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_async_pp.pipeline.microbatch import batch_size_of
+from lightning_async_pp.pipeline.tensor_parallel import whole_parameters
 from lightning_async_pp.strategy._lightning import PassesFetchedBatches
 
 
@@ -110,11 +111,12 @@ class PipelineModule(PassesFetchedBatches, L.LightningModule):
         only buffers, where they have one), drawing from the global RNG seeded from ``torch.initial_seed()`` and
         ``index`` (the global RNG is left as it was), so a layer's weights do not depend on which other layers a
         process builds. Buffers computed in ``__init__`` keep their values (the strategy builds only parameters on
-        the meta device). Override it for a custom initialization.
+        the meta device). Override it for a custom initialization. A layer sharded by a tensor-parallel plan is
+        initialized whole and each rank keeps its slice, so its values are one device's.
         """
         seed = layer_seed(index)
         devices = [p.device for p in layer.parameters() if p.device.type == "cuda"][:1]
-        with torch.random.fork_rng(devices=devices):
+        with torch.random.fork_rng(devices=devices), whole_parameters(layer):
             torch.manual_seed(seed)
             for module in layer.modules():
                 reset = getattr(module, "reset_parameters", None)

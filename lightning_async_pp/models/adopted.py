@@ -26,6 +26,7 @@ from lightning_async_pp.models.pretrained import PretrainedTensors, load_layer, 
 from lightning_async_pp.module import PipelineModule, layer_seed
 from lightning_async_pp.optim.groups import decay_matrices_only
 from lightning_async_pp.pipeline.placement import layer_paths
+from lightning_async_pp.pipeline.tensor_parallel import whole_parameters
 
 
 def missing_package(package: str, extra: str) -> ImportError:
@@ -118,7 +119,12 @@ class AdoptedCausalLM(BuiltInInit, PipelineModule):
     def init_layer(self, index: int, layer: nn.Module) -> None:
         """The upstream rule for every submodule of pipeline layer ``index``, drawing from the global RNG seeded by
         ``init_seed`` (default ``torch.initial_seed()``) and ``index`` (the global RNG is left as it was). With pretrained
-        weights the file's values then replace every tensor of the layer."""
+        weights the file's values then replace every tensor of the layer. A tensor-parallel layer is initialized
+        whole and each rank keeps its shard (``whole_parameters``), so its values are one device's."""
+        with whole_parameters(layer):
+            self._init_layer_whole(index, layer)
+
+    def _init_layer_whole(self, index: int, layer: nn.Module) -> None:
         # First the values the constructors gave the vectors (norms at 1), as upstream's model has them before its
         # init rule runs: a rule that leaves a norm to its constructor would leave it uninitialized on meta.
         prefix = f"{self._layer_paths[index]}." if self._layer_paths[index] else ""

@@ -420,11 +420,27 @@ class HuggingFaceCausalLM(AdoptedCausalLM):
         return [base.embed_tokens, *blocks, base.norm, upstream.lm_head]
 
     def configure_model(self) -> None:
-        if self._layers is None and self.check_exact:
+        if self._layers is not None:  # Lightning calls this hook on every trainer entry point
+            return
+        if self.check_exact:
             # Before any layer gets memory: refuses a family whose pipeline layers differ from the upstream forward.
             # The adapter itself, not a subclass: a subclass may take other constructor arguments.
             self._mask_as_upstream(hf_probe.check_exact(HuggingFaceCausalLM, self.config))
+        mesh = self.device_mesh  # set by a strategy with tensor parallelism (AsyncPipelineStrategy, ModelParallelStrategy)
+        tp_mesh = mesh["tensor_parallel"] if mesh is not None and "tensor_parallel" in (mesh.mesh_dim_names or ()) else None
+        plan = tensor_parallel_plan(self.config, tp_mesh.size()) if tp_mesh is not None and tp_mesh.size() > 1 else None
         super().configure_model()
+        if plan is not None:
+            self.parallelize(tp_mesh, plan)
+
+    def parallelize(self, tp_mesh: Any, plan: Mapping[str, Any]) -> None:
+        """Apply the family's tensor-parallel plan (:func:`tensor_parallel_plan`) to every decoder layer over
+        ``tp_mesh``; the embedding, the norms and the head stay whole on every rank (docs/design/tensor-parallel.md,
+        "What runs")."""
+        from torch.distributed.tensor.parallel import parallelize_module
+
+        for block in self.model.layers:
+            parallelize_module(block, tp_mesh, dict(plan))
 
     def _mask_as_upstream(self, causal_without_mask: bool) -> None:
         """Make the decoder layers' masks as upstream's forward does with its cache: none where SDPA can run
@@ -494,6 +510,52 @@ class HuggingFaceCausalLM(AdoptedCausalLM):
     def predict_step(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> Any:
         output = super().predict_step(batch, batch_idx, dataloader_idx)
         return output if self._router_loss is None or output is None else self._router_loss.split(output)[0]
+
+
+#: Families whose plan from transformers is verified exact against one device (tests/test_tensor_parallel_models.py);
+#: their attention reshapes by ``-1`` heads, so each rank runs its ``heads / t`` query and key/value heads.
+TENSOR_PARALLEL_FAMILIES = ("llama", "qwen2")
+#: transformers' plan styles and torch's equivalents (``integrations/tensor_parallel.py`` in transformers): a
+#: column-wise matrix gives its output's shard, a row-wise one all-reduces partial products into the whole output.
+TENSOR_PARALLEL_STYLES = ("colwise", "rowwise")
+#: The plan's prefix of the decoder layers' entries (``config.base_model_tp_plan`` in transformers 4.5x and 5.x).
+LAYERS_PREFIX = "layers.*."
+
+
+def tensor_parallel_plan(config: Any, tensor_parallel_size: int) -> dict[str, Any]:
+    """The tensor-parallel plan of one decoder layer of ``config``'s family, from transformers' own
+    (``config.base_model_tp_plan``): ``{"self_attn.q_proj": ColwiseParallel(), ..., "mlp.down_proj":
+    RowwiseParallel()}``. Entries outside the decoder layers (the head's ``colwise_rep``) are not applied: the
+    embedding, the norms and the head stay whole on every rank. Refused, naming it: a family without a plan, one
+    not verified exact (:data:`TENSOR_PARALLEL_FAMILIES`), a style other than column- or row-wise, and a
+    ``tensor_parallel_size`` that does not divide the heads or the MLP's width."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    from lightning_async_pp.pipeline.mesh import check_tensor_parallel_divides
+
+    family, t = config.model_type, tensor_parallel_size
+    upstream = getattr(config, "base_model_tp_plan", None) or {}
+    layers = {k[len(LAYERS_PREFIX):]: v for k, v in upstream.items() if k.startswith(LAYERS_PREFIX)}
+    if not layers:
+        raise ValueError(f"HuggingFaceCausalLM: model_type {family!r} has no tensor-parallel plan in transformers "
+                         f"(its config's base_model_tp_plan is empty), so tensor_parallel_size={t} is not supported "
+                         f"for it; use tensor_parallel_size=1, or a family with a plan: "
+                         f"{', '.join(TENSOR_PARALLEL_FAMILIES)}")
+    if family not in TENSOR_PARALLEL_FAMILIES:
+        raise ValueError(f"HuggingFaceCausalLM: tensor_parallel_size={t} is verified exact for model_type "
+                         f"{', '.join(TENSOR_PARALLEL_FAMILIES)} only, not {family!r} (transformers has a plan for it, "
+                         f"not yet tested against one device here); use tensor_parallel_size=1")
+    other = {k: v for k, v in layers.items() if v not in TENSOR_PARALLEL_STYLES}
+    if other:
+        raise ValueError(f"HuggingFaceCausalLM: model_type {family!r}'s tensor-parallel plan has styles "
+                         f"{other} that are not supported (only {', '.join(TENSOR_PARALLEL_STYLES)}); use "
+                         f"tensor_parallel_size=1")
+    check_tensor_parallel_divides(t, {"num_attention_heads": config.num_attention_heads,
+                                      "num_key_value_heads": getattr(config, "num_key_value_heads", None),
+                                      "intermediate_size": getattr(config, "intermediate_size", None)},
+                                  f"model_type {family!r}")
+    styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
+    return {name: styles[style]() for name, style in layers.items()}
 
 
 def pretrained_config(folder: str, **overrides: Any) -> Any:

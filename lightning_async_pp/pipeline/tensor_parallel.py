@@ -4,10 +4,13 @@ plain one. See docs/design/tensor-parallel.md, "Weights, gradients and optimizer
 """
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any, Optional
 
-from torch import Tensor
-from torch.distributed.tensor import DTensor
+import torch
+from torch import Tensor, nn
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 #: What a DTensor parameter's leaf is wrapped with for the forward: (mesh, placements, global shape, stride).
 DTensorSpec = tuple[Any, tuple[Any, ...], Any, tuple[int, ...]]
@@ -51,3 +54,29 @@ def parameter_grad(p: Tensor, grad: Optional[Tensor]) -> Optional[Tensor]:
     if grad is None:
         return None
     return as_laid_out(grad, dtensor_spec(p))
+
+
+@contextlib.contextmanager
+def whole_parameters(module: nn.Module) -> Iterator[None]:
+    """Within: each DTensor parameter of ``module`` is a plain parameter of its global shape, so that an
+    initialization rule (or a file's values) written into it gives one device's values; on leaving, each rank's
+    shard takes its slice of them (no communication). A parameter shared by two submodules stays one."""
+    swapped: list[tuple[nn.Module, str, Any]] = []
+    whole: dict[int, nn.Parameter] = {}
+    for sub in module.modules():
+        for name, p in list(sub._parameters.items()):
+            if isinstance(p, DTensor):
+                if id(p) not in whole:
+                    whole[id(p)] = nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device=p.to_local().device),
+                                                requires_grad=p.requires_grad)
+                swapped.append((sub, name, p))
+                sub._parameters[name] = whole[id(p)]
+    try:
+        yield
+    finally:
+        for sub, name, p in swapped:
+            sub._parameters[name] = p
+    with torch.no_grad():
+        for _, _, p in swapped:
+            shard = distribute_tensor(whole[id(p)].detach(), p.device_mesh, p.placements, src_data_rank=None)
+            p.to_local().copy_(shard.to_local())

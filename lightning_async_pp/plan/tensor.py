@@ -25,8 +25,9 @@ from lightning_async_pp.plan.shapes import Shape
 #: Schedules the table covers: one chunk per device (interleaved and V schedules hold chunks the table does not split).
 TP_SCHEDULES = ("2bw", "1f1b", "gpipe", "zb_h1")
 NOT_RUN_YET = ("The strategy runs tensor_parallel_size > 1 with a simpler plan than this table's (embedding, head, "
-               "norms and activations whole on every rank, no sequence parallelism) and for models.Llama only: this "
-               "table plans ahead of the engine (docs/design/tensor-parallel.md, 'What runs').")
+               "norms and activations whole on every rank, no sequence parallelism), for models.Llama, transformers' "
+               "Llama and Qwen2, and modules with their own plan: this table plans ahead of the engine "
+               "(docs/design/tensor-parallel.md, 'What runs').")
 
 
 def check_tensor_parallel_shape(shape: Shape, t: int) -> None:

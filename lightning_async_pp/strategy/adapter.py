@@ -68,8 +68,9 @@ class AsyncPipelineStrategy(PipelineStateHooks, TrainingBatches, FailureReportin
         tensor_parallel_size: processes per stage (default 1): each stage's matrices are split over this many
             processes with torch's DTensor tensor parallelism, the model's own ``parallelize_module`` plan applied in
             ``configure_model`` to ``self.device_mesh["tensor_parallel"]`` (as under Lightning's
-            ``ModelParallelStrategy``); stages = processes / (``data_parallel_size`` x this). Runs ``models.Llama``
-            with ``torch.optim.AdamW`` under ``2bw`` and ``1f1b``, ``gather_final_weights=False`` and no checkpoints;
+            ``ModelParallelStrategy``); stages = processes / (``data_parallel_size`` x this). Runs ``models.Llama``,
+            ``models.HuggingFaceCausalLM`` (``llama``, ``qwen2``) and a module applying its own plan, with
+            ``torch.optim.AdamW`` under ``2bw`` and ``1f1b``, ``gather_final_weights=False`` and no checkpoints;
             everything else is refused with it (docs/design/tensor-parallel.md, "What runs").
         partition: ``"balanced"`` (default: the contiguous split whose slowest stage is fastest, each layer's
             forward and backward FLOPs counted on fake tensors for the model's example batch, every stage's

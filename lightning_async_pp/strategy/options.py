@@ -12,6 +12,7 @@ import torch
 from lightning.pytorch.plugins.precision import MixedPrecision
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from torch.distributed.tensor import DTensor
 
 from lightning_async_pp.module import PipelineModule
 from lightning_async_pp.pipeline.config import PipelineConfig
@@ -79,13 +80,19 @@ def refuse_with_tensor_parallelism(trainer: Any, module: Any, config: PipelineCo
     at setup, before training (the options alone are refused by ``PipelineConfig``)."""
     if config.tensor_parallel_size == 1:
         return
+    from lightning_async_pp.models.huggingface import HuggingFaceCausalLM
     from lightning_async_pp.models.llama import Llama
 
     t = config.tensor_parallel_size
     refused = []
-    if not isinstance(module, Llama):
-        refused.append((f"the model {type(module).__name__}", "models.Llama is the one model with a tensor-parallel "
-                        "plan yet; use tensor_parallel_size=1"))
+    # Llama and the transformers adapter apply their plan in configure_model (under the strategy it ran before
+    # setup); any other module must have applied its own: a DTensor parameter shows a plan (models.GPT has none).
+    if not (isinstance(module, (Llama, HuggingFaceCausalLM)) or any(isinstance(p, DTensor) for p in module.parameters())):
+        refused.append((f"the model {type(module).__name__}", "it applies no tensor-parallel plan (it has no DTensor "
+                        "parameter after configure_model); models.Llama and models.HuggingFaceCausalLM come with "
+                        "one, your own PipelineModule applies its own in configure_model over "
+                        "self.device_mesh['tensor_parallel'] (docs/guide/models.md, 'Tensor parallelism in your own "
+                        "model'); or use tensor_parallel_size=1"))
     if trainer.state.fn != TrainerFn.FITTING:
         refused.append((f"trainer.{trainer.state.fn.value}()", "only trainer.fit() runs; use tensor_parallel_size=1"))
     if previous_call:

@@ -16,7 +16,10 @@ cases: {name: config}: several runs in one launch (``run_cases``), each result u
 tensor_parallel (tensor_parallel_size; the weights are not gathered: every rank returns its stage's parameters
 whole as "stage_weights", each DTensor's shards gathered over its tensor-parallel group, and its own shards as
 "local_weights"), swap_shards (a control: the model takes each sharded matrix's
-neighbouring tensor-parallel rank's slice at initialization).
+neighbouring tensor-parallel rank's slice at initialization), model ("hf": a tiny transformers Llama,
+``HF_LLAMA`` updated by ``hf_config``, or the config and weights of the save_pretrained folder ``pretrained``,
+through models.HuggingFaceCausalLM; "own": ``OwnPlanLM``, a PipelineModule applying its own plan;
+else models.Llama).
 """
 from __future__ import annotations
 
@@ -32,7 +35,14 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from helpers import script_main  # noqa: E402
 
 from lightning_async_pp import AsyncPipelineStrategy  # noqa: E402
-from lightning_async_pp.models import Llama  # noqa: E402
+from lightning_async_pp import PipelineModule  # noqa: E402
+from lightning_async_pp.models import HuggingFaceCausalLM, Llama  # noqa: E402
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing is downloaded: configs are built here
+#: The tiny transformers Llama of ``model: "hf"`` (tests/scripts/adapter_fit.py's, with 4 blocks): the partition
+#: [3, 4] splits it as embedding + 2 blocks | 2 blocks + norm + head.
+HF_LLAMA = dict(model_type="llama", vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
 
 
 def packed_rows(rows: list[torch.Tensor], seed: int = 4) -> list[dict[str, torch.Tensor]]:
@@ -74,23 +84,79 @@ class LlamaGroupedByName(Llama):
         ], lr=self.hparams.lr)
 
 
+@torch.no_grad()
+def swap_shards(layer: torch.nn.Module) -> None:
+    """Each sharded matrix of ``layer`` takes the slice of the neighbouring tensor-parallel rank."""
+    from torch.distributed.tensor import DTensor
+
+    for p in layer.parameters():
+        if isinstance(p, DTensor):
+            t, rank = p.device_mesh.size(), p.device_mesh.get_local_rank()
+            p.to_local().copy_(p.full_tensor().chunk(t, dim=p.placements[0].dim)[(rank + 1) % t])
+
+
 class LlamaSwappedShards(Llama):
     """A wrong shard (the control of the tensor-parallel tests): each sharded matrix starts from the slice of the
     neighbouring tensor-parallel rank instead of its own."""
 
-    @torch.no_grad()
     def init_layer(self, index: int, layer: torch.nn.Module) -> None:
-        from torch.distributed.tensor import DTensor
-
         super().init_layer(index, layer)
-        for p in layer.parameters():
-            if isinstance(p, DTensor):
-                local = p.to_local()
-                t = p.device_mesh.size()
-                rank = p.device_mesh.get_local_rank()
-                full = p.full_tensor()
-                dim = p.placements[0].dim
-                local.copy_(full.chunk(t, dim=dim)[(rank + 1) % t])
+        swap_shards(layer)
+
+
+class HFSwappedShards(HuggingFaceCausalLM):
+    """``LlamaSwappedShards`` of the transformers adapter."""
+
+    def init_layer(self, index: int, layer: torch.nn.Module) -> None:
+        super().init_layer(index, layer)
+        swap_shards(layer)
+
+
+class ResidualMLP(torch.nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.norm = torch.nn.LayerNorm(width)
+        self.fc = torch.nn.Linear(width, 4 * width)
+        self.proj = torch.nn.Linear(4 * width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.proj(torch.nn.functional.gelu(self.fc(self.norm(x))))
+
+
+class OwnPlanLM(PipelineModule):
+    """A user's own PipelineModule with its own tensor-parallel plan, as docs/guide/models.md ("Tensor parallelism
+    in your own model") shows it: residual MLP blocks, ``fc`` column-wise and ``proj`` row-wise."""
+
+    def __init__(self, vocab: int = 256, width: int = 32, layers: int = 4, lr: float = 3e-3) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.blocks: Any = None
+
+    def configure_model(self) -> None:
+        if self.blocks is not None:  # Lightning calls this hook on every trainer entry point
+            return
+        h = self.hparams
+        self.embed = torch.nn.Embedding(h.vocab, h.width)
+        self.blocks = torch.nn.ModuleList(ResidualMLP(h.width) for _ in range(h.layers))
+        self.head = torch.nn.Sequential(torch.nn.LayerNorm(h.width), torch.nn.Linear(h.width, h.vocab))
+        mesh = self.device_mesh  # set by AsyncPipelineStrategy(tensor_parallel_size > 1), as by ModelParallelStrategy
+        if mesh is not None:
+            from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+            for block in self.blocks:
+                parallelize_module(block, mesh["tensor_parallel"], {"fc": ColwiseParallel(), "proj": RowwiseParallel()})
+
+    def pipeline_layers(self) -> list[torch.nn.Module]:
+        return [self.embed, *self.blocks, self.head]
+
+    def pipeline_input(self, batch: torch.Tensor) -> torch.Tensor:
+        return batch[:, :-1]
+
+    def pipeline_loss(self, logits: torch.Tensor, batch: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten())
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=self.hparams.lr)
 
 
 def build(cfg: dict) -> tuple[Llama, DataLoader, L.Trainer]:
@@ -101,9 +167,19 @@ def build(cfg: dict) -> tuple[Llama, DataLoader, L.Trainer]:
     kwargs: dict[str, Any] = {}
     if cfg.get("groups_by_name"):
         kwargs["rank_dependent_lr"] = cfg["groups_by_name"] == "rank_dependent"
-    model = (LlamaGroupedByName if cfg.get("groups_by_name") else LlamaSwappedShards if cfg.get("swap_shards") else Llama)(
-        "tiny", vocab_size=cfg.get("vocab", 256), tie_embeddings=tie, max_seq_len=cfg.get("max_seq_len", 64),
-        lr=cfg.get("lr", 3e-3), skip_document_ends=bool(cfg.get("packed")), **kwargs)
+    model: Any
+    if cfg.get("model") == "own":
+        model = OwnPlanLM(lr=cfg.get("lr", 3e-3))
+    elif cfg.get("model") == "hf":
+        config: Any = {**HF_LLAMA, **cfg.get("hf_config", {}), "tie_word_embeddings": tie}
+        if cfg.get("pretrained"):  # a save_pretrained folder's config and weights
+            config = None
+        model = (HFSwappedShards if cfg.get("swap_shards") else HuggingFaceCausalLM)(
+            config, lr=cfg.get("lr", 3e-3), init_seed=cfg.get("seed", 0), pretrained=cfg.get("pretrained"))
+    else:
+        model = (LlamaGroupedByName if cfg.get("groups_by_name") else LlamaSwappedShards if cfg.get("swap_shards") else Llama)(
+            "tiny", vocab_size=cfg.get("vocab", 256), tie_embeddings=tie, max_seq_len=cfg.get("max_seq_len", 64),
+            lr=cfg.get("lr", 3e-3), skip_document_ends=bool(cfg.get("packed")), **kwargs)
     rows: Any = token_rows(cfg.get("samples", 32), cfg.get("seq", 16))
     if cfg.get("packed"):
         rows = packed_rows(rows)

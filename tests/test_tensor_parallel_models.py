@@ -1,0 +1,156 @@
+"""Tensor parallelism for the models beyond ``models.Llama``: a tied ``models.HuggingFaceCausalLM`` Llama (also
+from a save_pretrained folder) and Qwen2 with transformers' own plan, and a user's own ``PipelineModule`` applying
+its own plan in ``configure_model``, train on 2 stages x 2 tensor-parallel ranks the one-device run's weights; a
+family without a plan (or not verified) and a module that applies none are refused by name.
+
+The tolerance is tests/test_tensor_parallel.py's (docs/design/tensor-parallel.md, "Matching one device"): the
+plan is the same column-/row-wise split of q, k, v, o and the MLP, so the same reorderings of sums.
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent / "scripts"))
+import llama_fit  # noqa: E402
+from pipeline_runs import max_difference, run_here_on_one_device, script_ranks  # noqa: E402
+
+from lightning_async_pp.models.huggingface import as_pretrained_config, tensor_parallel_plan  # noqa: E402
+
+SCRIPT = Path(__file__).parent / "scripts" / "llama_fit.py"
+TOL = 5e-5
+HF = {"model": "hf", "tie": True, "steps": 3, "microbatches": 4, "partition": [3, 4]}  # embed + 2 | 2 + norm + head
+CASES = {
+    "hf_2bw": {**HF, "schedule": "2bw"},
+    "hf_1f1b_clipped": {**HF, "schedule": "1f1b", "clip": 0.5},
+    "hf_wrong_shard": {**HF, "schedule": "1f1b", "steps": 1, "swap_shards": True},
+    "qwen2_2bw": {**HF, "schedule": "2bw", "hf_config": {"model_type": "qwen2"}},  # q, k, v with biases
+    "own_2bw": {"model": "own", "steps": 3, "microbatches": 4, "partition": [3, 3], "schedule": "2bw"},
+}
+
+
+def _whole_model(ranks: list[dict], case: str) -> dict[str, torch.Tensor]:
+    """The model's weights from tensor-parallel rank 0 of each stage (ranks 0 and 2), by state-dict name."""
+    merged: dict[str, torch.Tensor] = {}
+    for r in (0, 2):
+        merged.update(ranks[r]["cases"][case]["stage_weights"])
+    merged.setdefault("lm_head.weight", merged["model.embed_tokens.weight"])  # the tie: one parameter, listed once
+    return merged
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_two_stages_of_two_tensor_parallel_ranks_train_a_tied_transformers_llama_and_a_users_own_plan_as_one_device(
+        tmp_path):
+    from test_pretrained import hf_folder
+
+    pretrained = {**HF, "schedule": "2bw", "steps": 2,
+                  "pretrained": str(hf_folder(tmp_path / "pretrained", num_hidden_layers=4))}
+    cases = {**CASES, "hf_pretrained": pretrained}
+    ranks = script_ranks(SCRIPT, {"devices": 4, "cases": {n: {**c, "tensor_parallel": 2} for n, c in cases.items()}},
+                         tmp_path, ranks=4, timeout=420)
+    for name in ("hf_2bw", "hf_1f1b_clipped"):
+        reference = run_here_on_one_device(llama_fit.run, CASES[name])["state_dict"]
+        weights = _whole_model(ranks, name)
+        assert set(weights) == set(reference), name
+        assert max_difference(weights, reference) < TOL, name
+        assert max_difference(weights, run_here_on_one_device(llama_fit.run, {**CASES[name], "steps": 0})
+                              ["state_dict"]) > 1e-3, name  # the steps did move the weights
+        for r in (0, 2):  # transformers' plan shards the blocks' matrices; the rest is whole, equal on both ranks
+            mine, other = ranks[r]["cases"][name]["local_weights"], ranks[r + 1]["cases"][name]["local_weights"]
+            whole = ranks[r]["cases"][name]["stage_weights"]
+            q, down = f"model.layers.{r}.self_attn.q_proj.weight", f"model.layers.{r + 1}.mlp.down_proj.weight"
+            assert mine[q].shape == (16, 32) and whole[q].shape == (32, 32), (name, q)
+            assert mine[down].shape == (32, 32) and whole[down].shape == (32, 64), (name, down)
+            for n, value in mine.items():
+                if value.shape == whole[n].shape:
+                    assert torch.equal(value, other[n]), (name, n)
+    # From a save_pretrained folder: each rank's shards are the file's slices (then trained as one device).
+    reference = run_here_on_one_device(llama_fit.run, pretrained)["state_dict"]
+    assert max_difference(_whole_model(ranks, "hf_pretrained"), reference) < TOL
+    assert max_difference(reference, run_here_on_one_device(llama_fit.run, {**pretrained, "pretrained": None})
+                          ["state_dict"]) > 1e-2  # the file's weights, not the initialization's
+    # Qwen2's plan is Llama's; its q, k, v biases split with their rows.
+    qwen2 = _whole_model(ranks, "qwen2_2bw")
+    assert max_difference(qwen2, run_here_on_one_device(llama_fit.run, CASES["qwen2_2bw"])["state_dict"]) < TOL
+    assert ranks[0]["cases"]["qwen2_2bw"]["local_weights"]["model.layers.0.self_attn.k_proj.bias"].shape == (8,)
+    # A user's own module and plan (llama_fit.OwnPlanLM): fc column-wise, proj row-wise, initialized as one device.
+    own = {**ranks[0]["cases"]["own_2bw"]["stage_weights"], **ranks[2]["cases"]["own_2bw"]["stage_weights"]}
+    assert max_difference(own, run_here_on_one_device(llama_fit.run, CASES["own_2bw"])["state_dict"]) < TOL
+    assert ranks[0]["cases"]["own_2bw"]["local_weights"]["blocks.0.fc.weight"].shape == (64, 32)
+    # The control: a rank that starts from its neighbour's shard is far outside the tolerance.
+    wrong = _whole_model(ranks, "hf_wrong_shard")
+    assert max_difference(wrong, run_here_on_one_device(llama_fit.run, CASES["hf_wrong_shard"])["state_dict"]) > 1e-2
+
+
+# ---- the plan and what is refused ------------------------------------------------------------------------------
+@pytest.mark.hf  # make test also runs it on transformers 5.x: the plan is read there as in 4.x
+def test_the_transformers_plan_of_a_llama_layer_is_column_wise_q_k_v_gate_up_and_row_wise_o_down():
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    plan = tensor_parallel_plan(as_pretrained_config(llama_fit.HF_LLAMA), 2)
+    assert {n: type(s) for n, s in plan.items()} == {
+        "self_attn.q_proj": ColwiseParallel, "self_attn.k_proj": ColwiseParallel,
+        "self_attn.v_proj": ColwiseParallel, "self_attn.o_proj": RowwiseParallel,
+        "mlp.gate_proj": ColwiseParallel, "mlp.up_proj": ColwiseParallel, "mlp.down_proj": RowwiseParallel}
+
+
+@pytest.mark.parametrize("config, match", [
+    ({"model_type": "gpt2", "n_layer": 1}, r"model_type 'gpt2' has no tensor-parallel plan in transformers"),
+    ({"model_type": "mistral"}, r"verified exact for model_type llama, qwen2 only, not 'mistral'"),
+    ({**llama_fit.HF_LLAMA, "num_key_value_heads": 1}, r"tensor_parallel_size=2 is larger than model_type 'llama'"
+                                                       r"'s num_key_value_heads=1"),
+])
+def test_a_family_without_a_verified_plan_or_a_size_it_does_not_divide_is_refused_by_name(config, match):
+    with pytest.raises(ValueError, match=match):
+        tensor_parallel_plan(as_pretrained_config(config), 2)
+
+
+def test_a_model_that_applies_no_tensor_parallel_plan_is_refused_naming_it():
+    from types import SimpleNamespace
+
+    from lightning.pytorch.trainer.states import TrainerFn
+
+    from lightning_async_pp.models import GPT
+    from lightning_async_pp.pipeline.config import PipelineConfig
+    from lightning_async_pp.strategy import options
+
+    trainer = SimpleNamespace(state=SimpleNamespace(fn=TrainerFn.FITTING), checkpoint_callbacks=[], ckpt_path=None)
+    with pytest.raises(ValueError, match=r"the model GPT is not supported with tensor_parallel_size > 1 yet .* applies "
+                                         r"no tensor-parallel plan"):
+        options.refuse_with_tensor_parallelism(trainer, GPT(n_layer=1), PipelineConfig(tensor_parallel_size=2), False,
+                                               previous_call=False)
+
+
+def test_a_sharded_layer_initialized_inside_whole_parameters_holds_its_slice_of_the_one_device_values():
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from lightning_async_pp.pipeline.tensor_parallel import whole_parameters
+
+    # Rank 1 of a fake 2-process group (torch's test backend: collectives do nothing; none is needed here).
+    dist.init_process_group("fake", store=FakeStore(), rank=1, world_size=2)
+    try:
+        mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tensor_parallel",))
+        block = parallelize_module(llama_fit.ResidualMLP(8), mesh, {"fc": ColwiseParallel(), "proj": RowwiseParallel()})
+        torch.manual_seed(0)
+        one_device = llama_fit.ResidualMLP(8)
+        with whole_parameters(block):
+            assert not any(isinstance(p, DTensor) for p in block.parameters())
+            torch.manual_seed(0)
+            for module in (block.norm, block.fc, block.proj):
+                module.reset_parameters()
+        fc, proj = block.fc.weight, block.proj.weight
+        assert isinstance(fc, DTensor) and fc.to_local().shape == (16, 8) and proj.to_local().shape == (8, 16)
+        assert torch.equal(fc.to_local(), one_device.fc.weight.detach()[16:])  # rank 1: the second half of the rows
+        assert torch.equal(block.fc.bias.to_local(), one_device.fc.bias.detach()[16:])
+        assert torch.equal(proj.to_local(), one_device.proj.weight.detach()[:, 16:])  # ... of the columns
+        assert torch.equal(block.proj.bias.to_local(), one_device.proj.bias.detach())  # replicated: whole
+    finally:
+        dist.destroy_process_group()
