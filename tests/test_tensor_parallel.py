@@ -182,8 +182,8 @@ RESUME = {**BASE, "schedule": "2bw", "resumable": True, "val_batches": 1}
 @pytest.mark.slow
 def test_a_two_by_two_checkpoint_resumes_exactly_on_two_by_two_on_two_stages_and_on_one_device(tmp_path):
     """One launch of 2 stages x 2 tensor-parallel ranks: 3 steps uninterrupted (gathered into rank 0), 2 steps
-    saved (sharded, with validation inside fit; and one file), and the sharded save resumed to 3 steps on the same
-    layout, then validated, tested and predicted on. The checkpoints then resume on 2 stages x 1 rank (one launch of
+    saved (sharded, with validation inside fit; and one file), the sharded save resumed to 3 steps on the same
+    layout, then validated, tested and predicted on, and the one file resumed too. The checkpoints then resume on 2 stages x 1 rank (one launch of
     2 processes) and on one device here, each to the uninterrupted weights."""
     sharded, single = tmp_path / "sharded", tmp_path / "single"
     (tmp_path / "tp").mkdir(), (tmp_path / "two").mkdir()
@@ -193,6 +193,7 @@ def test_a_two_by_two_checkpoint_resumes_exactly_on_two_by_two_on_two_stages_and
         "single": {**RESUME, "steps": 2, "save_at": 2, "checkpoint_dir": str(single),
                    "strategy_kwargs": {"save_distributed_checkpoint": False}},
         "resumed": {**RESUME, "resume_from": str(sharded / "saved.ckpt"), "eval_calls": ["validate", "test", "predict"]},
+        "resumed_from_one_file": {**RESUME, "resume_from": str(single / "saved.ckpt")},  # whole tensors sliced
     }
     ranks = script_ranks(SCRIPT, {"devices": 4, "cases": {n: {**c, "tensor_parallel": 2} for n, c in cases.items()}},
                          tmp_path / "tp", ranks=4, timeout=420)
@@ -226,6 +227,7 @@ def test_a_two_by_two_checkpoint_resumes_exactly_on_two_by_two_on_two_stages_and
 
     # Resumed on the same layout: the uninterrupted run's weights (same shards, same order of sums).
     assert max_difference(_whole_model(ranks, "resumed"), full) < 1e-6
+    assert max_difference(_whole_model(ranks, "resumed_from_one_file"), full) < 1e-6
     assert max_difference(saved, full) > 1e-3  # the resumed step moved the weights
     # On 2 stages x 1 rank and on one device (other orders of sums: the tolerance).
     two = script_ranks(SCRIPT, {"devices": 2, "cases": {
