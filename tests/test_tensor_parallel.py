@@ -106,6 +106,34 @@ def test_weight_versions_keep_a_dtensor_parameters_local_shard_and_updates_write
     assert torch.equal(p.to_local(), versions.version(1)[0])
 
 
+def test_undoing_tensor_parallelism_leaves_a_plain_module_that_runs_without_the_group(two_rank_mesh):
+    """What rank 0's module becomes after the gather: whole plain parameters (one object where one was shared),
+    none of parallelize_module's hooks, so it computes as the module never parallelized (a hook left behind would
+    turn the input into a DTensor, which a plain weight refuses)."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    from lightning_async_pp.pipeline.tensor_parallel import undo_tensor_parallelism
+
+    torch.manual_seed(0)
+    plain = torch.nn.Sequential(torch.nn.Linear(4, 6, bias=False), torch.nn.Linear(6, 4, bias=False))
+    whole_state = {k: v.clone() for k, v in plain.state_dict().items()}
+    model = parallelize_module(torch.nn.Sequential(torch.nn.Linear(4, 6, bias=False), torch.nn.Linear(6, 4, bias=False)),
+                               two_rank_mesh, {"0": ColwiseParallel(), "1": RowwiseParallel()})
+    other = torch.nn.Module()
+    other.shared = model[0]  # the same layer reached from another root (a stage's layer list)
+    user_hook = model[1].register_forward_hook(lambda m, i, o: o * 2)  # not torch's: stays
+    assert undo_tensor_parallelism([model, other], torch.device("cpu"))
+    assert not any(isinstance(p, DTensor) for p in model.parameters())
+    assert [tuple(p.shape) for p in model.parameters()] == [(6, 4), (4, 6)] and other.shared.weight is model[0].weight
+    assert len(model[0]._forward_pre_hooks) == len(model[0]._forward_hooks) == len(model[1]._forward_pre_hooks) == 0
+    assert len(model[1]._forward_hooks) == 1
+    user_hook.remove()
+    model.load_state_dict(whole_state)
+    x = torch.randn(3, 4)
+    assert torch.equal(model(x), plain(x))
+    assert not undo_tensor_parallelism([plain], torch.device("cpu"))  # nothing to undo
+
+
 # ---- what is refused -------------------------------------------------------------------------------------------
 def test_the_layout_puts_a_stages_tensor_parallel_ranks_side_by_side_and_pipelines_per_tensor_parallel_rank():
     topology = PipelineTopology(world_size=4, data_parallel_size=1, rank=3, tensor_parallel_size=2)
