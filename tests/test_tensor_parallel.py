@@ -117,8 +117,8 @@ def test_undoing_tensor_parallelism_leaves_a_plain_module_that_runs_without_the_
     torch.manual_seed(0)
     plain = torch.nn.Sequential(torch.nn.Linear(4, 6, bias=False), torch.nn.Linear(6, 4, bias=False))
     whole_state = {k: v.clone() for k, v in plain.state_dict().items()}
-    model = parallelize_module(torch.nn.Sequential(torch.nn.Linear(4, 6, bias=False), torch.nn.Linear(6, 4, bias=False)),
-                               two_rank_mesh, {"0": ColwiseParallel(), "1": RowwiseParallel()})
+    model = torch.nn.Sequential(torch.nn.Linear(4, 6, bias=False), torch.nn.Linear(6, 4, bias=False))
+    model = parallelize_module(model, two_rank_mesh, {"0": ColwiseParallel(), "1": RowwiseParallel()})
     other = torch.nn.Module()
     other.shared = model[0]  # the same layer reached from another root (a stage's layer list)
     user_hook = model[1].register_forward_hook(lambda m, i, o: o * 2)  # not torch's: stays
@@ -211,8 +211,8 @@ RESUME = {**BASE, "schedule": "2bw", "resumable": True, "val_batches": 1}
 def test_a_two_by_two_checkpoint_resumes_exactly_on_two_by_two_on_two_stages_and_on_one_device(tmp_path):
     """One launch of 2 stages x 2 tensor-parallel ranks: 3 steps uninterrupted (gathered into rank 0), 2 steps
     saved (sharded, with validation inside fit; and one file), the sharded save resumed to 3 steps on the same
-    layout, then validated, tested and predicted on, and the one file resumed too. The checkpoints then resume on 2 stages x 1 rank (one launch of
-    2 processes) and on one device here, each to the uninterrupted weights."""
+    layout, then validated, tested and predicted on, and the one file resumed too. The checkpoints then resume on
+    2 stages x 1 rank (one launch of 2 processes) and on one device here, each to the uninterrupted weights."""
     sharded, single = tmp_path / "sharded", tmp_path / "single"
     (tmp_path / "tp").mkdir(), (tmp_path / "two").mkdir()
     cases = {
@@ -220,7 +220,8 @@ def test_a_two_by_two_checkpoint_resumes_exactly_on_two_by_two_on_two_stages_and
         "saved": {**RESUME, "steps": 2, "save_at": 2, "checkpoint_dir": str(sharded), "val_every": 1},
         "single": {**RESUME, "steps": 2, "save_at": 2, "checkpoint_dir": str(single),
                    "strategy_kwargs": {"save_distributed_checkpoint": False}},
-        "resumed": {**RESUME, "resume_from": str(sharded / "saved.ckpt"), "eval_calls": ["validate", "test", "predict"]},
+        "resumed": {**RESUME, "resume_from": str(sharded / "saved.ckpt"),
+                    "eval_calls": ["validate", "test", "predict"]},
         "resumed_from_one_file": {**RESUME, "resume_from": str(single / "saved.ckpt")},  # whole tensors sliced
     }
     ranks = script_ranks(SCRIPT, {"devices": 4, "cases": {n: {**c, "tensor_parallel": 2} for n, c in cases.items()}},

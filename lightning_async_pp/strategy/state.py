@@ -79,7 +79,7 @@ class PipelineStateHooks:
             ckpt.save_sharded(path, flat, checkpoint, is_coordinator=self.is_global_zero, barrier=self.barrier)
             return
         if self.tensor_parallel_size > 1:
-            # One file: each DTensor gathered whole over its stage's tensor-parallel ranks, tensor-parallel rank 0's sent.
+            # One file: each DTensor gathered whole over its stage's tensor-parallel ranks; their rank 0 sends it.
             flat = whole(flat)
             if self.topology.tp_rank != 0:
                 flat = {}
@@ -250,7 +250,8 @@ class PipelineStateHooks:
             object.__setattr__(self.lightning_module, GATHERED, True)
         if self.is_global_zero:
             if self.tensor_parallel_size > 1:
-                # Rank 0's module becomes a plain one-device model with the whole tensors (docs/design/tensor-parallel.md).
+                # Rank 0's module becomes a plain one-device model of whole tensors
+                # (docs/design/tensor-parallel.md, "What runs").
                 module = self.lightning_module
                 undo_tensor_parallelism([module, *module._pipeline_all_layers], self.root_device)
             self.engine.restore_all_layers(merged, self.root_device)
