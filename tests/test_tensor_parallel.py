@@ -211,10 +211,14 @@ RESUME = {**BASE, "schedule": "2bw", "resumable": True, "val_batches": 1}
 def test_a_two_by_two_checkpoint_resumes_exactly_on_two_by_two_on_two_stages_and_on_one_device(tmp_path):
     """One launch of 2 stages x 2 tensor-parallel ranks: 3 steps uninterrupted (gathered into rank 0), 2 steps
     saved (sharded, with validation inside fit; and one file), the sharded save resumed to 3 steps on the same
-    layout, then validated, tested and predicted on, and the one file resumed too. The checkpoints then resume on
-    2 stages x 1 rank (one launch of 2 processes) and on one device here, each to the uninterrupted weights."""
-    sharded, single = tmp_path / "sharded", tmp_path / "single"
+    layout, then validated, tested and predicted on, and the one file and a one-device checkpoint resumed too. The
+    checkpoints then resume on 2 stages x 1 rank (one launch of 2 processes) and on one device here, each to the
+    uninterrupted weights."""
+    sharded, single, one_device = tmp_path / "sharded", tmp_path / "single", tmp_path / "one_device"
     (tmp_path / "tp").mkdir(), (tmp_path / "two").mkdir()
+    # Saved on one device first, for the 2 x 2 run to resume from (DCP reads its whole tensors into shards).
+    saved_on_one_device = run_here_on_one_device(
+        llama_fit.run, {**RESUME, "steps": 2, "val_every": 1, "save_at": 2, "checkpoint_dir": str(one_device)})
     cases = {
         "full": {**RESUME, "gather": True},
         "saved": {**RESUME, "steps": 2, "save_at": 2, "checkpoint_dir": str(sharded), "val_every": 1},
@@ -223,6 +227,7 @@ def test_a_two_by_two_checkpoint_resumes_exactly_on_two_by_two_on_two_stages_and
         "resumed": {**RESUME, "resume_from": str(sharded / "saved.ckpt"),
                     "eval_calls": ["validate", "test", "predict"]},
         "resumed_from_one_file": {**RESUME, "resume_from": str(single / "saved.ckpt")},  # whole tensors sliced
+        "resumed_from_one_device": {**RESUME, "resume_from": str(one_device / "saved.ckpt")},
     }
     ranks = script_ranks(SCRIPT, {"devices": 4, "cases": {n: {**c, "tensor_parallel": 2} for n, c in cases.items()}},
                          tmp_path / "tp", ranks=4, timeout=420)
@@ -239,7 +244,6 @@ def test_a_two_by_two_checkpoint_resumes_exactly_on_two_by_two_on_two_stages_and
             assert evaluated[call][k] == pytest.approx(expected[call][k], rel=1e-5), (call, k)
     assert evaluated["predict"].shape == expected["predict"].shape
     assert (evaluated["predict"] - expected["predict"]).abs().max() < 1e-4
-    saved_on_one_device = run_here_on_one_device(llama_fit.run, {**RESUME, "steps": 2, "val_every": 1})
     assert ranks[0]["cases"]["saved"]["val_loss"] == pytest.approx(saved_on_one_device["val_loss"], rel=1e-5)
 
     # The sharded checkpoint: each of the 4 processes wrote and hashed its shard; read whole, it holds exactly the
@@ -257,6 +261,8 @@ def test_a_two_by_two_checkpoint_resumes_exactly_on_two_by_two_on_two_stages_and
     # Resumed on the same layout: the uninterrupted run's weights (same shards, same order of sums).
     assert max_difference(_whole_model(ranks, "resumed"), full) < 1e-6
     assert max_difference(_whole_model(ranks, "resumed_from_one_file"), full) < 1e-6
+    # From t = 1 to t = 2: the one-device checkpoint resumed on 2 x 2 (other orders of sums: the tolerance).
+    assert max_difference(_whole_model(ranks, "resumed_from_one_device"), reference["state_dict"]) < TOL
     assert max_difference(saved, full) > 1e-3  # the resumed step moved the weights
     # On 2 stages x 1 rank and on one device (other orders of sums: the tolerance).
     two = script_ranks(SCRIPT, {"devices": 2, "cases": {
