@@ -18,13 +18,15 @@ import pytest
 import torch
 import torch.distributed as dist
 from lightning.pytorch.trainer.states import TrainerFn
+from torch.distributed.tensor import DTensor
 
 sys.path.insert(0, str(Path(__file__).parent / "scripts"))
 import llama_fit  # noqa: E402
 from pipeline_runs import max_difference, run_here_on_one_device, script_ranks  # noqa: E402
 
-from lightning_async_pp import AsyncPipelineStrategy  # noqa: E402
+from lightning_async_pp import AsyncPipelineStrategy, consolidate  # noqa: E402
 from lightning_async_pp.models import Llama  # noqa: E402
+from lightning_async_pp.pipeline.checkpoint import read_checksums  # noqa: E402
 from lightning_async_pp.pipeline.config import PipelineConfig  # noqa: E402
 from lightning_async_pp.pipeline.topology import PipelineTopology  # noqa: E402
 from lightning_async_pp.pipeline.versions import WeightVersions  # noqa: E402
@@ -104,6 +106,34 @@ def test_weight_versions_keep_a_dtensor_parameters_local_shard_and_updates_write
     assert torch.equal(p.to_local(), versions.version(1)[0])
 
 
+def test_undoing_tensor_parallelism_leaves_a_plain_module_that_runs_without_the_group(two_rank_mesh):
+    """What rank 0's module becomes after the gather: whole plain parameters (one object where one was shared),
+    none of parallelize_module's hooks, so it computes as the module never parallelized (a hook left behind would
+    turn the input into a DTensor, which a plain weight refuses)."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    from lightning_async_pp.pipeline.tensor_parallel import undo_tensor_parallelism
+
+    torch.manual_seed(0)
+    plain = torch.nn.Sequential(torch.nn.Linear(4, 6, bias=False), torch.nn.Linear(6, 4, bias=False))
+    whole_state = {k: v.clone() for k, v in plain.state_dict().items()}
+    model = torch.nn.Sequential(torch.nn.Linear(4, 6, bias=False), torch.nn.Linear(6, 4, bias=False))
+    model = parallelize_module(model, two_rank_mesh, {"0": ColwiseParallel(), "1": RowwiseParallel()})
+    other = torch.nn.Module()
+    other.shared = model[0]  # the same layer reached from another root (a stage's layer list)
+    user_hook = model[1].register_forward_hook(lambda m, i, o: o * 2)  # not torch's: stays
+    assert undo_tensor_parallelism([model, other], torch.device("cpu"))
+    assert not any(isinstance(p, DTensor) for p in model.parameters())
+    assert [tuple(p.shape) for p in model.parameters()] == [(6, 4), (4, 6)] and other.shared.weight is model[0].weight
+    assert len(model[0]._forward_pre_hooks) == len(model[0]._forward_hooks) == len(model[1]._forward_pre_hooks) == 0
+    assert len(model[1]._forward_hooks) == 1
+    user_hook.remove()
+    model.load_state_dict(whole_state)
+    x = torch.randn(3, 4)
+    assert torch.equal(model(x), plain(x))
+    assert not undo_tensor_parallelism([plain], torch.device("cpu"))  # nothing to undo
+
+
 # ---- what is refused -------------------------------------------------------------------------------------------
 def test_the_layout_puts_a_stages_tensor_parallel_ranks_side_by_side_and_pipelines_per_tensor_parallel_rank():
     topology = PipelineTopology(world_size=4, data_parallel_size=1, rank=3, tensor_parallel_size=2)
@@ -142,17 +172,24 @@ def _trainer(fn=TrainerFn.FITTING, checkpointing=False):
 
 @pytest.mark.parametrize("trainer, module, gather, match", [
     (_trainer(), "other", False, "the model TinyLM is not supported with tensor_parallel_size > 1 yet"),
-    (_trainer(TrainerFn.VALIDATING), "llama", False, r"trainer.validate\(\) is not supported"),
-    (_trainer(), "llama", True, r"gather_final_weights=True \(the default\) is not supported"),
-    (_trainer(checkpointing=True), "llama", False, r"checkpoints \(ModelCheckpoint, ckpt_path\) is not supported"),
+    (_trainer(TrainerFn.VALIDATING), "gathered", True, r"a trainer call on a model gathered by an earlier one "
+     r"\(gather_final_weights=True\) is not supported"),
 ])
 def test_setups_not_supported_with_tensor_parallelism_are_refused_naming_them(trainer, module, gather, match):
     from helpers import TinyLM
 
-    model = Llama("tiny") if module == "llama" else TinyLM()
+    model = Llama("tiny") if module != "other" else TinyLM()
+    if module == "gathered":  # what the gather after a tensor-parallel call marks on every rank
+        object.__setattr__(model, "_pipeline_tensor_parallel_gathered", True)
     with pytest.raises(ValueError, match=match):
         options.refuse_with_tensor_parallelism(trainer, model, PipelineConfig(tensor_parallel_size=2), gather,
                                                previous_call=False)
+
+
+@pytest.mark.parametrize("fn", [TrainerFn.FITTING, TrainerFn.VALIDATING, TrainerFn.TESTING, TrainerFn.PREDICTING])
+def test_checkpoints_evaluation_and_the_gather_are_not_refused_with_tensor_parallelism(fn):
+    options.refuse_with_tensor_parallelism(_trainer(fn, checkpointing=True), Llama("tiny"),
+                                           PipelineConfig(tensor_parallel_size=2), True, previous_call=False)
 
 
 def test_an_optimizer_whose_update_is_not_elementwise_is_refused_with_tensor_parallelism():
@@ -163,3 +200,76 @@ def test_an_optimizer_whose_update_is_not_elementwise_is_refused_with_tensor_par
         options.refuse_optimizers_with_tensor_parallelism([muon], PipelineConfig(tensor_parallel_size=2))
     options.refuse_optimizers_with_tensor_parallelism([torch.optim.AdamW([torch.nn.Parameter(torch.zeros(2))])],
                                                       PipelineConfig(tensor_parallel_size=2))
+
+
+# ---- checkpoints, evaluation and the final gather -----------------------------------------------------------------
+RESUME = {**BASE, "schedule": "2bw", "resumable": True, "val_batches": 1}
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_a_two_by_two_checkpoint_resumes_exactly_on_two_by_two_on_two_stages_and_on_one_device(tmp_path):
+    """One launch of 2 stages x 2 tensor-parallel ranks: 3 steps uninterrupted (gathered into rank 0), 2 steps
+    saved (sharded, with validation inside fit; and one file), the sharded save resumed to 3 steps on the same
+    layout, then validated, tested and predicted on, and the one file and a one-device checkpoint resumed too. The
+    checkpoints then resume on 2 stages x 1 rank (one launch of 2 processes) and on one device here, each to the
+    uninterrupted weights."""
+    sharded, single, one_device = tmp_path / "sharded", tmp_path / "single", tmp_path / "one_device"
+    (tmp_path / "tp").mkdir(), (tmp_path / "two").mkdir()
+    # Saved on one device first, for the 2 x 2 run to resume from (DCP reads its whole tensors into shards).
+    saved_on_one_device = run_here_on_one_device(
+        llama_fit.run, {**RESUME, "steps": 2, "val_every": 1, "save_at": 2, "checkpoint_dir": str(one_device)})
+    cases = {
+        "full": {**RESUME, "gather": True},
+        "saved": {**RESUME, "steps": 2, "save_at": 2, "checkpoint_dir": str(sharded), "val_every": 1},
+        "single": {**RESUME, "steps": 2, "save_at": 2, "checkpoint_dir": str(single),
+                   "strategy_kwargs": {"save_distributed_checkpoint": False}},
+        "resumed": {**RESUME, "resume_from": str(sharded / "saved.ckpt"),
+                    "eval_calls": ["validate", "test", "predict"]},
+        "resumed_from_one_file": {**RESUME, "resume_from": str(single / "saved.ckpt")},  # whole tensors sliced
+        "resumed_from_one_device": {**RESUME, "resume_from": str(one_device / "saved.ckpt")},
+    }
+    ranks = script_ranks(SCRIPT, {"devices": 4, "cases": {n: {**c, "tensor_parallel": 2} for n, c in cases.items()}},
+                         tmp_path / "tp", ranks=4, timeout=420)
+    reference = run_here_on_one_device(llama_fit.run, {**RESUME, "eval_calls": ["validate", "test", "predict"]})
+    # The gather: rank 0's module holds the whole model, plain tensors, the one-device run's weights.
+    full = ranks[0]["cases"]["full"]["state_dict"]
+    assert not any(isinstance(v, DTensor) for v in full.values())
+    assert max_difference(full, reference["state_dict"]) < TOL
+    # Evaluation through the tensor-parallel pipeline: validate/test losses and predicted logits as on one device.
+    evaluated, expected = ranks[0]["cases"]["resumed"]["eval"], reference["eval"]
+    for call in ("validate", "test"):
+        assert evaluated[call].keys() == expected[call].keys() and evaluated[call]
+        for k in expected[call]:
+            assert evaluated[call][k] == pytest.approx(expected[call][k], rel=1e-5), (call, k)
+    assert evaluated["predict"].shape == expected["predict"].shape
+    assert (evaluated["predict"] - expected["predict"]).abs().max() < 1e-4
+    assert ranks[0]["cases"]["saved"]["val_loss"] == pytest.approx(saved_on_one_device["val_loss"], rel=1e-5)
+
+    # The sharded checkpoint: each of the 4 processes wrote and hashed its shard; read whole, it holds exactly the
+    # stages' weights (each DTensor's shards at their offsets).
+    path = str(sharded / "saved.ckpt")
+    assert sorted(read_checksums(path)) == [".metadata", *(f"__{r}_0.distcp" for r in range(4)), "meta.pt"]
+    saved = _whole_model(ranks, "saved")
+    consolidated = consolidate.consolidate_checkpoint(path, tmp_path / "consolidated.ckpt")["state_dict"]
+    in_one_file = torch.load(single / "saved.ckpt", weights_only=True)["state_dict"]
+    for state in (consolidated, in_one_file):
+        assert all(torch.equal(state[k], saved[k]) for k in saved)
+        assert not any(isinstance(v, DTensor) for v in state.values())
+    assert ranks[0]["cases"]["saved"]["global_step"] == 2
+
+    # Resumed on the same layout: the uninterrupted run's weights (same shards, same order of sums).
+    assert max_difference(_whole_model(ranks, "resumed"), full) < 1e-6
+    assert max_difference(_whole_model(ranks, "resumed_from_one_file"), full) < 1e-6
+    # From t = 1 to t = 2: the one-device checkpoint resumed on 2 x 2 (other orders of sums: the tolerance).
+    assert max_difference(_whole_model(ranks, "resumed_from_one_device"), reference["state_dict"]) < TOL
+    assert max_difference(saved, full) > 1e-3  # the resumed step moved the weights
+    # On 2 stages x 1 rank and on one device (other orders of sums: the tolerance).
+    two = script_ranks(SCRIPT, {"devices": 2, "cases": {
+        n: {**RESUME, "resume_from": str(p / "saved.ckpt")} for n, p in (("sharded", sharded), ("single", single))}},
+        tmp_path / "two", ranks=2, timeout=300)
+    for name in ("sharded", "single"):
+        assert max_difference(two[0]["cases"][name]["state_dict"], full) < TOL, name
+    one = run_here_on_one_device(llama_fit.run, {**RESUME, "resume_from": path})
+    assert max_difference(one["state_dict"], full) < TOL
+    assert max_difference(one["state_dict"], reference["state_dict"]) < TOL

@@ -40,6 +40,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
 from lightning_async_pp.pipeline.sharding import local_optimizer, sync_group_settings
+from lightning_async_pp.pipeline.tensor_parallel import DTensorSpec, as_laid_out, dtensor_spec, lay_out, local_tensor
 
 MODEL, STASH, OPTIM, GROUP = "model.", "stash.", "optim.", "@group"
 META_FILE = "meta.pt"
@@ -56,10 +57,16 @@ def engine_tensors(engine: Any, module_state: Mapping[str, Tensor], optimizers: 
     flat: dict[str, Any] = {MODEL + engine.aliases.get(n, n): t for n, t in module_state.items()} if weights else {}
     for view in engine.stats.stages if weights else ():
         k = engine.stats.batch_index
+        # A slot holds a DTensor parameter's local shard: saved as a DTensor laid out as the parameter, so DCP
+        # records the global shape and this shard's offset
+        # (docs/design/tensor-parallel.md, "Checkpoints of sharded stages").
+        specs = [dtensor_spec(p) for p in view.params]
         for o in range(1, min(view.delay, k) + 1):
-            flat.update({f"{STASH}{o}.{n}": t for n, t in zip(view.param_names, view.version(k - o))})
+            flat.update({f"{STASH}{o}.{n}": as_laid_out(t, s)
+                         for n, t, s in zip(view.param_names, view.version(k - o), specs)})
         if view.predicts:  # "stash.0": what the batches due the newest version will run on (its prediction)
-            flat.update({f"{STASH}0.{n}": t for n, t in zip(view.param_names, view.predicted_newest())})
+            flat.update({f"{STASH}0.{n}": as_laid_out(t, s)
+                         for n, t, s in zip(view.param_names, view.predicted_newest(), specs)})
     for i, optimizer in enumerate(optimizers):
         flat.update(_optimizer_by_name(optimizer, engine.global_names, f"{OPTIM}{i}/"))
     return flat
@@ -169,7 +176,9 @@ class TensorSource:
 
     shapes: dict[str, Optional[tuple[torch.Size, torch.dtype]]]
 
-    def read(self, keys: Iterable[str]) -> dict[str, Any]:
+    def read(self, keys: Iterable[str], layouts: Optional[Mapping[str, DTensorSpec]] = None) -> dict[str, Any]:
+        """The values of ``keys``; those in ``layouts`` (tensor parallelism) as DTensors laid out so, each process
+        holding its own shard."""
         raise NotImplementedError
 
 
@@ -178,9 +187,9 @@ class MemorySource(TensorSource):
         self.flat = flat
         self.shapes = {k: (v.shape, v.dtype) if isinstance(v, Tensor) else None for k, v in flat.items()}
 
-    def read(self, keys: Iterable[str]) -> dict[str, Any]:
-        """Collective nowhere: every process reads what it needs."""
-        return {k: self.flat[k] for k in keys}
+    def read(self, keys: Iterable[str], layouts: Optional[Mapping[str, DTensorSpec]] = None) -> dict[str, Any]:
+        """Collective nowhere: every process reads what it needs (and slices its shard of a laid-out key)."""
+        return lay_out({k: self.flat[k] for k in keys}, layouts or {})
 
 
 class ShardedSource(TensorSource):
@@ -195,10 +204,12 @@ class ShardedSource(TensorSource):
             self.files.setdefault(index.fqn, set()).add(info.relative_path)
         self.verified: set[str] = set()
 
-    def read(self, keys: Iterable[str]) -> dict[str, Any]:
+    def read(self, keys: Iterable[str], layouts: Optional[Mapping[str, DTensorSpec]] = None) -> dict[str, Any]:
         """Collective: every process calls it (each with the keys it needs). The shard files that hold them are
-        checked against their checksums first (each once): a damaged one is named before anything is loaded."""
-        keys = list(keys)
+        checked against their checksums first (each once): a damaged one is named before anything is loaded. A
+        key in ``layouts`` is read into a DTensor of that layout: DCP reads only the pieces of the saved shards
+        that this process's shard covers, whatever the layout they were saved in."""
+        keys, layouts = list(keys), layouts or {}
         if self.checksums is not None:
             for relative in sorted({f for k in keys for f in self.files.get(k, ())} - self.verified):
                 verify_file(self.path, relative, self.checksums)
@@ -206,7 +217,8 @@ class ShardedSource(TensorSource):
         out: dict[str, Any] = {}
         for k in keys:
             shape = self.shapes[k]
-            out[k] = torch.empty(shape[0], dtype=shape[1]) if shape is not None else b""
+            out[k] = (b"" if shape is None else torch.empty(shape[0], dtype=shape[1]) if k not in layouts
+                      else _empty_laid_out(shape[0], shape[1], layouts[k]))
         # Without a process group (one device, consolidation) each process reads alone.
         try:
             dcp.load(out, checkpoint_id=self.path, planner=WeightsOnlyLoadPlanner(),
@@ -220,6 +232,13 @@ class ShardedSource(TensorSource):
             raise UnreadableCheckpoint(self.path, f"reading its shards failed ({_first_line(err)}): a shard is "
                                        "damaged") from err
         return out
+
+
+def _empty_laid_out(shape: torch.Size, dtype: torch.dtype, spec: DTensorSpec) -> Tensor:
+    from torch.distributed.tensor import empty
+
+    mesh, placements, _, _ = spec
+    return empty(shape, dtype=dtype, device_mesh=mesh, placements=placements)
 
 
 # ---- damaged checkpoints: say which file, what is wrong and what to do ----------------------------------------------
@@ -472,6 +491,31 @@ def needed_keys(engine: Any, module_state_names: Iterable[str], source: TensorSo
     keys.update(k for k in source.shapes if k.startswith(OPTIM) and k.split("/", 2)[1] in own
                 and (optimizer_owned is None or k.endswith("/" + GROUP) or k.split("/", 2)[1] in optimizer_owned))
     return sorted(k for k in keys if k in source.shapes)
+
+
+def layouts(engine: Any, keys: Iterable[str], source: TensorSource) -> dict[str, DTensorSpec]:
+    """The keys among ``keys`` that this process holds as DTensors (tensor parallelism) and how: a DTensor
+    parameter's weights (``model.``, ``stash.``) and its optimizer state of the parameter's shape, laid out as the
+    parameter (a scalar such as AdamW's ``step`` stays whole). Empty without tensor parallelism."""
+    specs = {n: (dtensor_spec(p), tuple(p.shape)) for view in engine.stats.stages
+             for n, p in zip(view.param_names, view.params)}
+    specs = {n: spec for n, spec in specs.items() if spec[0] is not None}
+    if not specs:
+        return {}
+    out: dict[str, DTensorSpec] = {}
+    for key in keys:
+        if key.startswith(MODEL):
+            name = key[len(MODEL):]
+        elif key.startswith(STASH):
+            name = key[len(STASH):].split(".", 1)[1]
+        elif key.startswith(OPTIM):
+            name = key.split("/", 2)[1]
+        else:
+            continue
+        saved = source.shapes.get(key)
+        if name in specs and saved is not None and tuple(saved[0]) == specs[name][1]:
+            out[key] = specs[name][0]
+    return out
 
 
 def load_engine(engine: Any, module: nn.Module, tensors: Mapping[str, Any], num_updates: int,

@@ -5,7 +5,7 @@ plain one. See docs/design/tensor-parallel.md, "Weights, gradients and optimizer
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any, Optional
 
 import torch
@@ -80,3 +80,48 @@ def whole_parameters(module: nn.Module) -> Iterator[None]:
         for _, _, p in swapped:
             shard = distribute_tensor(whole[id(p)].detach(), p.device_mesh, p.placements, src_data_rank=None)
             p.to_local().copy_(shard.to_local())
+
+
+def lay_out(tensors: dict[str, Any], layouts: Mapping[str, DTensorSpec]) -> dict[str, Any]:
+    """``tensors`` with each key of ``layouts`` that is a whole (plain) tensor turned into a DTensor laid out so:
+    this process keeps its own slice (no communication), as a checkpoint's whole tensors load into shards."""
+    from torch.distributed.tensor import distribute_tensor
+
+    for key, (mesh, placements, _, _) in layouts.items():
+        value = tensors.get(key)
+        if isinstance(value, Tensor) and not isinstance(value, DTensor):
+            tensors[key] = distribute_tensor(value, mesh, placements, src_data_rank=None)
+    return tensors
+
+
+def whole(values: Mapping[str, Any]) -> dict[str, Any]:
+    """``values`` with every DTensor gathered whole (``full_tensor()``): collective over its mesh, so every
+    tensor-parallel rank of a stage calls it with the same keys in the same order."""
+    return {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in values.items()}
+
+
+def is_tensor_parallel_hook(hook: Any) -> bool:
+    """A module hook that torch's ``parallelize_module`` registered (``distribute_module``'s input and output
+    redistributions, defined in ``torch.distributed.tensor``)."""
+    func = getattr(hook, "func", hook)  # functools.partial
+    return getattr(func, "__module__", "").startswith("torch.distributed.tensor")
+
+
+def undo_tensor_parallelism(modules: Iterable[nn.Module], device: torch.device) -> bool:
+    """Make ``modules`` plain one-device modules again: every DTensor parameter becomes a plain parameter of its
+    whole shape on ``device`` (empty: load the gathered values next) and the hooks of ``parallelize_module`` are
+    removed. A parameter shared by several modules stays one object. True if anything was tensor-parallel."""
+    replaced: dict[int, nn.Parameter] = {}
+    for sub in (s for module in modules for s in module.modules()):
+        for name, p in list(sub._parameters.items()):
+            if isinstance(p, DTensor):
+                if id(p) not in replaced:
+                    replaced[id(p)] = nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device=device), p.requires_grad)
+                sub._parameters[name] = replaced[id(p)]
+        for hooks in (sub._forward_pre_hooks, sub._forward_hooks):
+            for key in [k for k, h in hooks.items() if is_tensor_parallel_hook(h)]:
+                del hooks[key]
+                for extra in (sub._forward_pre_hooks_with_kwargs, sub._forward_hooks_with_kwargs,
+                              sub._forward_hooks_always_called):
+                    extra.pop(key, None)
+    return bool(replaced)

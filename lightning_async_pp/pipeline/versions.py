@@ -210,7 +210,8 @@ class WeightVersions:
         if state["delay"] != self.delay:
             raise ValueError(f"checkpoint was saved with delay {state['delay']}, this run uses delay {self.delay}")
         self.num_updates = k = int(state["num_updates"])
-        versions = {int(j): tensors for j, tensors in state["versions"].items()}
+        # A DTensor (a checkpoint's tensor-parallel weights) gives its local shard, which is what the slots hold.
+        versions = {int(j): [local_tensor(t) for t in tensors] for j, tensors in state["versions"].items()}
         for j, tensors in versions.items():
             for dst, src in zip(self.slots[j % len(self.slots)], tensors):
                 dst.copy_(src)
@@ -221,6 +222,7 @@ class WeightVersions:
         for p, src in zip(self.params, versions[k]):
             local_tensor(p).detach().copy_(src)
         predicted = state.get("predicted_newest")
+        predicted = [local_tensor(t) for t in predicted] if predicted is not None else None
         for dst, src in zip(self.slots[k % len(self.slots)], predicted or versions.get(k - 1, versions[k])):
             dst.copy_(src)
         self._predicted = k if predicted is not None or k - 1 not in versions else k - 1

@@ -185,6 +185,7 @@ class AsyncPipelineStrategy(PipelineStateHooks, TrainingBatches, FailureReportin
         self.gather_final_weights = gather_final_weights
         self._pending_save: Optional[ckpt.PendingSave] = None  # an async_checkpoint save still being written
         self._in_trainer_call = False  # between setup and teardown, where teardown awaits a background save
+        self._gathered_tensor_parallel = False  # rank 0 holds the whole model after a tensor-parallel call's gather
         self._checkpoint_group: Any = None  # async saves' own gloo group: their collectives run in a background thread
         self._source: Optional[ckpt.TensorSource] = None  # the checkpoint being restored, between its two loads
         self._tensors: dict[str, Any] = {}
@@ -416,9 +417,6 @@ class AsyncPipelineStrategy(PipelineStateHooks, TrainingBatches, FailureReportin
 
     def eval_loss(self, batch: Any) -> Tensor:
         assert self.engine is not None
-        if self.tensor_parallel_size > 1:  # whether fit has a validation loader is known only once it is loaded
-            raise ValueError(f"validation is not supported with tensor_parallel_size > 1 yet (tensor_parallel_size="
-                             f"{self.tensor_parallel_size}); pass Trainer(limit_val_batches=0) or no val_dataloaders")
         with self._reporting_failures():
             return self.engine.evaluate(batch)
 

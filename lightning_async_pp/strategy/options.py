@@ -73,6 +73,9 @@ def refuse_unsupported(trainer: Any, precision_plugin: Any, config: PipelineConf
 #: is the slice of one device's, and tested against one device (docs/design/tensor-parallel.md, "What runs").
 TENSOR_PARALLEL_OPTIMIZERS = (torch.optim.AdamW,)
 
+#: Set on a module whose tensor-parallel stages were gathered into rank 0 (``gather_final_weights``), on every rank.
+GATHERED = "_pipeline_tensor_parallel_gathered"
+
 
 def refuse_with_tensor_parallelism(trainer: Any, module: Any, config: PipelineConfig, gather_final_weights: bool,
                                    previous_call: bool) -> None:
@@ -93,14 +96,13 @@ def refuse_with_tensor_parallelism(trainer: Any, module: Any, config: PipelineCo
                         "one, your own PipelineModule applies its own in configure_model over "
                         "self.device_mesh['tensor_parallel'] (docs/guide/models.md, 'Tensor parallelism in your own "
                         "model'); or use tensor_parallel_size=1"))
-    if trainer.state.fn != TrainerFn.FITTING:
-        refused.append((f"trainer.{trainer.state.fn.value}()", "only trainer.fit() runs; use tensor_parallel_size=1"))
     if previous_call:
         refused.append(("a second trainer call on the same Trainer", "use a new Trainer"))
-    if gather_final_weights:
-        refused.append(("gather_final_weights=True (the default)", "pass gather_final_weights=False"))
-    if trainer.checkpoint_callbacks or getattr(trainer, "ckpt_path", None):
-        refused.append(("checkpoints (ModelCheckpoint, ckpt_path)", "pass Trainer(enable_checkpointing=False)"))
+    if getattr(module, GATHERED, False):
+        # Rank 0's module became a plain one-device model, the others kept their shards: the stages disagree.
+        refused.append(("a trainer call on a model gathered by an earlier one (gather_final_weights=True)",
+                        "pass gather_final_weights=False to the earlier Trainer, or build the model again and load "
+                        "the gathered weights or a checkpoint"))
     if refused:
         what, instead = refused[0]
         raise ValueError(f"{what} is not supported with tensor_parallel_size > 1 yet (tensor_parallel_size={t}); "

@@ -21,7 +21,9 @@ from torch import Tensor
 from lightning_async_pp.lightning_callbacks import check_resume
 from lightning_async_pp.pipeline import checkpoint as ckpt
 from lightning_async_pp.pipeline.engine import PipelineEngine, check_names_and_shapes
+from lightning_async_pp.pipeline.tensor_parallel import undo_tensor_parallelism, whole
 from lightning_async_pp.strategy import _lightning
+from lightning_async_pp.strategy.options import GATHERED
 
 
 class PipelineStateHooks:
@@ -54,9 +56,10 @@ class PipelineStateHooks:
                 return
             raise RuntimeError("AsyncPipelineStrategy can save a checkpoint only once its setup has run (inside a "
                                "trainer call, or after one)")
-        if self.config.tensor_parallel_size > 1:
-            raise ValueError(f"saving a checkpoint is not supported with tensor_parallel_size > 1 yet "
-                             f"(tensor_parallel_size={self.config.tensor_parallel_size}); use tensor_parallel_size=1")
+        if self._gathered_tensor_parallel:
+            raise RuntimeError("this Trainer's tensor-parallel stages were gathered into rank 0's module after its "
+                               "call (gather_final_weights=True), so they no longer hold their shards: save during "
+                               "the call (ModelCheckpoint), or pass gather_final_weights=False to save after it")
         path = os.fspath(filepath)
         own = self.not_a_replica
         module_state = checkpoint.pop("state_dict")
@@ -75,6 +78,11 @@ class PipelineStateHooks:
                 return
             ckpt.save_sharded(path, flat, checkpoint, is_coordinator=self.is_global_zero, barrier=self.barrier)
             return
+        if self.tensor_parallel_size > 1:
+            # One file: each DTensor gathered whole over its stage's tensor-parallel ranks; their rank 0 sends it.
+            flat = whole(flat)
+            if self.topology.tp_rank != 0:
+                flat = {}
         parts = self._gather_to_zero(_cpu(flat) if self.is_multiprocess else flat)
         if self.is_global_zero:
             merged: dict[str, Any] = {}
@@ -126,10 +134,6 @@ class PipelineStateHooks:
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
         if self.lightning_module.trainer.state.fn == TrainerFn.FITTING:
             check_resume(self.lightning_module.trainer.callbacks)  # before anything is loaded
-        if self.config.tensor_parallel_size > 1:
-            raise ValueError(f"loading a checkpoint (ckpt_path={os.fspath(checkpoint_path)!r}) is not supported with "
-                             f"tensor_parallel_size > 1 yet (tensor_parallel_size={self.config.tensor_parallel_size}); "
-                             f"use tensor_parallel_size=1")
         self.finish_pending_save()
         path = ckpt.resolve(os.fspath(checkpoint_path))
         if ckpt.is_sharded(path):
@@ -156,7 +160,8 @@ class PipelineStateHooks:
         # strict is the module's strict_loading (Lightning's checkpoint connector passes it).
         ckpt.check_model_fits(engine, own, source, not self.is_multiprocess, check_names_and_shapes, strict)
         owned = ckpt.owned_parameters(self.optimizers, engine.global_names)
-        tensors = source.read(ckpt.needed_keys(engine, own, source, owned))
+        keys = ckpt.needed_keys(engine, own, source, owned)
+        tensors = source.read(keys, ckpt.layouts(engine, keys, source))  # tensor parallelism: this rank's shards
         # A plain Lightning checkpoint counts its updates in the loop's state: sync_from_step counts from the start.
         num_updates = (checkpoint["async_pipeline"].get("num_updates", 0) if "async_pipeline" in checkpoint
                        else _lightning.batches_trained(checkpoint))
@@ -221,11 +226,16 @@ class PipelineStateHooks:
             self.gather_model_to_rank_zero()
 
     def _merged_module_state(self) -> dict[str, Tensor]:
-        """The whole model's state dict on rank 0 (each stage of replica 0 contributes its own layers)."""
+        """The whole model's state dict on rank 0 (each stage of replica 0 contributes its own layers; a
+        tensor-parallel stage its tensors gathered whole, sent by its tensor-parallel rank 0)."""
         module = self.lightning_module
         if not self.is_multiprocess:
             return module.state_dict()
-        parts = self._gather_to_zero(_cpu(module.state_dict()) if self.not_a_replica else {})
+        state = module.state_dict()
+        if self.tensor_parallel_size > 1:
+            state = whole(state)  # collective over each stage's tensor-parallel ranks, replicas included
+        own = self.not_a_replica and (self.tensor_parallel_size == 1 or self.topology.tp_rank == 0)
+        parts = self._gather_to_zero(_cpu(state) if own else {})
         merged: dict[str, Tensor] = {}
         for part in parts or []:
             merged.update(part)
@@ -235,7 +245,15 @@ class PipelineStateHooks:
         """Put every stage's layers and weights into rank 0's module (the others keep their own stage)."""
         assert self.engine is not None
         merged = self._merged_module_state()
+        if self.tensor_parallel_size > 1:  # on every rank: a later call on this model is refused on all alike
+            self._gathered_tensor_parallel = True
+            object.__setattr__(self.lightning_module, GATHERED, True)
         if self.is_global_zero:
+            if self.tensor_parallel_size > 1:
+                # Rank 0's module becomes a plain one-device model of whole tensors
+                # (docs/design/tensor-parallel.md, "What runs").
+                module = self.lightning_module
+                undo_tensor_parallelism([module, *module._pipeline_all_layers], self.root_device)
             self.engine.restore_all_layers(merged, self.root_device)
             self.lightning_module.load_state_dict(merged)
 

@@ -19,7 +19,11 @@ whole as "stage_weights", each DTensor's shards gathered over its tensor-paralle
 neighbouring tensor-parallel rank's slice at initialization), model ("hf": a tiny transformers Llama,
 ``HF_LLAMA`` updated by ``hf_config``, or the config and weights of the save_pretrained folder ``pretrained``,
 through models.HuggingFaceCausalLM; "own": ``OwnPlanLM``, a PipelineModule applying its own plan;
-else models.Llama).
+else models.Llama),
+checkpoint_dir + save_at (a ModelCheckpoint writing checkpoint_dir/saved.ckpt at that step), resume_from (ckpt_path),
+resumable (a loader that resumes mid-epoch: tests/helpers.py ResumableLoader), gather (tensor_parallel with
+gather_final_weights=True: rank 0 returns the whole "state_dict"), eval_calls (after fit, each of "validate", "test",
+"predict" on a new Trainer; rank 0 returns their "eval" results), val_loss (returned when validation ran in fit).
 """
 from __future__ import annotations
 
@@ -183,7 +187,12 @@ def build(cfg: dict) -> tuple[Llama, DataLoader, L.Trainer]:
     rows: Any = token_rows(cfg.get("samples", 32), cfg.get("seq", 16))
     if cfg.get("packed"):
         rows = packed_rows(rows)
-    loader = DataLoader(rows, batch_size=cfg.get("batch", 8), shuffle=False, drop_last=True)
+    if cfg.get("resumable"):
+        from helpers import ResumableLoader
+
+        loader: Any = ResumableLoader(rows, batch_size=cfg.get("batch", 8))
+    else:
+        loader = DataLoader(rows, batch_size=cfg.get("batch", 8), shuffle=False, drop_last=True)
     return model, loader, make_trainer(cfg)
 
 
@@ -194,7 +203,7 @@ def make_trainer(cfg: dict) -> L.Trainer:
     if cfg.get("devices", 2) == 1:
         kwargs["num_stages"] = cfg.get("stages", 2)  # the one-device emulation of the same pipeline
     if cfg.get("tensor_parallel"):
-        kwargs.update(tensor_parallel_size=cfg["tensor_parallel"], gather_final_weights=False)
+        kwargs.update(tensor_parallel_size=cfg["tensor_parallel"], gather_final_weights=bool(cfg.get("gather")))
     for key in ("activation_checkpointing", "stage_memory_gib"):
         if cfg.get(key) is not None:
             kwargs[key] = cfg[key]
@@ -204,7 +213,12 @@ def make_trainer(cfg: dict) -> L.Trainer:
     kwargs.update(cfg.get("strategy_kwargs", {}))
     strategy = AsyncPipelineStrategy(schedule=cfg.get("schedule", "2bw"), num_microbatches=cfg.get("microbatches", 4),
                                      pipeline_timeout=cfg.get("timeout", 60.0), **kwargs)
-    callbacks = []
+    callbacks: list[Any] = []
+    if cfg.get("save_at"):
+        from lightning.pytorch.callbacks import ModelCheckpoint
+
+        callbacks.append(ModelCheckpoint(dirpath=cfg["checkpoint_dir"], filename="saved", save_top_k=-1,
+                                         every_n_train_steps=cfg["save_at"]))
     if cfg.get("text_samples") is not None:
         from lightning_async_pp.callbacks import TextSamples
 
@@ -217,7 +231,7 @@ def make_trainer(cfg: dict) -> L.Trainer:
     val_every = cfg.get("val_every")
     trainer = L.Trainer(
         strategy=strategy, accelerator="cpu", devices=cfg.get("devices", 2), max_steps=cfg.get("steps", 4),
-        logger=logger, callbacks=callbacks, enable_checkpointing=False, enable_progress_bar=False,
+        logger=logger, callbacks=callbacks, enable_checkpointing=bool(cfg.get("save_at")), enable_progress_bar=False,
         enable_model_summary=False, num_sanity_val_steps=0, log_every_n_steps=1, gradient_clip_val=cfg.get("clip"),
         limit_val_batches=cfg.get("val_batches", 1) if val_every or cfg.get("sequence") else 0, val_check_interval=val_every,
     )
@@ -228,18 +242,42 @@ def run(cfg: dict, devices: int) -> tuple[dict, Llama, L.Trainer]:
     if cfg.get("sequence"):
         return run_sequence(cfg, devices)
     model, loader, trainer = build({**cfg, "devices": devices})
-    trainer.fit(model, loader, loader if cfg.get("val_every") else None)
+    # A resumable loader records its own position: validation reads another one.
+    val_loader = eval_rows(cfg) if cfg.get("resumable") else loader
+    trainer.fit(model, loader, val_loader if cfg.get("val_every") else None, ckpt_path=cfg.get("resume_from"))
     result: dict[str, Any] = {"rank": trainer.global_rank, "global_step": trainer.global_step,
                               "split": (trainer.strategy.engine.stats.split.method,
                                         list(trainer.strategy.engine.stats.split.counts))}
+    if "val_loss" in trainer.callback_metrics:
+        result["val_loss"] = float(trainer.callback_metrics["val_loss"])
     samples = [c for c in trainer.callbacks if type(c).__name__ == "TextSamples"]
     if samples:
         result["texts"] = samples[0].history
-    if cfg.get("tensor_parallel") and devices > 1:
+    if cfg.get("tensor_parallel") and devices > 1 and not cfg.get("gather"):
         result.update(stage_weights(model))
     elif trainer.is_global_zero:
         result["state_dict"] = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
+    if cfg.get("eval_calls"):
+        result["eval"] = evaluate(model, eval_rows(cfg), cfg, devices)
     return result, model, trainer
+
+
+def eval_rows(cfg: dict) -> DataLoader:
+    return DataLoader(token_rows(cfg.get("samples", 32), cfg.get("seq", 16)), batch_size=cfg.get("batch", 8))
+
+
+def evaluate(model: Llama, loader: Any, cfg: dict, devices: int) -> dict[str, Any]:
+    """``cfg["eval_calls"]`` on the trained model, each on a new Trainer (no validation inside them)."""
+    out: dict[str, Any] = {}
+    for call in cfg["eval_calls"]:
+        # "sequence": validate runs limit_val_batches=val_batches batches
+        trainer = make_trainer({**cfg, "devices": devices, "save_at": None, "val_every": None, "sequence": [call]})
+        if call == "predict":
+            outputs = trainer.predict(model, loader)
+            out[call] = torch.cat(outputs).cpu() if outputs and outputs[0] is not None else None
+        else:
+            out[call] = {k: float(v) for k, v in getattr(trainer, call)(model, loader, verbose=False)[0].items()}
+    return out
 
 
 def stage_weights(model: Llama) -> dict[str, Any]:
