@@ -6,7 +6,7 @@ A packed batch is a mapping ``{"input_ids": (B, T + 1), "position_ids": (B, T + 
 document starts where a position is not its predecessor's plus one (transformers' convention for packed sequences).
 Between pipeline layers the hidden state travels with its positions, as ``{"hidden": (B, T, C), "position_ids":
 (B, T)}``; each stage builds the mask once per microbatch from the positions it received (:func:`document_causal_mask`
-caches it by the positions tensor, which every layer of the stage is handed), so no (T, T) mask crosses a stage.
+keeps it for the positions tensor, which every layer of the stage is handed, while it holds those positions), so no (T, T) mask crosses a stage.
 """
 from __future__ import annotations
 
@@ -68,41 +68,37 @@ def document_ids(position_ids: Tensor) -> Tensor:
     return starts.cumsum(dim=-1) - 1
 
 
-def _version(t: Tensor) -> int:
-    """The tensor's in-place version (an inference tensor, made under ``torch.inference_mode``, keeps none)."""
-    return -1 if t.is_inference() else t._version
-
-
-_masks: WeakTensorKeyDictionary = WeakTensorKeyDictionary()
-
-
-def document_causal_mask(position_ids: Tensor) -> Tensor:
-    """The block-diagonal causal mask (B, 1, T, T), ``True`` where query ``i`` may attend to key ``j``: ``j <= i``
-    in the same document. Built once per positions tensor (a microbatch's on one stage: every layer of the stage is
-    handed that tensor) and kept while the tensor lives, recomputation under activation checkpointing included."""
-    cached = _masks.get(position_ids)
-    if cached is not None and cached[0] == _version(position_ids):
-        return cached[1]
-    docs = document_ids(position_ids)
-    length = position_ids.shape[-1]
-    causal = torch.ones(length, length, dtype=torch.bool, device=position_ids.device).tril()
-    mask = ((docs.unsqueeze(-1) == docs.unsqueeze(-2)) & causal).unsqueeze(1)
-    _masks[position_ids] = (_version(position_ids), mask)
-    return mask
-
-
 _cached: WeakTensorKeyDictionary = WeakTensorKeyDictionary()
 
 
 def per_positions(position_ids: Tensor, key: Any, build: Any) -> Any:
-    """``build()``, once per positions tensor and ``key`` (what else the value depends on): what every layer of a
-    stage needs from a microbatch's positions (an upstream model's mask and rotary tables, say)."""
-    entries = _cached.get(position_ids)
-    if entries is None or entries[0] != _version(position_ids):
-        entries = _cached[position_ids] = (_version(position_ids), {})
-    if key not in entries[1]:
-        entries[1][key] = build()
-    return entries[1][key]
+    """``build()``, once per microbatch's positions and ``key`` (what else the value depends on): what every layer of
+    a stage needs from a microbatch's positions (the document mask, an upstream model's rotary tables).
+
+    Kept while the positions tensor lives and used again only while it holds the same positions: a receive into a
+    pooled buffer (``pipeline/comm.py``, ``StageLink``) refills the tensor of an earlier microbatch without bumping
+    its version, so neither the tensor object nor its version says whose positions it holds; its content does."""
+    entry = _cached.get(position_ids)
+    if entry is None or entry[0].shape != position_ids.shape or not torch.equal(entry[0], position_ids):
+        entry = _cached[position_ids] = (position_ids.detach().clone(), {})
+    values = entry[1]
+    if key not in values:
+        values[key] = build()
+    return values[key]
+
+
+def document_causal_mask(position_ids: Tensor) -> Tensor:
+    """The block-diagonal causal mask (B, 1, T, T), ``True`` where query ``i`` may attend to key ``j``: ``j <= i``
+    in the same document. Built once per microbatch's positions on a stage (every layer of the stage is handed
+    them; :func:`per_positions`), recomputation under activation checkpointing included."""
+    return per_positions(position_ids, "document_causal_mask", lambda: _document_causal_mask(position_ids))
+
+
+def _document_causal_mask(position_ids: Tensor) -> Tensor:
+    docs = document_ids(position_ids)
+    length = position_ids.shape[-1]
+    causal = torch.ones(length, length, dtype=torch.bool, device=position_ids.device).tril()
+    return ((docs.unsqueeze(-1) == docs.unsqueeze(-2)) & causal).unsqueeze(1)
 
 
 def document_targets(batch: Mapping[str, Tensor], skip_document_ends: bool) -> Tensor:
