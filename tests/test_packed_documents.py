@@ -35,6 +35,18 @@ def logits_of(model, batch):
     return model.pipeline_forward(batch)
 
 
+@pytest.fixture(params=["per-document", "mask"])
+def attention_path(request, monkeypatch):
+    """Packed attention document by document (SDPA's causal kernel on each) or through the block-diagonal mask:
+    the choice packing.Documents makes by cost, forced either way."""
+    monkeypatch.setattr(packing, "CALL_COST_PAIRS", 0 if request.param == "per-document" else 10**12)
+    return request.param
+
+
+def assert_path(batch, path):
+    assert packing.Documents(batch["position_ids"][:, :-1]).per_document == (path == "per-document")
+
+
 def models():
     torch.manual_seed(0)
     llama = Llama("tiny", vocab_size=VOCAB, init_seed=0)
@@ -45,9 +57,10 @@ def models():
 
 
 @pytest.mark.parametrize("name", ["llama", "gpt"])
-def test_a_packed_row_gives_each_token_the_logits_its_document_alone_gives(name):
+def test_a_packed_row_gives_each_token_the_logits_its_document_alone_gives(name, attention_path):
     model = models()[name].eval()
     batch, docs = packed_row()
+    assert_path(batch, attention_path)
     with torch.no_grad():
         packed = logits_of(model, batch)[0]  # (T, V): inputs are all but the row's last token
         # a document alone: its tokens as the inputs (a last column appended, which pipeline_input drops)
@@ -81,15 +94,63 @@ def test_skipping_document_ends_makes_the_loss_the_mean_over_each_documents_own_
         assert not torch.allclose(model.pipeline_loss(logits_of(model, batch), batch), total / count)
 
 
-def test_the_mask_is_built_once_per_positions_tensor_not_per_layer(monkeypatch):
+def test_the_documents_are_found_once_per_positions_tensor_not_per_layer(monkeypatch, attention_path):
     model = models()["llama"].eval()
     batch, _ = packed_row()
     calls = []
-    real = packing.document_ids
-    monkeypatch.setattr(packing, "document_ids", lambda p: calls.append(1) or real(p))
+    real = packing.Documents.__init__
+    monkeypatch.setattr(packing.Documents, "__init__", lambda self, p: calls.append(1) or real(self, p))
     with torch.no_grad():
         logits_of(model, batch)
     assert len(model.blocks) == 4 and len(calls) == 1
+
+
+def test_the_documents_are_found_again_when_a_pooled_buffer_is_refilled_in_place(attention_path):
+    """A receive into a pooled buffer writes an earlier microbatch's positions tensor without bumping its version
+    (issue 54): the stage must attend over the new documents, not the ones it found for the old positions."""
+    model = models()["llama"].eval()
+    first, _ = packed_row(seed=0)
+    second, docs = packed_row(lengths=(9, 4, 9), seed=1)
+    first, second = packing.packed_input(first), packing.packed_input(second)
+    received = first["position_ids"].clone()  # a stage's receive buffer
+    blocks = torch.nn.Sequential(*model.blocks)
+    with torch.no_grad():
+        blocks({"hidden": model.embed(first)["hidden"], "position_ids": received})
+        reference = blocks({"hidden": model.embed(second)["hidden"], "position_ids": second["position_ids"]})
+        version = received._version
+        received.untyped_storage().copy_(second["position_ids"].clone().untyped_storage())
+        assert received._version == version  # as after a receive: the version did not move
+        got = blocks({"hidden": model.embed(second)["hidden"], "position_ids": received})
+    assert not torch.equal(first["position_ids"], second["position_ids"])
+    torch.testing.assert_close(got["hidden"], reference["hidden"], rtol=0, atol=0)
+
+
+def test_at_8192_tokens_no_token_by_token_mask_is_made_and_each_document_attends_alone(monkeypatch):
+    """The fast path at 8192 tokens, 24 documents: attention goes document by document, and the (T, T) mask
+    (64 MiB a row) is never built, in the forward or the backward."""
+    lengths = [341] * 23 + [8192 + 1 - 341 * 23]
+    pos = torch.cat([torch.arange(n) for n in lengths])[:-1].unsqueeze(0)
+    docs = packing.documents(pos)
+    assert docs.per_document and docs.skips_masked_blocks
+    monkeypatch.setattr(packing, "_document_causal_mask", lambda p: pytest.fail("a (T, T) mask was built"))
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 8192, 8, generator=g, requires_grad=True) for _ in range(3))
+    out = packing.document_attention(q, k, v, pos)
+    out.square().sum().backward()
+    # each document as SDPA gives it alone (its own causal attention), the first and the last
+    for start, end in ((0, 341), (341 * 23, 8192)):
+        alone = torch.nn.functional.scaled_dot_product_attention(q[:, :, start:end], k[:, :, start:end],
+                                                                 v[:, :, start:end], is_causal=True)
+        torch.testing.assert_close(out[:, :, start:end], alone, rtol=1e-6, atol=1e-6)
+
+
+def test_the_cheaper_path_is_chosen_per_microbatch():
+    """Few long documents attend one by one; very many tiny ones through the mask, whose one call is then
+    cheaper than their many (packing.CALL_COST_PAIRS)."""
+    long = torch.cat([torch.arange(n) for n in (700, 600, 748)]).unsqueeze(0)
+    tiny = torch.arange(256).remainder(4).unsqueeze(0)  # 64 documents of 4 tokens
+    assert packing.Documents(long).per_document and not packing.Documents(tiny).per_document
+    assert packing.Documents(long).spans == [[(0, 700), (700, 1300), (1300, 2048)]]
 
 
 def test_the_mask_is_block_diagonal_and_causal():
@@ -208,10 +269,12 @@ def hf_pair(family: str, attention: str = "sdpa", **overrides):
 @pytest.mark.parametrize("family,overrides", [("llama", {}), ("llama", {"attention": "eager"}),
                                               ("mistral", {"sliding_window": 4}), ("qwen2", {}), ("qwen3", {})],
                          ids=["llama", "llama-eager", "mistral-sliding", "qwen2", "qwen3"])
-def test_each_accepted_family_gives_a_packed_token_the_logits_upstream_gives_its_document_alone(family, overrides):
+def test_each_accepted_family_gives_a_packed_token_the_logits_upstream_gives_its_document_alone(family, overrides,
+                                                                                                attention_path):
     ours, upstream = hf_pair(family, **overrides)
     ours.skip_document_ends = True
     batch, docs = packed_row()
+    assert_path(batch, attention_path)
     with torch.no_grad():
         packed = ours.pipeline_forward(batch)[0]
         alone = torch.cat([upstream(input_ids=d.unsqueeze(0)).logits[0] for d in docs])
@@ -227,7 +290,7 @@ def test_each_accepted_family_gives_a_packed_token_the_logits_upstream_gives_its
 
 @pytest.mark.hf
 def test_the_upstream_mask_is_made_once_per_microbatch_not_per_layer(monkeypatch):
-    ours, _ = hf_pair("llama")
+    ours, _ = hf_pair("llama", attention="eager")  # eager attends through upstream's mask
     calls = []
     real = ours._layer_inputs[0].make_mask
     assert all(inputs.make_mask is real for inputs in ours._layer_inputs)  # llama: one kind of attention
@@ -241,6 +304,27 @@ def test_the_upstream_mask_is_made_once_per_microbatch_not_per_layer(monkeypatch
     batch, _ = packed_row()
     with torch.no_grad():
         ours.pipeline_forward(batch)
+    assert len(ours._layer_inputs) > 1 and len(calls) == 1
+
+
+@pytest.mark.hf
+def test_sdpa_packed_rows_attend_document_by_document_without_upstreams_mask(monkeypatch):
+    """sdpa's full-attention layers take the microbatch's documents (found once per microbatch on the stage) in
+    place of upstream's (T, T) mask, which is never made; each document's logits are upstream's for it alone."""
+    monkeypatch.setattr(packing, "CALL_COST_PAIRS", 0)
+    ours, upstream = hf_pair("llama")
+    for inputs in ours._layer_inputs:
+        monkeypatch.setattr(inputs, "make_mask", lambda *a, **k: pytest.fail("upstream's mask was made"))
+    monkeypatch.setattr(packing, "_document_causal_mask", lambda p: pytest.fail("a (T, T) mask was built"))
+    calls = []
+    real = packing.Documents.__init__
+    monkeypatch.setattr(packing.Documents, "__init__", lambda self, p: calls.append(1) or real(self, p))
+    batch, docs = packed_row(lengths=(12, 20, 9))
+    packed = ours.pipeline_forward(batch)[0]
+    packed.sum().backward()
+    with torch.no_grad():
+        alone = torch.cat([upstream(input_ids=d.unsqueeze(0)).logits[0] for d in docs])
+    torch.testing.assert_close(packed, alone[: packed.shape[0]], rtol=1e-5, atol=1e-5)
     assert len(ours._layer_inputs) > 1 and len(calls) == 1
 
 

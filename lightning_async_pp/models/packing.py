@@ -11,7 +11,7 @@ keeps it for the positions tensor, which every layer of the stage is handed, whi
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Optional
 
 import torch
 import torch.nn.functional as F
@@ -99,6 +99,124 @@ def _document_causal_mask(position_ids: Tensor) -> Tensor:
     length = position_ids.shape[-1]
     causal = torch.ones(length, length, dtype=torch.bool, device=position_ids.device).tril()
     return ((docs.unsqueeze(-1) == docs.unsqueeze(-2)) & causal).unsqueeze(1)
+
+
+#: The per-document path's cost of one attention call (forward and backward), in units of one query-key pair of a
+#: masked attention: measured on CPU (SmolLM-135M's heads, one thread) as about 2000 pairs; where a microbatch's
+#: documents are so many and short that their calls cost more than the masked (T, T) attention, the mask is used.
+CALL_COST_PAIRS = 2000
+
+
+class Documents:
+    """The document structure of one microbatch's positions (B, T), built once per microbatch on a stage
+    (:func:`documents`) and handed to every attention of its layers.
+
+    On CPU it holds each row's documents as ``(start, end)`` spans and whether attention goes document by document
+    (SDPA's causal kernel on each, computing only each document's blocks) or through the block-diagonal mask (where
+    its one call is cheaper than the documents' many: :data:`CALL_COST_PAIRS`). On CUDA it holds a ``flex_attention``
+    block mask, which skips the masked blocks without reading the positions back to the host."""
+
+    def __init__(self, position_ids: Tensor) -> None:
+        self.shape = tuple(position_ids.shape)
+        self.device = position_ids.device
+        self._position_ids = position_ids.detach().clone()  # a copy: the caller's buffer may be refilled
+        self._mask: Optional[Tensor] = None
+        self._block_mask: Any = None
+        self.spans: list[list[tuple[int, int]]] = []
+        self.per_document = False
+        self.flex = self.device.type == "cuda" and _flex() is not None
+        if not self.flex:
+            starts = _document_starts(self._position_ids)
+            length = self.shape[-1]
+            for row in starts:
+                bounds = [*row, length]
+                self.spans.append(list(zip(bounds[:-1], bounds[1:])))
+            calls = sum(len(row) for row in self.spans)
+            pairs = sum((b - a) * (b - a + 1) // 2 for row in self.spans for a, b in row)
+            self.per_document = calls * CALL_COST_PAIRS + pairs < len(self.spans) * length * length
+
+    def mask(self) -> Tensor:
+        """The block-diagonal causal mask (B, 1, T, T), built on first use."""
+        if self._mask is None:
+            self._mask = _document_causal_mask(self._position_ids)
+        return self._mask
+
+    def block_mask(self) -> Any:
+        """``flex_attention``'s block mask of the documents (CUDA), built on first use."""
+        if self._block_mask is None:
+            _, create_block_mask = _flex()
+            docs = document_ids(self._position_ids)
+
+            def same_document_causal(b: Tensor, h: Tensor, q: Tensor, kv: Tensor) -> Tensor:
+                return (docs[b, q] == docs[b, kv]) & (q >= kv)
+
+            batch, length = self.shape
+            self._block_mask = create_block_mask(same_document_causal, batch, None, length, length, device=self.device)
+        return self._block_mask
+
+    @property
+    def skips_masked_blocks(self) -> bool:
+        """Whether attention computes only each document's blocks (no (T, T) mask)."""
+        return self.flex or self.per_document
+
+
+def _document_starts(position_ids: Tensor) -> list[list[int]]:
+    """Each row's document starts (host ints): the first token and wherever a position is not its predecessor's
+    plus one."""
+    starts = torch.ones_like(position_ids, dtype=torch.bool)
+    starts[..., 1:] = position_ids[..., 1:] != position_ids[..., :-1] + 1
+    return [torch.nonzero(row).flatten().tolist() for row in starts.cpu()]
+
+
+_flex_functions: Any = None
+
+
+def _flex() -> Any:
+    """(compiled ``flex_attention``, ``create_block_mask``), or None where torch has no flex attention."""
+    global _flex_functions
+    if _flex_functions is None:
+        try:
+            from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+        except ImportError:
+            _flex_functions = False
+        else:
+            _flex_functions = (torch.compile(flex_attention, dynamic=False), create_block_mask)
+    return _flex_functions or None
+
+
+def documents(position_ids: Tensor) -> Documents:
+    """The :class:`Documents` of a microbatch's positions, built once per microbatch on a stage (:func:`per_positions`)."""
+    return per_positions(position_ids, "documents", lambda: Documents(position_ids))
+
+
+@torch.compiler.disable
+def document_attention(q: Tensor, k: Tensor, v: Tensor, position_ids: Tensor, *, dropout_p: float = 0.0,
+                       scale: Optional[float] = None, enable_gqa: bool = False) -> Tensor:
+    """Causal attention (B, heads, T, head_dim) within each document of ``position_ids`` (B, T), equal to SDPA
+    through :func:`document_causal_mask` (float rounding apart): on CPU document by document with SDPA's causal
+    kernel (or through the mask where that is cheaper, :class:`Documents`), on CUDA by ``flex_attention`` with a
+    block mask (the mask where there is dropout, which flex attention lacks). The :class:`Documents` are built once
+    per microbatch on a stage. Compiled layers call this eagerly: a document's bounds are host integers a compiled
+    graph would recompile for."""
+    return attend_documents(q, k, v, documents(position_ids), dropout_p=dropout_p, scale=scale, enable_gqa=enable_gqa)
+
+
+def attend_documents(q: Tensor, k: Tensor, v: Tensor, docs: Documents, *, dropout_p: float = 0.0,
+                     scale: Optional[float] = None, enable_gqa: bool = False) -> Tensor:
+    """:func:`document_attention` given the microbatch's :class:`Documents`."""
+    if docs.flex and dropout_p == 0.0:
+        flex_attention, _ = _flex()
+        return flex_attention(q, k, v, block_mask=docs.block_mask(), scale=scale, enable_gqa=enable_gqa)
+    if not docs.per_document:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=docs.mask(), dropout_p=dropout_p, scale=scale,
+                                              enable_gqa=enable_gqa)
+    rows = []
+    for b, spans in enumerate(docs.spans):
+        rows.append(torch.cat([
+            F.scaled_dot_product_attention(q[b:b + 1, :, s:e], k[b:b + 1, :, s:e], v[b:b + 1, :, s:e], is_causal=True,
+                                           dropout_p=dropout_p, scale=scale, enable_gqa=enable_gqa)
+            for s, e in spans], dim=2))
+    return torch.cat(rows, dim=0) if len(rows) > 1 else rows[0]
 
 
 def document_targets(batch: Mapping[str, Tensor], skip_document_ends: bool) -> Tensor:
