@@ -3,7 +3,8 @@ buffers pooled as on CUDA (``StageLink.REUSE_BUFFERS_ON_CPU``); every rank saves
 
 Run by tests/test_packed_documents.py; the test imports ``run`` for the same runs on one device.
 
-Config keys: runs (a list of {"model": "llama" | "hf", "schedule": ...}), pooled (the receive buffers pooled),
+Config keys: runs (a list of {"model": "llama" | "hf", "schedule": ..., "per_document": attention document by
+document whatever it costs (else these tiny documents go through the mask)}), pooled (the receive buffers pooled),
 steps, checkpointing (activation checkpointing).
 """
 from __future__ import annotations
@@ -23,7 +24,7 @@ from llama_fit import packed_rows, token_rows  # noqa: E402
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from lightning_async_pp import AsyncPipelineStrategy  # noqa: E402
-from lightning_async_pp.models import HuggingFaceCausalLM, Llama  # noqa: E402
+from lightning_async_pp.models import HuggingFaceCausalLM, Llama, packing  # noqa: E402
 from lightning_async_pp.pipeline.comm import StageLink  # noqa: E402
 
 HF_LLAMA = dict(model_type="llama", vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
@@ -41,6 +42,7 @@ def run(cfg: dict, devices: int) -> tuple[dict, Any, L.Trainer]:
     result: dict[str, Any] = {"runs": []}
     loader = DataLoader(packed_rows(token_rows(32, 16)), batch_size=8, shuffle=False, drop_last=True)
     for spec in cfg["runs"]:
+        packing.CALL_COST_PAIRS = 0 if spec.get("per_document") else 10**12
         L.seed_everything(0, verbose=False)
         model = build_model(spec["model"])
         kwargs: dict[str, Any] = {"num_stages": 2} if devices == 1 else {}
