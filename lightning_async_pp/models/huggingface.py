@@ -367,8 +367,10 @@ class HuggingFaceCausalLM(AdoptedCausalLM):
 
     A batch may be packed, ``{"input_ids": (B, T + 1), "position_ids": (B, T + 1)}`` (``data.TextDataModule(
     document_mask=True)``): positions restarting at each document are passed as transformers takes packed
-    sequences, and its attention functions make the block-diagonal causal mask (once per microbatch on each stage).
-    Families verified exact that way (:data:`PACKED_FAMILIES`) take them; others are refused by name.
+    sequences; full-attention layers under ``sdpa`` (and ``flex_attention`` on CUDA) attend document by document
+    (:func:`install_document_attention`), ``eager`` and sliding-window layers through the block-diagonal mask
+    transformers makes from the positions (once per microbatch on each stage). Families verified exact that way
+    (:data:`PACKED_FAMILIES`) take them; others are refused by name.
     """
 
     # ``dict[str, Any]`` first: jsonargparse then merges ``--model.init_args.config.hidden_size 128`` into the

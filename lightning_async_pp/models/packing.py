@@ -1,12 +1,14 @@
-"""Packed rows with document masks: positions that restart at each document, the block-diagonal causal mask they
-imply, and the targets a loss may skip (see docs/design/data.md, 'Packed documents').
+"""Packed rows with document masks: positions that restart at each document, attention within each document, and
+the targets a loss may skip (see docs/design/data.md, 'Packed documents').
 
 A packed batch is a mapping ``{"input_ids": (B, T + 1), "position_ids": (B, T + 1)}`` (what
 ``data.TextDataModule(document_mask=True)`` yields): positions count from 0 at the start of each document, so a
 document starts where a position is not its predecessor's plus one (transformers' convention for packed sequences).
 Between pipeline layers the hidden state travels with its positions, as ``{"hidden": (B, T, C), "position_ids":
-(B, T)}``; each stage builds the mask once per microbatch from the positions it received (:func:`document_causal_mask`
-keeps it for the positions tensor, which every layer of the stage is handed, while it holds those positions), so no (T, T) mask crosses a stage.
+(B, T)}``; each stage finds the documents once per microbatch in the positions it received (:class:`Documents`,
+kept for the positions tensor, which every layer of the stage is handed, while it holds those positions), and
+:func:`document_attention` computes only each document's blocks, so no (T, T) mask crosses a stage or, on the
+fast path, is made at all.
 """
 from __future__ import annotations
 
