@@ -185,8 +185,9 @@ class DecoderLayerInputs:
         if any(b.device != hidden.device for b in self.rotary.buffers()):
             self.rotary.to(hidden.device)  # once per process: the rotary module is shared by its layers
         if packed:
-            # Given positions that restart and no mask, upstream's mask functions make the block-diagonal causal
-            # mask (transformers' packed-sequence convention); made once per microbatch on this stage, not per layer.
+            # Full attention goes document by document (no mask is made); otherwise, given positions that restart
+            # and no mask, upstream's mask functions make the block-diagonal causal mask (transformers'
+            # packed-sequence convention). Either once per microbatch on this stage, not per layer.
             attention = self.config._attn_implementation
             by_document = self.full_attention and attention in DOCUMENT_ATTENTION
             key = (id(self.config), self.make_mask, hidden.dtype, hidden.device, hidden.shape[0], attention, by_document)

@@ -174,7 +174,7 @@ _flex_functions: Any = None
 
 
 def _flex() -> Any:
-    """(compiled ``flex_attention``, ``create_block_mask``), or None where torch has no flex attention."""
+    """(``flex_attention``, ``create_block_mask``), compiled, or None where torch has no flex attention."""
     global _flex_functions
     if _flex_functions is None:
         try:
@@ -182,7 +182,9 @@ def _flex() -> Any:
         except ImportError:
             _flex_functions = False
         else:
-            _flex_functions = (torch.compile(flex_attention, dynamic=False), create_block_mask)
+            # Both compiled: flex attention's eager form computes every block; create_block_mask's evaluates the
+            # whole (T, T) mask (compiled, one graph serves every microbatch of a shape: the documents are an input).
+            _flex_functions = (torch.compile(flex_attention, dynamic=False), torch.compile(create_block_mask, dynamic=False))
     return _flex_functions or None
 
 
