@@ -144,6 +144,10 @@ def test_packed_hf_llama_on_cuda_gives_each_document_upstreams_logits_alone(atte
         alone = torch.cat([upstream(input_ids=d.unsqueeze(0)).logits[0] for d in docs])
     tolerance = 2e-2 if dtype == torch.bfloat16 else 1e-4
     torch.testing.assert_close(packed.detach().float(), alone[: packed.shape[0]].float(), rtol=tolerance, atol=tolerance)
+    if attention == "flash_attention_2":  # transformers' variable-length path finds documents in one row only
+        two_rows = {k: v.repeat(2, 1) for k, v in batch.items()}
+        with pytest.raises(ValueError, match="flash_attention_2.*one row"):
+            ours.pipeline_forward(two_rows)
 
 
 def test_packed_attention_at_8192_tokens_on_cuda_allocates_no_token_by_token_mask():

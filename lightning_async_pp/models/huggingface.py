@@ -226,6 +226,12 @@ class DecoderLayerInputs:
         attention = self.config._attn_implementation
         cache_position = torch.arange(hidden.shape[1], device=hidden.device)
         mask = None
+        if attention == "flash_attention_2" and hidden.shape[0] != 1:
+            # transformers finds packed sequences for its variable-length kernel only in a one-row batch; with
+            # more rows it would attend across documents
+            raise ValueError(f"HuggingFaceCausalLM with attn_implementation 'flash_attention_2' takes packed "
+                             f"microbatches of one row (transformers' variable-length path); got {hidden.shape[0]} "
+                             f"rows: set num_microbatches to the batch size, or use sdpa or flex_attention")
         if attention != "flash_attention_2":
             install_document_attention(attention)
             mask = packing.documents(position_ids)
