@@ -102,7 +102,7 @@ def main() -> None:
     torch.set_num_threads(1)
     torch.manual_seed(0)
     print(f"device {args.device}, torch {torch.__version__}, one thread; documents {args.min_doc}..{args.max_doc} tokens")
-    print("| model | sequence x batch | documents per row | plain (causal), ms | packed (document mask), ms | "
+    print("| model | sequence x batch | documents per row | plain (causal), ms | packed (document attention), ms | "
           "packed / plain (median of steps) |")
     print("|---|---|---:|---:|---:|---:|")
     for shape in args.shapes:
