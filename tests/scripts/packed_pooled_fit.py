@@ -5,7 +5,7 @@ Run by tests/test_packed_documents.py; the test imports ``run`` for the same run
 
 Config keys: runs (a list of {"model": "llama" | "hf", "schedule": ..., "per_document": attention document by
 document whatever it costs (else these tiny documents go through the mask)}), pooled (the receive buffers pooled),
-steps, checkpointing (activation checkpointing).
+steps.
 """
 from __future__ import annotations
 
@@ -38,6 +38,14 @@ def build_model(name: str) -> L.LightningModule:
 
 
 def run(cfg: dict, devices: int) -> tuple[dict, Any, L.Trainer]:
+    saved = StageLink.REUSE_BUFFERS_ON_CPU, packing.CALL_COST_PAIRS  # the test's own process runs this too
+    try:
+        return _run(cfg, devices)
+    finally:
+        StageLink.REUSE_BUFFERS_ON_CPU, packing.CALL_COST_PAIRS = saved
+
+
+def _run(cfg: dict, devices: int) -> tuple[dict, Any, L.Trainer]:
     StageLink.REUSE_BUFFERS_ON_CPU = bool(cfg.get("pooled")) and devices > 1
     result: dict[str, Any] = {"runs": []}
     loader = DataLoader(packed_rows(token_rows(32, 16)), batch_size=8, shuffle=False, drop_last=True)
@@ -46,8 +54,7 @@ def run(cfg: dict, devices: int) -> tuple[dict, Any, L.Trainer]:
         L.seed_everything(0, verbose=False)
         model = build_model(spec["model"])
         kwargs: dict[str, Any] = {"num_stages": 2} if devices == 1 else {}
-        strategy = AsyncPipelineStrategy(schedule=spec["schedule"], num_microbatches=4, pipeline_timeout=60.0,
-                                         activation_checkpointing=bool(cfg.get("checkpointing")), **kwargs)
+        strategy = AsyncPipelineStrategy(schedule=spec["schedule"], num_microbatches=4, pipeline_timeout=60.0, **kwargs)
         trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=devices, max_steps=cfg.get("steps", 4),
                             logger=False, enable_checkpointing=False, enable_progress_bar=False,
                             enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0)
