@@ -214,12 +214,16 @@ def attend_documents(q: Tensor, k: Tensor, v: Tensor, docs: Documents, *, dropou
     if not docs.per_document:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=docs.mask(), dropout_p=dropout_p, scale=scale,
                                               enable_gqa=enable_gqa)
+    # split, not sliced: a split's backward joins the documents' gradients in one copy, where each slice's would
+    # fill a zero tensor of the whole row
     rows = []
-    for b, spans in enumerate(docs.spans):
+    for qb, kb, vb, spans in zip(q.split(1), k.split(1), v.split(1), docs.spans):
+        lengths = [e - s for s, e in spans]
         rows.append(torch.cat([
-            F.scaled_dot_product_attention(q[b:b + 1, :, s:e], k[b:b + 1, :, s:e], v[b:b + 1, :, s:e], is_causal=True,
-                                           dropout_p=dropout_p, scale=scale, enable_gqa=enable_gqa)
-            for s, e in spans], dim=2))
+            F.scaled_dot_product_attention(qd, kd, vd, is_causal=True, dropout_p=dropout_p, scale=scale,
+                                           enable_gqa=enable_gqa)
+            for qd, kd, vd in zip(qb.split(lengths, dim=2), kb.split(lengths, dim=2), vb.split(lengths, dim=2))],
+            dim=2))
     return torch.cat(rows, dim=0) if len(rows) > 1 else rows[0]
 
 
