@@ -51,6 +51,9 @@ checks() {
         --layers 30 --vocab 49152 --seq 1024 --batch 16 --microbatches 4 --optimizers adamw --steps 10 --warmup 3 \
         ${OUT:+--json "$OUT/smollm_one_device.json"} || status=1
 
+    section "packed documents on CUDA: a packed step (flex attention) over a plain one, 2048 x 4 and 8192 x 1 tokens"
+    $PY benchmarks/packed_documents.py --device cuda --steps 8 --shapes 2048x4 8192x1 || status=1
+
     section "eager vs compiled layers on CUDA (m=4)"
     $PY benchmarks/pipeline_throughput.py --compile --accelerator cuda --microbatches 4 --wait-idle 5 || status=1
     section "done"

@@ -1,14 +1,15 @@
 #!/usr/bin/env python
 """A packed training step with and without document masks, at SmolLM-135M's width (fp32, one thread): the same
 tokens as a plain row (causal attention over the whole row) and as a packed batch (positions restarting at each
-document, the block-diagonal causal mask built once per microbatch), taking steps in turn so that the machine's
+document, attention within each document as models/packing.py chooses it), taking steps in turn so that the machine's
 drift reaches both alike. Prints the median step of each and the median of the per-step ratios.
 
     PYTHONPATH=$PWD .venv/bin/python benchmarks/packed_documents.py                  # 2048 x 1, 8 steps
     PYTHONPATH=$PWD .venv/bin/python benchmarks/packed_documents.py --shapes 2048x1 1024x2 --steps 12
 
 Two models: ``models.Llama`` (``--layers`` decoder blocks, embedding, head and loss: forward and backward) and one
-decoder layer of ``HuggingFaceCausalLM`` (llama family, sdpa), whose packed mask is transformers' own. Documents
+decoder layer of ``HuggingFaceCausalLM`` (llama family, sdpa). On 2 processes under 2bw:
+benchmarks/packed_pipeline.py. Documents
 are drawn with lengths uniform in ``[--min-doc, --max-doc]`` (default 64..1024 tokens). ``--device cuda`` runs the
 same on a GPU. Nothing is downloaded (docs/design/data.md, 'Packed documents').
 """
@@ -82,7 +83,7 @@ def hf_layer_steps(packed: dict[str, torch.Tensor], device: str) -> dict[str, ca
         layer(x.clone().requires_grad_()).sum().backward()
 
     def masked() -> None:
-        # a fresh positions tensor per step, as each microbatch brings: the mask is built in every step
+        # a fresh positions tensor per step, as each microbatch brings: the documents are found in every step
         out = layer({"hidden": x.clone().requires_grad_(), "position_ids": positions.clone()})
         out["hidden"].sum().backward()
 
@@ -101,7 +102,7 @@ def main() -> None:
     torch.set_num_threads(1)
     torch.manual_seed(0)
     print(f"device {args.device}, torch {torch.__version__}, one thread; documents {args.min_doc}..{args.max_doc} tokens")
-    print("| model | sequence x batch | documents per row | plain (causal), ms | packed (document mask), ms | "
+    print("| model | sequence x batch | documents per row | plain (causal), ms | packed (document attention), ms | "
           "packed / plain (median of steps) |")
     print("|---|---|---:|---:|---:|---:|")
     for shape in args.shapes:

@@ -167,3 +167,77 @@ def test_what_the_account_says_a_layer_keeps_is_what_the_cuda_allocator_holds_af
             else:
                 assert held == cost.activation_bytes + cost.cast_bytes, (context, held, cost)
             del out, x
+
+
+# ---- packed rows: attention over each document's blocks only (issue 56) ------------------------------------------
+def _packed_row_cuda(lengths: tuple[int, ...], vocab: int, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    docs = [torch.randint(0, vocab, (n,), generator=g) for n in lengths]
+    batch = {"input_ids": torch.cat(docs).unsqueeze(0).cuda(),
+             "position_ids": torch.cat([torch.arange(n) for n in lengths]).unsqueeze(0).cuda()}
+    return batch, [d.cuda() for d in docs]
+
+
+def test_packed_llama_on_cuda_attends_by_flex_attention_and_gives_each_document_its_logits_alone(monkeypatch):
+    from lightning_async_pp.models import Llama, packing
+
+    monkeypatch.setattr(packing, "_document_causal_mask", lambda p: pytest.fail("a (T, T) mask was built"))
+    torch.manual_seed(0)
+    model = Llama("tiny", vocab_size=64, init_seed=0, max_seq_len=512)
+    model.configure_model()
+    model = model.cuda()
+    batch, docs = _packed_row_cuda((130, 7, 200, 64), 64)
+    assert packing.documents(batch["position_ids"][:, :-1]).flex
+    packed = model.pipeline_forward(batch)[0]
+    packed.float().square().mean().backward()  # flex attention's backward on CUDA
+    with torch.no_grad():
+        alone = torch.cat([model.pipeline_forward(torch.cat([d, d[:1]]).unsqueeze(0))[0] for d in docs])
+    torch.testing.assert_close(packed.detach(), alone[: packed.shape[0]], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "flex_attention", "flash_attention_2"])
+def test_packed_hf_llama_on_cuda_gives_each_document_upstreams_logits_alone(attention):
+    pytest.importorskip("transformers")
+    if attention == "flash_attention_2":
+        pytest.importorskip("flash_attn")
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from lightning_async_pp.models import HuggingFaceCausalLM
+    from lightning_async_pp.models.hf_probe import tiny_config
+
+    dtype = torch.bfloat16 if attention == "flash_attention_2" else torch.float32
+    config = tiny_config(AutoConfig.for_model("llama"))
+    config.vocab_size, config.max_position_embeddings = 64, 512
+    ours = HuggingFaceCausalLM(config, init_seed=0)
+    ours.configure_model()
+    upstream = AutoModelForCausalLM.from_config(config)
+    upstream.load_state_dict(ours.state_dict(), strict=True)
+    ours, upstream = ours.to("cuda", dtype).eval(), upstream.to("cuda", dtype).eval()
+    ours.model.config._attn_implementation = attention
+    batch, docs = _packed_row_cuda((130, 7, 200, 64), 64)
+    packed = ours.pipeline_forward(batch)[0]
+    packed.float().sum().backward()
+    with torch.no_grad():
+        alone = torch.cat([upstream(input_ids=d.unsqueeze(0)).logits[0] for d in docs])
+    tolerance = 2e-2 if dtype == torch.bfloat16 else 1e-4
+    torch.testing.assert_close(packed.detach().float(), alone[: packed.shape[0]].float(), rtol=tolerance, atol=tolerance)
+    if attention == "flash_attention_2":  # transformers' variable-length path finds documents in one row only
+        two_rows = {k: v.repeat(2, 1) for k, v in batch.items()}
+        with pytest.raises(ValueError, match="flash_attention_2.*one row"):
+            ours.pipeline_forward(two_rows)
+
+
+def test_packed_attention_at_8192_tokens_on_cuda_allocates_no_token_by_token_mask():
+    from lightning_async_pp.models import packing
+
+    lengths = [341] * 23 + [8192 - 341 * 23]
+    pos = torch.cat([torch.arange(n) for n in lengths]).unsqueeze(0).cuda()
+    q, k, v = (torch.randn(1, 9, 8192, 64, device="cuda", requires_grad=True) for _ in range(3))
+    packing.document_attention(q, k, v, pos).sum().backward()  # compiles flex attention once
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    pos = pos.clone()  # new microbatch: its documents found again
+    packing.document_attention(q, k, v, pos).sum().backward()
+    torch.cuda.synchronize()
+    assert torch.cuda.max_memory_allocated() - base < 8192 * 8192 // 2  # a bool (T, T) mask alone is 64 MiB

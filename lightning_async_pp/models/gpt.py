@@ -36,10 +36,11 @@ class CausalSelfAttention(nn.Module):
         q, k, v = self.qkv(x).split(C, dim=2)
         # (B, T, C) -> (B, n_head, T, head_dim)
         q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
-        mask = None if position_ids is None else packing.document_causal_mask(position_ids)  # once per microbatch
-        y = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, dropout_p=self.dropout if self.training else 0.0, is_causal=mask is None
-        )
+        dropout = self.dropout if self.training else 0.0
+        if position_ids is None:
+            y = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True)
+        else:  # each document's blocks only; what it needs is built once per microbatch on this stage
+            y = packing.document_attention(q, k, v, position_ids, dropout_p=dropout)
         y = y.transpose(1, 2).contiguous().view(B, T, C)
         return self.resid_dropout(self.out_proj(y))
 

@@ -168,6 +168,9 @@ class DecoderLayerInputs:
         self.mask_cache = {name: None for name in ("past_key_values", "cache") if name in mask_args}
         self.mask_takes_cache_position = "cache_position" in mask_args
         self.layer_takes_cache_position = "cache_position" in inspect.signature(type(layer).forward).parameters
+        #: Whether the layer attends causally over the whole row (no sliding window): then packed rows attend
+        #: document by document (:func:`packing.document_attention`) rather than through a (T, T) mask.
+        self.full_attention = getattr(make_mask, "__name__", "") == "create_causal_mask"
 
     def __call__(self, module: nn.Module, args: tuple, kwargs: dict) -> Optional[tuple[tuple, dict]]:
         self.pipeline_call = not kwargs and len(args) == 1
@@ -182,10 +185,16 @@ class DecoderLayerInputs:
         if any(b.device != hidden.device for b in self.rotary.buffers()):
             self.rotary.to(hidden.device)  # once per process: the rotary module is shared by its layers
         if packed:
-            # Given positions that restart and no mask, upstream's mask functions make the block-diagonal causal
-            # mask (transformers' packed-sequence convention); made once per microbatch on this stage, not per layer.
-            key = (id(self.config), self.make_mask, hidden.dtype, hidden.device, hidden.shape[0])
-            layer_kwargs = packing.per_positions(positions, key, lambda: self.layer_kwargs(hidden, positions, True))
+            # Full attention goes document by document (no mask is made); otherwise, given positions that restart
+            # and no mask, upstream's mask functions make the block-diagonal causal mask (transformers'
+            # packed-sequence convention). Either once per microbatch on this stage, not per layer.
+            attention = self.config._attn_implementation
+            by_document = self.full_attention and attention in DOCUMENT_ATTENTION
+            key = (id(self.config), self.make_mask, hidden.dtype, hidden.device, hidden.shape[0], attention, by_document)
+            if by_document:
+                layer_kwargs = packing.per_positions(positions, key, lambda: self.document_kwargs(hidden, positions))
+            else:
+                layer_kwargs = packing.per_positions(positions, key, lambda: self.layer_kwargs(hidden, positions, True))
             return (hidden,), dict(layer_kwargs)
         cache_position = torch.arange(hidden.shape[1], device=hidden.device)
         return (hidden,), self.layer_kwargs(hidden, cache_position.unsqueeze(0), not self.causal_without_mask)
@@ -204,6 +213,29 @@ class DecoderLayerInputs:
         if self.mask_takes_cache_position:
             mask_kwargs["cache_position"] = cache_position
         layer_kwargs = dict(attention_mask=self.make_mask(**mask_kwargs), position_ids=position_ids,
+                            position_embeddings=self.rotary(hidden, position_ids), use_cache=False)
+        if self.layer_takes_cache_position:
+            layer_kwargs["cache_position"] = cache_position
+        return layer_kwargs
+
+    def document_kwargs(self, hidden: Tensor, position_ids: Tensor) -> dict[str, Any]:
+        """:meth:`layer_kwargs` for a packed microbatch attended document by document: no (T, T) mask is made; the
+        attention function takes the microbatch's :class:`packing.Documents` in its place (sdpa, flex_attention:
+        :func:`document_attention_function`), or the positions alone (flash_attention_2, whose variable-length
+        kernel finds the documents in them, as transformers does for packed sequences)."""
+        attention = self.config._attn_implementation
+        cache_position = torch.arange(hidden.shape[1], device=hidden.device)
+        mask = None
+        if attention == "flash_attention_2" and hidden.shape[0] != 1:
+            # transformers finds packed sequences for its variable-length kernel only in a one-row batch; with
+            # more rows it would attend across documents
+            raise ValueError(f"HuggingFaceCausalLM with attn_implementation 'flash_attention_2' takes packed "
+                             f"microbatches of one row (transformers' variable-length path); got {hidden.shape[0]} "
+                             f"rows: set num_microbatches to the batch size, or use sdpa or flex_attention")
+        if attention != "flash_attention_2":
+            install_document_attention(attention)
+            mask = packing.documents(position_ids)
+        layer_kwargs = dict(attention_mask=mask, position_ids=position_ids,
                             position_embeddings=self.rotary(hidden, position_ids), use_cache=False)
         if self.layer_takes_cache_position:
             layer_kwargs["cache_position"] = cache_position
@@ -253,8 +285,14 @@ class PackedEnds:
 #: Families whose packed rows (positions restarting at each document) give each document exactly the logits upstream
 #: gives it alone, as tests/test_packed_documents.py checks for each; others are refused with document masks.
 PACKED_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
-#: Attention implementations that take the block-diagonal mask upstream builds from the positions.
+#: Attention implementations that take packed rows: sdpa attends document by document (on CUDA by flex attention
+#: with a block mask), eager through the block-diagonal mask upstream builds from the positions.
 PACKED_ATTENTION = ("sdpa", "eager")
+#: Further ones that take packed rows on CUDA only: flex_attention (a block mask of the documents) and
+#: flash_attention_2 (its variable-length kernel, given the positions); neither has a CPU backward.
+PACKED_ATTENTION_CUDA = ("flex_attention", "flash_attention_2")
+#: Those whose full-attention layers attend document by document (:meth:`DecoderLayerInputs.document_kwargs`).
+DOCUMENT_ATTENTION = ("sdpa", "flex_attention", "flash_attention_2")
 
 
 def rope_types(config: Any) -> set[str]:
@@ -281,9 +319,46 @@ def position_dependent_rope(config: Any) -> Optional[tuple[str, int]]:
     return None
 
 
-def check_packed_supported(config: Any, length: Optional[int] = None) -> None:
+def install_document_attention(name: str) -> None:
+    """Registers (once) over transformers' attention function ``name`` one that attends document by document when
+    its mask is a :class:`packing.Documents` (what the adapter's packed rows pass) and calls the original otherwise:
+    transformers' attention interface is how a model's attention is chosen by name (``AttentionInterface``), and the
+    config keeps naming ``name``, so a checkpoint or export names the upstream implementation."""
+    from transformers import AttentionInterface
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    original = ALL_ATTENTION_FUNCTIONS[name]
+    if getattr(original, "takes_documents", False):
+        return
+    AttentionInterface.register(name, document_attention_function(original))
+
+
+def document_attention_function(original: Callable[..., Any]) -> Callable[..., Any]:
+    """transformers' attention function signature over :func:`packing.attend_documents` (see
+    :func:`install_document_attention`)."""
+
+    @functools.wraps(original)
+    def attention(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, attention_mask: Any, *args: Any,
+                  **kwargs: Any) -> tuple[Tensor, None]:
+        if not isinstance(attention_mask, packing.Documents):
+            return original(module, query, key, value, attention_mask, *args, **kwargs)
+        dropout = args[0] if args else kwargs.get("dropout", 0.0)
+        scaling = args[1] if len(args) > 1 else kwargs.get("scaling")
+        if kwargs.get("sliding_window") is not None or kwargs.get("s_aux") is not None or kwargs.get("softcap"):
+            raise ValueError(f"{type(module).__name__}: packed rows attend document by document only without a "
+                             f"sliding window, sinks or soft-capping (got {sorted(k for k in kwargs if kwargs[k] is not None)})")
+        output = packing.attend_documents(query, key, value, attention_mask, dropout_p=dropout, scale=scaling,
+                                          enable_gqa=key.shape[1] != query.shape[1])
+        return output.transpose(1, 2).contiguous(), None
+
+    attention.takes_documents = True  # type: ignore[attr-defined]
+    return attention
+
+
+def check_packed_supported(config: Any, length: Optional[int] = None, device: Optional[torch.device] = None) -> None:
     """Refuse, naming the family, a config whose packed rows are not verified exact (see :data:`PACKED_FAMILIES`),
-    and rows of ``length`` tokens (if given) past which its rotary tables follow the longest document."""
+    rows of ``length`` tokens (if given) past which its rotary tables follow the longest document; ``device``: where
+    the model runs (the CUDA-only attention implementations, :data:`PACKED_ATTENTION_CUDA`)."""
     family = config.model_type
     if family not in PACKED_FAMILIES:
         why = (" (a mixture of experts: its router statistics would have to travel with the positions)"
@@ -299,10 +374,15 @@ def check_packed_supported(config: Any, length: Optional[int] = None) -> None:
                          f"use a block_size of at most {rope[1]}, a rope_type whose tables do not depend on the "
                          f"sequence (default, linear, llama3, yarn), or token rows (document_mask=False)")
     attention = getattr(config, "_attn_implementation", None) or "eager"
-    if attention not in PACKED_ATTENTION:
+    on_cuda = device is not None and torch.device(device).type == "cuda"
+    if attention in PACKED_ATTENTION_CUDA and not on_cuda:
+        raise ValueError(f"HuggingFaceCausalLM takes packed batches with attn_implementation {attention!r} on CUDA "
+                         f"only (it has no backward on {torch.device(device).type if device is not None else 'CPU'}); "
+                         f"set attn_implementation to sdpa (which attends document by document), or eager")
+    if attention not in PACKED_ATTENTION + PACKED_ATTENTION_CUDA:
         raise ValueError(f"HuggingFaceCausalLM cannot take packed batches with attn_implementation {attention!r}: "
-                         f"verified with {', '.join(PACKED_ATTENTION)} (which attend through the block-diagonal "
-                         f"mask); set attn_implementation to sdpa, or train on token rows (document_mask=False)")
+                         f"verified with {', '.join(PACKED_ATTENTION)} (and on CUDA {', '.join(PACKED_ATTENTION_CUDA)}); "
+                         f"set attn_implementation to sdpa, or train on token rows (document_mask=False)")
 
 
 class HuggingFaceCausalLM(AdoptedCausalLM):
@@ -326,8 +406,10 @@ class HuggingFaceCausalLM(AdoptedCausalLM):
 
     A batch may be packed, ``{"input_ids": (B, T + 1), "position_ids": (B, T + 1)}`` (``data.TextDataModule(
     document_mask=True)``): positions restarting at each document are passed as transformers takes packed
-    sequences, and its attention functions make the block-diagonal causal mask (once per microbatch on each stage).
-    Families verified exact that way (:data:`PACKED_FAMILIES`) take them; others are refused by name.
+    sequences; full-attention layers under ``sdpa`` (and ``flex_attention`` on CUDA) attend document by document
+    (:func:`install_document_attention`), ``eager`` and sliding-window layers through the block-diagonal mask
+    transformers makes from the positions (once per microbatch on each stage). Families verified exact that way
+    (:data:`PACKED_FAMILIES`) take them; others are refused by name.
     """
 
     # ``dict[str, Any]`` first: jsonargparse then merges ``--model.init_args.config.hidden_size 128`` into the
@@ -473,7 +555,7 @@ class HuggingFaceCausalLM(AdoptedCausalLM):
         else:  # a packed batch, or a refusal naming what it lacks
             batch = packing.check_packed(batch, type(self).__name__)
             x = packing.packed_input(batch)
-            check_packed_supported(self.model.config, x[packing.INPUT_IDS].shape[-1])
+            check_packed_supported(self.model.config, x[packing.INPUT_IDS].shape[-1], self.device)
         length = (x[packing.INPUT_IDS] if isinstance(x, Mapping) else x).shape[-1]
         limit = getattr(self.config, "max_position_embeddings", None)
         if isinstance(limit, int) and length > limit:  # as models.Llama refuses rows past max_seq_len
@@ -485,7 +567,7 @@ class HuggingFaceCausalLM(AdoptedCausalLM):
     # ---- MoE: the router's load-balancing term (models/moe.py) ---------------------------------------------------
     def pipeline_loss(self, output: Any, batch: Any) -> torch.Tensor:
         if packing.is_packed(batch):
-            check_packed_supported(self.model.config)
+            check_packed_supported(self.model.config, device=self.device)
             return packing.document_loss(output, packing.check_packed(batch, type(self).__name__),
                                          self.skip_document_ends)
         if self._router_loss is None:

@@ -125,8 +125,8 @@ class Attention(nn.Module):
         else:
             cos, sin = rotary_cos_sin_at(position_ids, self.head_dim, self.rope_theta)
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-            mask = packing.document_causal_mask(position_ids)  # built once per microbatch on this stage
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+            # Each document's blocks only; what it needs is built once per microbatch on this stage.
+            y = packing.document_attention(q, k, v, position_ids, enable_gqa=gqa)
         return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
 
 

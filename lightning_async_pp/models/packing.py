@@ -1,17 +1,19 @@
-"""Packed rows with document masks: positions that restart at each document, the block-diagonal causal mask they
-imply, and the targets a loss may skip (see docs/design/data.md, 'Packed documents').
+"""Packed rows with document masks: positions that restart at each document, attention within each document, and
+the targets a loss may skip (see docs/design/data.md, 'Packed documents').
 
 A packed batch is a mapping ``{"input_ids": (B, T + 1), "position_ids": (B, T + 1)}`` (what
 ``data.TextDataModule(document_mask=True)`` yields): positions count from 0 at the start of each document, so a
 document starts where a position is not its predecessor's plus one (transformers' convention for packed sequences).
 Between pipeline layers the hidden state travels with its positions, as ``{"hidden": (B, T, C), "position_ids":
-(B, T)}``; each stage builds the mask once per microbatch from the positions it received (:func:`document_causal_mask`
-caches it by the positions tensor, which every layer of the stage is handed), so no (T, T) mask crosses a stage.
+(B, T)}``; each stage finds the documents once per microbatch in the positions it received (:class:`Documents`,
+kept for the positions tensor, which every layer of the stage is handed, while it holds those positions), and
+:func:`document_attention` computes only each document's blocks, so no (T, T) mask crosses a stage or, on the
+fast path, is made at all.
 """
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Optional
 
 import torch
 import torch.nn.functional as F
@@ -82,41 +84,161 @@ def document_ids(position_ids: Tensor) -> Tensor:
     return starts.cumsum(dim=-1) - 1
 
 
-def _version(t: Tensor) -> int:
-    """The tensor's in-place version (an inference tensor, made under ``torch.inference_mode``, keeps none)."""
-    return -1 if t.is_inference() else t._version
-
-
-_masks: WeakTensorKeyDictionary = WeakTensorKeyDictionary()
-
-
-def document_causal_mask(position_ids: Tensor) -> Tensor:
-    """The block-diagonal causal mask (B, 1, T, T), ``True`` where query ``i`` may attend to key ``j``: ``j <= i``
-    in the same document. Built once per positions tensor (a microbatch's on one stage: every layer of the stage is
-    handed that tensor) and kept while the tensor lives, recomputation under activation checkpointing included."""
-    cached = _masks.get(position_ids)
-    if cached is not None and cached[0] == _version(position_ids):
-        return cached[1]
-    docs = document_ids(position_ids)
-    length = position_ids.shape[-1]
-    causal = torch.ones(length, length, dtype=torch.bool, device=position_ids.device).tril()
-    mask = ((docs.unsqueeze(-1) == docs.unsqueeze(-2)) & causal).unsqueeze(1)
-    _masks[position_ids] = (_version(position_ids), mask)
-    return mask
-
-
 _cached: WeakTensorKeyDictionary = WeakTensorKeyDictionary()
 
 
 def per_positions(position_ids: Tensor, key: Any, build: Any) -> Any:
-    """``build()``, once per positions tensor and ``key`` (what else the value depends on): what every layer of a
-    stage needs from a microbatch's positions (an upstream model's mask and rotary tables, say)."""
-    entries = _cached.get(position_ids)
-    if entries is None or entries[0] != _version(position_ids):
-        entries = _cached[position_ids] = (_version(position_ids), {})
-    if key not in entries[1]:
-        entries[1][key] = build()
-    return entries[1][key]
+    """``build()``, once per microbatch's positions and ``key`` (what else the value depends on): what every layer of
+    a stage needs from a microbatch's positions (the document mask, an upstream model's rotary tables).
+
+    Kept while the positions tensor lives and used again only while it holds the same positions: a receive into a
+    pooled buffer (``pipeline/comm.py``, ``StageLink``) refills the tensor of an earlier microbatch without bumping
+    its version, so neither the tensor object nor its version says whose positions it holds; its content does."""
+    entry = _cached.get(position_ids)
+    if entry is None or entry[0].shape != position_ids.shape or not torch.equal(entry[0], position_ids):
+        entry = _cached[position_ids] = (position_ids.detach().clone(), {})
+    values = entry[1]
+    if key not in values:
+        values[key] = build()
+    return values[key]
+
+
+def document_causal_mask(position_ids: Tensor) -> Tensor:
+    """The block-diagonal causal mask (B, 1, T, T), ``True`` where query ``i`` may attend to key ``j``: ``j <= i``
+    in the same document. Built once per microbatch's positions on a stage (every layer of the stage is handed
+    them; :func:`per_positions`), recomputation under activation checkpointing included."""
+    return per_positions(position_ids, "document_causal_mask", lambda: _document_causal_mask(position_ids))
+
+
+def _document_causal_mask(position_ids: Tensor) -> Tensor:
+    docs = document_ids(position_ids)
+    length = position_ids.shape[-1]
+    causal = torch.ones(length, length, dtype=torch.bool, device=position_ids.device).tril()
+    return ((docs.unsqueeze(-1) == docs.unsqueeze(-2)) & causal).unsqueeze(1)
+
+
+#: The per-document path's cost of one attention call (forward and backward), in units of one query-key pair of a
+#: masked attention: measured on CPU (SmolLM-135M's heads, one thread) as about 2000 pairs; where a microbatch's
+#: documents are so many and short that their calls cost more than the masked (T, T) attention, the mask is used.
+CALL_COST_PAIRS = 2000
+
+
+class Documents:
+    """The document structure of one microbatch's positions (B, T), built once per microbatch on a stage
+    (:func:`documents`) and handed to every attention of its layers.
+
+    On CPU it holds each row's documents as ``(start, end)`` spans and whether attention goes document by document
+    (SDPA's causal kernel on each, computing only each document's blocks) or through the block-diagonal mask (where
+    its one call is cheaper than the documents' many: :data:`CALL_COST_PAIRS`). On CUDA it holds a ``flex_attention``
+    block mask, which skips the masked blocks without reading the positions back to the host."""
+
+    def __init__(self, position_ids: Tensor) -> None:
+        self.shape = tuple(position_ids.shape)
+        self.device = position_ids.device
+        self._position_ids = position_ids.detach().clone()  # a copy: the caller's buffer may be refilled
+        self._mask: Optional[Tensor] = None
+        self._block_mask: Any = None
+        self.spans: list[list[tuple[int, int]]] = []
+        self.per_document = False
+        self.flex = self.device.type == "cuda" and _flex() is not None
+        if not self.flex:
+            starts = _document_starts(self._position_ids)
+            length = self.shape[-1]
+            for row in starts:
+                bounds = [*row, length]
+                self.spans.append(list(zip(bounds[:-1], bounds[1:])))
+            calls = sum(len(row) for row in self.spans)
+            pairs = sum((b - a) * (b - a + 1) // 2 for row in self.spans for a, b in row)
+            self.per_document = calls * CALL_COST_PAIRS + pairs < len(self.spans) * length * length
+
+    def mask(self) -> Tensor:
+        """The block-diagonal causal mask (B, 1, T, T), built on first use."""
+        if self._mask is None:
+            self._mask = _document_causal_mask(self._position_ids)
+        return self._mask
+
+    def block_mask(self) -> Any:
+        """``flex_attention``'s block mask of the documents (CUDA), built on first use."""
+        if self._block_mask is None:
+            _, create_block_mask = _flex()
+            docs = document_ids(self._position_ids)
+
+            def same_document_causal(b: Tensor, h: Tensor, q: Tensor, kv: Tensor) -> Tensor:
+                return (docs[b, q] == docs[b, kv]) & (q >= kv)
+
+            batch, length = self.shape
+            self._block_mask = create_block_mask(same_document_causal, batch, None, length, length, device=self.device)
+        return self._block_mask
+
+    @property
+    def skips_masked_blocks(self) -> bool:
+        """Whether attention computes only each document's blocks (no (T, T) mask)."""
+        return self.flex or self.per_document
+
+
+def _document_starts(position_ids: Tensor) -> list[list[int]]:
+    """Each row's document starts (host ints): the first token and wherever a position is not its predecessor's
+    plus one."""
+    starts = torch.ones_like(position_ids, dtype=torch.bool)
+    starts[..., 1:] = position_ids[..., 1:] != position_ids[..., :-1] + 1
+    return [torch.nonzero(row).flatten().tolist() for row in starts.cpu()]
+
+
+_flex_functions: Any = None
+
+
+def _flex() -> Any:
+    """(``flex_attention``, ``create_block_mask``), compiled, or None where torch has no flex attention."""
+    global _flex_functions
+    if _flex_functions is None:
+        try:
+            from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+        except ImportError:
+            _flex_functions = False
+        else:
+            # Both compiled: flex attention's eager form computes every block; create_block_mask's evaluates the
+            # whole (T, T) mask (compiled, one graph serves every microbatch of a shape: the documents are an input).
+            _flex_functions = (torch.compile(flex_attention, dynamic=False), torch.compile(create_block_mask, dynamic=False))
+    return _flex_functions or None
+
+
+def documents(position_ids: Tensor) -> Documents:
+    """The :class:`Documents` of a microbatch's positions, built once per microbatch on a stage (:func:`per_positions`)."""
+    return per_positions(position_ids, "documents", lambda: Documents(position_ids))
+
+
+@torch.compiler.disable
+def document_attention(q: Tensor, k: Tensor, v: Tensor, position_ids: Tensor, *, dropout_p: float = 0.0,
+                       scale: Optional[float] = None, enable_gqa: bool = False) -> Tensor:
+    """Causal attention (B, heads, T, head_dim) within each document of ``position_ids`` (B, T), equal to SDPA
+    through :func:`document_causal_mask` (float rounding apart): on CPU document by document with SDPA's causal
+    kernel (or through the mask where that is cheaper, :class:`Documents`), on CUDA by ``flex_attention`` with a
+    block mask (the mask where there is dropout, which flex attention lacks). The :class:`Documents` are built once
+    per microbatch on a stage. Compiled layers call this eagerly: a document's bounds are host integers a compiled
+    graph would recompile for."""
+    return attend_documents(q, k, v, documents(position_ids), dropout_p=dropout_p, scale=scale, enable_gqa=enable_gqa)
+
+
+def attend_documents(q: Tensor, k: Tensor, v: Tensor, docs: Documents, *, dropout_p: float = 0.0,
+                     scale: Optional[float] = None, enable_gqa: bool = False) -> Tensor:
+    """:func:`document_attention` given the microbatch's :class:`Documents`."""
+    if docs.flex and dropout_p == 0.0:
+        flex_attention, _ = _flex()
+        return flex_attention(q, k, v, block_mask=docs.block_mask(), scale=scale, enable_gqa=enable_gqa)
+    if not docs.per_document:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=docs.mask(), dropout_p=dropout_p, scale=scale,
+                                              enable_gqa=enable_gqa)
+    # split, not sliced: a split's backward joins the documents' gradients in one copy, where each slice's would
+    # fill a zero tensor of the whole row
+    rows = []
+    for qb, kb, vb, spans in zip(q.split(1), k.split(1), v.split(1), docs.spans):
+        lengths = [e - s for s, e in spans]
+        rows.append(torch.cat([
+            F.scaled_dot_product_attention(qd, kd, vd, is_causal=True, dropout_p=dropout_p, scale=scale,
+                                           enable_gqa=enable_gqa)
+            for qd, kd, vd in zip(qb.split(lengths, dim=2), kb.split(lengths, dim=2), vb.split(lengths, dim=2))],
+            dim=2))
+    return torch.cat(rows, dim=0) if len(rows) > 1 else rows[0]
 
 
 def document_targets(batch: Mapping[str, Tensor], skip_document_ends: bool) -> Tensor:
