@@ -256,7 +256,7 @@ def test_a_flipped_bit_in_a_file_only_the_last_stage_reads_is_refused_on_every_p
     flip_a_bit(copy / head)
     # A refusal on rank 1 alone, before the collective load, left rank 0 waiting in it (30 min under NCCL); the
     # process group's timeout is made longer than the run's bound so that it cannot be what ends rank 0 either.
-    proc = run_script(SCRIPT, dict(steps=5, devices=2, resume=str(copy), pipeline_timeout=300.0), tmp_path, timeout=120)
+    proc = run_script(SCRIPT, dict(steps=5, devices=2, resume=str(copy), pipeline_timeout=300.0), tmp_path, timeout=180)
     ranks = proc.stderr.split("---- rank ")[1:]
     assert proc.returncode != 0 and len(ranks) == 2, proc.stderr[-5000:]
     for text in ranks:

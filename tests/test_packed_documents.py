@@ -303,7 +303,7 @@ def test_rows_longer_than_max_position_embeddings_are_refused_before_any_update_
 @pytest.mark.parametrize("rope", [{"rope_type": "dynamic", "factor": 4.0},
                                   {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16}],
                          ids=["dynamic", "yarn-as-qwen2.5"])
-def test_token_rows_up_to_the_length_a_scaled_rope_supports_get_upstreams_loss_and_gradients_and_longer_ones_are_refused(rope):
+def test_token_rows_up_to_the_length_a_scaled_rope_supports_match_upstream_and_longer_ones_are_refused(rope):
     """A dynamic rope, and a yarn one whose max_position_embeddings stays the original length (Qwen2.5: 32768,
     factor 4), are for rows past max_position_embeddings: up to factor times it. Packed rows stay refused past the
     length where dynamic's tables change (test above)."""

@@ -190,9 +190,6 @@ class ShardedSource(TensorSource):
         self.shapes = {k: (m.size, m.properties.dtype) if hasattr(m, "size") else None
                        for k, m in metadata.state_dict_metadata.items()}
         self.checksums = read_checksums(path)
-        self.files: dict[str, set[str]] = {}  # key -> the shard files that hold it
-        for index, info in (getattr(metadata, "storage_data", None) or {}).items():
-            self.files.setdefault(index.fqn, set()).add(info.relative_path)
         self.verified: set[str] = set()
 
     def read(self, keys: Iterable[str]) -> dict[str, Any]:
@@ -242,7 +239,7 @@ class _CheckedReader(dcp.FileSystemReader):
 
 
 def _damaged_file(err: BaseException) -> Optional["UnreadableCheckpoint"]:
-    """The :class:`UnreadableCheckpoint` of the lowest rank among the failures a DCP ``CheckpointException`` gathered."""
+    """The :class:`UnreadableCheckpoint` of the lowest rank among the failures DCP's ``CheckpointException`` holds."""
     failures = getattr(err, "failures", None) or {}
     found = [failures[rank][0] for rank in sorted(failures)
              if isinstance(failures[rank], tuple) and isinstance(failures[rank][0], UnreadableCheckpoint)]
