@@ -233,6 +233,36 @@ def test_a_flipped_bit_in_any_file_of_a_sharded_checkpoint_is_refused_naming_it_
     assert f"{str(copy / ckpt.CHECKSUMS_FILE)!r}: its list of the files' checksums fails its own checksum" in message
 
 
+def one_file_per_tensor(saved: Path, copy: Path) -> dict[str, str]:
+    """``saved`` written again at ``copy`` with each value in its own shard file (DCP's ``single_file_per_rank=False``),
+    checksums recorded, as a save across processes leaves files that only one stage reads; returns key -> file."""
+    source = ckpt.ShardedSource(str(saved))
+    flat = source.read(source.shapes)
+    copy.mkdir(parents=True)
+    shutil.copy(saved / ckpt.META_FILE, copy / ckpt.META_FILE)
+    ckpt.dcp.save(flat, storage_writer=ckpt.ChecksummedWriter(str(copy), single_file_per_rank=False), no_dist=True)
+    return {index.fqn: info.relative_path
+            for index, info in ckpt.dcp.FileSystemReader(str(copy)).read_metadata().storage_data.items()}
+
+
+@pytest.mark.multiprocess
+@pytest.mark.traffic_unchecked("the resume is refused on purpose: no run ends cleanly")
+def test_a_flipped_bit_in_a_file_only_the_last_stage_reads_is_refused_on_every_process_naming_it(saved, tmp_path):
+    from pipeline_runs import run_script
+
+    copy = tmp_path / "last.ckpt"
+    files = one_file_per_tensor(saved / "last.ckpt", copy)
+    head = files[ckpt.MODEL + "layers.3.1.weight"]  # the last layer: stage 1's of 2, read by rank 1 alone
+    flip_a_bit(copy / head)
+    # A refusal on rank 1 alone, before the collective load, left rank 0 waiting in it (30 min under NCCL); the
+    # process group's timeout is made longer than the run's bound so that it cannot be what ends rank 0 either.
+    proc = run_script(SCRIPT, dict(steps=5, devices=2, resume=str(copy), pipeline_timeout=300.0), tmp_path, timeout=180)
+    ranks = proc.stderr.split("---- rank ")[1:]
+    assert proc.returncode != 0 and len(ranks) == 2, proc.stderr[-5000:]
+    for text in ranks:
+        assert f"{str(copy / head)!r}: its CRC-32 is" in text and "another checkpoint" in text, text[-3000:]
+
+
 def test_a_flipped_bit_in_a_single_file_checkpoint_is_refused_naming_it_by_resume_and_export(saved, tmp_path):
     from lightning_async_pp import export
 

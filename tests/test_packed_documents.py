@@ -384,6 +384,62 @@ def test_rows_longer_than_max_position_embeddings_are_refused_before_any_update_
 
 
 @pytest.mark.hf
+@pytest.mark.parametrize("rope", [{"rope_type": "dynamic", "factor": 4.0},
+                                  {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16}],
+                         ids=["dynamic", "yarn-as-qwen2.5"])
+def test_token_rows_up_to_the_length_a_scaled_rope_supports_match_upstream_and_longer_ones_are_refused(rope):
+    """A dynamic rope, and a yarn one whose max_position_embeddings stays the original length (Qwen2.5: 32768,
+    factor 4), are for rows past max_position_embeddings: up to factor times it. Packed rows stay refused past the
+    length where dynamic's tables change (test above)."""
+    from torch.utils.data import DataLoader
+
+    from helpers import one_device_trainer
+    from lightning_async_pp import AsyncPipelineStrategy
+
+    ours, upstream = hf_pair("llama", positions=16, rope_scaling=rope)
+    rows = torch.randint(0, VOCAB, (4, 65), generator=torch.Generator().manual_seed(0))  # 64 tokens: 4 x 16
+    loss = ours.pipeline_loss(ours.pipeline_forward(rows), rows)
+    expected = F.cross_entropy(upstream(input_ids=rows[:, :-1]).logits.flatten(0, 1), rows[:, 1:].flatten())
+    loss.backward()
+    expected.backward()
+    torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-6)
+    grads = dict(upstream.named_parameters())
+    for name, p in ours.named_parameters():
+        torch.testing.assert_close(p.grad, grads[name].grad, rtol=1e-4, atol=1e-6, msg=name)
+    ours.zero_grad(set_to_none=True)
+    one_device_trainer(AsyncPipelineStrategy(num_microbatches=2), steps=1).fit(
+        ours.train(), DataLoader(rows, batch_size=4))
+    upstream.load_state_dict(ours.state_dict())
+    with torch.no_grad():  # the trained weights give upstream's logits (the rotary tables as upstream's, not stale)
+        torch.testing.assert_close(ours.eval().pipeline_forward(rows), upstream(input_ids=rows[:, :-1]).logits,
+                                   rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match=f"rows of 65 tokens are longer than the 64 positions the config's "
+                                         f"{rope['rope_type']} rope scaling supports .*max_position_embeddings 16"):
+        ours.pipeline_input(torch.randint(0, VOCAB, (2, 66)))
+    if rope["rope_type"] == "dynamic":
+        with pytest.raises(ValueError, match="packed rows of 20 tokens with rope_type 'dynamic'"):
+            ours.pipeline_input({"input_ids": rows[:, :21], "position_ids": torch.arange(21).expand(4, 21)})
+
+
+@pytest.mark.hf
+def test_the_supported_length_of_published_rope_configs_is_the_length_they_are_published_for():
+    pytest.importorskip("transformers")
+    from transformers import LlamaConfig, Phi3Config
+
+    from lightning_async_pp.models.huggingface import supported_positions
+
+    qwen25 = LlamaConfig(max_position_embeddings=32768,  # Qwen2.5's config.json for 128K tokens (its README)
+                         rope_scaling={"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768})
+    llama31 = LlamaConfig(max_position_embeddings=131072, rope_scaling={
+        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192})
+    phi3 = Phi3Config(max_position_embeddings=131072, original_max_position_embeddings=4096, rope_scaling={
+        "type": "longrope", "short_factor": [1.0] * 48, "long_factor": [2.0] * 48})
+    assert [supported_positions(c) for c in (qwen25, llama31, phi3, LlamaConfig(max_position_embeddings=2048))] == [
+        131072, 131072, 131072, 2048]
+
+
+@pytest.mark.hf
 def test_an_hf_dict_batch_without_position_ids_is_told_the_key_it_lacks():
     ours, _ = hf_pair("llama")
     with pytest.raises(TypeError, match="needs 'position_ids' beside 'input_ids'.*got keys \\['input_ids'\\]"):

@@ -295,14 +295,38 @@ PACKED_ATTENTION_CUDA = ("flex_attention", "flash_attention_2")
 DOCUMENT_ATTENTION = ("sdpa", "flex_attention", "flash_attention_2")
 
 
-def rope_types(config: Any) -> set[str]:
-    """The config's rope types (``rope_scaling`` in transformers 4, ``rope_parameters`` in 5, which may hold one per
-    kind of layer; ``default`` if none)."""
+def rope_kinds(config: Any) -> list[Mapping[str, Any]]:
+    """The config's rope settings (``rope_scaling`` in transformers 4, ``rope_parameters`` in 5, which may hold one
+    per kind of layer; ``[{}]`` if none)."""
     rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
     if not isinstance(rope, Mapping):
-        return {"default"}
-    kinds = list(rope.values()) if rope and all(isinstance(v, Mapping) for v in rope.values()) else [rope]
-    return {str(kind.get("rope_type", kind.get("type", "default"))) for kind in kinds}
+        return [{}]
+    return list(rope.values()) if rope and all(isinstance(v, Mapping) for v in rope.values()) else [rope]
+
+
+def rope_types(config: Any) -> set[str]:
+    """The config's rope types (``default`` if none)."""
+    return {str(kind.get("rope_type", kind.get("type", "default"))) for kind in rope_kinds(config)}
+
+
+def supported_positions(config: Any) -> Optional[int]:
+    """The longest row the config's rope is meant for: ``max_position_embeddings``, or where a scaled rope extends
+    it, ``factor`` times the original length (transformers' config docs: "a factor of x will enable the model to
+    handle sequences of length x * original maximum pre-trained length"; the original is ``rope_scaling``'s or the
+    config's ``original_max_position_embeddings``, else ``max_position_embeddings``: dynamic, linear, yarn as
+    Qwen2.5 keeps 32768). The larger of the two (Llama 3.1's llama3 rope: 8 x 8192 against 131072)."""
+    limit = getattr(config, "max_position_embeddings", None)
+    if not isinstance(limit, int):
+        return None
+    supported = limit
+    for kind in rope_kinds(config):
+        factor = kind.get("factor")
+        if str(kind.get("rope_type", kind.get("type", "default"))) == "default" or not isinstance(factor, (int, float)):
+            continue
+        original = (kind.get("original_max_position_embeddings")
+                    or getattr(config, "original_max_position_embeddings", None) or limit)
+        supported = max(supported, int(factor * original))
+    return supported
 
 
 def position_dependent_rope(config: Any) -> Optional[tuple[str, int]]:
@@ -557,11 +581,14 @@ class HuggingFaceCausalLM(AdoptedCausalLM):
             x = packing.packed_input(batch)
             check_packed_supported(self.model.config, x[packing.INPUT_IDS].shape[-1], self.device)
         length = (x[packing.INPUT_IDS] if isinstance(x, Mapping) else x).shape[-1]
-        limit = getattr(self.config, "max_position_embeddings", None)
-        if isinstance(limit, int) and length > limit:  # as models.Llama refuses rows past max_seq_len
-            raise ValueError(f"HuggingFaceCausalLM: rows of {length} tokens are longer than the config's "
-                             f"max_position_embeddings {limit}; use a block_size of at most {limit} (or a config "
-                             f"with max_position_embeddings >= {length})")
+        limit = supported_positions(self.config)
+        if limit is not None and length > limit:  # as models.Llama refuses rows past max_seq_len
+            what = (f"the {limit} positions the config's {'/'.join(sorted(rope_types(self.config)))} rope scaling "
+                    f"supports (its factor times the original length; max_position_embeddings "
+                    f"{self.config.max_position_embeddings})" if limit != self.config.max_position_embeddings
+                    else f"the config's max_position_embeddings {limit}")
+            raise ValueError(f"HuggingFaceCausalLM: rows of {length} tokens are longer than {what}; use a block_size "
+                             f"of at most {limit} (or a config whose rope supports {length} positions)")
         return x
 
     # ---- MoE: the router's load-balancing term (models/moe.py) ---------------------------------------------------

@@ -199,31 +199,31 @@ class ShardedSource(TensorSource):
         self.shapes = {k: (m.size, m.properties.dtype) if hasattr(m, "size") else None
                        for k, m in metadata.state_dict_metadata.items()}
         self.checksums = read_checksums(path)
-        self.files: dict[str, set[str]] = {}  # key -> the shard files that hold it
-        for index, info in (getattr(metadata, "storage_data", None) or {}).items():
-            self.files.setdefault(index.fqn, set()).add(info.relative_path)
         self.verified: set[str] = set()
 
     def read(self, keys: Iterable[str], layouts: Optional[Mapping[str, DTensorSpec]] = None) -> dict[str, Any]:
-        """Collective: every process calls it (each with the keys it needs). The shard files that hold them are
-        checked against their checksums first (each once): a damaged one is named before anything is loaded. A
+        """Collective: every process calls it (each with the keys it needs). Each process checks the shard files it
+        reads against their checksums (each once) inside DCP's read, so a damaged file fails the load on every
+        process alike, named: a process refusing alone before the load would leave the others waiting in it. A
         key in ``layouts`` is read into a DTensor of that layout: DCP reads only the pieces of the saved shards
         that this process's shard covers, whatever the layout they were saved in."""
         keys, layouts = list(keys), layouts or {}
-        if self.checksums is not None:
-            for relative in sorted({f for k in keys for f in self.files.get(k, ())} - self.verified):
-                verify_file(self.path, relative, self.checksums)
-                self.verified.add(relative)
         out: dict[str, Any] = {}
         for k in keys:
             shape = self.shapes[k]
             out[k] = (b"" if shape is None else torch.empty(shape[0], dtype=shape[1]) if k not in layouts
                       else _empty_laid_out(shape[0], shape[1], layouts[k]))
+        reader = _CheckedReader(self.path, self.checksums or {}, self.verified)
         # Without a process group (one device, consolidation) each process reads alone.
         try:
-            dcp.load(out, checkpoint_id=self.path, planner=WeightsOnlyLoadPlanner(),
+            dcp.load(out, storage_reader=reader, planner=WeightsOnlyLoadPlanner(),
                      no_dist=not torch.distributed.is_initialized())
+        except UnreadableCheckpoint:  # read alone: the file is named already
+            raise
         except (Exception, CheckpointException) as err:  # DCP's names neither the file nor the cause's kind
+            damaged = _damaged_file(err)
+            if damaged is not None:  # a process found a damaged file: every process raises its error
+                raise UnreadableCheckpoint(damaged.path, damaged.problem, damaged.way_out) from err
             refused = _refused_global(str(err))
             if refused is not None:
                 raise UnreadableCheckpoint(
@@ -241,14 +241,42 @@ def _empty_laid_out(shape: torch.Size, dtype: torch.dtype, spec: DTensorSpec) ->
     return empty(shape, dtype=dtype, device_mesh=mesh, placements=placements)
 
 
+class _CheckedReader(dcp.FileSystemReader):
+    """DCP's file reader, which first checks each shard file this process's plan reads against its checksum (those
+    in ``verified`` passed already). In DCP's read step, so that its gather of each process's outcome carries the
+    refusal to every process."""
+
+    def __init__(self, path: str, checksums: Mapping[str, str], verified: set[str]) -> None:
+        super().__init__(path)
+        self.root, self.checksums, self.verified = path, checksums, verified
+
+    def read_data(self, plan: Any, planner: Any) -> Future:
+        for relative in sorted({self.storage_data[item.storage_index].relative_path for item in plan.items}
+                               - self.verified):
+            verify_file(self.root, relative, self.checksums)
+            self.verified.add(relative)
+        return super().read_data(plan, planner)
+
+
+def _damaged_file(err: BaseException) -> Optional["UnreadableCheckpoint"]:
+    """The :class:`UnreadableCheckpoint` of the lowest rank among the failures DCP's ``CheckpointException`` holds."""
+    failures = getattr(err, "failures", None) or {}
+    found = [failures[rank][0] for rank in sorted(failures)
+             if isinstance(failures[rank], tuple) and isinstance(failures[rank][0], UnreadableCheckpoint)]
+    return found[0] if found else None
+
+
 # ---- damaged checkpoints: say which file, what is wrong and what to do ----------------------------------------------
 class UnreadableCheckpoint(ValueError):
     """A checkpoint that cannot be read: cut short, damaged, or not a checkpoint. The message names the file or
     directory, what is wrong with it and the way out."""
 
     def __init__(self, path: str, problem: str, way_out: Optional[str] = None) -> None:
-        self.path = path
+        self.path, self.problem, self.way_out = path, problem, way_out
         super().__init__(f"cannot read the checkpoint {path!r}: {problem}. {way_out or DAMAGED}")
+
+    def __reduce__(self) -> tuple:  # rebuilt on the other processes when DCP gathers a process's failure
+        return type(self), (self.path, self.problem, self.way_out)
 
 
 #: The way out of a checkpoint that was cut short or damaged.
