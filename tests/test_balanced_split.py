@@ -439,3 +439,36 @@ def test_the_split_counts_the_optimizer_state_the_configured_optimizer_keeps(opt
     real = real_state_bytes(trainer)
     assert all(r > 0 for r in real)
     assert predicted == real, (predicted, real)
+
+
+class CachingLayer(nn.Module):
+    """A layer whose forward caches what it computes: on an attribute that was ``None``, in a dict and in a list
+    filled in place (as rotary tables and masks are cached)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = nn.Linear(8, 8)
+        self.table, self.by_length, self.seen = None, {}, []
+
+    def forward(self, x):
+        T = x.shape[1]
+        if self.table is None:
+            self.table = torch.arange(T, device=x.device, dtype=x.dtype)
+        if T not in self.by_length:
+            self.by_length[T] = torch.arange(T, device=x.device, dtype=x.dtype)
+        self.seen.append(x.shape)
+        return self.lin(x) + self.table[:, None] + self.by_length[T][:, None]
+
+
+def test_costing_leaves_a_layer_that_caches_in_its_forward_as_it_was():
+    """Issue 54, item 12: costing never changes a module. An attribute set from ``None`` to a tensor was deleted
+    (the next forward raised AttributeError) and caches filled in place kept fake tensors (the next forward
+    returned one); after costing, the layer's attributes are as before and its forward equals an uncosted copy's."""
+    layer, reference = CachingLayer(), CachingLayer()
+    batch = torch.randn(2, 5, 8)
+    layer_costs([layer], batch, lambda b: b, lambda out, b: out.sum())
+    assert layer.table is None and layer.by_length == {} and layer.seen == []
+    out = layer(batch)
+    assert type(out) is torch.Tensor and torch.equal(out, reference(batch))
+

@@ -12,6 +12,7 @@ program over prefix sums. See docs/design/planner.md, "Balanced split".
 """
 from __future__ import annotations
 
+import copy
 import types
 from collections.abc import Callable, Collection, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
@@ -89,14 +90,39 @@ def _plain_object(value: Any) -> bool:
                                                                   types.MethodType, types.ModuleType)))
 
 
+_CONTAINERS = (dict, list, set)
+
+
+def _snapshot(obj: Any) -> tuple[Any, dict[str, tuple[Any, Any]]]:
+    """Every attribute of ``obj`` (a module's ``_parameters`` and ``_buffers`` too), with a shallow copy of the
+    contents of each dict, list or set among them (a cache filled in place)."""
+    return obj, {k: (v, copy.copy(v) if isinstance(v, _CONTAINERS) else None) for k, v in vars(obj).items()}
+
+
+def _restore(obj: Any, attrs: dict[str, tuple[Any, Any]]) -> None:
+    """Put back what :func:`_snapshot` took: the very objects, a container's contents as they were, an attribute
+    the costing added removed (one it set from ``None`` to a tensor is ``None`` again)."""
+    now = vars(obj)
+    for k in [k for k in now if k not in attrs]:
+        del now[k]
+    for k, (value, contents) in attrs.items():
+        now[k] = value
+        if isinstance(value, list):
+            value[:] = contents
+        elif isinstance(value, (dict, set)):
+            value.clear()
+            value.update(contents)
+
+
 @contextmanager
 def left_as_they_were(layers: Sequence[nn.Module]) -> Iterator[None]:
     """Costing runs the layers' own code, which may cache what it computes or move a shared table to its input's
     device (an HF model's shared rotary module, litgpt's ``RopeCache``, both held by the layers' forward hooks): on
     fake tensors of another device that cache would keep fake tensors, and the next real forward would fail.
-    Whatever tensors the layers, their submodules, their hooks and the objects those hold (two levels) keep are
-    put back afterwards, the very objects, whatever the costing did."""
-    modules: dict[int, tuple[nn.Module, dict, dict, dict]] = {}
+    Every attribute of the layers, their submodules, their hooks and the objects those hold (two levels) is put
+    back afterwards, the very objects, and the contents of the dicts, lists and sets among them (caches filled in
+    place) as they were, whatever the costing did."""
+    modules: dict[int, tuple[Any, dict]] = {}
     objects: dict[int, tuple[Any, dict]] = {}
 
     def visit(value: Any, depth: int) -> None:
@@ -104,12 +130,11 @@ def left_as_they_were(layers: Sequence[nn.Module]) -> Iterator[None]:
             for m in value.modules():
                 if id(m) in modules:
                     continue
-                modules[id(m)] = (m, dict(m._parameters), dict(m._buffers),
-                                  {k: v for k, v in vars(m).items() if isinstance(v, Tensor)})
+                modules[id(m)] = _snapshot(m)
                 for hook in [*m._forward_pre_hooks.values(), *m._forward_hooks.values()]:
                     visit(getattr(hook, "__self__", hook), 0)  # a bound method's object, or the hook object
         elif _plain_object(value) and id(value) not in objects and depth <= 2:
-            objects[id(value)] = (value, dict(vars(value)))
+            objects[id(value)] = _snapshot(value)
             for attr in list(vars(value).values()):
                 visit(attr, depth + 1)
 
@@ -118,16 +143,8 @@ def left_as_they_were(layers: Sequence[nn.Module]) -> Iterator[None]:
     try:
         yield
     finally:
-        for m, params, buffers, tensors in modules.values():
-            for store, before in ((m._parameters, params), (m._buffers, buffers)):
-                store.clear()
-                store.update(before)
-            for k in [k for k, v in vars(m).items() if isinstance(v, Tensor) and k not in tensors]:
-                delattr(m, k)  # a tensor the costing cached on the module
-            vars(m).update(tensors)
-        for obj, attrs in objects.values():
-            vars(obj).clear()
-            vars(obj).update(attrs)
+        for obj, attrs in [*modules.values(), *objects.values()]:
+            _restore(obj, attrs)
 
 
 def _autocast_on(device: torch.device) -> bool:
