@@ -294,6 +294,9 @@ class MemoryModel:
     # Per layer: the bytes of state the configured optimizer keeps for its parameters, found by the strategy from
     # one step on meta stand-ins (ErrorFeedback's buffer, Muon's momentum, any optimizer's); None: ``optimizer``'s rule
     state_bytes: Optional[tuple[int, ...]] = None
+    # Of ``state_bytes``, each parameter several layers hold (a tied weight): its bytes and those layers. Counted in
+    # each of them above; a stage holding several keeps it once.
+    state_shared: tuple[tuple[int, tuple[int, ...]], ...] = ()
 
     def runs_ahead(self, stage: int) -> bool:
         """Whether ``stage`` runs the next batch's first backward before this batch's update (two gradients):
@@ -343,8 +346,13 @@ def stage_peak(costs: Sequence[LayerCost], start: int, stop: int, stage: int, mo
             + (layers[-1].output_bytes if stage < p - 1 else 0))
     working = kept + max(c.transient_bytes for c in layers)
     correction = round(model.correction_buffers * weights / shards)
-    state = (sum(model.state_bytes[start:stop]) if model.state_bytes is not None
-             else optimizer_state(model.optimizer, weights, sum(c.matrix_param_bytes for c in layers))) // shards
+    if model.state_bytes is not None:
+        state = sum(model.state_bytes[start:stop]) - sum(
+            nbytes * (held - 1) for nbytes, holders in model.state_shared
+            if (held := sum(start <= i < stop for i in holders)) > 1)
+    else:
+        state = optimizer_state(model.optimizer, weights, sum(c.matrix_param_bytes for c in layers))
+    state //= shards
     peak = stage_memory(model.action_order() if result is None else result, stage, weight_bytes=weights,
                         saved_bytes=kept, working_bytes=working, first_working_bytes=max(working, weights),
                         optimizer_state_bytes=state, correction_bytes=correction, update_bytes=correction,
