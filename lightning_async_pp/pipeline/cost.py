@@ -41,7 +41,9 @@ class LayerCost:
     output_bytes: int = 0  # its floating output not among what it keeps: a stage ending here holds it (sent on)
     transient_bytes: int = 0  # what its backward allocates beyond what it keeps, at its peak (0: not measured)
     matrix_param_bytes: int = 0  # of ``param_bytes``, the hidden matrices' (Muon keeps one momentum for them)
-    cast_bytes: int = 0  # autocast's cached copies of its weights: held once per step, whatever the microbatches
+    # a cache-enabled autocast's cached copies of its weights: one set per batch a step's region forwards (and per
+    # set a microbatch in flight keeps from an earlier step), whatever the microbatches (memory.peak_points)
+    cast_bytes: int = 0
 
     @property
     def flops(self) -> int:
@@ -219,8 +221,9 @@ def layer_costs(layers: Sequence[nn.Module], sample_batch: Any, input_fn: Callab
                     out = loss_fn(out, batch)
             cast_bytes = 0
             if _autocast_on(device):
-                # Autocast casts each weight once per region and caches the copy: every microbatch's forward
-                # keeps the same one. A second forward finds which saved storages are those cached casts.
+                # A cache-enabled autocast casts each weight leaf once per region and caches the copy: every
+                # microbatch's forward keeps the same one. A second forward finds which saved storages are those
+                # cached casts. (Lightning's bf16-mixed turns the cache off: none are, each microbatch keeps its own.)
                 again: dict[StorageWeakRef, int] = {}
                 into[0] = again
                 with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
@@ -328,7 +331,9 @@ def stage_peak(costs: Sequence[LayerCost], start: int, stop: int, stage: int, mo
     - weights: the layers' parameters (and as many bytes of gradient per batch whose gradients exist);
     - kept per microbatch: what the layers' forwards keep, plus the stage's input (received from the stage before)
       and its output (sent to the stage after), which the runtime holds until the backward;
-    - autocast's cached casts of the weights (bf16-mixed), once, beside whatever else is held;
+    - a cache-enabled autocast's cached casts of the weights, as many sets as are alive at each point (one per
+      batch this step's region forwards, and those microbatches in flight keep from an earlier step: 2 under 2bw);
+      Lightning's bf16-mixed caches none, and each microbatch's own copies are among what it keeps;
     - working set of a backward: the kept bytes plus the largest layer's transient; a batch's first backward
       allocates the gradients as it frees activations, so it peaks at the larger of the two;
     - the optimizer's state (``model.state_bytes`` where known, else ``model.optimizer``'s rule) and a
@@ -356,10 +361,10 @@ def stage_peak(costs: Sequence[LayerCost], start: int, stop: int, stage: int, mo
     peak = stage_memory(model.action_order() if result is None else result, stage, weight_bytes=weights,
                         saved_bytes=kept, working_bytes=working, first_working_bytes=max(working, weights),
                         optimizer_state_bytes=state, correction_bytes=correction, update_bytes=correction,
+                        cast_bytes=sum(c.cast_bytes for c in layers),
                         run_ahead=model.run_ahead and model.data_parallel_size == 1,
                         points=model.peak_points(stage) if result is None else None)
-    casts = sum(c.cast_bytes for c in layers)  # beside whatever is in flight, at every point of the step
-    return replace(peak, activations=peak.activations + casts) if casts else peak
+    return peak
 
 
 def stage_memory_bytes(costs: Sequence[LayerCost], start: int, stop: int, stage: int, model: MemoryModel) -> float:
