@@ -378,7 +378,7 @@ def test_a_block_keeps_its_input_and_its_relu_output_and_checkpointed_only_its_i
     assert ckpt[1].transient_bytes == plain[1].activation_bytes and ckpt[0] == plain[0] and ckpt[3] == plain[3]
     assert ckpt[1].backward_flops == plain[1].backward_flops + plain[1].forward_flops
     # under bf16 autocast a Linear keeps bf16 copies of its input and weight, the ReLU its bf16 output; the weight
-    # copies are autocast's cached casts, made once per step and shared by every microbatch's forward
+    # copies are autocast's cached casts, made once per region and weight leaf, shared by the batch's microbatches
     bf16 = layer_costs(layers, torch.zeros(B, D), lambda b: b, loss,
                        context=lambda: torch.autocast("cpu", dtype=torch.bfloat16))
     assert bf16[1].activation_bytes == 2 * (B * D + B * H) and bf16[1].cast_bytes == 2 * (D * H + H * D)
@@ -388,8 +388,9 @@ def test_the_engine_costs_the_split_with_checkpointing_and_a_cap_it_makes_room_f
     """With checkpointing on, the engine's predicted peaks drop by the block's kept bytes less its input for
     each microbatch in flight, and a cap that only checkpointing meets is accepted (it was refused, suggesting
     activation checkpointing while it was on)."""
-    off = block_trainer(Blocks()).strategy.engine.stats.split
-    on = block_trainer(Blocks(), activation_checkpointing=True).strategy.engine.stats.split
+    # under a cap (any cap: the account counts the configured optimizer's state, here SGD's: none)
+    off = block_trainer(Blocks(), stage_memory_gib=1.0).strategy.engine.stats.split
+    on = block_trainer(Blocks(), activation_checkpointing=True, stage_memory_gib=1.0).strategy.engine.stats.split
     # Stage 0 of 1f1b at m = 2 peaks beside one batch's gradients: off, with one microbatch's two blocks kept (their
     # inputs and ReLU outputs) and its output; on, in the second backward, where the two blocks' inputs and the
     # output are kept and one block's forward is recomputed (its input and ReLU output again).
@@ -433,9 +434,129 @@ def test_the_split_counts_the_optimizer_state_the_configured_optimizer_keeps(opt
     make = {"adamw": lambda named: torch.optim.AdamW([p for _, p in named], lr=1e-3),
             "muon": lambda named: Muon(named, lr=1e-3),
             "error_feedback_muon": lambda named: ErrorFeedback(named, optimizer=lambda ps: Muon(ps, lr=1e-3))}[optimizer]
-    sgd = block_trainer(Blocks()).strategy.engine.stats.split
-    trainer = block_trainer(Blocks(make))
+    capped = {"partition": "balanced", "stage_memory_gib": 1.0}  # the split reads it under a cap only
+    sgd = block_trainer(Blocks(), **capped).strategy.engine.stats.split
+    trainer = block_trainer(Blocks(make), **capped)
+    assert trainer.strategy.engine.stats.split.counts == sgd.counts
     predicted = [a - b for a, b in zip(trainer.strategy.engine.stats.split.memory_bytes, sgd.memory_bytes)]
     real = real_state_bytes(trainer)
     assert all(r > 0 for r in real)
     assert predicted == real, (predicted, real)
+
+
+class CachingLayer(nn.Module):
+    """A layer whose forward caches what it computes: on an attribute that was ``None``, in a dict and in a list
+    filled in place (as rotary tables and masks are cached)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = nn.Linear(8, 8)
+        self.table, self.by_length, self.seen = None, {}, []
+
+    def forward(self, x):
+        T = x.shape[1]
+        if self.table is None:
+            self.table = torch.arange(T, device=x.device, dtype=x.dtype)
+        if T not in self.by_length:
+            self.by_length[T] = torch.arange(T, device=x.device, dtype=x.dtype)
+        self.seen.append(x.shape)
+        return self.lin(x) + self.table[:, None] + self.by_length[T][:, None]
+
+
+def test_costing_leaves_a_layer_that_caches_in_its_forward_as_it_was():
+    """Issue 54, item 12: costing never changes a module. An attribute set from ``None`` to a tensor was deleted
+    (the next forward raised AttributeError) and caches filled in place kept fake tensors (the next forward
+    returned one); after costing, the layer's attributes are as before and its forward equals an uncosted copy's."""
+    layer, reference = CachingLayer(), CachingLayer()
+    batch = torch.randn(2, 5, 8)
+    layer_costs([layer], batch, lambda b: b, lambda out, b: out.sum())
+    assert layer.table is None and layer.by_length == {} and layer.seen == []
+    out = layer(batch)
+    assert type(out) is torch.Tensor and torch.equal(out, reference(batch))
+
+
+def capped_state_bytes(model):
+    """Per layer, the optimizer state the split under a cap counts (AdamW: two moments of each parameter)."""
+    trainer = block_trainer(model, partition="balanced", stage_memory_gib=1.0)
+    return trainer.strategy.engine.optimizer_state_bytes
+
+
+def test_the_optimizer_state_is_counted_on_the_whole_model_after_a_multi_process_call():
+    """After a multi-process call each process's tree holds placeholders for other stages' layers (here: what rank
+    1 of 2 keeps); the state was found on that tree, layers outside it counting 0, so the processes chose
+    different splits under a cap. Counted on the whole model, every process sees a fresh model's numbers."""
+    from lightning_async_pp.pipeline.placement import layer_paths, remove_other_stages
+
+    model = Blocks(lambda named: torch.optim.AdamW([p for _, p in named], lr=1e-3))
+    layers = model.pipeline_layers()
+    paths = layer_paths(model, layers)
+    object.__setattr__(model, "_pipeline_all_layers", layers)
+    object.__setattr__(model, "_pipeline_layer_paths", paths)
+    remove_other_stages(model, layers, paths, [0, 0, 1, 1], 1)
+    fresh = capped_state_bytes(Blocks(lambda named: torch.optim.AdamW([p for _, p in named], lr=1e-3)))
+    assert all(n >= 2 * 4 * sum(p.numel() for p in layer.parameters()) for n, layer in zip(fresh, layers))  # 2 moments
+    assert capped_state_bytes(model) == fresh
+
+
+def test_a_weight_tied_within_a_stage_counts_its_optimizer_state_once():
+    """Stage 0 holds two blocks sharing one weight: the optimizer keeps one state for it (the reference: what the
+    real optimizer holds after its step), not one per block using it."""
+    model = Blocks(lambda named: torch.optim.AdamW([p for _, p in named], lr=1e-3))
+    model.blocks[1][0].weight = model.blocks[0][0].weight
+    capped = {"partition": "balanced", "stage_memory_gib": 1.0}
+    sgd = Blocks()
+    sgd.blocks[1][0].weight = sgd.blocks[0][0].weight
+    sgd_split = block_trainer(sgd, **capped).strategy.engine.stats.split
+    trainer = block_trainer(model, **capped)
+    split = trainer.strategy.engine.stats.split
+    assert split.counts == sgd_split.counts == (2, 2)
+    real = real_state_bytes(trainer)
+    assert [a - b for a, b in zip(split.memory_bytes, sgd_split.memory_bytes)] == real, real
+
+
+class CountsConfigureOptimizers(Blocks):
+    def __init__(self):
+        super().__init__()
+        self.calls = []
+
+    def configure_optimizers(self):
+        self.calls.append(self.trainer.state.fn.value)
+        return super().configure_optimizers()
+
+
+def test_configure_optimizers_runs_once_in_fit_and_never_in_validate_test_or_predict():
+    """The optimizer state is found only where the split reads it (a cap, in fit): configure_optimizers ran a second
+    time in each fit and in validate, test and predict (where Lightning never calls it), with its side effects."""
+    model = CountsConfigureOptimizers()
+    trainer = block_trainer(model)
+    data = torch.utils.data.DataLoader(torch.randn(2 * B, D), batch_size=2 * B)
+    trainer.validate(model, data, verbose=False)
+    fresh = one_device_trainer(AsyncPipelineStrategy("1f1b", num_microbatches=2, num_stages=2, partition="balanced",
+                                                     stage_memory_gib=1.0), steps=1)
+    fresh.validate(model, data, verbose=False)
+    fresh.predict(model, data)
+    assert model.calls == ["fit"], model.calls
+
+
+def test_cached_weight_casts_are_held_once_per_cast_set_alive_and_lightnings_bf16_mixed_keeps_them_per_microbatch():
+    """Issue 54, item 4 (review): a cache-enabled autocast caches one cast per weight leaf for one step's region,
+    and each batch has its own leaves; under 2bw the lookahead forwards of batch k + 1 run in step k's region (the
+    last stage's run-ahead forward too), so two sets are alive there, where the account held one per step. Counted
+    by hand, and measured: the bf16 weight copies autograd saves, alive at once, in a real 2-process run with a
+    cache-enabled MixedPrecision were 2 per block under 2bw and 1 under 1f1b (m = 4)."""
+    from lightning.pytorch.plugins.precision import MixedPrecision
+
+    cast = 1000
+    costs = [LayerCost(1, 2, 0, 0, cast_bytes=cast)] * 2
+    for schedule, sets in (("2bw", 2), ("1f1b", 1), ("gpipe", 1)):
+        for stage in range(2):
+            peak = stage_peak(costs, stage, stage + 1, stage, MemoryModel(schedule, 2, 4))
+            assert peak.activations == sets * cast, (schedule, stage, peak)
+    # Lightning's bf16-mixed turns autocast's cache off: every forward casts the weights again and its microbatch
+    # keeps its own copies, which the costing finds among what the layer keeps (no cached casts).
+    layers = Blocks().pipeline_layers()
+    lightning = layer_costs(layers, torch.zeros(B, D), lambda b: b, lambda out, batch: out.square().mean(),
+                            context=MixedPrecision("bf16-mixed", "cpu").train_step_context)
+    assert lightning[1].cast_bytes == 0
+    assert lightning[1].activation_bytes == 2 * (B * D + B * H) + 2 * (D * H + H * D)

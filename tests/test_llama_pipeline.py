@@ -125,6 +125,18 @@ def test_a_one_device_fit_then_a_two_process_fit_in_one_interpreter_equals_one_d
     _compare_calls(run_two_processes({**cfg, "first_on_one_device": True}, tmp_path), one_device(cfg))
 
 
+@pytest.mark.multiprocess
+def test_a_second_fit_under_a_memory_cap_counts_the_same_optimizer_state_on_every_process(tmp_path):
+    # After the first fit each process's model holds placeholders for the other stage's layers; the second fit's
+    # split counted the optimizer state on that tree (the other stage's layers: 0 bytes), so the processes could
+    # choose different splits under the cap. Every process, every call: the whole model's numbers.
+    cfg = {"tie": True, "steps": 1, "stage_memory_gib": 1.0, "sequence": ["fit", "fit"], "timeout": 60.0,
+           "record_state_bytes": True}
+    counted = [call["optimizer_state_bytes"] for rank in run_two_processes(cfg, tmp_path) for call in rank["calls"]]
+    assert len(counted) == 4 and counted[0] is not None and all(n > 0 for n in counted[0]), counted
+    assert all(c == counted[0] for c in counted), counted
+
+
 def test_processes_that_build_different_models_fail_fast_with_a_message(tmp_path):
     # Rank 1 builds the model untied: the processes would create different process groups. They must say so at
     # setup, well before the 300 s pipeline timeout (the subprocess is given 120 s).

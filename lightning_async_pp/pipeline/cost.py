@@ -12,6 +12,7 @@ program over prefix sums. See docs/design/planner.md, "Balanced split".
 """
 from __future__ import annotations
 
+import copy
 import types
 from collections.abc import Callable, Collection, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
@@ -40,7 +41,9 @@ class LayerCost:
     output_bytes: int = 0  # its floating output not among what it keeps: a stage ending here holds it (sent on)
     transient_bytes: int = 0  # what its backward allocates beyond what it keeps, at its peak (0: not measured)
     matrix_param_bytes: int = 0  # of ``param_bytes``, the hidden matrices' (Muon keeps one momentum for them)
-    cast_bytes: int = 0  # autocast's cached copies of its weights: held once per step, whatever the microbatches
+    # a cache-enabled autocast's cached copies of its weights: one set per batch a step's region forwards (and per
+    # set a microbatch in flight keeps from an earlier step), whatever the microbatches (memory.peak_points)
+    cast_bytes: int = 0
 
     @property
     def flops(self) -> int:
@@ -89,14 +92,39 @@ def _plain_object(value: Any) -> bool:
                                                                   types.MethodType, types.ModuleType)))
 
 
+_CONTAINERS = (dict, list, set)
+
+
+def _snapshot(obj: Any) -> tuple[Any, dict[str, tuple[Any, Any]]]:
+    """Every attribute of ``obj`` (a module's ``_parameters`` and ``_buffers`` too), with a shallow copy of the
+    contents of each dict, list or set among them (a cache filled in place)."""
+    return obj, {k: (v, copy.copy(v) if isinstance(v, _CONTAINERS) else None) for k, v in vars(obj).items()}
+
+
+def _restore(obj: Any, attrs: dict[str, tuple[Any, Any]]) -> None:
+    """Put back what :func:`_snapshot` took: the very objects, a container's contents as they were, an attribute
+    the costing added removed (one it set from ``None`` to a tensor is ``None`` again)."""
+    now = vars(obj)
+    for k in [k for k in now if k not in attrs]:
+        del now[k]
+    for k, (value, contents) in attrs.items():
+        now[k] = value
+        if isinstance(value, list):
+            value[:] = contents
+        elif isinstance(value, (dict, set)):
+            value.clear()
+            value.update(contents)
+
+
 @contextmanager
 def left_as_they_were(layers: Sequence[nn.Module]) -> Iterator[None]:
     """Costing runs the layers' own code, which may cache what it computes or move a shared table to its input's
     device (an HF model's shared rotary module, litgpt's ``RopeCache``, both held by the layers' forward hooks): on
     fake tensors of another device that cache would keep fake tensors, and the next real forward would fail.
-    Whatever tensors the layers, their submodules, their hooks and the objects those hold (two levels) keep are
-    put back afterwards, the very objects, whatever the costing did."""
-    modules: dict[int, tuple[nn.Module, dict, dict, dict]] = {}
+    Every attribute of the layers, their submodules, their hooks and the objects those hold (two levels) is put
+    back afterwards, the very objects, and the contents of the dicts, lists and sets among them (caches filled in
+    place) as they were, whatever the costing did."""
+    modules: dict[int, tuple[Any, dict]] = {}
     objects: dict[int, tuple[Any, dict]] = {}
 
     def visit(value: Any, depth: int) -> None:
@@ -104,12 +132,11 @@ def left_as_they_were(layers: Sequence[nn.Module]) -> Iterator[None]:
             for m in value.modules():
                 if id(m) in modules:
                     continue
-                modules[id(m)] = (m, dict(m._parameters), dict(m._buffers),
-                                  {k: v for k, v in vars(m).items() if isinstance(v, Tensor)})
+                modules[id(m)] = _snapshot(m)
                 for hook in [*m._forward_pre_hooks.values(), *m._forward_hooks.values()]:
                     visit(getattr(hook, "__self__", hook), 0)  # a bound method's object, or the hook object
         elif _plain_object(value) and id(value) not in objects and depth <= 2:
-            objects[id(value)] = (value, dict(vars(value)))
+            objects[id(value)] = _snapshot(value)
             for attr in list(vars(value).values()):
                 visit(attr, depth + 1)
 
@@ -118,16 +145,8 @@ def left_as_they_were(layers: Sequence[nn.Module]) -> Iterator[None]:
     try:
         yield
     finally:
-        for m, params, buffers, tensors in modules.values():
-            for store, before in ((m._parameters, params), (m._buffers, buffers)):
-                store.clear()
-                store.update(before)
-            for k in [k for k, v in vars(m).items() if isinstance(v, Tensor) and k not in tensors]:
-                delattr(m, k)  # a tensor the costing cached on the module
-            vars(m).update(tensors)
-        for obj, attrs in objects.values():
-            vars(obj).clear()
-            vars(obj).update(attrs)
+        for obj, attrs in [*modules.values(), *objects.values()]:
+            _restore(obj, attrs)
 
 
 def _autocast_on(device: torch.device) -> bool:
@@ -202,8 +221,9 @@ def layer_costs(layers: Sequence[nn.Module], sample_batch: Any, input_fn: Callab
                     out = loss_fn(out, batch)
             cast_bytes = 0
             if _autocast_on(device):
-                # Autocast casts each weight once per region and caches the copy: every microbatch's forward
-                # keeps the same one. A second forward finds which saved storages are those cached casts.
+                # A cache-enabled autocast casts each weight leaf once per region and caches the copy: every
+                # microbatch's forward keeps the same one. A second forward finds which saved storages are those
+                # cached casts. (Lightning's bf16-mixed turns the cache off: none are, each microbatch keeps its own.)
                 again: dict[StorageWeakRef, int] = {}
                 into[0] = again
                 with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
@@ -277,6 +297,9 @@ class MemoryModel:
     # Per layer: the bytes of state the configured optimizer keeps for its parameters, found by the strategy from
     # one step on meta stand-ins (ErrorFeedback's buffer, Muon's momentum, any optimizer's); None: ``optimizer``'s rule
     state_bytes: Optional[tuple[int, ...]] = None
+    # Of ``state_bytes``, each parameter several layers hold (a tied weight): its bytes and those layers. Counted in
+    # each of them above; a stage holding several keeps it once.
+    state_shared: tuple[tuple[int, tuple[int, ...]], ...] = ()
 
     def runs_ahead(self, stage: int) -> bool:
         """Whether ``stage`` runs the next batch's first backward before this batch's update (two gradients):
@@ -308,7 +331,9 @@ def stage_peak(costs: Sequence[LayerCost], start: int, stop: int, stage: int, mo
     - weights: the layers' parameters (and as many bytes of gradient per batch whose gradients exist);
     - kept per microbatch: what the layers' forwards keep, plus the stage's input (received from the stage before)
       and its output (sent to the stage after), which the runtime holds until the backward;
-    - autocast's cached casts of the weights (bf16-mixed), once, beside whatever else is held;
+    - a cache-enabled autocast's cached casts of the weights, as many sets as are alive at each point (one per
+      batch this step's region forwards, and those microbatches in flight keep from an earlier step: 2 under 2bw);
+      Lightning's bf16-mixed caches none, and each microbatch's own copies are among what it keeps;
     - working set of a backward: the kept bytes plus the largest layer's transient; a batch's first backward
       allocates the gradients as it frees activations, so it peaks at the larger of the two;
     - the optimizer's state (``model.state_bytes`` where known, else ``model.optimizer``'s rule) and a
@@ -326,15 +351,20 @@ def stage_peak(costs: Sequence[LayerCost], start: int, stop: int, stage: int, mo
             + (layers[-1].output_bytes if stage < p - 1 else 0))
     working = kept + max(c.transient_bytes for c in layers)
     correction = round(model.correction_buffers * weights / shards)
-    state = (sum(model.state_bytes[start:stop]) if model.state_bytes is not None
-             else optimizer_state(model.optimizer, weights, sum(c.matrix_param_bytes for c in layers))) // shards
+    if model.state_bytes is not None:
+        state = sum(model.state_bytes[start:stop]) - sum(
+            nbytes * (held - 1) for nbytes, holders in model.state_shared
+            if (held := sum(start <= i < stop for i in holders)) > 1)
+    else:
+        state = optimizer_state(model.optimizer, weights, sum(c.matrix_param_bytes for c in layers))
+    state //= shards
     peak = stage_memory(model.action_order() if result is None else result, stage, weight_bytes=weights,
                         saved_bytes=kept, working_bytes=working, first_working_bytes=max(working, weights),
                         optimizer_state_bytes=state, correction_bytes=correction, update_bytes=correction,
+                        cast_bytes=sum(c.cast_bytes for c in layers),
                         run_ahead=model.run_ahead and model.data_parallel_size == 1,
                         points=model.peak_points(stage) if result is None else None)
-    casts = sum(c.cast_bytes for c in layers)  # beside whatever is in flight, at every point of the step
-    return replace(peak, activations=peak.activations + casts) if casts else peak
+    return peak
 
 
 def stage_memory_bytes(costs: Sequence[LayerCost], start: int, stop: int, stage: int, model: MemoryModel) -> float:

@@ -139,7 +139,8 @@ class PipelineEngine:
                  compute_context: Callable[[], AbstractContextManager[Any]] = nullcontext,
                  weight_fn: Optional[Callable[[Any], Any]] = None,
                  layer_times: Optional[Sequence[float]] = None,
-                 optimizer_state_bytes: Optional[Sequence[int]] = None) -> None:
+                 optimizer_state_bytes: Optional[Sequence[int]] = None,
+                 optimizer_state_shared: Sequence[tuple[int, Sequence[int]]] = ()) -> None:
         self.config = config
         self.root, self.layers, self.paths = root, list(layers), list(paths)
         self.world_size, self.rank, self.device = world_size, rank, device
@@ -164,6 +165,8 @@ class PipelineEngine:
             raise ValueError(f"optimizer_state_bytes has {len(optimizer_state_bytes)} values for "
                              f"{len(self.layers)} layers; give one per layer")
         self.optimizer_state_bytes = tuple(optimizer_state_bytes) if optimizer_state_bytes is not None else None
+        # of those, each parameter several layers hold (a tied weight): its bytes and the layers holding it
+        self.optimizer_state_shared = tuple((int(b), tuple(held)) for b, held in optimizer_state_shared)
         self.split = self._choose_split(sample_batch, input_fn, loss_fn)
         self.ranges = partition_layers(self.layers, self.num_stages, list(self.split.counts))
         self.stage_of_layer = [s for s, r in enumerate(self.ranges) for _ in r]
@@ -231,7 +234,8 @@ class PipelineEngine:
         method = config.partition
         # One device models the p devices its stages stand for, so it picks the split p processes pick.
         model = MemoryModel(config.schedule, p, self.num_microbatches, config.data_parallel_size, config.shard_optimizer,
-                            run_ahead=config.last_stage_run_ahead is not False, state_bytes=self.optimizer_state_bytes)
+                            run_ahead=config.last_stage_run_ahead is not False, state_bytes=self.optimizer_state_bytes,
+                            state_shared=self.optimizer_state_shared)
         costs, measured = None, None
         if sample_batch is not None:
             try:

@@ -44,6 +44,9 @@ class PeakPoint:
     gradients: int  # batches whose gradients exist
     saved: int  # (chunk) forwards whose kept bytes are held beside it
     extra: str = ""  # "update" (the optimizer's transient copies), "working" or "first" (a backward's working set)
+    # sets of autocast's cached weight casts alive (a cache-enabled autocast): one per (step, batch, chunk) whose
+    # forwards are cached in this step's region or held by a microbatch in flight
+    casts: int = 0
 
 
 def peak_points(result: SimulationResult, device: int, run_ahead: bool = True) -> tuple[PeakPoint, ...]:
@@ -53,23 +56,43 @@ def peak_points(result: SimulationResult, device: int, run_ahead: bool = True) -
     if not 0 <= device < len(result.timelines):
         raise ValueError(f"device {device} is not one of the {len(result.timelines)} simulated")
     in_flight, graded = 0, set()  # microbatches whose backward has not run; batches whose gradients exist
+    # Autocast's cache lives for one step's autocast region (the training step; the update runs outside it) and is
+    # keyed by weight leaf, and each batch has its own (WeightVersions.leaves_for_batch): the sets of casts alive are
+    # those this region made (one per batch and chunk it forwarded) and those older regions made that a microbatch
+    # in flight still keeps for its backward (2bw's lookahead forwards of the next batch).
+    made: dict[tuple, tuple] = {}  # microbatch in flight -> the cast set it keeps: (step, batch, chunk)
+    region: set[tuple] = set()  # the cast sets this step's region has cached
+    step = None
+
+    def casts() -> int:
+        return len(region | set(made.values()))
+
     points: dict[PeakPoint, None] = {}
     for span in result.timelines[device]:
         if span.op == OPTIMIZER:
-            points.setdefault(PeakPoint(len(graded), in_flight, "update"))
+            region.clear()
+            points.setdefault(PeakPoint(len(graded), in_flight, "update", casts()))
             graded.discard(span.batch)
-        elif span.action == "F":
+            continue
+        if span.step != step:
+            step = span.step
+            region.clear()
+        key = (span.batch, span.microbatch, span.chunk)
+        if span.action == "F":
             in_flight += 1
-            points.setdefault(PeakPoint(len(graded), in_flight))
+            made[key] = (span.step, span.batch, span.chunk)
+            region.add(made[key])
+            points.setdefault(PeakPoint(len(graded), in_flight, casts=casts()))
         elif span.action in ("B", "W"):  # a split backward's input pass (I) frees nothing and makes no gradient
             if span.batch in graded:
-                points.setdefault(PeakPoint(len(graded), in_flight - 1, "working"))
+                points.setdefault(PeakPoint(len(graded), in_flight - 1, "working", casts()))
             else:  # the working set of the batch's first backward includes allocating its gradients
                 if not run_ahead:
                     graded.clear()  # the earlier batch's update ran before this backward
-                points.setdefault(PeakPoint(len(graded) + 1, in_flight - 1, "first"))
+                points.setdefault(PeakPoint(len(graded) + 1, in_flight - 1, "first", casts()))
                 graded.add(span.batch)
             in_flight -= 1
+            made.pop(key, None)
     return tuple(points)
 
 
@@ -93,7 +116,7 @@ def order_peak_points(schedule: str, num_stages: int, num_microbatches: int, las
 
 def stage_memory(result: SimulationResult, device: int, *, weight_bytes: int, saved_bytes: int, working_bytes: int,
                  first_working_bytes: Optional[int] = None, optimizer_state_bytes: int = 0, correction_bytes: int = 0,
-                 update_bytes: int = 0, run_ahead: bool = True,
+                 update_bytes: int = 0, cast_bytes: int = 0, run_ahead: bool = True,
                  points: Optional[tuple[PeakPoint, ...]] = None) -> StageMemory:
     """The model's peak for ``device``: the largest of what it holds at each point of its simulated timeline.
 
@@ -104,13 +127,14 @@ def stage_memory(result: SimulationResult, device: int, *, weight_bytes: int, sa
     transient copies: ErrorFeedback's one per parameter) and then releases them. So a schedule that runs the next
     batch's backward before this batch's update (2bw's last stage) holds two gradients there, unless ``run_ahead``
     is False (the engine under data parallelism updates before the next batch's backward: one gradient). A chunked schedule's
-    chunk holds ``1 / chunks`` of the per-microbatch bytes, which are for all of the device's layers.
+    chunk holds ``1 / chunks`` of the per-microbatch bytes, which are for all of the device's layers. ``cast_bytes``:
+    one set of a cache-enabled autocast's weight casts, held as many times as :attr:`PeakPoint.casts` says.
     """
     if first_working_bytes is None:
         first_working_bytes = working_bytes + weight_bytes
     for name, value in (("weight_bytes", weight_bytes), ("saved_bytes", saved_bytes), ("working_bytes", working_bytes),
                         ("first_working_bytes", first_working_bytes), ("optimizer_state_bytes", optimizer_state_bytes),
-                        ("correction_bytes", correction_bytes), ("update_bytes", update_bytes)):
+                        ("correction_bytes", correction_bytes), ("update_bytes", update_bytes), ("cast_bytes", cast_bytes)):
         if value < 0:
             raise ValueError(f"{name} must be >= 0, got {value}")
     saved, chunks = saved_bytes / result.chunks, result.chunks
@@ -120,7 +144,8 @@ def stage_memory(result: SimulationResult, device: int, *, weight_bytes: int, sa
     if points is None:
         points = peak_points(result, device, run_ahead)
     for point in points:
-        peak = max(peak, (point.gradients * weight_bytes, point.saved * saved + extra[point.extra]), key=sum)
+        peak = max(peak, (point.gradients * weight_bytes,
+                          point.saved * saved + extra[point.extra] + point.casts * cast_bytes / chunks), key=sum)
     return StageMemory(weights=weight_bytes, versions=(result.weight_versions - 1) * weight_bytes,
                        gradients=round(peak[0]), optimizer_state=optimizer_state_bytes, correction=correction_bytes,
                        activations=round(peak[1]))

@@ -39,6 +39,7 @@ from lightning_async_pp.strategy.optimizer_state import optimizer_state_per_laye
 from lightning_async_pp.pipeline.placement import (
     layer_paths,
     parameters_on_meta,
+    reassemble_layers,
     refusing_loads_onto_meta,
     replace_meta_tensors,
 )
@@ -305,6 +306,24 @@ class AsyncPipelineStrategy(PipelineStateHooks, TrainingBatches, FailureReportin
             _lightning.set_device_mesh(self.lightning_module, self._device_mesh)
 
     # ---- building the engine ------------------------------------------------------------------------------------
+    def _optimizer_state_for_split(self, trainer: Trainer, module: Any, previous: Optional[PipelineEngine]) -> dict:
+        """The engine's ``optimizer_state_bytes`` and ``optimizer_state_shared``, found only where the split reads
+        them, under ``stage_memory_gib``, and only in ``fit`` (validate, test and predict build no optimizer and do
+        not call ``configure_optimizers``); a later call of a Trainer reuses its first call's (one split per
+        Trainer). Found on the whole model: after a multi-process call each process's tree holds placeholders for
+        other stages' layers, whose parameters would count nothing, and the processes would choose different
+        splits. Elsewhere the account assumes AdamW (the printed peaks too)."""
+        if previous is not None:
+            return {"optimizer_state_bytes": previous.optimizer_state_bytes,
+                    "optimizer_state_shared": previous.optimizer_state_shared}
+        if self.config.stage_memory_gib is None or trainer.state.fn != TrainerFn.FITTING:
+            return {}
+        layers = module._pipeline_all_layers
+        reassemble_layers(module, layers, module._pipeline_layer_paths)
+        found = optimizer_state_per_layer(module, layers)
+        return {} if found is None else {"optimizer_state_bytes": found.per_layer,
+                                         "optimizer_state_shared": found.shared}
+
     def setup(self, trainer: Trainer) -> None:
         assert self.accelerator is not None
         self.accelerator.setup(trainer)
@@ -335,9 +354,8 @@ class AsyncPipelineStrategy(PipelineStateHooks, TrainingBatches, FailureReportin
             compute_context=self.precision_plugin.train_step_context,
             # one split per Trainer: a later call reuses the layer times the first call measured
             layer_times=previous.layer_times if previous is not None else None,
-            # the split's memory account counts the optimizer's state as the configured optimizer keeps it
-            optimizer_state_bytes=(previous.optimizer_state_bytes if previous is not None
-                                   else optimizer_state_per_layer(module, module._pipeline_all_layers)),
+            # the split's memory check counts the optimizer's state as the configured optimizer keeps it
+            **self._optimizer_state_for_split(trainer, module, previous),
         )
         rank_zero_info(f"lightning_async_pp: {self.engine.split.describe()}")
         # Layers built on the meta device (configure_model) get memory here, this process's stage only.

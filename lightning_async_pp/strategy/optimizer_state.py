@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Sequence
-from typing import Any, Optional
+from typing import Any, NamedTuple, Optional
 
 import torch
 from torch import Tensor, nn
@@ -18,10 +18,20 @@ from torch import Tensor, nn
 from lightning_async_pp.strategy import _lightning
 
 
-def optimizer_state_per_layer(module: Any, layers: Sequence[nn.Module]) -> Optional[list[int]]:
-    """Bytes of optimizer state per layer of ``layers`` as ``module.configure_optimizers()``'s optimizers keep it
-    after a step; ``None`` (the account then assumes AdamW) where that cannot be found on ``meta`` stand-ins, with a
-    warning naming why."""
+class LayerOptimizerState(NamedTuple):
+    """What the configured optimizer keeps, per layer (``per_layer``: a parameter several layers hold counted in
+    each) and, for each parameter several layers hold (a tied weight), its bytes and those layers (``shared``): a
+    stage holding two of them keeps the state once (:class:`~lightning_async_pp.pipeline.cost.MemoryModel`)."""
+
+    per_layer: tuple[int, ...]
+    shared: tuple[tuple[int, tuple[int, ...]], ...] = ()
+
+
+def optimizer_state_per_layer(module: Any, layers: Sequence[nn.Module]) -> Optional[LayerOptimizerState]:
+    """What ``module.configure_optimizers()``'s optimizers keep after a step for the parameters of ``layers``
+    (call with every layer in the module's tree: another stage's placeholder holds none of its parameters);
+    ``None`` (the account then assumes AdamW) where that cannot be found on ``meta`` stand-ins, with a warning
+    naming why."""
     owners = [(m, name, p) for m in module.modules() for name, p in m._parameters.items() if p is not None]
     stand_ins: dict[int, nn.Parameter] = {}
     for _, _, p in owners:  # a parameter held twice (tied) gets one stand-in
@@ -50,11 +60,17 @@ def optimizer_state_per_layer(module: Any, layers: Sequence[nn.Module]) -> Optio
             state = optimizer.state.get(stand_in, {}) if hasattr(optimizer.state, "get") else {}
             per_parameter[original] = per_parameter.get(original, 0) + sum(
                 t.numel() * t.element_size() for t in _tensors(state))
-    out = []
-    for layer in layers:
-        mine = {id(p) for p in layer.parameters()}
-        out.append(sum(per_parameter.get(i, 0) for i in mine))
-    return out
+    holders: dict[int, list[int]] = {}  # parameter -> the layers holding it
+    for index, layer in enumerate(layers):
+        for i in {id(p) for p in layer.parameters()}:
+            holders.setdefault(i, []).append(index)
+    per_layer = [0] * len(layers)
+    for i, held_by in holders.items():
+        for index in held_by:
+            per_layer[index] += per_parameter.get(i, 0)
+    shared = tuple((per_parameter[i], tuple(held_by)) for i, held_by in holders.items()
+                   if len(held_by) > 1 and per_parameter.get(i, 0))
+    return LayerOptimizerState(tuple(per_layer), shared)
 
 
 def _tensors(state: Any) -> list[Tensor]:

@@ -9,7 +9,8 @@ val_every + val_batches (validation during fit), text_samples (TextSamples keywo
 log_dir (a TensorBoardLogger there), timeout, clip (Trainer's gradient_clip_val), strategy_kwargs (more
 AsyncPipelineStrategy arguments),
 packed (rows as packed batches {"input_ids", "position_ids"} of documents 1..7 tokens long, ``skip_document_ends``),
-eval_batch (the batch size of the non-fit calls of a sequence, last batch ragged),
+eval_batch (the batch size of the non-fit calls of a sequence, last batch ragged), record_state_bytes (each call of
+a sequence records the optimizer state per layer its split counted),
 activation_checkpointing, stage_memory_gib (strategy options as named), pool_buffers (receive buffers pooled as on
 CUDA: ``StageLink.REUSE_BUFFERS_ON_CPU``),
 cases: {name: config}: several runs in one launch (``run_cases``), each result under its name.
@@ -317,6 +318,8 @@ def run_sequence(cfg: dict, devices: int) -> tuple[dict, Llama, L.Trainer]:
             record = {k: float(v) for k, v in metrics.items()}
         if trainer.is_global_zero:
             record["state_dict"] = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
+        if cfg.get("record_state_bytes"):  # what the split's memory check counted of the optimizer, per layer
+            record["optimizer_state_bytes"] = trainer.strategy.engine.optimizer_state_bytes
         result["calls"].append(record)
     result["rank"] = trainer.global_rank
     return result, model, trainer
