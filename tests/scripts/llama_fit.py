@@ -15,7 +15,7 @@ CUDA: ``StageLink.REUSE_BUFFERS_ON_CPU``),
 cases: {name: config}: several runs in one launch (``run_cases``), each result under its name.
 tensor_parallel (tensor_parallel_size; the weights are not gathered: every rank returns its stage's parameters
 whole as "stage_weights", each DTensor's shards gathered over its tensor-parallel group, and its own shards as
-"local_weights"), swap_shards (a control: the model takes each sharded matrix's
+"local_weights", and the shapes it sent or received across the stage boundary as "crossed"), swap_shards (a control: the model takes each sharded matrix's
 neighbouring tensor-parallel rank's slice at initialization).
 """
 from __future__ import annotations
@@ -84,7 +84,7 @@ class LlamaSwappedShards(Llama):
 
         super().init_layer(index, layer)
         for p in layer.parameters():
-            if isinstance(p, DTensor):
+            if isinstance(p, DTensor) and p.placements[0].is_shard():  # a replicated norm is whole on every rank
                 local = p.to_local()
                 t = p.device_mesh.size()
                 rank = p.device_mesh.get_local_rank()
@@ -161,6 +161,8 @@ def run(cfg: dict, devices: int) -> tuple[dict, Llama, L.Trainer]:
         result["texts"] = samples[0].history
     if cfg.get("tensor_parallel") and devices > 1:
         result.update(stage_weights(model))
+        link = trainer.strategy.engine._link  # what crossed the stage boundary: this rank's shapes
+        result["crossed"] = [list(m.shape) for m in (link.out_layout or link.in_layout).metas]
     elif trainer.is_global_zero:
         result["state_dict"] = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
     return result, model, trainer
