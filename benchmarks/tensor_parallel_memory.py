@@ -7,7 +7,9 @@ memory (wide blocks, a byte vocabulary, short rows): a stage keeps two weight ve
 moments, about ``5 x`` its weights, which tensor parallelism divides by ``t``, as it divides the embedding, the head
 and (sequence parallelism) the activations. Every process reports its peak memory (``VmHWM`` on CPU,
 ``max_memory_allocated`` on CUDA), the same before the model got memory (the interpreter, torch and Lightning: equal
-in both runs, not the model's), and its median step time after the warm-up.
+in both runs, not the model's), and its median step time after the warm-up. On CPU the runs set glibc's
+``MALLOC_MMAP_THRESHOLD_`` (128 KiB) so that the resident peak counts live memory, not blocks malloc kept after
+they were freed.
 
     .venv/bin/python benchmarks/tensor_parallel_memory.py                  # CPU, gloo
     .venv/bin/python benchmarks/tensor_parallel_memory.py --accelerator cuda  # needs 4 GPUs (2 stages x 2 ranks)
@@ -41,7 +43,8 @@ def worker(cfg: dict, out_dir: str) -> None:
     torch.set_num_threads(1)
     L.seed_everything(0, verbose=False)
     t, cuda = cfg["tensor_parallel"], cfg["accelerator"] == "cuda"
-    kwargs = dict(tensor_parallel_size=t, gather_final_weights=False) if t > 1 else {}
+    # the final weights stay where they are in both runs (t > 1 requires it; at t = 1 rank 0 would gather the model)
+    kwargs = dict(tensor_parallel_size=t, gather_final_weights=False)
     record = step_recorder()
     trainer = L.Trainer(
         strategy=AsyncPipelineStrategy("2bw", num_microbatches=cfg["microbatches"], partition="parameters", **kwargs),
@@ -69,7 +72,10 @@ def run(cfg: dict) -> list[dict]:
     """One ``Trainer.fit`` over ``2 x t`` processes (this script's ``--worker``; Lightning starts the other ranks)."""
     return run_ranks([os.path.abspath(__file__), "--worker", json.dumps(cfg)], "rank*.json", f"run {cfg}",
                      timeout=3600, ranks=2 * cfg["tensor_parallel"],
-                     env={"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")})
+                     env={"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
+                          # glibc's malloc otherwise raises its mmap threshold as large blocks are freed and keeps
+                          # later ones of that size in its heap: the resident peak would count freed memory
+                          "MALLOC_MMAP_THRESHOLD_": os.environ.get("MALLOC_MMAP_THRESHOLD_", "131072")})
 
 
 def main() -> None:
