@@ -215,3 +215,28 @@ def test_the_split_report_names_the_layout():
     assert layout == "2 stages x 2 tensor-parallel ranks"
     assert describe_layout(4, 1, 2) == "4 stages x 2 data-parallel replicas"
     assert SplitReport("explicit", (3, 3), (), (), layout=layout).describe().startswith(f"{layout}, partition=")
+
+
+def test_llama_under_sequence_parallelism_refuses_rows_it_cannot_split_and_packed_batches(two_rank_mesh):
+    model = Llama("tiny", init_seed=0, max_seq_len=64)
+    model.configure_model()
+    model.parallelize(two_rank_mesh)
+    assert model.pipeline_input(torch.zeros(2, 17, dtype=torch.long)).shape == (2, 16)
+    with pytest.raises(ValueError, match=r"splits each row's 15 input tokens .* divisible by 2"):
+        model.pipeline_input(torch.zeros(2, 16, dtype=torch.long))
+    with pytest.raises(ValueError, match="packed batch .* only with tensor_parallel_size=1"):
+        model.pipeline_input({"input_ids": torch.zeros(2, 17, dtype=torch.long),
+                              "position_ids": torch.zeros(2, 17, dtype=torch.long)})
+
+
+def test_only_sharded_parameters_count_on_every_tensor_parallel_rank_in_the_clipping_norm(two_rank_mesh):
+    """A sequence-parallel norm's weight is a replicated DTensor: its gradient is whole on every rank, so the global
+    norm counts it on tensor-parallel rank 0 only, as a plain parameter (AdamW hides a double count: the
+    4-process test's clipped run stays within its tolerance without this rule)."""
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    from lightning_async_pp.pipeline.tensor_parallel import is_whole
+
+    assert is_whole(torch.zeros(3))
+    assert is_whole(distribute_tensor(torch.zeros(4), two_rank_mesh, [Replicate()]))
+    assert not is_whole(distribute_tensor(torch.zeros(4, 2), two_rank_mesh, [Shard(0)]))

@@ -26,8 +26,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils.flop_counter import FlopCounterMode
 
-from lightning_async_pp.pipeline.tensor_parallel import layout_hooks_off, local_tensor
 from lightning_async_pp.pipeline.memory import PeakPoint, StageMemory, action_order, order_peak_points, stage_memory
+from lightning_async_pp.pipeline.tensor_parallel import layout_hooks_off, local_tensor
 
 @dataclass(frozen=True)
 class LayerCost:

@@ -32,8 +32,8 @@ from lightning_async_pp.pipeline.microbatch import batch_size_of, fingerprint, s
 from lightning_async_pp.pipeline.randomness import EVAL, ForwardRandomness
 from lightning_async_pp.pipeline.schedule import Action, step_actions
 from lightning_async_pp.pipeline.stage import Stage
-from lightning_async_pp.pipeline.tensor_parallel import loss_context, whole
 from lightning_async_pp.pipeline.structure import as_received, flatten, input_gradient, unflatten
+from lightning_async_pp.pipeline.tensor_parallel import loss_context, whole
 
 InputFn = Callable[[Any], Any]
 LossFn = Callable[[Any, Any], Tensor]
