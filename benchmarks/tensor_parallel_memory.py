@@ -27,7 +27,8 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository root: the benchmarks package
-from benchmarks.harness import one_thread_env, peak_rss_mib, resident_mib, run_ranks, step_recorder, write_json  # noqa: E402
+from benchmarks.harness import (median_gap, one_thread_env, peak_rss_mib, resident_mib,  # noqa: E402
+                                run_ranks, step_recorder, write_json)
 
 one_thread_env()
 
@@ -63,7 +64,7 @@ def worker(cfg: dict, out_dir: str) -> None:
     out = {"rank": trainer.global_rank, "stage": strategy.engine.stage_views[0].index, "peak_bytes": peak,
            "before_bytes": 0 if cuda else before,
            "param_bytes": sum(q.numel() * q.element_size() for q in strategy.engine.stages[0].versions.slots[0]),
-           "sec_per_step": statistics.median(b - a for a, b in zip(record.ends[cfg["warmup"]:], record.ends[cfg["warmup"] + 1:])),
+           "sec_per_step": median_gap(record.ends[cfg["warmup"]:]),
            "loss": float(trainer.callback_metrics["train_loss"])}
     Path(out_dir, f"rank{trainer.global_rank}.json").write_text(json.dumps(out))
 
@@ -100,8 +101,9 @@ def main() -> None:
                                           "warmup", "accelerator")}
     runs = {t: run(dict(base, tensor_parallel=t)) for t in (1, 2)}
     mib = 2**20
-    print(f"\n## Llama hidden {args.hidden}, {args.layers} layers, intermediate {4 * args.hidden}, vocab 256, 2 stages, "
-          f"2bw + AdamW, batch {args.batch} x {args.seq} tokens, {args.microbatches} microbatches, {args.accelerator}\n")
+    print(f"\n## Llama hidden {args.hidden}, {args.layers} layers, intermediate {4 * args.hidden}, vocab 256, "
+          f"2 stages, 2bw + AdamW, batch {args.batch} x {args.seq} tokens, {args.microbatches} microbatches, "
+          f"{args.accelerator}\n")
     print("| t | rank | stage | weights held MiB | peak MiB | before the model MiB | peak - before MiB | s/step |")
     print("|---:|---:|---:|---:|---:|---:|---:|---:|")
     for t, rows in runs.items():

@@ -313,7 +313,8 @@ class PipelineMonitor(Callback):
             return
         strategy = trainer.strategy
         split = strategy.engine.stats.split
-        layout = split.layout or f"{strategy.num_stages} stages"  # "2 stages x 2 tensor-parallel ranks" across processes
+        # across processes the layout in words ("2 stages x 2 tensor-parallel ranks")
+        layout = split.layout or f"{strategy.num_stages} stages"
         title = f"step {k}: {strategy.schedule}, {layout}, {strategy.num_microbatches} microbatches"
         title += f", layers per stage {list(split.counts)}"
         measured = self.metrics.get("pipeline/imbalance") if self.metrics else None

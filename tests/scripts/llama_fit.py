@@ -15,8 +15,8 @@ CUDA: ``StageLink.REUSE_BUFFERS_ON_CPU``),
 cases: {name: config}: several runs in one launch (``run_cases``), each result under its name.
 tensor_parallel (tensor_parallel_size; the weights are not gathered: every rank returns its stage's parameters
 whole as "stage_weights", each DTensor's shards gathered over its tensor-parallel group, and its own shards as
-"local_weights", and the shapes it sent or received across the stage boundary as "crossed"), swap_shards (a control: the model takes each sharded matrix's
-neighbouring tensor-parallel rank's slice at initialization).
+"local_weights", and the shapes it sent or received across the stage boundary as "crossed"), swap_shards (a
+control: the model takes each sharded matrix's neighbouring tensor-parallel rank's slice at initialization).
 """
 from __future__ import annotations
 
