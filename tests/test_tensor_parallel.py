@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
@@ -66,6 +67,11 @@ def test_two_stages_of_two_tensor_parallel_ranks_train_llama_as_one_device(tmp_p
             mine, other = ranks[r]["cases"][name]["local_weights"], ranks[r + 1]["cases"][name]["local_weights"]
             assert mine["blocks.1.attn.q_proj.weight" if r == 0 else "blocks.3.mlp.down_proj.weight"].shape in (
                 (32, 64), (64, 86))
+            # the embedding and the tied head (listed under the embedding's name) split over the vocabulary: rank i
+            # of both stages holds the same rows
+            assert mine["embed.weight"].shape == (128, 64)
+            # sequence parallelism: each rank sends its peer only its half of the sequence [batch 2, seq 16 / 2, 64]
+            assert ranks[r]["cases"][name]["crossed"] == [[2, 8, 64]]
             for n, value in mine.items():
                 if value.shape == ranks[r]["cases"][name]["stage_weights"][n].shape:
                     assert torch.equal(value, other[n]), (name, n)
@@ -152,7 +158,6 @@ def test_the_layout_puts_a_stages_tensor_parallel_ranks_side_by_side_and_pipelin
     ({"activation_checkpointing": True}, "activation_checkpointing=True is not supported"),
     ({"data_parallel_size": 2}, "data_parallel_size=2 is not supported"),
     ({"layer_cost": "measured"}, "layer_cost='measured' is not supported"),
-    ({"stage_memory_gib": 10}, "stage_memory_gib=10 is not supported"),
     ({"tensor_parallel_size": 0}, "tensor_parallel_size must be a positive integer, got 0"),
 ])
 def test_options_not_supported_with_tensor_parallelism_are_refused_naming_them(option, match):
@@ -273,3 +278,75 @@ def test_a_two_by_two_checkpoint_resumes_exactly_on_two_by_two_on_two_stages_and
     one = run_here_on_one_device(llama_fit.run, {**RESUME, "resume_from": path})
     assert max_difference(one["state_dict"], full) < TOL
     assert max_difference(one["state_dict"], reference["state_dict"]) < TOL
+
+
+# ---- the memory account ----------------------------------------------------------------------------------------
+def test_the_split_accounts_one_tensor_parallel_ranks_shards_and_leaves_the_layouts_hooks_in_place(two_rank_mesh):
+    from lightning_async_pp.pipeline.cost import MemoryModel, layer_costs, stage_peak
+    from lightning_async_pp.strategy.optimizer_state import optimizer_state_per_layer
+
+    import lightning as L
+
+    def built(t: int) -> Llama:
+        model = Llama("tiny", init_seed=0, max_seq_len=64)
+        model.trainer = L.Trainer(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False)
+        model.configure_model()
+        if t > 1:
+            model.parallelize(two_rank_mesh)
+        return model
+
+    one, two = built(1), built(2)
+    sample = torch.zeros(2, 17, dtype=torch.long)
+    hooks = [(len(m._forward_pre_hooks), len(m._forward_hooks)) for m in two.modules()]
+    costs = {t: layer_costs(m.pipeline_layers(), sample, m.pipeline_input, m.pipeline_loss)
+             for t, m in ((1, one), (2, two))}
+    assert [(len(m._forward_pre_hooks), len(m._forward_hooks)) for m in two.modules()] == hooks
+    assert sum(hooks, ()) != (0,) * 2 * len(hooks)  # the plan's hooks exist, and stayed
+    norms = 2 * 64 * 4  # a block's two norm weights stay whole on every rank
+    for c1, c2 in zip(costs[1][1:-1], costs[2][1:-1]):  # the blocks
+        assert c2.param_bytes == (c1.param_bytes - norms) // 2 + norms
+        assert 0.45 < c2.forward_flops / c1.forward_flops < 0.55  # the matrices' products, halved
+        assert c2.activation_bytes < c1.activation_bytes
+    assert costs[2][0].param_bytes == costs[1][0].param_bytes // 2  # the embedding, split over the vocabulary
+    # AdamW's moments of a rank's shards; the peak of a stage under 2bw: 2 weight versions, gradients, moments
+    state = {t: optimizer_state_per_layer(m, m.pipeline_layers()) for t, m in ((1, one), (2, two))}
+    for t in (1, 2):  # two moments per parameter (and a step count each)
+        assert 0 <= state[t][1] - 2 * costs[t][1].param_bytes <= 64
+    model = MemoryModel("2bw", 2, 4, state_bytes=tuple(state[1]))
+    peaks = {t: stage_peak(costs[t], 0, 3, 0, replace(model, state_bytes=tuple(state[t]))).total for t in (1, 2)}
+    assert 0.45 < peaks[2] / peaks[1] < 0.7, peaks
+
+
+def test_the_split_report_names_the_layout():
+    from lightning_async_pp.pipeline.cost import SplitReport
+    from lightning_async_pp.pipeline.mesh import describe_layout
+
+    layout = describe_layout(2, 2)
+    assert layout == "2 stages x 2 tensor-parallel ranks"
+    assert describe_layout(4, 1, 2) == "4 stages x 2 data-parallel replicas"
+    assert SplitReport("explicit", (3, 3), (), (), layout=layout).describe().startswith(f"{layout}, partition=")
+
+
+def test_llama_under_sequence_parallelism_refuses_rows_it_cannot_split_and_packed_batches(two_rank_mesh):
+    model = Llama("tiny", init_seed=0, max_seq_len=64)
+    model.configure_model()
+    model.parallelize(two_rank_mesh)
+    assert model.pipeline_input(torch.zeros(2, 17, dtype=torch.long)).shape == (2, 16)
+    with pytest.raises(ValueError, match=r"splits each row's 15 input tokens .* divisible by 2"):
+        model.pipeline_input(torch.zeros(2, 16, dtype=torch.long))
+    with pytest.raises(ValueError, match="packed batch .* only with tensor_parallel_size=1"):
+        model.pipeline_input({"input_ids": torch.zeros(2, 17, dtype=torch.long),
+                              "position_ids": torch.zeros(2, 17, dtype=torch.long)})
+
+
+def test_only_sharded_parameters_count_on_every_tensor_parallel_rank_in_the_clipping_norm(two_rank_mesh):
+    """A sequence-parallel norm's weight is a replicated DTensor: its gradient is whole on every rank, so the global
+    norm counts it on tensor-parallel rank 0 only, as a plain parameter (AdamW hides a double count: the
+    4-process test's clipped run stays within its tolerance without this rule)."""
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    from lightning_async_pp.pipeline.tensor_parallel import is_whole
+
+    assert is_whole(torch.zeros(3))
+    assert is_whole(distribute_tensor(torch.zeros(4), two_rank_mesh, [Replicate()]))
+    assert not is_whole(distribute_tensor(torch.zeros(4, 2), two_rank_mesh, [Shard(0)]))

@@ -312,8 +312,10 @@ class PipelineMonitor(Callback):
         if gathered is None:
             return
         strategy = trainer.strategy
-        title = f"step {k}: {strategy.schedule}, {strategy.num_stages} stages, {strategy.num_microbatches} microbatches"
         split = strategy.engine.stats.split
+        # across processes the layout in words ("2 stages x 2 tensor-parallel ranks")
+        layout = split.layout or f"{strategy.num_stages} stages"
+        title = f"step {k}: {strategy.schedule}, {layout}, {strategy.num_microbatches} microbatches"
         title += f", layers per stage {list(split.counts)}"
         measured = self.metrics.get("pipeline/imbalance") if self.metrics else None
         if measured is not None:

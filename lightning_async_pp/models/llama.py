@@ -238,6 +238,7 @@ class Llama(BuiltInInit, PipelineModule):
             tie_embeddings=tie_embeddings, **shape,
         )
         self._configured = False
+        self._tensor_parallel_size = 1  # parallelize() sets it
         self._build_on_meta(self._build_layers)  # parameters on the meta device until configure_model()
 
     # ---- building ----------------------------------------------------------------------------------------------
@@ -263,23 +264,39 @@ class Llama(BuiltInInit, PipelineModule):
             self.parallelize(mesh["tensor_parallel"])
 
     def parallelize(self, tp_mesh: Any) -> None:
-        """Apply the tensor-parallel plan over ``tp_mesh`` (docs/design/tensor-parallel.md, "What runs"): in each
-        block, q, k, v, gate and up column-wise (each rank computes its heads and its share of the MLP's hidden
-        units), o and down row-wise (partial sums all-reduced into the whole, replicated output). The embedding,
-        the head and the norms stay whole on every rank, so what crosses a stage boundary is the whole
-        activation. Per block and microbatch: two all-reduces of ``tokens x hidden`` forward, two backward."""
-        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+        """Apply the tensor-parallel plan over ``tp_mesh`` (docs/design/tensor-parallel.md, "Tensor parallelism"),
+        torchtitan's Llama plan: the embedding split over the vocabulary, its output reduce-scattered over the
+        sequence; in each block the norms sequence-parallel, attention and MLP each behind an all-gather of the
+        sequence, q, k, v, gate and up column-wise, o and down row-wise with their output reduce-scattered back to
+        sequence shards; the final norm sequence-parallel and the head column-wise over the vocabulary, its logits
+        never gathered (the loss runs under ``loss_parallel``). What crosses a stage boundary is each rank's
+        ``[batch, seq / t, hidden]`` shard. A tied head keeps the embedding's matrix: both split it by rows."""
+        from torch.distributed.tensor import Replicate, Shard
+        from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
+                                                       SequenceParallel, parallelize_module)
 
         from lightning_async_pp.pipeline.mesh import check_tensor_parallel_divides
 
         cfg = self.config
         check_tensor_parallel_divides(tp_mesh.size(), {"num_heads": cfg.num_heads, "num_kv_heads": cfg.num_kv_heads,
-                                                       "intermediate_size": cfg.intermediate_size}, "Llama")
-        plan = {"attn.q_proj": ColwiseParallel(), "attn.k_proj": ColwiseParallel(), "attn.v_proj": ColwiseParallel(),
-                "attn.o_proj": RowwiseParallel(), "mlp.gate_proj": ColwiseParallel(),
-                "mlp.up_proj": ColwiseParallel(), "mlp.down_proj": RowwiseParallel()}
+                                                       "intermediate_size": cfg.intermediate_size,
+                                                       "vocab_size": cfg.vocab_size}, "Llama")
+        gather_sequence = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
+        plan = {"attn_norm": SequenceParallel(), "attn": gather_sequence,
+                "attn.q_proj": ColwiseParallel(), "attn.k_proj": ColwiseParallel(), "attn.v_proj": ColwiseParallel(),
+                "attn.o_proj": RowwiseParallel(output_layouts=Shard(1)),
+                "mlp_norm": SequenceParallel(), "mlp": gather_sequence,
+                "mlp.gate_proj": ColwiseParallel(), "mlp.up_proj": ColwiseParallel(),
+                "mlp.down_proj": RowwiseParallel(output_layouts=Shard(1))}
+        parallelize_module(self.embed, tp_mesh, RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)))
         for block in self.blocks:
             parallelize_module(block, tp_mesh, plan)
+        parallelize_module(self.head, tp_mesh, {
+            "norm": SequenceParallel(),
+            "proj": ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False)})
+        if cfg.tie_embeddings:  # each module got its own DTensor of the one matrix, split alike (rows): one again
+            self.head.proj.weight = self.embed.weight
+        self._tensor_parallel_size = tp_mesh.size()
 
     def init_weights(self) -> None:
         """(Re-)initialize every layer that is materialized (layers on the ``meta`` device are skipped)."""
@@ -314,6 +331,16 @@ class Llama(BuiltInInit, PipelineModule):
         return [self.embed, *self.blocks, self.head]
 
     def pipeline_input(self, batch: Any) -> Any:
+        t = self._tensor_parallel_size
+        if t > 1:  # the sequence-parallel plan splits the tokens of a row over the tensor-parallel ranks
+            if not isinstance(batch, Tensor):
+                raise ValueError(f"Llama takes a packed batch ({type(batch).__name__} of input_ids and position_ids) "
+                                 f"only with tensor_parallel_size=1, got tensor_parallel_size={t}; pass rows of "
+                                 f"token ids (a LongTensor (batch, seq + 1))")
+            if (batch.shape[1] - 1) % t != 0:
+                raise ValueError(f"Llama with tensor_parallel_size={t} splits each row's {batch.shape[1] - 1} input "
+                                 f"tokens over the tensor-parallel ranks (sequence parallelism): use a sequence length "
+                                 f"divisible by {t}")
         return packing.model_input(batch, "Llama")
 
     def pipeline_sample(self) -> Any:

@@ -28,6 +28,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils.flop_counter import FlopCounterMode
 
 from lightning_async_pp.pipeline.memory import PeakPoint, StageMemory, action_order, order_peak_points, stage_memory
+from lightning_async_pp.pipeline.tensor_parallel import layout_hooks_off, local_tensor
 
 @dataclass(frozen=True)
 class LayerCost:
@@ -180,17 +181,24 @@ def layer_costs(layers: Sequence[nn.Module], sample_batch: Any, input_fn: Callab
     The layers themselves are not touched: each runs through ``functional_call`` with fake stand-ins for its
     parameters and buffers on ``device`` (default: the CPU), so real and ``meta`` layers are costed alike, and code
     that moves something to its input's device sees the device it will run on; what that code cached or moved is
-    put back afterwards (:func:`left_as_they_were`)."""
+    put back afterwards (:func:`left_as_they_were`).
+
+    Tensor-parallel layers (DTensor parameters) are costed as one rank runs them: each parameter's stand-in has its
+    local shard's shape and the layouts' hooks are off (:func:`layout_hooks_off`), so FLOPs, parameters, optimizer
+    state and what the sharded products keep are one rank's; what runs on the whole sequence there (the residual,
+    sequence-parallel norms, what crosses a stage boundary) is counted whole, an upper bound
+    (docs/design/tensor-parallel.md, "The memory account")."""
     device = torch.device("cpu") if device is None else torch.device(device)
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     checkpointed = frozenset(checkpointed)
 
     def fake(t: Tensor, grad: bool = False) -> Tensor:
+        t = local_tensor(t)  # a tensor-parallel parameter: this rank's shard
         return torch.empty(t.shape, dtype=t.dtype, device=device, requires_grad=grad)
 
     costs = []
     kept_before: set[StorageWeakRef] = set()  # the storages the layer before keeps for its own backward
-    with left_as_they_were(layers), context(), mode:
+    with left_as_they_were(layers), layout_hooks_off(layers), context(), mode:
         batch = tree_map(lambda t: fake(t) if isinstance(t, Tensor) else t, sample_batch)
         x = input_fn(batch)
         for i, layer in enumerate(layers):
@@ -241,7 +249,7 @@ def layer_costs(layers: Sequence[nn.Module], sample_batch: Any, input_fn: Callab
             for p in layer.parameters():  # a parameter the layer holds twice counts once
                 if id(p) not in seen:
                     seen.add(id(p))
-                    param_bytes += p.numel() * p.element_size()
+                    param_bytes += local_tensor(p).numel() * p.element_size()
             backward_flops, transient = backward.get_total_flops(), 0
             if i in checkpointed:  # torch.utils.checkpoint keeps the layer's inputs, and runs its forward again
                 transient, backward_flops = sum(saved.values()), backward_flops + layer_forward
@@ -479,6 +487,7 @@ class SplitReport:
     # 2bw's last stage runs the next batch's first microbatch before its update; None: no stage could
     run_ahead: Optional[bool] = None
     cost: str = "flops"  # what ``time_share`` shares: "flops" (counted) or "measured" (timed on the device)
+    layout: str = ""  # the processes' layout in words ("2 stages x 2 tensor-parallel ranks"); "" on one device
 
     @property
     def imbalance(self) -> Optional[float]:
@@ -489,10 +498,13 @@ class SplitReport:
 
     def describe(self) -> str:
         text = f"partition={self.method!r}: layers per stage {list(self.counts)}"
+        if self.layout:
+            text = f"{self.layout}, {text}"
         if self.time_share:
             basis = "measured time" if self.cost == "measured" else "FLOPs"
+            per = " per device" if "tensor-parallel" in self.layout else ""
             text += (f"; predicted compute share ({basis}) " + ", ".join(f"{t:.1%}" for t in self.time_share)
-                     + f" (slowest/mean {self.imbalance:.2f}); predicted peak memory "
+                     + f" (slowest/mean {self.imbalance:.2f}); predicted peak memory{per} "
                      + ", ".join(format_bytes(b) for b in self.memory_bytes))
         if self.run_ahead is False:
             text += "; the last stage does not run ahead (one gradient)"

@@ -19,7 +19,7 @@ import time
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Optional
 
 import torch
@@ -31,6 +31,7 @@ from lightning_async_pp.pipeline.comm import FailureBoard, StageLink
 from lightning_async_pp.pipeline.config import PipelineConfig
 from lightning_async_pp.pipeline.cost import (MemoryModel, SplitReport, layer_costs, report_for, split_and_run_ahead,
                                               stage_memory_bytes)
+from lightning_async_pp.pipeline.mesh import describe_layout
 from lightning_async_pp.pipeline.partition import partition_layers
 from lightning_async_pp.pipeline.placement import (
     Tie,
@@ -44,7 +45,7 @@ from lightning_async_pp.pipeline.placement import (
 from lightning_async_pp.pipeline.randomness import ForwardRandomness
 from lightning_async_pp.pipeline.runtime import PipelineRuntime, Span, StepTimes
 from lightning_async_pp.pipeline.stage import Stage
-from lightning_async_pp.pipeline.tensor_parallel import local_tensor
+from lightning_async_pp.pipeline.tensor_parallel import is_whole, local_tensor
 from lightning_async_pp.pipeline.timing import measure_layer_times
 from lightning_async_pp.pipeline.topology import PipelineTopology
 from lightning_async_pp.pipeline.versions import WeightVersions
@@ -168,6 +169,9 @@ class PipelineEngine:
         # of those, each parameter several layers hold (a tied weight): its bytes and the layers holding it
         self.optimizer_state_shared = tuple((int(b), tuple(held)) for b, held in optimizer_state_shared)
         self.split = self._choose_split(sample_batch, input_fn, loss_fn)
+        if self.is_multiprocess:
+            self.split = replace(self.split, layout=describe_layout(self.num_stages, config.tensor_parallel_size,
+                                                                    config.data_parallel_size))
         self.ranges = partition_layers(self.layers, self.num_stages, list(self.split.counts))
         self.stage_of_layer = [s for s, r in enumerate(self.ranges) for _ in r]
         self.ties: list[Tie] = check_parameters_covered(root, self.layers, self.stage_of_layer)
@@ -347,6 +351,7 @@ class PipelineEngine:
             dp_group=self._dp_group, dp_size=self.config.data_parallel_size, check_batches=self.config.check_batches,
             loss_group=self._loss_group, metric_names=self._metric_names, metrics_fn=self._metrics_fn,
             randomness=self.randomness, last_ahead=self.split.run_ahead is not False,
+            tensor_parallel=self.tensor_parallel_size > 1,
         )
         names = self.global_names
         self.stage_views = [StageView(st.index, st.versions.delay, tuple(names[id(p)] for p in st.params), st)
@@ -358,9 +363,9 @@ class PipelineEngine:
         self._tied_slots = [(index[id(tie.param)], tie, group) for tie, group in self._tie_groups]
         self._counted_elsewhere = {id(t.param) for t in self.ties if self.topology and t.owner != self.topology.stage}
         if self.topology is not None and self.topology.tp_rank != 0:
-            # A plain (replicated) parameter's gradient is whole and equal on every tensor-parallel rank: counted on
-            # rank 0 only; a DTensor parameter's local shard on every rank.
-            self._counted_elsewhere |= {id(p) for p in self.params if local_tensor(p) is p}
+            # A whole (plain or replicated) parameter's gradient is whole and equal on every tensor-parallel rank:
+            # counted on rank 0 only; a sharded parameter's local shard on every rank.
+            self._counted_elsewhere |= {id(p) for p in self.params if is_whole(p)}
         return self
 
     @classmethod

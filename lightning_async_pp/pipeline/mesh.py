@@ -21,6 +21,17 @@ def _positive(name: str, value: Any) -> None:
         raise ValueError(f"{name} must be a positive integer, got {value!r}")
 
 
+def describe_layout(stages: int, tensor_parallel_size: int = 1, data_parallel_size: int = 1) -> str:
+    """The layout in words, as the split report and ``PipelineMonitor`` name it: "2 stages x 2 tensor-parallel
+    ranks", with " x 2 data-parallel replicas" where there are several."""
+    text = f"{stages} stage{'s' if stages != 1 else ''}"
+    if tensor_parallel_size > 1:
+        text += f" x {tensor_parallel_size} tensor-parallel ranks"
+    if data_parallel_size > 1:
+        text += f" x {data_parallel_size} data-parallel replicas"
+    return text
+
+
 @dataclass(frozen=True)
 class MeshLayout:
     """Which process is which (replica, stage, tensor-parallel rank); pure arithmetic, no process group."""

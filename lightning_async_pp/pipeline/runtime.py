@@ -33,6 +33,7 @@ from lightning_async_pp.pipeline.randomness import EVAL, ForwardRandomness
 from lightning_async_pp.pipeline.schedule import Action, step_actions
 from lightning_async_pp.pipeline.stage import Stage
 from lightning_async_pp.pipeline.structure import as_received, flatten, input_gradient, unflatten
+from lightning_async_pp.pipeline.tensor_parallel import loss_context, whole_value
 
 InputFn = Callable[[Any], Any]
 LossFn = Callable[[Any, Any], Tensor]
@@ -107,6 +108,8 @@ def weight_shares(weights: Sequence[Any]) -> Tensor:
 
 
 def scalar_loss(loss: Any) -> Tensor:
+    if isinstance(loss, Tensor):
+        loss = whole_value(loss)  # a DTensor loss (tensor parallelism): its value, replicated on every rank
     if not isinstance(loss, Tensor) or loss.numel() != 1:
         shape = tuple(loss.shape) if isinstance(loss, Tensor) else type(loss).__name__
         raise ValueError(
@@ -146,8 +149,11 @@ class PipelineRuntime:
         metrics_fn: Optional[Callable[[], dict[str, Tensor]]] = None,
         randomness: Optional[ForwardRandomness] = None,
         last_ahead: bool = True,
+        tensor_parallel: bool = False,
     ) -> None:
         self.stages = list(stages)
+        # The last stage's loss and its backward run under loss_parallel() (logits split over the vocabulary)
+        self.tensor_parallel = tensor_parallel
         self.num_stages = self.stages[0].num_stages
         self.schedule = schedule
         self.num_microbatches = num_microbatches
@@ -449,7 +455,8 @@ class PipelineRuntime:
             with self.randomness.forward(stage.index, b, j):
                 out = stage.forward(b, self.input_fn(mb) if stage.is_first else x)
                 if stage.is_last:
-                    out = scalar_loss(self.loss_fn(out, mb))  # first: it refuses a batch it does not take
+                    with loss_context(self.tensor_parallel):
+                        out = scalar_loss(self.loss_fn(out, mb))  # first: it refuses a batch it does not take
                     if b not in self._shares:  # the last stage holds the whole batch: every microbatch's weight
                         self._shares[b] = loss_shares([self.weight_fn(piece) for piece in microbatches[action.batch]])
                     shares = self._shares[b]
@@ -497,7 +504,8 @@ class PipelineRuntime:
         start = time.perf_counter()
         if action.op == "B":
             if stage.is_last:
-                out_leaves.backward()
+                with loss_context(self.tensor_parallel):
+                    out_leaves.backward()
             elif outputs:
                 torch.autograd.backward(outputs, seeds)
             elapsed = self._span(stage.index, "backward", start, batch=b, microbatch=j)
@@ -666,7 +674,8 @@ class PipelineRuntime:
         weights: list[Any] = []
 
         def accumulate(output: Any, mb: Any) -> None:
-            losses.append(scalar_loss(self.loss_fn(output, mb)).to(torch.float64))  # first: it refuses bad batches
+            with loss_context(self.tensor_parallel):
+                losses.append(scalar_loss(self.loss_fn(output, mb)).to(torch.float64))  # first: it refuses bad batches
             weights.append(self.weight_fn(mb))
 
         call = self._forward_all(batch, "evaluation", accumulate)

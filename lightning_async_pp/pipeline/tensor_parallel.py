@@ -5,7 +5,9 @@ plain one. See docs/design/tensor-parallel.md, "Weights, gradients and optimizer
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable, Iterator, Mapping
+import os
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any, Optional
 
 import torch
@@ -19,6 +21,12 @@ DTensorSpec = tuple[Any, tuple[Any, ...], Any, tuple[int, ...]]
 def local_tensor(t: Tensor) -> Tensor:
     """The tensor that holds ``t``'s values on this process: a DTensor's local shard, else ``t`` itself."""
     return t._local_tensor if isinstance(t, DTensor) else t
+
+
+def is_whole(p: Tensor) -> bool:
+    """Whether ``p`` holds its whole value on this process: a plain tensor, or a DTensor replicated on every mesh
+    dimension (a sequence-parallel norm's weight), whose gradient is then whole and equal on every rank."""
+    return not isinstance(p, DTensor) or all(pl.is_replicate() for pl in p.placements)
 
 
 def point_at(p: Tensor, storage: Tensor) -> None:
@@ -125,3 +133,49 @@ def undo_tensor_parallelism(modules: Iterable[nn.Module], device: torch.device) 
                               sub._forward_hooks_always_called):
                     extra.pop(key, None)
     return bool(replaced)
+
+
+def whole_value(t: Tensor) -> Tensor:
+    """``t``'s global value as a plain tensor, differentiably: a DTensor's (a replicated one's local tensor, no
+    communication), else ``t`` itself. The loss of logits split over the vocabulary comes back replicated."""
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def loss_context(tensor_parallel: bool) -> AbstractContextManager[Any]:
+    """What the last stage's loss and its backward run in: ``loss_parallel()`` under tensor parallelism (a
+    cross-entropy of logits split over the vocabulary reduces a max and a sum of exponentials over the shards
+    instead of gathering the logits; torch needs the backward inside it too), nothing otherwise."""
+    if not tensor_parallel:
+        return nullcontext()
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    return loss_parallel()
+
+
+_LAYOUT_CODE = os.path.join("torch", "distributed", "tensor", "")
+
+
+def _is_layout_hook(hook: Any) -> bool:
+    code = getattr(getattr(hook, "__func__", hook), "__code__", None)
+    return code is not None and _LAYOUT_CODE in code.co_filename
+
+
+@contextmanager
+def layout_hooks_off(layers: Sequence[nn.Module]) -> Iterator[None]:
+    """Within: the layers run as their shards' own program, on plain local tensors. The forward hooks that
+    ``parallelize_module`` registered (torch's, which turn inputs and outputs into DTensors and redistribute them)
+    are taken off and put back afterwards; every other hook stays."""
+    taken: list[tuple[dict, dict]] = []  # each hook dict with a layout hook, as it was (its order kept)
+    for layer in layers:
+        for m in layer.modules():
+            for hooks in (m._forward_pre_hooks, m._forward_hooks):
+                if any(_is_layout_hook(h) for h in hooks.values()):
+                    taken.append((hooks, dict(hooks)))
+                    for key in [k for k, h in hooks.items() if _is_layout_hook(h)]:
+                        del hooks[key]
+    try:
+        yield
+    finally:
+        for hooks, before in taken:
+            hooks.clear()
+            hooks.update(before)

@@ -9,8 +9,8 @@ weight gradient), the rotary tables, the token ids and labels. What crosses a st
 sequence shard (``1 / t``). Per block and microbatch the forward runs two all-gathers and two reduce-scatters of
 ``tokens x hidden`` values over the tensor-parallel group and the backward the same four (the embedding and the
 head one more each way), each a ring over ``--tp-gbps``, added to the layer's time (eager DTensor collectives do
-not overlap the compute) by :func:`tensor_parallel_collective_seconds`. The engine does not run ``t > 1`` yet:
-the table says so.
+not overlap the compute) by :func:`tensor_parallel_collective_seconds`. The engine runs this plan for
+``models.Llama``; the table says what it does not run yet.
 """
 from __future__ import annotations
 
@@ -24,10 +24,10 @@ from lightning_async_pp.plan.shapes import Shape
 
 #: Schedules the table covers: one chunk per device (interleaved and V schedules hold chunks the table does not split).
 TP_SCHEDULES = ("2bw", "1f1b", "gpipe", "zb_h1")
-NOT_RUN_YET = ("The strategy runs tensor_parallel_size > 1 with a simpler plan than this table's (embedding, head, "
-               "norms and activations whole on every rank, no sequence parallelism), for models.Llama, transformers' "
-               "Llama and Qwen2, and modules with their own plan: this table plans ahead of the engine "
-               "(docs/design/tensor-parallel.md, 'What runs').")
+NOT_RUN_YET = ("The strategy runs this table's plan for models.Llama (tensor_parallel_size), and a simpler one "
+               "(embedding, head, norms and activations whole on every rank) for transformers' Llama and Qwen2 and "
+               "modules with their own plan; not yet every option or model (docs/design/tensor-parallel.md, "
+               "'What runs').")
 
 
 def check_tensor_parallel_shape(shape: Shape, t: int) -> None:

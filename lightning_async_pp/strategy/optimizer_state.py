@@ -15,6 +15,7 @@ from typing import Any, NamedTuple, Optional
 import torch
 from torch import Tensor, nn
 
+from lightning_async_pp.pipeline.tensor_parallel import local_tensor
 from lightning_async_pp.strategy import _lightning
 
 
@@ -34,9 +35,9 @@ def optimizer_state_per_layer(module: Any, layers: Sequence[nn.Module]) -> Optio
     naming why."""
     owners = [(m, name, p) for m in module.modules() for name, p in m._parameters.items() if p is not None]
     stand_ins: dict[int, nn.Parameter] = {}
-    for _, _, p in owners:  # a parameter held twice (tied) gets one stand-in
-        if id(p) not in stand_ins:
-            stand_ins[id(p)] = nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device="meta"),
+    for _, _, p in owners:  # a parameter held twice (tied) gets one stand-in, of its local shard's shape
+        if id(p) not in stand_ins:  # (tensor parallelism: the state this rank keeps)
+            stand_ins[id(p)] = nn.Parameter(torch.empty(local_tensor(p).shape, dtype=p.dtype, device="meta"),
                                             requires_grad=p.requires_grad)
     try:
         for m, name, p in owners:

@@ -16,7 +16,7 @@ CUDA: ``StageLink.REUSE_BUFFERS_ON_CPU``),
 cases: {name: config}: several runs in one launch (``run_cases``), each result under its name.
 tensor_parallel (tensor_parallel_size; the weights are not gathered: every rank returns its stage's parameters
 whole as "stage_weights", each DTensor's shards gathered over its tensor-parallel group, and its own shards as
-"local_weights"), swap_shards (a control: the model takes each sharded matrix's
+"local_weights", and the shapes it sent or received across the stage boundary as "crossed"), swap_shards (a control: the model takes each sharded matrix's
 neighbouring tensor-parallel rank's slice at initialization), model ("hf": a tiny transformers Llama,
 ``HF_LLAMA`` updated by ``hf_config``, or the config and weights of the save_pretrained folder ``pretrained``,
 through models.HuggingFaceCausalLM; "own": ``OwnPlanLM``, a PipelineModule applying its own plan;
@@ -94,10 +94,11 @@ def swap_shards(layer: torch.nn.Module) -> None:
     """Each sharded matrix of ``layer`` takes the slice of the neighbouring tensor-parallel rank."""
     from torch.distributed.tensor import DTensor
 
-    for p in layer.parameters():
-        if isinstance(p, DTensor):
-            t, rank = p.device_mesh.size(), p.device_mesh.get_local_rank()
-            p.to_local().copy_(p.full_tensor().chunk(t, dim=p.placements[0].dim)[(rank + 1) % t])
+    with torch.no_grad():
+        for p in layer.parameters():
+            if isinstance(p, DTensor) and p.placements[0].is_shard():  # a replicated norm is whole on every rank
+                t, rank = p.device_mesh.size(), p.device_mesh.get_local_rank()
+                p.to_local().copy_(p.full_tensor().chunk(t, dim=p.placements[0].dim)[(rank + 1) % t])
 
 
 class LlamaSwappedShards(Llama):
@@ -256,6 +257,8 @@ def run(cfg: dict, devices: int) -> tuple[dict, Llama, L.Trainer]:
         result["texts"] = samples[0].history
     if cfg.get("tensor_parallel") and devices > 1 and not cfg.get("gather"):
         result.update(stage_weights(model))
+        link = trainer.strategy.engine._link  # what crossed the stage boundary: this rank's shapes
+        result["crossed"] = [list(m.shape) for m in (link.out_layout or link.in_layout).metas]
     elif trainer.is_global_zero:
         result["state_dict"] = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
     if cfg.get("eval_calls"):
