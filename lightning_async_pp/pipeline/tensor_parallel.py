@@ -51,3 +51,20 @@ def parameter_grad(p: Tensor, grad: Optional[Tensor]) -> Optional[Tensor]:
     if grad is None:
         return None
     return as_laid_out(grad, dtensor_spec(p))
+
+
+def whole(t: Tensor) -> Tensor:
+    """``t`` whole: a DTensor's shards gathered over its mesh (a collective: every rank of the mesh calls it), else
+    ``t`` itself."""
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def laid_out_like(full: Tensor, like: Tensor) -> Tensor:
+    """The whole tensor ``full`` laid out as ``like``: for a DTensor ``like``, a DTensor of its mesh and placements
+    whose local tensor is this rank's slice of ``full`` (``src_data_rank=None``: each rank cuts its own slice of
+    the ``full`` it holds, no communication); else ``full``."""
+    if not isinstance(like, DTensor):
+        return full
+    from torch.distributed.tensor import distribute_tensor
+
+    return distribute_tensor(full, like.device_mesh, like.placements, src_data_rank=None)

@@ -15,7 +15,8 @@ CUDA: ``StageLink.REUSE_BUFFERS_ON_CPU``),
 cases: {name: config}: several runs in one launch (``run_cases``), each result under its name.
 tensor_parallel (tensor_parallel_size; the weights are not gathered: every rank returns its stage's parameters
 whole as "stage_weights", each DTensor's shards gathered over its tensor-parallel group, and its own shards as
-"local_weights"), swap_shards (a control: the model takes each sharded matrix's
+"local_weights"), optimizer ("muon": optim.Muon over the named parameters, "error_feedback_muon": the same inside
+ErrorFeedback; default the model's AdamW), swap_shards (a control: the model takes each sharded matrix's
 neighbouring tensor-parallel rank's slice at initialization).
 """
 from __future__ import annotations
@@ -93,6 +94,20 @@ class LlamaSwappedShards(Llama):
                 local.copy_(full.chunk(t, dim=dim)[(rank + 1) % t])
 
 
+def muon_optimizer(model: Llama, kind: str) -> torch.optim.Optimizer:
+    """``optim.Muon`` over the model's named parameters (the blocks' matrices to Muon, embedding, head and norms to
+    its AdamW), alone or inside ``ErrorFeedback``."""
+    from functools import partial
+
+    from lightning_async_pp.optim import ErrorFeedback, Muon
+
+    make = partial(Muon, lr=model.hparams.lr, weight_decay=0.1)
+    if kind == "muon":
+        return make(model.named_parameters())
+    assert kind == "error_feedback_muon", kind
+    return ErrorFeedback(model.named_parameters(), optimizer=make)
+
+
 def build(cfg: dict) -> tuple[Llama, DataLoader, L.Trainer]:
     L.seed_everything(cfg.get("seed", 0), verbose=False)
     tie = cfg.get("tie", True)
@@ -104,6 +119,8 @@ def build(cfg: dict) -> tuple[Llama, DataLoader, L.Trainer]:
     model = (LlamaGroupedByName if cfg.get("groups_by_name") else LlamaSwappedShards if cfg.get("swap_shards") else Llama)(
         "tiny", vocab_size=cfg.get("vocab", 256), tie_embeddings=tie, max_seq_len=cfg.get("max_seq_len", 64),
         lr=cfg.get("lr", 3e-3), skip_document_ends=bool(cfg.get("packed")), **kwargs)
+    if cfg.get("optimizer"):
+        model.configure_optimizers = lambda: muon_optimizer(model, cfg["optimizer"])  # type: ignore[method-assign]
     rows: Any = token_rows(cfg.get("samples", 32), cfg.get("seq", 16))
     if cfg.get("packed"):
         rows = packed_rows(rows)
@@ -161,6 +178,8 @@ def run(cfg: dict, devices: int) -> tuple[dict, Llama, L.Trainer]:
         result["texts"] = samples[0].history
     if cfg.get("tensor_parallel") and devices > 1:
         result.update(stage_weights(model))
+        if cfg.get("optimizer"):
+            result["muon_step_difference"] = muon_step_against_whole(model)
     elif trainer.is_global_zero:
         result["state_dict"] = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
     return result, model, trainer
@@ -177,6 +196,32 @@ def stage_weights(model: Llama) -> dict[str, Any]:
         whole[name] = (p.full_tensor() if isinstance(p, DTensor) else p).cpu().clone()
         local[name] = (p.to_local() if isinstance(p, DTensor) else p).cpu().clone()
     return {"stage_weights": whole, "local_weights": local}
+
+
+def muon_step_against_whole(model: Llama) -> float:
+    """Two ``optim.Muon`` steps of each of this rank's sharded matrices (copies, from gradients equal on every rank)
+    against the same steps of the whole matrix on this process alone: the largest difference of this rank's slice
+    (0 when the tensor-parallel step is bitwise the one-device step)."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    from lightning_async_pp.optim import Muon
+
+    worst, g = 0.0, torch.Generator().manual_seed(7)
+    for p in model.parameters():
+        if not isinstance(p, DTensor) or p.ndim != 2:
+            continue
+        mesh, placements = p.device_mesh, p.placements
+        whole = torch.nn.Parameter(p.detach().full_tensor().cpu())
+        sharded = torch.nn.Parameter(distribute_tensor(whole.detach().clone(), mesh, placements, src_data_rank=None))
+        mine, reference = Muon([sharded], lr=0.01), Muon([whole], lr=0.01)
+        for _ in range(2):
+            grad = torch.randn(whole.shape, generator=g)
+            whole.grad, sharded.grad = grad, distribute_tensor(grad.clone(), mesh, placements, src_data_rank=None)
+            mine.step()
+            reference.step()
+        expected = distribute_tensor(whole.detach(), mesh, placements, src_data_rank=None).to_local()
+        worst = max(worst, float((sharded.detach().to_local() - expected).abs().max()))
+    return worst
 
 
 def run_sequence(cfg: dict, devices: int) -> tuple[dict, Llama, L.Trainer]:
