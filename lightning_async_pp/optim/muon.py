@@ -140,7 +140,10 @@ class Muon(Optimizer):
             with torch.enable_grad():
                 loss = closure()
         for part in self._parts():
-            part.step()
+            if part is self.muon and _has_dtensor(part):
+                _step_whole_matrices(part)
+            else:
+                part.step()
         return loss
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -186,6 +189,42 @@ class Muon(Optimizer):
 
     def __getstate__(self) -> dict[str, Any]:  # keep the parts when pickled or deep-copied
         return self.__dict__.copy()
+
+
+def _has_dtensor(optimizer: Optimizer) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return any(isinstance(p, DTensor) for group in optimizer.param_groups for p in group["params"])
+
+
+@torch.no_grad()
+def _step_whole_matrices(muon: torch.optim.Muon) -> None:
+    """``muon.step()`` for matrices split over tensor-parallel ranks (DTensor parameters): the momentum stays a
+    local shard (its update is elementwise), the momentum-corrected update is gathered whole, orthogonalized by
+    torch's own Newton-Schulz as on one device, and each rank keeps its slice (docs/design/tensor-parallel.md,
+    "Muon on sharded matrices"). The steps are ``torch.optim.Muon``'s (``_single_tensor_muon``, torch 2.14) with
+    the gather added; tests/test_tensor_parallel.py checks that plain parameters step exactly as ``torch.optim.Muon`` and that
+    a sharded matrix's slice is bitwise the whole matrix's step."""
+    from torch.optim._muon import _adjust_lr, _zeropower_via_newtonschulz
+
+    from lightning_async_pp.pipeline.tensor_parallel import laid_out_like, whole_value
+
+    for group in muon.param_groups:
+        lr = float(group["lr"])
+        momentum = group["momentum"]
+        for p in group["params"]:
+            if p.grad is None:
+                continue
+            state = muon.state[p]
+            if "momentum_buffer" not in state:
+                state["momentum_buffer"] = torch.zeros_like(p.grad, memory_format=torch.preserve_format)
+            buf = state["momentum_buffer"]
+            buf.lerp_(p.grad, 1 - momentum)
+            update = p.grad.lerp(buf, momentum) if group["nesterov"] else buf
+            ortho = _zeropower_via_newtonschulz(whole_value(update), group["ns_coefficients"], group["ns_steps"], group["eps"])
+            adjusted_lr = _adjust_lr(lr, group["adjust_lr_fn"], p.shape)  # the global shape, as on one device
+            p.mul_(1 - lr * group["weight_decay"])
+            p.add_(laid_out_like(ortho, p), alpha=-adjusted_lr)
 
 
 class _PartsState(MutableMapping):

@@ -179,3 +179,14 @@ def layout_hooks_off(layers: Sequence[nn.Module]) -> Iterator[None]:
         for hooks, before in taken:
             hooks.clear()
             hooks.update(before)
+
+
+def laid_out_like(full: Tensor, like: Tensor) -> Tensor:
+    """The whole tensor ``full`` laid out as ``like``: for a DTensor ``like``, a DTensor of its mesh and placements
+    whose local tensor is this rank's slice of ``full`` (``src_data_rank=None``: each rank cuts its own slice of
+    the ``full`` it holds, no communication); else ``full``."""
+    if not isinstance(like, DTensor):
+        return full
+    from torch.distributed.tensor import distribute_tensor
+
+    return distribute_tensor(full, like.device_mesh, like.placements, src_data_rank=None)

@@ -71,7 +71,8 @@ class AsyncPipelineStrategy(PipelineStateHooks, TrainingBatches, FailureReportin
             ``configure_model`` to ``self.device_mesh["tensor_parallel"]`` (as under Lightning's
             ``ModelParallelStrategy``); stages = processes / (``data_parallel_size`` x this). Runs ``models.Llama``,
             ``models.HuggingFaceCausalLM`` (``llama``, ``qwen2``) and a module applying its own plan, with
-            ``torch.optim.AdamW`` under ``2bw`` and ``1f1b``, ``gather_final_weights=False`` and no checkpoints;
+            ``torch.optim.AdamW`` or ``optim.Muon`` (alone or in ``ErrorFeedback``) under ``2bw``, ``1f1b`` and
+            ``gpipe``; checkpoints, evaluation and the gather run;
             everything else is refused with it (docs/design/tensor-parallel.md, "What runs").
         partition: ``"balanced"`` (default: the contiguous split whose slowest stage is fastest, each layer's
             forward and backward FLOPs counted on fake tensors for the model's example batch, every stage's

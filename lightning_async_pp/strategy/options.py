@@ -69,9 +69,20 @@ def refuse_unsupported(trainer: Any, precision_plugin: Any, config: PipelineConf
                          "save_last=True (a second checkpoint, written after the first) or async_checkpoint=False")
 
 
-#: The optimizers allowed with ``tensor_parallel_size > 1`` yet: an elementwise update, so that each shard's update
-#: is the slice of one device's, and tested against one device (docs/design/tensor-parallel.md, "What runs").
-TENSOR_PARALLEL_OPTIMIZERS = (torch.optim.AdamW,)
+def _tensor_parallel_ready(optimizer: Any) -> bool:
+    """Whether ``optimizer`` is tested exact on tensor-parallel shards against one device (docs/design/
+    tensor-parallel.md, "What runs"): AdamW's update is elementwise, so each shard's is the slice of one device's;
+    ``optim.Muon`` gathers each matrix for its Newton-Schulz; ``ErrorFeedback`` is elementwise around either."""
+    from lightning_async_pp.optim import ErrorFeedback, Muon
+
+    if type(optimizer) is ErrorFeedback:
+        return _tensor_parallel_ready(optimizer.wrapped)
+    return type(optimizer) in (torch.optim.AdamW, Muon)
+
+
+def _short_name(optimizer: Any) -> str:
+    inner = getattr(optimizer, "wrapped", None)
+    return type(optimizer).__name__ + (f"({_short_name(inner)})" if inner is not None else "")
 
 #: Set on a module whose tensor-parallel stages were gathered into rank 0 (``gather_final_weights``), on every rank.
 GATHERED = "_pipeline_tensor_parallel_gathered"
@@ -113,11 +124,11 @@ def refuse_optimizers_with_tensor_parallelism(optimizers: Any, config: PipelineC
     if config.tensor_parallel_size == 1:
         return
     for optimizer in optimizers:
-        if type(optimizer) not in TENSOR_PARALLEL_OPTIMIZERS:
+        if not _tensor_parallel_ready(optimizer):
             raise ValueError(
-                f"the optimizer {type(optimizer).__name__} is not supported with tensor_parallel_size > 1 yet "
-                f"(tensor_parallel_size={config.tensor_parallel_size}): only elementwise updates are exact on shards "
-                f"so far; use one of {', '.join('torch.optim.' + o.__name__ for o in TENSOR_PARALLEL_OPTIMIZERS)}")
+                f"the optimizer {_short_name(optimizer)} is not supported with tensor_parallel_size > 1 yet "
+                f"(tensor_parallel_size={config.tensor_parallel_size}); use torch.optim.AdamW or "
+                f"lightning_async_pp.optim.Muon, alone or inside ErrorFeedback")
 
 
 def compile_per_layer(config: PipelineConfig) -> PipelineConfig:

@@ -20,7 +20,8 @@ whole as "stage_weights", each DTensor's shards gathered over its tensor-paralle
 neighbouring tensor-parallel rank's slice at initialization), model ("hf": a tiny transformers Llama,
 ``HF_LLAMA`` updated by ``hf_config``, or the config and weights of the save_pretrained folder ``pretrained``,
 through models.HuggingFaceCausalLM; "own": ``OwnPlanLM``, a PipelineModule applying its own plan;
-else models.Llama),
+else models.Llama), optimizer ("muon": optim.Muon over the named parameters, "error_feedback_muon": the same
+inside ErrorFeedback; default the model's AdamW),
 checkpoint_dir + save_at (a ModelCheckpoint writing checkpoint_dir/saved.ckpt at that step), resume_from (ckpt_path),
 resumable (a loader that resumes mid-epoch: tests/helpers.py ResumableLoader), gather (tensor_parallel with
 gather_final_weights=True: rank 0 returns the whole "state_dict"), eval_calls (after fit, each of "validate", "test",
@@ -165,6 +166,20 @@ class OwnPlanLM(PipelineModule):
         return torch.optim.AdamW(self.parameters(), lr=self.hparams.lr)
 
 
+def muon_optimizer(model: Llama, kind: str) -> torch.optim.Optimizer:
+    """``optim.Muon`` over the model's named parameters (the blocks' matrices to Muon, embedding, head and norms to
+    its AdamW), alone or inside ``ErrorFeedback``."""
+    from functools import partial
+
+    from lightning_async_pp.optim import ErrorFeedback, Muon
+
+    make = partial(Muon, lr=model.hparams.lr, weight_decay=0.1)
+    if kind == "muon":
+        return make(model.named_parameters())
+    assert kind == "error_feedback_muon", kind
+    return ErrorFeedback(model.named_parameters(), optimizer=make)
+
+
 def build(cfg: dict) -> tuple[Llama, DataLoader, L.Trainer]:
     L.seed_everything(cfg.get("seed", 0), verbose=False)
     tie = cfg.get("tie", True)
@@ -186,6 +201,8 @@ def build(cfg: dict) -> tuple[Llama, DataLoader, L.Trainer]:
         model = (LlamaGroupedByName if cfg.get("groups_by_name") else LlamaSwappedShards if cfg.get("swap_shards") else Llama)(
             "tiny", vocab_size=cfg.get("vocab", 256), tie_embeddings=tie, max_seq_len=cfg.get("max_seq_len", 64),
             lr=cfg.get("lr", 3e-3), skip_document_ends=bool(cfg.get("packed")), **kwargs)
+    if cfg.get("optimizer"):
+        model.configure_optimizers = lambda: muon_optimizer(model, cfg["optimizer"])  # type: ignore[method-assign]
     rows: Any = token_rows(cfg.get("samples", 32), cfg.get("seq", 16))
     if cfg.get("packed"):
         rows = packed_rows(rows)
@@ -259,6 +276,8 @@ def run(cfg: dict, devices: int) -> tuple[dict, Llama, L.Trainer]:
         result.update(stage_weights(model))
         link = trainer.strategy.engine._link  # what crossed the stage boundary: this rank's shapes
         result["crossed"] = [list(m.shape) for m in (link.out_layout or link.in_layout).metas]
+        if cfg.get("optimizer"):
+            result["muon_step_difference"] = muon_step_against_whole(model)
     elif trainer.is_global_zero:
         result["state_dict"] = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
     if cfg.get("eval_calls"):
@@ -295,6 +314,32 @@ def stage_weights(model: Llama) -> dict[str, Any]:
         whole[name] = (p.full_tensor() if isinstance(p, DTensor) else p).cpu().clone()
         local[name] = (p.to_local() if isinstance(p, DTensor) else p).cpu().clone()
     return {"stage_weights": whole, "local_weights": local}
+
+
+def muon_step_against_whole(model: Llama) -> float:
+    """Two ``optim.Muon`` steps of each of this rank's sharded matrices (copies, from gradients equal on every rank)
+    against the same steps of the whole matrix on this process alone: the largest difference of this rank's slice
+    (0 when the tensor-parallel step is bitwise the one-device step)."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    from lightning_async_pp.optim import Muon
+
+    worst, g = 0.0, torch.Generator().manual_seed(7)
+    for p in model.parameters():
+        if not isinstance(p, DTensor) or p.ndim != 2:
+            continue
+        mesh, placements = p.device_mesh, p.placements
+        whole = torch.nn.Parameter(p.detach().full_tensor().cpu())
+        sharded = torch.nn.Parameter(distribute_tensor(whole.detach().clone(), mesh, placements, src_data_rank=None))
+        mine, reference = Muon([sharded], lr=0.01), Muon([whole], lr=0.01)
+        for _ in range(2):
+            grad = torch.randn(whole.shape, generator=g)
+            whole.grad, sharded.grad = grad, distribute_tensor(grad.clone(), mesh, placements, src_data_rank=None)
+            mine.step()
+            reference.step()
+        expected = distribute_tensor(whole.detach(), mesh, placements, src_data_rank=None).to_local()
+        worst = max(worst, float((sharded.detach().to_local() - expected).abs().max()))
+    return worst
 
 
 def run_sequence(cfg: dict, devices: int) -> tuple[dict, Llama, L.Trainer]:
