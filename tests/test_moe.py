@@ -212,6 +212,30 @@ def test_pipeline_trains_on_the_microbatch_mean_of_upstream_losses_and_logs_the_
     assert metrics["train_loss"].item() == pytest.approx(torch.stack([o.loss for o in outputs]).mean().item(), rel=rel)
 
 
+@pytest.mark.parametrize("case", ["mixtral", "qwen2_moe-dense-first"])
+def test_packed_rows_through_two_stages_train_as_plain_lightning_router_loss_included(case):
+    """Packed rows (the statistics riding beside the positions across the stage boundary) under gpipe with one
+    microbatch, 2 stages on one device: the weights after 2 steps and the logged aux loss are Lightning's own loop's
+    on the same batches (whose loss, router term included, the test above checks against upstream)."""
+    from torch.utils.data import DataLoader
+
+    from llama_fit import packed_rows, token_rows
+
+    rows = packed_rows(token_rows(8, 16))
+    got = []
+    for strategy in (AsyncPipelineStrategy(schedule="gpipe", num_microbatches=1, num_stages=2), "auto"):
+        L.seed_everything(0, verbose=False)
+        model = SGDStep(moe_config(case), init_seed=0, skip_document_ends=True)
+        trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=1, max_steps=2, logger=False,
+                            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+        trainer.fit(model, DataLoader(rows, batch_size=4))
+        got.append(({k: v.detach().clone() for k, v in model.state_dict().items()},
+                    trainer.callback_metrics["train_aux_loss"].item()))
+    (pipelined, aux), (plain, plain_aux) = got
+    assert max_difference(pipelined, plain) < 1e-5
+    assert aux == pytest.approx(plain_aux, rel=1e-5) and aux > 0
+
+
 def test_pipeline_with_one_microbatch_logs_upstreams_whole_batch_aux_loss_and_predicts_logits():
     # Block 1 recomputed in backward: its router statistics are computed again, the same.
     cfg = {**TINY, **MOE_CASES["qwen3_moe"]}

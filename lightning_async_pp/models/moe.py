@@ -18,6 +18,10 @@ the head pass them on, so the last layer's output is ``(logits, statistics)`` an
 With ``m`` microbatches the pipeline's batch loss is the mean of the microbatch losses, each with its own term: as
 upstream run on each microbatch and averaged (gradient accumulation); exact against the whole batch at ``m = 1``.
 See docs/design/adapters.md, 'Adapters of upstream models'.
+
+Packed rows (models/packing.py): the hidden state crossing a boundary is then ``{hidden, positions}`` and the
+statistics ride beside it; routing is per token, so the term over a packed microbatch's tokens is upstream's on its
+documents as a padded batch with their attention mask (which excludes the padding): docs/design/data.md.
 """
 from __future__ import annotations
 
