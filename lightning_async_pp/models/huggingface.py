@@ -288,7 +288,8 @@ class PackedEnds:
 
 
 #: Families whose packed rows (positions restarting at each document) give each document exactly the logits upstream
-#: gives it alone, as tests/test_packed_documents.py checks for each; others are refused with document masks.
+#: gives it alone, as tests/test_packed_documents.py (MoE: tests/test_moe.py, router loss included) checks for each;
+#: others are refused with document masks.
 PACKED_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
 #: Attention implementations that take packed rows: sdpa attends document by document (on CUDA by flex attention
 #: with a block mask), eager through the block-diagonal mask upstream builds from the positions.
