@@ -114,6 +114,17 @@ def peak_rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0  # Linux reports KiB
 
 
+def reset_peak_rss() -> bool:
+    """Resets this process's VmHWM to its resident memory now (Linux: ``5`` into ``/proc/self/clear_refs``), so that
+    :func:`peak_rss_mib` after a fit is that fit's peak where one process runs several; False where unsupported."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
 def resident_mib() -> float:
     """Resident memory of this process now (VmRSS; nan where unavailable): where one process runs several fits,
     growth from one to the next shows here, which the peak hides."""

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 pytest.importorskip("transformers")
 pytestmark = pytest.mark.hf  # make test also runs these on transformers 5.x
@@ -88,6 +89,47 @@ def test_moe_loss_with_the_balancing_term_and_its_gradients_equal_upstream(case)
             torch.testing.assert_close(p.grad, grads[name], rtol=1e-5, atol=1e-6, msg=name)
     routers = [n for n, p in ours.named_parameters() if n.endswith("gate.weight") and p.shape[0] == 4]
     assert routers and all(ours.get_parameter(n).grad.abs().sum() > 0 for n in routers)
+
+
+@pytest.mark.parametrize("case", MOE_CASES)
+def test_a_packed_row_gives_each_document_upstreams_logits_and_the_loss_upstream_gives_its_documents(case):
+    """Packed rows (positions restarting per document, models/packing.py): each document's logits are upstream's for
+    it alone, and the loss is upstream's over the documents: the mean of their language-model losses over their own
+    targets (skip_document_ends) plus the balancing term upstream computes on the documents as a padded batch with
+    their attention mask (padding excluded), gradients included."""
+    ours = HuggingFaceCausalLM(moe_config(case), init_seed=3, skip_document_ends=True)
+    ours.configure_model()
+    upstream = upstream_at(ours)
+    g = torch.Generator().manual_seed(2)
+    docs = [torch.randint(0, VOCAB, (n,), generator=g) for n in (6, 11, 1, 9)]
+    ids = torch.cat(docs).unsqueeze(0)
+    batch = {"input_ids": ids, "position_ids": torch.cat([torch.arange(len(d)) for d in docs]).unsqueeze(0)}
+    inputs = [*docs[:-1], docs[-1][:-1]]  # what the row feeds the model: all but its last token
+    output = ours.pipeline_forward(batch)
+    got = ours.pipeline_loss(output, batch)
+    got.backward()
+
+    alone = [upstream(input_ids=d.unsqueeze(0)) for d in inputs]
+    torch.testing.assert_close(output[0][0], torch.cat([o.logits[0] for o in alone]), rtol=1e-5, atol=1e-5)
+    # upstream's loss given labels would include each document's own balancing term: the language-model part alone
+    targets = torch.cat([d[1:] for d in docs])
+    lm = F.cross_entropy(torch.cat([o.logits[0, : len(d) - 1] for o, d in zip(alone, docs)]), targets)
+    width = max(len(d) for d in inputs)
+    padded = torch.stack([F.pad(d, (0, width - len(d))) for d in inputs])
+    mask = torch.stack([torch.arange(width) < len(d) for d in inputs]).long()
+    aux = upstream(input_ids=padded, attention_mask=mask).aux_loss
+    want = lm + 0.7 * aux
+    want.backward()
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(ours.pipeline_metrics()["train_aux_loss"], aux, rtol=1e-5, atol=1e-6)
+    unpadded = upstream(input_ids=padded).aux_loss  # the padding routed too: what a mask-free term would be
+    assert (unpadded - aux).abs() > 1e-4
+    grads = {n: p.grad for n, p in upstream.named_parameters()}
+    for name, p in ours.named_parameters():
+        if grads[name] is None:
+            assert p.grad is None or not p.grad.any(), name
+        else:
+            torch.testing.assert_close(p.grad, grads[name], rtol=1e-4, atol=1e-5, msg=name)
 
 
 def test_moe_without_output_router_logits_has_no_balancing_term():
@@ -168,6 +210,30 @@ def test_pipeline_trains_on_the_microbatch_mean_of_upstream_losses_and_logs_the_
     rel = 2 * accumulations * FLOAT32_EPS
     assert metrics["train_aux_loss"].item() == pytest.approx(last.item(), rel=rel)
     assert metrics["train_loss"].item() == pytest.approx(torch.stack([o.loss for o in outputs]).mean().item(), rel=rel)
+
+
+@pytest.mark.parametrize("case", ["mixtral", "qwen2_moe-dense-first"])
+def test_packed_rows_through_two_stages_train_as_plain_lightning_router_loss_included(case):
+    """Packed rows (the statistics riding beside the positions across the stage boundary) under gpipe with one
+    microbatch, 2 stages on one device: the weights after 2 steps and the logged aux loss are Lightning's own loop's
+    on the same batches (whose loss, router term included, the test above checks against upstream)."""
+    from torch.utils.data import DataLoader
+
+    from llama_fit import packed_rows, token_rows
+
+    rows = packed_rows(token_rows(8, 16))
+    got = []
+    for strategy in (AsyncPipelineStrategy(schedule="gpipe", num_microbatches=1, num_stages=2), "auto"):
+        L.seed_everything(0, verbose=False)
+        model = SGDStep(moe_config(case), init_seed=0, skip_document_ends=True)
+        trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=1, max_steps=2, logger=False,
+                            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+        trainer.fit(model, DataLoader(rows, batch_size=4))
+        got.append(({k: v.detach().clone() for k, v in model.state_dict().items()},
+                    trainer.callback_metrics["train_aux_loss"].item()))
+    (pipelined, aux), (plain, plain_aux) = got
+    assert max_difference(pipelined, plain) < 1e-5
+    assert aux == pytest.approx(plain_aux, rel=1e-5) and aux > 0
 
 
 def test_pipeline_with_one_microbatch_logs_upstreams_whole_batch_aux_loss_and_predicts_logits():

@@ -332,7 +332,7 @@ def test_sdpa_packed_rows_attend_document_by_document_without_upstreams_mask(mon
 
 
 @pytest.mark.hf
-@pytest.mark.parametrize("family", ["gemma", "mixtral"])
+@pytest.mark.parametrize("family", ["gemma", "granitemoe"])
 def test_a_family_not_verified_with_packed_rows_is_refused_by_name(family):
     ours, _ = hf_pair(family)
     batch, _ = packed_row()

@@ -26,6 +26,7 @@ import importlib
 import inspect
 import os
 import re
+import sys
 from collections.abc import Mapping
 from typing import Any, Callable, Optional, Union
 
@@ -171,6 +172,10 @@ class DecoderLayerInputs:
         #: Whether the layer attends causally over the whole row (no sliding window): then packed rows attend
         #: document by document (:func:`packing.document_attention`) rather than through a (T, T) mask.
         self.full_attention = getattr(make_mask, "__name__", "") == "create_causal_mask"
+        #: Whether the layer's modeling file picks its attention function from transformers' attention interface,
+        #: where the document-by-document function is registered; older ones (transformers 4.x's OLMoE and
+        #: Qwen2-MoE) have their own attention classes and take the block-diagonal mask.
+        self.attention_interface = hasattr(sys.modules.get(type(layer).__module__), "ALL_ATTENTION_FUNCTIONS")
 
     def __call__(self, module: nn.Module, args: tuple, kwargs: dict) -> Optional[tuple[tuple, dict]]:
         self.pipeline_call = not kwargs and len(args) == 1
@@ -189,7 +194,7 @@ class DecoderLayerInputs:
             # and no mask, upstream's mask functions make the block-diagonal causal mask (transformers'
             # packed-sequence convention). Either once per microbatch on this stage, not per layer.
             attention = self.config._attn_implementation
-            by_document = self.full_attention and attention in DOCUMENT_ATTENTION
+            by_document = self.full_attention and self.attention_interface and attention in DOCUMENT_ATTENTION
             key = (id(self.config), self.make_mask, hidden.dtype, hidden.device, hidden.shape[0], attention, by_document)
             if by_document:
                 layer_kwargs = packing.per_positions(positions, key, lambda: self.document_kwargs(hidden, positions))
@@ -283,8 +288,9 @@ class PackedEnds:
 
 
 #: Families whose packed rows (positions restarting at each document) give each document exactly the logits upstream
-#: gives it alone, as tests/test_packed_documents.py checks for each; others are refused with document masks.
-PACKED_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+#: gives it alone, as tests/test_packed_documents.py (MoE: tests/test_moe.py, router loss included) checks for each;
+#: others are refused with document masks.
+PACKED_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
 #: Attention implementations that take packed rows: sdpa attends document by document (on CUDA by flex attention
 #: with a block mask), eager through the block-diagonal mask upstream builds from the positions.
 PACKED_ATTENTION = ("sdpa", "eager")
@@ -385,7 +391,7 @@ def check_packed_supported(config: Any, length: Optional[int] = None, device: Op
     the model runs (the CUDA-only attention implementations, :data:`PACKED_ATTENTION_CUDA`)."""
     family = config.model_type
     if family not in PACKED_FAMILIES:
-        why = (" (a mixture of experts: its router statistics would have to travel with the positions)"
+        why = (" (a mixture of experts whose router loss is not reproduced: models/moe.py)"
                if getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None) else "")
         raise ValueError(f"HuggingFaceCausalLM cannot take packed batches with document masks (position_ids) for "
                          f"model_type {family!r}{why}: verified exact only for {', '.join(PACKED_FAMILIES)}; train "
@@ -593,14 +599,16 @@ class HuggingFaceCausalLM(AdoptedCausalLM):
 
     # ---- MoE: the router's load-balancing term (models/moe.py) ---------------------------------------------------
     def pipeline_loss(self, output: Any, batch: Any) -> torch.Tensor:
+        logits, statistics = (output, None) if self._router_loss is None else self._router_loss.split(output)
         if packing.is_packed(batch):
             check_packed_supported(self.model.config, device=self.device)
-            return packing.document_loss(output, packing.check_packed(batch, type(self).__name__),
+            loss = packing.document_loss(logits, packing.check_packed(batch, type(self).__name__),
                                          self.skip_document_ends)
-        if self._router_loss is None:
-            return super().pipeline_loss(output, batch)
-        logits, statistics = self._router_loss.split(output)
-        return super().pipeline_loss(logits, batch) + self._router_loss.loss(statistics)
+        else:
+            loss = super().pipeline_loss(logits, batch)
+        # The balancing term over every token of the microbatch: on packed rows, upstream's over its documents as
+        # a padded batch with their attention mask (routing is per token, so each token routes as in its document)
+        return loss if self._router_loss is None else loss + self._router_loss.loss(statistics)
 
     def pipeline_loss_weight(self, batch: Any) -> Any:
         return packing.loss_weight(batch, self.skip_document_ends)  # kept targets, where some are skipped

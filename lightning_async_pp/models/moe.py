@@ -18,14 +18,21 @@ the head pass them on, so the last layer's output is ``(logits, statistics)`` an
 With ``m`` microbatches the pipeline's batch loss is the mean of the microbatch losses, each with its own term: as
 upstream run on each microbatch and averaged (gradient accumulation); exact against the whole batch at ``m = 1``.
 See docs/design/adapters.md, 'Adapters of upstream models'.
+
+Packed rows (models/packing.py): the hidden state crossing a boundary is then ``{hidden, positions}`` and the
+statistics ride beside it; routing is per token, so the term over a packed microbatch's tokens is upstream's on its
+documents as a padded batch with their attention mask (which excludes the padding): docs/design/data.md.
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any, Optional
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+
+from lightning_async_pp.models import packing
 
 #: Families whose router logits the adapter reads, by ``model_type``: the MoE block's class (its output's element
 #: ``index`` is the router logits, ``(rows, E)``) when the model class does not name it in ``_can_record_outputs``
@@ -122,7 +129,8 @@ class _Carried:
             for z in logits:
                 carried = add_statistics(carried, router_statistics(z, self.top_k, self.num_experts))
             if carried is None:  # a dense layer before any MoE layer: start from zeros
-                device = output.device
+                # a packed microbatch's hidden state rides with its positions (models/packing.py)
+                device = (output[packing.HIDDEN] if isinstance(output, Mapping) else output).device
                 carried = {"expert_counts": torch.zeros(self.top_k, self.num_experts, device=device),
                            "expert_prob_sums": torch.zeros(self.num_experts, device=device)}
         return output if carried is None else (output, carried)
