@@ -164,6 +164,28 @@ def test_undoing_tensor_parallelism_leaves_a_plain_module_that_runs_without_the_
     assert not undo_tensor_parallelism([plain], torch.device("cpu"))  # nothing to undo
 
 
+def test_undoing_tensor_parallelism_on_a_stage_without_the_tied_head_gives_the_restored_head_the_plain_matrix(
+        two_rank_mesh):
+    """Rank 0 of 2 stages with Llama's full plan: the tied head is another stage's, so its matrix (a vocabulary-
+    sharded DTensor) is held aside while the head is remote. After the undo and the restore of the gathered state,
+    the head's matrix is the embedding's plain one again, and the whole model loads the gathered state."""
+    from lightning_async_pp.pipeline.placement import layer_paths, remove_other_stages, restore_layers
+    from lightning_async_pp.pipeline.tensor_parallel import undo_tensor_parallelism
+
+    model = Llama("tiny", init_seed=0, max_seq_len=64)
+    model.configure_model()
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    model.parallelize(two_rank_mesh)
+    layers = model.pipeline_layers()
+    paths = layer_paths(model, layers)
+    remove_other_stages(model, layers, paths, [0] * 3 + [1] * (len(layers) - 3), 0)
+    assert undo_tensor_parallelism([model, *layers], torch.device("cpu"))
+    restore_layers(model, layers, paths, state, torch.device("cpu"))
+    assert model.head.proj.weight is model.embed.weight and not isinstance(model.embed.weight, DTensor)
+    model.load_state_dict(state)
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in state.items())
+
+
 # ---- what is refused -------------------------------------------------------------------------------------------
 def test_the_layout_puts_a_stages_tensor_parallel_ranks_side_by_side_and_pipelines_per_tensor_parallel_rank():
     topology = PipelineTopology(world_size=4, data_parallel_size=1, rank=3, tensor_parallel_size=2)
