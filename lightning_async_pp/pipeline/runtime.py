@@ -701,8 +701,10 @@ class PipelineRuntime:
         def keep(output: Any, mb: Any) -> None:
             # A tensor-parallel head's logits may stay split over the vocabulary (DTensors, ``use_local_output=False``):
             # the prediction is the whole logits, gathered on every tensor-parallel rank of the last stage alike.
-            leaves, spec = flatten(output, "the last layer's output")
-            outputs.append(unflatten([whole_value(t) for t in leaves], spec))
+            if self.tensor_parallel:
+                leaves, spec = flatten(output, "the last layer's output")
+                output = unflatten([whole_value(t) for t in leaves], spec)
+            outputs.append(output)
 
         call = self._forward_all(batch, "prediction", keep)
         link = self.link
