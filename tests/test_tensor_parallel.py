@@ -386,9 +386,10 @@ def test_the_split_accounts_one_tensor_parallel_ranks_shards_and_leaves_the_layo
     # AdamW's moments of a rank's shards; the peak of a stage under 2bw: 2 weight versions, gradients, moments
     state = {t: optimizer_state_per_layer(m, m.pipeline_layers()) for t, m in ((1, one), (2, two))}
     for t in (1, 2):  # two moments per parameter (and a step count each)
-        assert 0 <= state[t][1] - 2 * costs[t][1].param_bytes <= 64
-    model = MemoryModel("2bw", 2, 4, state_bytes=tuple(state[1]))
-    peaks = {t: stage_peak(costs[t], 0, 3, 0, replace(model, state_bytes=tuple(state[t]))).total for t in (1, 2)}
+        assert 0 <= state[t].per_layer[1] - 2 * costs[t][1].param_bytes <= 64
+    model = MemoryModel("2bw", 2, 4)
+    peaks = {t: stage_peak(costs[t], 0, 3, 0, replace(model, state_bytes=state[t].per_layer,
+                                                      state_shared=state[t].shared)).total for t in (1, 2)}
     assert 0.45 < peaks[2] / peaks[1] < 0.7, peaks
 
 
