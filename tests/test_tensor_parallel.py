@@ -164,6 +164,28 @@ def test_undoing_tensor_parallelism_leaves_a_plain_module_that_runs_without_the_
     assert not undo_tensor_parallelism([plain], torch.device("cpu"))  # nothing to undo
 
 
+def test_undoing_tensor_parallelism_on_a_stage_without_the_tied_head_gives_the_restored_head_the_plain_matrix(
+        two_rank_mesh):
+    """Rank 0 of 2 stages with Llama's full plan: the tied head is another stage's, so its matrix (a vocabulary-
+    sharded DTensor) is held aside while the head is remote. After the undo and the restore of the gathered state,
+    the head's matrix is the embedding's plain one again, and the whole model loads the gathered state."""
+    from lightning_async_pp.pipeline.placement import layer_paths, remove_other_stages, restore_layers
+    from lightning_async_pp.pipeline.tensor_parallel import undo_tensor_parallelism
+
+    model = Llama("tiny", init_seed=0, max_seq_len=64)
+    model.configure_model()
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    model.parallelize(two_rank_mesh)
+    layers = model.pipeline_layers()
+    paths = layer_paths(model, layers)
+    remove_other_stages(model, layers, paths, [0] * 3 + [1] * (len(layers) - 3), 0)
+    assert undo_tensor_parallelism([model, *layers], torch.device("cpu"))
+    restore_layers(model, layers, paths, state, torch.device("cpu"))
+    assert model.head.proj.weight is model.embed.weight and not isinstance(model.embed.weight, DTensor)
+    model.load_state_dict(state)
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in state.items())
+
+
 # ---- what is refused -------------------------------------------------------------------------------------------
 def test_the_layout_puts_a_stages_tensor_parallel_ranks_side_by_side_and_pipelines_per_tensor_parallel_rank():
     topology = PipelineTopology(world_size=4, data_parallel_size=1, rank=3, tensor_parallel_size=2)
@@ -178,7 +200,6 @@ def test_the_layout_puts_a_stages_tensor_parallel_ranks_side_by_side_and_pipelin
 @pytest.mark.parametrize("option, match", [
     ({"schedule": "zb_h1"}, "schedule='zb_h1' is not supported with tensor_parallel_size > 1 yet"),
     ({"compile": True}, "compile=True is not supported"),
-    ({"data_parallel_size": 2}, "data_parallel_size=2 is not supported"),
     ({"data_parallel_size": 2}, "data_parallel_size=2 is not supported"),
     ({"layer_cost": "measured"}, "layer_cost='measured' is not supported"),
     ({"tensor_parallel_size": 0}, "tensor_parallel_size must be a positive integer, got 0"),
@@ -259,3 +280,149 @@ def test_muons_step_on_gathered_matrices_is_torch_muons_step_on_whole_ones():
     for a, b, start in zip(ours, theirs, before):
         assert torch.equal(a, b)
         assert (a - start).abs().max() > 1e-2  # the steps moved it
+
+
+# ---- checkpoints, evaluation and the final gather -----------------------------------------------------------------
+RESUME = {**BASE, "schedule": "2bw", "resumable": True, "val_batches": 1}
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_a_two_by_two_checkpoint_resumes_exactly_on_two_by_two_on_two_stages_and_on_one_device(tmp_path):
+    """One launch of 2 stages x 2 tensor-parallel ranks: 3 steps uninterrupted (gathered into rank 0), 2 steps
+    saved (sharded, with validation inside fit; and one file), the sharded save resumed to 3 steps on the same
+    layout, then validated, tested and predicted on, and the one file and a one-device checkpoint resumed too. The
+    checkpoints then resume on 2 stages x 1 rank (one launch of 2 processes) and on one device here, each to the
+    uninterrupted weights."""
+    sharded, single, one_device = tmp_path / "sharded", tmp_path / "single", tmp_path / "one_device"
+    (tmp_path / "tp").mkdir(), (tmp_path / "two").mkdir()
+    # Saved on one device first, for the 2 x 2 run to resume from (DCP reads its whole tensors into shards).
+    saved_on_one_device = run_here_on_one_device(
+        llama_fit.run, {**RESUME, "steps": 2, "val_every": 1, "save_at": 2, "checkpoint_dir": str(one_device)})
+    cases = {
+        "full": {**RESUME, "gather": True},
+        "saved": {**RESUME, "steps": 2, "save_at": 2, "checkpoint_dir": str(sharded), "val_every": 1},
+        "single": {**RESUME, "steps": 2, "save_at": 2, "checkpoint_dir": str(single),
+                   "strategy_kwargs": {"save_distributed_checkpoint": False}},
+        "resumed": {**RESUME, "resume_from": str(sharded / "saved.ckpt"),
+                    "eval_calls": ["validate", "test", "predict"]},
+        "resumed_from_one_file": {**RESUME, "resume_from": str(single / "saved.ckpt")},  # whole tensors sliced
+        "resumed_from_one_device": {**RESUME, "resume_from": str(one_device / "saved.ckpt")},
+    }
+    ranks = script_ranks(SCRIPT, {"devices": 4, "cases": {n: {**c, "tensor_parallel": 2} for n, c in cases.items()}},
+                         tmp_path / "tp", ranks=4, timeout=420)
+    reference = run_here_on_one_device(llama_fit.run, {**RESUME, "eval_calls": ["validate", "test", "predict"]})
+    # The gather: rank 0's module holds the whole model, plain tensors, the one-device run's weights.
+    full = ranks[0]["cases"]["full"]["state_dict"]
+    assert not any(isinstance(v, DTensor) for v in full.values())
+    assert max_difference(full, reference["state_dict"]) < TOL
+    # Evaluation through the tensor-parallel pipeline: validate/test losses and predicted logits as on one device.
+    evaluated, expected = ranks[0]["cases"]["resumed"]["eval"], reference["eval"]
+    for call in ("validate", "test"):
+        assert evaluated[call].keys() == expected[call].keys() and evaluated[call]
+        for k in expected[call]:
+            assert evaluated[call][k] == pytest.approx(expected[call][k], rel=1e-5), (call, k)
+    assert evaluated["predict"].shape == expected["predict"].shape
+    assert (evaluated["predict"] - expected["predict"]).abs().max() < 1e-4
+    assert ranks[0]["cases"]["saved"]["val_loss"] == pytest.approx(saved_on_one_device["val_loss"], rel=1e-5)
+
+    # The sharded checkpoint: each of the 4 processes wrote and hashed its shard; read whole, it holds exactly the
+    # stages' weights (each DTensor's shards at their offsets).
+    path = str(sharded / "saved.ckpt")
+    assert sorted(read_checksums(path)) == [".metadata", *(f"__{r}_0.distcp" for r in range(4)), "meta.pt"]
+    saved = _whole_model(ranks, "saved")
+    consolidated = consolidate.consolidate_checkpoint(path, tmp_path / "consolidated.ckpt")["state_dict"]
+    in_one_file = torch.load(single / "saved.ckpt", weights_only=True)["state_dict"]
+    for state in (consolidated, in_one_file):
+        assert all(torch.equal(state[k], saved[k]) for k in saved)
+        assert not any(isinstance(v, DTensor) for v in state.values())
+    assert ranks[0]["cases"]["saved"]["global_step"] == 2
+
+    # Resumed on the same layout: the uninterrupted run's weights (same shards, same order of sums).
+    assert max_difference(_whole_model(ranks, "resumed"), full) < 1e-6
+    assert max_difference(_whole_model(ranks, "resumed_from_one_file"), full) < 1e-6
+    # From t = 1 to t = 2: the one-device checkpoint resumed on 2 x 2 (other orders of sums: the tolerance).
+    assert max_difference(_whole_model(ranks, "resumed_from_one_device"), reference["state_dict"]) < TOL
+    assert max_difference(saved, full) > 1e-3  # the resumed step moved the weights
+    # On 2 stages x 1 rank and on one device (other orders of sums: the tolerance).
+    two = script_ranks(SCRIPT, {"devices": 2, "cases": {
+        n: {**RESUME, "resume_from": str(p / "saved.ckpt")} for n, p in (("sharded", sharded), ("single", single))}},
+        tmp_path / "two", ranks=2, timeout=300)
+    for name in ("sharded", "single"):
+        assert max_difference(two[0]["cases"][name]["state_dict"], full) < TOL, name
+    one = run_here_on_one_device(llama_fit.run, {**RESUME, "resume_from": path})
+    assert max_difference(one["state_dict"], full) < TOL
+    assert max_difference(one["state_dict"], reference["state_dict"]) < TOL
+
+
+# ---- the memory account ----------------------------------------------------------------------------------------
+def test_the_split_accounts_one_tensor_parallel_ranks_shards_and_leaves_the_layouts_hooks_in_place(two_rank_mesh):
+    from lightning_async_pp.pipeline.cost import MemoryModel, layer_costs, stage_peak
+    from lightning_async_pp.strategy.optimizer_state import optimizer_state_per_layer
+
+    import lightning as L
+
+    def built(t: int) -> Llama:
+        model = Llama("tiny", init_seed=0, max_seq_len=64)
+        model.trainer = L.Trainer(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False)
+        model.configure_model()
+        if t > 1:
+            model.parallelize(two_rank_mesh)
+        return model
+
+    one, two = built(1), built(2)
+    sample = torch.zeros(2, 17, dtype=torch.long)
+    hooks = [(len(m._forward_pre_hooks), len(m._forward_hooks)) for m in two.modules()]
+    costs = {t: layer_costs(m.pipeline_layers(), sample, m.pipeline_input, m.pipeline_loss)
+             for t, m in ((1, one), (2, two))}
+    assert [(len(m._forward_pre_hooks), len(m._forward_hooks)) for m in two.modules()] == hooks
+    assert sum(hooks, ()) != (0,) * 2 * len(hooks)  # the plan's hooks exist, and stayed
+    norms = 2 * 64 * 4  # a block's two norm weights stay whole on every rank
+    for c1, c2 in zip(costs[1][1:-1], costs[2][1:-1]):  # the blocks
+        assert c2.param_bytes == (c1.param_bytes - norms) // 2 + norms
+        assert 0.45 < c2.forward_flops / c1.forward_flops < 0.55  # the matrices' products, halved
+        assert c2.activation_bytes < c1.activation_bytes
+    assert costs[2][0].param_bytes == costs[1][0].param_bytes // 2  # the embedding, split over the vocabulary
+    # AdamW's moments of a rank's shards; the peak of a stage under 2bw: 2 weight versions, gradients, moments
+    state = {t: optimizer_state_per_layer(m, m.pipeline_layers()) for t, m in ((1, one), (2, two))}
+    for t in (1, 2):  # two moments per parameter (and a step count each)
+        assert 0 <= state[t].per_layer[1] - 2 * costs[t][1].param_bytes <= 64
+    model = MemoryModel("2bw", 2, 4)
+    peaks = {t: stage_peak(costs[t], 0, 3, 0, replace(model, state_bytes=state[t].per_layer,
+                                                      state_shared=state[t].shared)).total for t in (1, 2)}
+    assert 0.45 < peaks[2] / peaks[1] < 0.7, peaks
+
+
+def test_the_split_report_names_the_layout():
+    from lightning_async_pp.pipeline.cost import SplitReport
+    from lightning_async_pp.pipeline.mesh import describe_layout
+
+    layout = describe_layout(2, 2)
+    assert layout == "2 stages x 2 tensor-parallel ranks"
+    assert describe_layout(4, 1, 2) == "4 stages x 2 data-parallel replicas"
+    assert SplitReport("explicit", (3, 3), (), (), layout=layout).describe().startswith(f"{layout}, partition=")
+
+
+def test_llama_under_sequence_parallelism_refuses_rows_it_cannot_split_and_packed_batches(two_rank_mesh):
+    model = Llama("tiny", init_seed=0, max_seq_len=64)
+    model.configure_model()
+    model.parallelize(two_rank_mesh)
+    assert model.pipeline_input(torch.zeros(2, 17, dtype=torch.long)).shape == (2, 16)
+    with pytest.raises(ValueError, match=r"splits each row's 15 input tokens .* divisible by 2"):
+        model.pipeline_input(torch.zeros(2, 16, dtype=torch.long))
+    with pytest.raises(ValueError, match="packed batch .* only with tensor_parallel_size=1"):
+        model.pipeline_input({"input_ids": torch.zeros(2, 17, dtype=torch.long),
+                              "position_ids": torch.zeros(2, 17, dtype=torch.long)})
+
+
+def test_only_sharded_parameters_count_on_every_tensor_parallel_rank_in_the_clipping_norm(two_rank_mesh):
+    """A sequence-parallel norm's weight is a replicated DTensor: its gradient is whole on every rank, so the global
+    norm counts it on tensor-parallel rank 0 only, as a plain parameter (AdamW hides a double count: the
+    4-process test's clipped run stays within its tolerance without this rule)."""
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    from lightning_async_pp.pipeline.tensor_parallel import is_whole
+
+    assert is_whole(torch.zeros(3))
+    assert is_whole(distribute_tensor(torch.zeros(4), two_rank_mesh, [Replicate()]))
+    assert not is_whole(distribute_tensor(torch.zeros(4, 2), two_rank_mesh, [Shard(0)]))

@@ -697,7 +697,16 @@ class PipelineRuntime:
     def predict(self, batch: Any) -> Any:
         """The last layer's output for ``batch`` on the pipeline's first stage (``None`` on the others)."""
         outputs: list[Any] = []
-        call = self._forward_all(batch, "prediction", lambda output, mb: outputs.append(output))
+
+        def keep(output: Any, mb: Any) -> None:
+            # A tensor-parallel head's logits may stay split over the vocabulary (DTensors, ``use_local_output=False``):
+            # the prediction is the whole logits, gathered on every tensor-parallel rank of the last stage alike.
+            if self.tensor_parallel:
+                leaves, spec = flatten(output, "the last layer's output")
+                output = unflatten([whole_value(t) for t in leaves], spec)
+            outputs.append(output)
+
+        call = self._forward_all(batch, "prediction", keep)
         link = self.link
         result = None
         shape_key = ("result", shape_signature(batch))

@@ -121,11 +121,15 @@ def undo_tensor_parallelism(modules: Iterable[nn.Module], device: torch.device) 
     removed. A parameter shared by several modules stays one object. True if anything was tensor-parallel."""
     replaced: dict[int, nn.Parameter] = {}
     for sub in (s for module in modules for s in module.modules()):
-        for name, p in list(sub._parameters.items()):
-            if isinstance(p, DTensor):
-                if id(p) not in replaced:
-                    replaced[id(p)] = nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device=device), p.requires_grad)
-                sub._parameters[name] = replaced[id(p)]
+        # A remote layer holds the parameters it shares with this stage (a tied head's matrix) aside, to be given
+        # back when it is restored (placement.remove_other_stages): they must become the same plain one.
+        for params in (sub._parameters, getattr(sub, "_pipeline_tied", {})):
+            for name, p in list(params.items()):
+                if isinstance(p, DTensor):
+                    if id(p) not in replaced:
+                        replaced[id(p)] = nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device=device),
+                                                       p.requires_grad)
+                    params[name] = replaced[id(p)]
         for hooks in (sub._forward_pre_hooks, sub._forward_hooks):
             for key in [k for k, h in hooks.items() if is_tensor_parallel_hook(h)]:
                 del hooks[key]
