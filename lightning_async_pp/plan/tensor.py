@@ -26,8 +26,8 @@ from lightning_async_pp.plan.shapes import Shape
 TP_SCHEDULES = ("2bw", "1f1b", "gpipe", "zb_h1")
 NOT_RUN_YET = ("The strategy runs this table's plan for models.Llama (tensor_parallel_size), and a simpler one "
                "(embedding, head, norms and activations whole on every rank) for transformers' Llama and Qwen2 and "
-               "modules with their own plan; not yet every option or model (docs/design/tensor-parallel.md, "
-               "'What runs').")
+               "modules with their own plan; not yet every option or model "
+               "(docs/design/tensor-parallel.md, 'What runs').")
 
 
 def check_tensor_parallel_shape(shape: Shape, t: int) -> None:
