@@ -110,9 +110,15 @@ def whole(values: Mapping[str, Any]) -> dict[str, Any]:
 
 def is_tensor_parallel_hook(hook: Any) -> bool:
     """A module hook that torch's ``parallelize_module`` registered (``distribute_module``'s input and output
-    redistributions, defined in ``torch.distributed.tensor``)."""
+    redistributions): its code lives under ``torch/distributed/tensor/`` (a plain function, a bound method or a
+    ``functools.partial`` of one)."""
     func = getattr(hook, "func", hook)  # functools.partial
-    return getattr(func, "__module__", "").startswith("torch.distributed.tensor")
+    code = getattr(getattr(func, "__func__", func), "__code__", None)
+    return (getattr(func, "__module__", "") or "").startswith("torch.distributed.tensor") or (
+        code is not None and _LAYOUT_CODE in code.co_filename)
+
+
+_LAYOUT_CODE = os.path.join("torch", "distributed", "tensor", "")
 
 
 def undo_tensor_parallelism(modules: Iterable[nn.Module], device: torch.device) -> bool:
@@ -156,14 +162,6 @@ def loss_context(tensor_parallel: bool) -> AbstractContextManager[Any]:
     return loss_parallel()
 
 
-_LAYOUT_CODE = os.path.join("torch", "distributed", "tensor", "")
-
-
-def _is_layout_hook(hook: Any) -> bool:
-    code = getattr(getattr(hook, "__func__", hook), "__code__", None)
-    return code is not None and _LAYOUT_CODE in code.co_filename
-
-
 @contextmanager
 def layout_hooks_off(layers: Sequence[nn.Module]) -> Iterator[None]:
     """Within: the layers run as their shards' own program, on plain local tensors. The forward hooks that
@@ -173,9 +171,9 @@ def layout_hooks_off(layers: Sequence[nn.Module]) -> Iterator[None]:
     for layer in layers:
         for m in layer.modules():
             for hooks in (m._forward_pre_hooks, m._forward_hooks):
-                if any(_is_layout_hook(h) for h in hooks.values()):
+                if any(is_tensor_parallel_hook(h) for h in hooks.values()):
                     taken.append((hooks, dict(hooks)))
-                    for key in [k for k, h in hooks.items() if _is_layout_hook(h)]:
+                    for key in [k for k, h in hooks.items() if is_tensor_parallel_hook(h)]:
                         del hooks[key]
     try:
         yield
