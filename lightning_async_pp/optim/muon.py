@@ -221,7 +221,8 @@ def _step_whole_matrices(muon: torch.optim.Muon) -> None:
             buf = state["momentum_buffer"]
             buf.lerp_(p.grad, 1 - momentum)
             update = p.grad.lerp(buf, momentum) if group["nesterov"] else buf
-            ortho = _zeropower_via_newtonschulz(whole_value(update), group["ns_coefficients"], group["ns_steps"], group["eps"])
+            ortho = _zeropower_via_newtonschulz(whole_value(update), group["ns_coefficients"], group["ns_steps"],
+                                                group["eps"])
             adjusted_lr = _adjust_lr(lr, group["adjust_lr_fn"], p.shape)  # the global shape, as on one device
             p.mul_(1 - lr * group["weight_decay"])
             p.add_(laid_out_like(ortho, p), alpha=-adjusted_lr)

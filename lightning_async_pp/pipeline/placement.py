@@ -151,6 +151,30 @@ def restore_layers(root: nn.Module, layers: Sequence[nn.Module], paths: Sequence
 
 
 @contextmanager
+def parameters_swapped(modules: Sequence[nn.Module],
+                       stand_in: Callable[[nn.Parameter], Any]) -> Iterator[dict[int, tuple[nn.Parameter, Any]]]:
+    """Within: each parameter ``p`` of ``modules`` for which ``stand_in(p)`` is not ``None`` is replaced by it, one
+    stand-in per parameter (a tied one stays one); yields ``{id(p): (p, its stand-in)}``. On leaving, the originals
+    are put back, whatever happened inside."""
+    owners = [(m, name, p) for module in modules for m in module.modules()
+              for name, p in m._parameters.items() if p is not None]
+    swapped: dict[int, tuple[nn.Parameter, Any]] = {}
+    for _, _, p in owners:
+        if id(p) not in swapped:
+            new = stand_in(p)
+            if new is not None:
+                swapped[id(p)] = (p, new)
+    try:
+        for m, name, p in owners:
+            if id(p) in swapped:
+                m._parameters[name] = swapped[id(p)][1]
+        yield swapped
+    finally:
+        for m, name, p in owners:
+            m._parameters[name] = p
+
+
+@contextmanager
 def parameters_on_meta() -> Iterator[None]:
     """Modules created inside get their parameters on the ``meta`` device (no memory) while buffers stay real.
 

@@ -4,7 +4,6 @@ plain one. See docs/design/tensor-parallel.md, "Weights, gradients and optimizer
 """
 from __future__ import annotations
 
-import contextlib
 import os
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
@@ -13,6 +12,8 @@ from typing import Any, Optional
 import torch
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor, distribute_tensor
+
+from lightning_async_pp.pipeline.placement import parameters_swapped
 
 #: What a DTensor parameter's leaf is wrapped with for the forward: (mesh, placements, global shape, stride).
 DTensorSpec = tuple[Any, tuple[Any, ...], Any, tuple[int, ...]]
@@ -64,48 +65,56 @@ def parameter_grad(p: Tensor, grad: Optional[Tensor]) -> Optional[Tensor]:
     return as_laid_out(grad, dtensor_spec(p))
 
 
-@contextlib.contextmanager
+@contextmanager
 def whole_parameters(module: nn.Module) -> Iterator[None]:
     """Within: each DTensor parameter of ``module`` is a plain parameter of its global shape, so that an
     initialization rule (or a file's values) written into it gives one device's values; on leaving, each rank's
     shard takes its slice of them (no communication). A parameter shared by two submodules stays one."""
-    swapped: list[tuple[nn.Module, str, Any]] = []
-    whole: dict[int, nn.Parameter] = {}
-    for sub in module.modules():
-        for name, p in list(sub._parameters.items()):
-            if isinstance(p, DTensor):
-                if id(p) not in whole:
-                    whole[id(p)] = nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device=p.to_local().device),
-                                                requires_grad=p.requires_grad)
-                swapped.append((sub, name, p))
-                sub._parameters[name] = whole[id(p)]
-    try:
+    def whole_stand_in(p: nn.Parameter) -> Optional[nn.Parameter]:
+        if not isinstance(p, DTensor):
+            return None
+        return nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device=p.to_local().device), p.requires_grad)
+
+    with parameters_swapped([module], whole_stand_in) as swapped:
         yield
-    finally:
-        for sub, name, p in swapped:
-            sub._parameters[name] = p
     with torch.no_grad():
-        for _, _, p in swapped:
-            shard = distribute_tensor(whole[id(p)].detach(), p.device_mesh, p.placements, src_data_rank=None)
-            p.to_local().copy_(shard.to_local())
+        for p, whole_p in swapped.values():
+            p.to_local().copy_(own_slice(whole_p.detach(), p.device_mesh, p.placements).to_local())
+
+
+def own_slice(full: Tensor, mesh: Any, placements: Sequence[Any]) -> DTensor:
+    """The whole tensor ``full`` as a DTensor of ``mesh`` and ``placements`` whose local tensor is this rank's slice
+    of it (``src_data_rank=None``: each rank cuts its own slice of the ``full`` it holds, no communication)."""
+    return distribute_tensor(full, mesh, placements, src_data_rank=None)
+
+
+def laid_out_like(full: Tensor, like: Tensor) -> Tensor:
+    """The whole tensor ``full`` laid out as ``like``: for a DTensor ``like``, this rank's slice of it as a DTensor
+    of ``like``'s mesh and placements (:func:`own_slice`); else ``full``."""
+    return own_slice(full, like.device_mesh, like.placements) if isinstance(like, DTensor) else full
 
 
 def lay_out(tensors: dict[str, Any], layouts: Mapping[str, DTensorSpec]) -> dict[str, Any]:
     """``tensors`` with each key of ``layouts`` that is a whole (plain) tensor turned into a DTensor laid out so:
-    this process keeps its own slice (no communication), as a checkpoint's whole tensors load into shards."""
-    from torch.distributed.tensor import distribute_tensor
-
+    this process keeps its own slice (:func:`own_slice`), as a checkpoint's whole tensors load into shards."""
     for key, (mesh, placements, _, _) in layouts.items():
         value = tensors.get(key)
         if isinstance(value, Tensor) and not isinstance(value, DTensor):
-            tensors[key] = distribute_tensor(value, mesh, placements, src_data_rank=None)
+            tensors[key] = own_slice(value, mesh, placements)
     return tensors
 
 
+def whole_value(t: Tensor) -> Tensor:
+    """``t``'s global value as a plain tensor, differentiably: a DTensor's (gathered over its mesh: a collective;
+    a replicated one's local tensor, no communication), else ``t`` itself. The loss of logits split over the
+    vocabulary comes back replicated."""
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
 def whole(values: Mapping[str, Any]) -> dict[str, Any]:
-    """``values`` with every DTensor gathered whole (``full_tensor()``): collective over its mesh, so every
+    """``values`` with every DTensor gathered whole (:func:`whole_value`): collective over its mesh, so every
     tensor-parallel rank of a stage calls it with the same keys in the same order."""
-    return {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in values.items()}
+    return {k: whole_value(v) if isinstance(v, Tensor) else v for k, v in values.items()}
 
 
 def is_tensor_parallel_hook(hook: Any) -> bool:
@@ -145,12 +154,6 @@ def undo_tensor_parallelism(modules: Iterable[nn.Module], device: torch.device) 
     return bool(replaced)
 
 
-def whole_value(t: Tensor) -> Tensor:
-    """``t``'s global value as a plain tensor, differentiably: a DTensor's (a replicated one's local tensor, no
-    communication), else ``t`` itself. The loss of logits split over the vocabulary comes back replicated."""
-    return t.full_tensor() if isinstance(t, DTensor) else t
-
-
 def loss_context(tensor_parallel: bool) -> AbstractContextManager[Any]:
     """What the last stage's loss and its backward run in: ``loss_parallel()`` under tensor parallelism (a
     cross-entropy of logits split over the vocabulary reduces a max and a sum of exponentials over the shards
@@ -182,13 +185,3 @@ def layout_hooks_off(layers: Sequence[nn.Module]) -> Iterator[None]:
             hooks.clear()
             hooks.update(before)
 
-
-def laid_out_like(full: Tensor, like: Tensor) -> Tensor:
-    """The whole tensor ``full`` laid out as ``like``: for a DTensor ``like``, a DTensor of its mesh and placements
-    whose local tensor is this rank's slice of ``full`` (``src_data_rank=None``: each rank cuts its own slice of
-    the ``full`` it holds, no communication); else ``full``."""
-    if not isinstance(like, DTensor):
-        return full
-    from torch.distributed.tensor import distribute_tensor
-
-    return distribute_tensor(full, like.device_mesh, like.placements, src_data_rank=None)

@@ -15,6 +15,7 @@ from typing import Any, NamedTuple, Optional
 import torch
 from torch import Tensor, nn
 
+from lightning_async_pp.pipeline.placement import parameters_swapped
 from lightning_async_pp.pipeline.tensor_parallel import local_tensor
 from lightning_async_pp.strategy import _lightning
 
@@ -33,28 +34,23 @@ def optimizer_state_per_layer(module: Any, layers: Sequence[nn.Module]) -> Optio
     (call with every layer in the module's tree: another stage's placeholder holds none of its parameters);
     ``None`` (the account then assumes AdamW) where that cannot be found on ``meta`` stand-ins, with a warning
     naming why."""
-    owners = [(m, name, p) for m in module.modules() for name, p in m._parameters.items() if p is not None]
-    stand_ins: dict[int, nn.Parameter] = {}
-    for _, _, p in owners:  # a parameter held twice (tied) gets one stand-in, of its local shard's shape
-        if id(p) not in stand_ins:  # (tensor parallelism: the state this rank keeps)
-            stand_ins[id(p)] = nn.Parameter(torch.empty(local_tensor(p).shape, dtype=p.dtype, device="meta"),
-                                            requires_grad=p.requires_grad)
+    def meta_stand_in(p: nn.Parameter) -> nn.Parameter:  # of its local shard's shape (tensor parallelism: the
+        # state this rank keeps); a parameter held twice (tied) gets one
+        return nn.Parameter(torch.empty(local_tensor(p).shape, dtype=p.dtype, device="meta"), p.requires_grad)
+
     try:
-        for m, name, p in owners:
-            m._parameters[name] = stand_ins[id(p)]
-        with torch.random.fork_rng(devices=[]):  # a configure_optimizers that draws leaves no trace
+        with parameters_swapped([module], meta_stand_in) as swapped, torch.random.fork_rng(devices=[]):
+            # fork_rng: a configure_optimizers that draws leaves no trace
             optimizers = _lightning.configure_optimizers(module)
-            for p in stand_ins.values():
-                p.grad = torch.zeros_like(p) if p.requires_grad else None
+            for _, stand_in in swapped.values():
+                stand_in.grad = torch.zeros_like(stand_in) if stand_in.requires_grad else None
             for optimizer in optimizers:
                 optimizer.step()
     except Exception as err:  # an optimizer that cannot step on meta tensors, a configure_optimizers needing values
         warnings.warn(f"the split's memory account could not find what the configured optimizer keeps "
                       f"({type(err).__name__}: {err}); it assumes AdamW's two moments per parameter", stacklevel=3)
         return None
-    finally:
-        for m, name, p in owners:
-            m._parameters[name] = p
+    stand_ins = {original: stand_in for original, (_, stand_in) in swapped.items()}
     per_parameter: dict[int, int] = {}
     for optimizer in optimizers:
         for original, stand_in in stand_ins.items():
