@@ -169,3 +169,14 @@ def run_here_on_one_device(run, cfg: dict) -> dict:
             else:
                 os.environ[k] = v
     return result
+
+
+def whole_tensor_parallel_model(ranks: list[dict], case: str, tie: tuple[str, str]) -> dict[str, torch.Tensor]:
+    """A 2 stages x 2 tensor-parallel ranks run's weights, from tensor-parallel rank 0 of each stage (ranks 0 and 2,
+    each returning its stage's parameters whole as "stage_weights"), by state-dict name; ``tie``: (head, embedding)
+    names of the tied matrix, one parameter listed once under the embedding's."""
+    merged: dict[str, torch.Tensor] = {}
+    for r in (0, 2):
+        merged.update(ranks[r]["cases"][case]["stage_weights"])
+    merged.setdefault(tie[0], merged[tie[1]])
+    return merged

@@ -24,7 +24,8 @@ from torch.distributed.tensor import DTensor
 
 sys.path.insert(0, str(Path(__file__).parent / "scripts"))
 import llama_fit  # noqa: E402
-from pipeline_runs import max_difference, run_here_on_one_device, script_ranks  # noqa: E402
+from pipeline_runs import (  # noqa: E402
+    max_difference, run_here_on_one_device, script_ranks, whole_tensor_parallel_model)
 
 from lightning_async_pp import AsyncPipelineStrategy, consolidate  # noqa: E402
 from lightning_async_pp.models import Llama  # noqa: E402
@@ -54,12 +55,7 @@ CASES = {
 
 
 def _whole_model(ranks: list[dict], case: str) -> dict[str, torch.Tensor]:
-    """The model's weights from tensor-parallel rank 0 of each stage (ranks 0 and 2), by state-dict name."""
-    merged: dict[str, torch.Tensor] = {}
-    for r in (0, 2):
-        merged.update(ranks[r]["cases"][case]["stage_weights"])
-    merged.setdefault("head.proj.weight", merged["embed.weight"])  # the tie: one parameter, listed once
-    return merged
+    return whole_tensor_parallel_model(ranks, case, tie=("head.proj.weight", "embed.weight"))
 
 
 def _check_against_one_device(ranks: list[dict], name: str, case: dict) -> None:

@@ -16,7 +16,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent / "scripts"))
 import llama_fit  # noqa: E402
-from pipeline_runs import max_difference, run_here_on_one_device, script_ranks  # noqa: E402
+from pipeline_runs import (  # noqa: E402
+    max_difference, run_here_on_one_device, script_ranks, whole_tensor_parallel_model)
 
 from lightning_async_pp.models.huggingface import as_pretrained_config, tensor_parallel_plan  # noqa: E402
 
@@ -33,12 +34,7 @@ CASES = {
 
 
 def _whole_model(ranks: list[dict], case: str) -> dict[str, torch.Tensor]:
-    """The model's weights from tensor-parallel rank 0 of each stage (ranks 0 and 2), by state-dict name."""
-    merged: dict[str, torch.Tensor] = {}
-    for r in (0, 2):
-        merged.update(ranks[r]["cases"][case]["stage_weights"])
-    merged.setdefault("lm_head.weight", merged["model.embed_tokens.weight"])  # the tie: one parameter, listed once
-    return merged
+    return whole_tensor_parallel_model(ranks, case, tie=("lm_head.weight", "model.embed_tokens.weight"))
 
 
 @pytest.mark.multiprocess
