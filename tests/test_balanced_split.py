@@ -172,12 +172,12 @@ def test_without_an_example_batch_the_split_falls_back_to_parameters_with_a_warn
 
 class SlowFirst(Plain):
     """Plain with a sleep before its first layer's every forward: that layer is the cheapest in FLOPs and, by far,
-    the slowest in time (50 ms against microseconds), on any CPU."""
+    the slowest in time (100 ms against microseconds), on any CPU."""
 
     def __init__(self, example=None):
         torch.manual_seed(0)
         super().__init__(example)
-        self.layers[0].register_forward_pre_hook(lambda module, args: time.sleep(0.05))
+        self.layers[0].register_forward_pre_hook(lambda module, args: time.sleep(0.1))
 
 
 def test_measured_layer_cost_splits_by_time_where_flops_miss_the_slow_layer_and_trains_the_same_numbers():
@@ -186,7 +186,9 @@ def test_measured_layer_cost_splits_by_time_where_flops_miss_the_slow_layer_and_
     measured_model = SlowFirst(example=torch.zeros(2, 8))
     measured = fit_and_split(measured_model, layer_cost="measured")
     assert (measured.method, measured.counts, measured.cost) == ("balanced", (1, 3), "measured")
-    assert measured.time_share[0] > 0.9 and "predicted compute share (measured time)" in measured.describe()
+    # Its FLOPs share is 512 / 13568 = 0.04; its measured share is the sleep's, above a half even where a loaded
+    # machine stretches the other layers' microseconds to tens of milliseconds.
+    assert measured.time_share[0] > 0.5 and "predicted compute share (measured time)" in measured.describe()
     assert len(measured.memory_bytes) == 2  # the memory account is the same one
     # Timing runs the layers on stand-ins: the fit trains exactly what the same split given explicitly trains (the
     # random state is checked directly below: these forwards are reseeded per stage and microbatch anyway).
@@ -196,7 +198,7 @@ def test_measured_layer_cost_splits_by_time_where_flops_miss_the_slow_layer_and_
         assert torch.equal(a, b), name
     # Any method reports measured shares when asked; one stage measures nothing.
     uniform = fit_and_split(SlowFirst(example=torch.zeros(2, 8)), partition="uniform", layer_cost="measured")
-    assert uniform.counts == (2, 2) and uniform.cost == "measured" and uniform.time_share[0] > 0.9
+    assert uniform.counts == (2, 2) and uniform.cost == "measured" and uniform.time_share[0] > 0.5
     assert fit_and_split(SlowFirst(example=torch.zeros(2, 8)), layer_cost="measured", num_stages=1).cost == "flops"
 
 
