@@ -37,6 +37,14 @@ checks() {
         echo "needs 4 GPUs, found $ngpu: skipped"
     fi
 
+    section "tensor parallelism t=2 against t=1 over NCCL (4+ GPUs): peak CUDA memory per process and step time"
+    if [ "$ngpu" -ge 4 ]; then
+        $PY benchmarks/tensor_parallel_memory.py --accelerator cuda --hidden 4096 --layers 16 --heads 32 --seq 2048 \
+            ${OUT:+--json "$OUT/tensor_parallel_memory.json"} || status=1
+    else
+        echo "needs 4 GPUs (2 stages x 2 tensor-parallel ranks), found $ngpu: skipped"
+    fi
+
     section "throughput on CUDA: whole model vs the engine's 2 stages on one GPU; with 2+ GPUs the NCCL pairs"
     if $PY benchmarks/pipeline_throughput.py --help 2>/dev/null | grep -q -- "--accelerator"; then
         # Width 4096, m=4 and 8, 10 warm-up + 50 timed steps per run (the CUDA defaults): expected about a minute on one GPU.
