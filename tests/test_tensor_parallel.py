@@ -50,6 +50,7 @@ CASES = {
     "1f1b_error_feedback_muon": {**BASE, "schedule": "1f1b", "optimizer": "error_feedback_muon"},
     "gpipe": {**BASE, "schedule": "gpipe"},
     "1f1b_checkpointed": {**BASE, "schedule": "1f1b", "activation_checkpointing": True},
+    "zb_h1": {**BASE, "schedule": "zb_h1"},
     "wrong_shard": {**BASE, "schedule": "1f1b", "steps": 1, "swap_shards": True},
 }
 
@@ -194,7 +195,6 @@ def test_the_layout_puts_a_stages_tensor_parallel_ranks_side_by_side_and_pipelin
 
 
 @pytest.mark.parametrize("option, match", [
-    ({"schedule": "zb_h1"}, "schedule='zb_h1' is not supported with tensor_parallel_size > 1 yet"),
     ({"compile": True}, "compile=True is not supported"),
     ({"data_parallel_size": 2}, "data_parallel_size=2 is not supported"),
     ({"layer_cost": "measured"}, "layer_cost='measured' is not supported"),
