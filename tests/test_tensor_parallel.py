@@ -51,6 +51,9 @@ CASES = {
     "gpipe": {**BASE, "schedule": "gpipe"},
     "1f1b_checkpointed": {**BASE, "schedule": "1f1b", "activation_checkpointing": True},
     "zb_h1": {**BASE, "schedule": "zb_h1"},
+    "2bw_delay_compensation": {**BASE, "schedule": "2bw", "optimizer": "delay_compensation"},
+    "2bw_weight_prediction": {**BASE, "schedule": "2bw", "optimizer": "weight_prediction"},
+    "2bw_async_nesterov": {**BASE, "schedule": "2bw", "optimizer": "async_nesterov"},
     "wrong_shard": {**BASE, "schedule": "1f1b", "steps": 1, "swap_shards": True},
 }
 
@@ -59,12 +62,13 @@ def _whole_model(ranks: list[dict], case: str) -> dict[str, torch.Tensor]:
     return whole_tensor_parallel_model(ranks, case, tie=("head.proj.weight", "embed.weight"))
 
 
-def _check_against_one_device(ranks: list[dict], name: str, case: dict) -> None:
+def _check_against_one_device(ranks: list[dict], name: str, case: dict) -> dict[str, torch.Tensor]:
     """The case's weights (gathered per stage) are the one-device run's within the tolerance; the steps moved them;
-    the two tensor-parallel ranks of each stage hold halves of each sharded matrix and equal replicated ones."""
+    the two tensor-parallel ranks of each stage hold halves of each sharded matrix and equal replicated ones.
+    Returns the one-device run's weights."""
     reference = run_here_on_one_device(llama_fit.run, case)["state_dict"]
     weights = _whole_model(ranks, name)
-    tolerance = MUON_TOL if case.get("optimizer") else TOL
+    tolerance = MUON_TOL if "muon" in case.get("optimizer", "") else TOL
     assert max_difference(weights, reference) < tolerance, (name, max_difference(weights, reference))
     assert max_difference(weights, run_here_on_one_device(llama_fit.run, {**case, "steps": 0})
                           ["state_dict"]) > 1e-3, name  # the steps did move the weights
@@ -75,6 +79,7 @@ def _check_against_one_device(ranks: list[dict], name: str, case: dict) -> None:
         for n, value in mine.items():
             if value.shape == ranks[r]["cases"][name]["stage_weights"][n].shape:
                 assert torch.equal(value, other[n]), (name, n)
+    return reference
 
 
 @pytest.mark.multiprocess
@@ -82,9 +87,12 @@ def _check_against_one_device(ranks: list[dict], name: str, case: dict) -> None:
 def test_two_stages_of_two_tensor_parallel_ranks_train_llama_as_one_device(tmp_path):
     ranks = script_ranks(SCRIPT, {"devices": 4, "cases": {n: {**c, "tensor_parallel": 2} for n, c in CASES.items()}},
                          tmp_path, ranks=4, timeout=600)
-    for name, case in CASES.items():
-        if name != "wrong_shard":
-            _check_against_one_device(ranks, name, case)
+    references = {name: _check_against_one_device(ranks, name, case)
+                  for name, case in CASES.items() if name != "wrong_shard"}
+    # The delay corrections did act: each moves the one-device run far from plain AdamW's (so a correction that
+    # did nothing on shards would miss its own reference).
+    for name in ("2bw_delay_compensation", "2bw_weight_prediction"):
+        assert max_difference(references[name], references["2bw"]) > 20 * TOL, name
     for name in ("2bw", "1f1b_clipped"):
         for r in (0, 2):
             # the embedding and the tied head (listed under the embedding's name) split over the vocabulary: rank i
@@ -237,22 +245,25 @@ def test_checkpoints_evaluation_and_the_gather_are_not_refused_with_tensor_paral
                                            PipelineConfig(tensor_parallel_size=2), True, previous_call=False)
 
 
-def test_optimizers_not_tested_on_shards_are_refused_with_tensor_parallelism_and_muon_and_error_feedback_pass():
+def test_optimizers_not_tested_on_shards_are_refused_with_tensor_parallelism_and_the_tested_ones_pass():
     from functools import partial
 
-    from lightning_async_pp.optim import DelayCompensation, ErrorFeedback, Muon
+    from lightning_async_pp.optim import AsyncNesterov, DelayCompensation, ErrorFeedback, Muon, WeightPrediction
 
     config = PipelineConfig(tensor_parallel_size=2)
     params = [torch.nn.Parameter(torch.zeros(4, 4))]
+    sgd = partial(torch.optim.SGD, lr=0.1)
     for refused, match in ((torch.optim.SGD(params, lr=0.1), "the optimizer SGD is not supported"),
-                           (DelayCompensation(params, optimizer=partial(Muon)),
-                            r"the optimizer DelayCompensation\(Muon\) is not supported with tensor_parallel_size > 1 yet"),
-                           (ErrorFeedback(params, optimizer=partial(torch.optim.SGD, lr=0.1)),
-                            r"ErrorFeedback\(SGD\) is not supported")):
+                           (DelayCompensation(params, optimizer=sgd),
+                            r"the optimizer DelayCompensation\(SGD\) is not supported with tensor_parallel_size > 1 yet"),
+                           (ErrorFeedback(params, optimizer=partial(WeightPrediction, optimizer=sgd)),
+                            r"ErrorFeedback\(WeightPrediction\(SGD\)\) is not supported")):
         with pytest.raises(ValueError, match=match):
             options.refuse_optimizers_with_tensor_parallelism([refused], config)
     options.refuse_optimizers_with_tensor_parallelism(
-        [torch.optim.AdamW(params), Muon(params), ErrorFeedback(params, optimizer=partial(Muon))], config)
+        [torch.optim.AdamW(params), Muon(params), ErrorFeedback(params, optimizer=partial(Muon)), AsyncNesterov(params),
+         DelayCompensation(params, optimizer=torch.optim.AdamW), WeightPrediction(params, optimizer=partial(Muon)),
+         ErrorFeedback(params, optimizer=partial(DelayCompensation, optimizer=torch.optim.AdamW))], config)
 
 
 def test_muons_step_on_gathered_matrices_is_torch_muons_step_on_whole_ones():
