@@ -315,6 +315,11 @@ def test_a_two_by_two_checkpoint_resumes_exactly_on_two_by_two_on_two_stages_and
                     "eval_calls": ["validate", "test", "predict"]},
         "resumed_from_one_file": {**RESUME, "resume_from": str(single / "saved.ckpt")},  # whole tensors sliced
         "resumed_from_one_device": {**RESUME, "resume_from": str(one_device / "saved.ckpt")},
+        # DelayCompensation's weight history: the parameter's shards stacked along a new first dimension
+        "dc_full": {**RESUME, "optimizer": "delay_compensation"},
+        "dc_saved": {**RESUME, "optimizer": "delay_compensation", "steps": 2, "save_at": 2,
+                     "checkpoint_dir": str(tmp_path / "dc")},
+        "dc_resumed": {**RESUME, "optimizer": "delay_compensation", "resume_from": str(tmp_path / "dc" / "saved.ckpt")},
     }
     ranks = script_ranks(SCRIPT, {"devices": 4, "cases": {n: {**c, "tensor_parallel": 2} for n, c in cases.items()}},
                          tmp_path / "tp", ranks=4, timeout=420)
@@ -348,6 +353,7 @@ def test_a_two_by_two_checkpoint_resumes_exactly_on_two_by_two_on_two_stages_and
     # Resumed on the same layout: the uninterrupted run's weights (same shards, same order of sums).
     assert max_difference(_whole_model(ranks, "resumed"), full) < 1e-6
     assert max_difference(_whole_model(ranks, "resumed_from_one_file"), full) < 1e-6
+    assert max_difference(_whole_model(ranks, "dc_resumed"), _whole_model(ranks, "dc_full")) < 1e-6
     # From t = 1 to t = 2: the one-device checkpoint resumed on 2 x 2 (other orders of sums: the tolerance).
     assert max_difference(_whole_model(ranks, "resumed_from_one_device"), reference["state_dict"]) < TOL
     assert max_difference(saved, full) > 1e-3  # the resumed step moved the weights
