@@ -54,6 +54,8 @@ CASES = {
     "2bw_delay_compensation": {**BASE, "schedule": "2bw", "optimizer": "delay_compensation"},
     "2bw_weight_prediction": {**BASE, "schedule": "2bw", "optimizer": "weight_prediction"},
     "2bw_async_nesterov": {**BASE, "schedule": "2bw", "optimizer": "async_nesterov"},
+    # across processes a delay can only be the schedule's own (PipelineConfig.check): given, it changes nothing
+    "2bw_delay_given": {**BASE, "schedule": "2bw", "strategy_kwargs": {"delay": 1}},
     "wrong_shard": {**BASE, "schedule": "1f1b", "steps": 1, "swap_shards": True},
 }
 
@@ -211,6 +213,12 @@ def test_the_layout_puts_a_stages_tensor_parallel_ranks_side_by_side_and_pipelin
 def test_options_not_supported_with_tensor_parallelism_are_refused_naming_them(option, match):
     with pytest.raises(ValueError, match=match):
         AsyncPipelineStrategy(**{"tensor_parallel_size": 2, **option})
+
+
+def test_a_delay_other_than_the_schedules_is_refused_across_tensor_parallel_processes():
+    PipelineConfig(tensor_parallel_size=2, delay=1).check(4)
+    with pytest.raises(ValueError, match=r"delay=2 is a one-device research variant"):
+        PipelineConfig(tensor_parallel_size=2, delay=2).check(4)
 
 
 def test_tensor_parallelism_on_one_process_is_refused():
