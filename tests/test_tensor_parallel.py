@@ -50,6 +50,12 @@ CASES = {
     "1f1b_error_feedback_muon": {**BASE, "schedule": "1f1b", "optimizer": "error_feedback_muon"},
     "gpipe": {**BASE, "schedule": "gpipe"},
     "1f1b_checkpointed": {**BASE, "schedule": "1f1b", "activation_checkpointing": True},
+    "zb_h1": {**BASE, "schedule": "zb_h1"},
+    "2bw_delay_compensation": {**BASE, "schedule": "2bw", "optimizer": "delay_compensation"},
+    "2bw_weight_prediction": {**BASE, "schedule": "2bw", "optimizer": "weight_prediction"},
+    "2bw_async_nesterov": {**BASE, "schedule": "2bw", "optimizer": "async_nesterov"},
+    # across processes a delay can only be the schedule's own (PipelineConfig.check): given, it changes nothing
+    "2bw_delay_given": {**BASE, "schedule": "2bw", "strategy_kwargs": {"delay": 1}},
     "wrong_shard": {**BASE, "schedule": "1f1b", "steps": 1, "swap_shards": True},
 }
 
@@ -58,12 +64,13 @@ def _whole_model(ranks: list[dict], case: str) -> dict[str, torch.Tensor]:
     return whole_tensor_parallel_model(ranks, case, tie=("head.proj.weight", "embed.weight"))
 
 
-def _check_against_one_device(ranks: list[dict], name: str, case: dict) -> None:
+def _check_against_one_device(ranks: list[dict], name: str, case: dict) -> dict[str, torch.Tensor]:
     """The case's weights (gathered per stage) are the one-device run's within the tolerance; the steps moved them;
-    the two tensor-parallel ranks of each stage hold halves of each sharded matrix and equal replicated ones."""
+    the two tensor-parallel ranks of each stage hold halves of each sharded matrix and equal replicated ones.
+    Returns the one-device run's weights."""
     reference = run_here_on_one_device(llama_fit.run, case)["state_dict"]
     weights = _whole_model(ranks, name)
-    tolerance = MUON_TOL if case.get("optimizer") else TOL
+    tolerance = MUON_TOL if "muon" in case.get("optimizer", "") else TOL
     assert max_difference(weights, reference) < tolerance, (name, max_difference(weights, reference))
     assert max_difference(weights, run_here_on_one_device(llama_fit.run, {**case, "steps": 0})
                           ["state_dict"]) > 1e-3, name  # the steps did move the weights
@@ -74,6 +81,7 @@ def _check_against_one_device(ranks: list[dict], name: str, case: dict) -> None:
         for n, value in mine.items():
             if value.shape == ranks[r]["cases"][name]["stage_weights"][n].shape:
                 assert torch.equal(value, other[n]), (name, n)
+    return reference
 
 
 @pytest.mark.multiprocess
@@ -81,9 +89,12 @@ def _check_against_one_device(ranks: list[dict], name: str, case: dict) -> None:
 def test_two_stages_of_two_tensor_parallel_ranks_train_llama_as_one_device(tmp_path):
     ranks = script_ranks(SCRIPT, {"devices": 4, "cases": {n: {**c, "tensor_parallel": 2} for n, c in CASES.items()}},
                          tmp_path, ranks=4, timeout=600)
-    for name, case in CASES.items():
-        if name != "wrong_shard":
-            _check_against_one_device(ranks, name, case)
+    references = {name: _check_against_one_device(ranks, name, case)
+                  for name, case in CASES.items() if name != "wrong_shard"}
+    # The delay corrections did act: each moves the one-device run far from plain AdamW's (so a correction that
+    # did nothing on shards would miss its own reference).
+    for name in ("2bw_delay_compensation", "2bw_weight_prediction"):
+        assert max_difference(references[name], references["2bw"]) > 20 * TOL, name
     for name in ("2bw", "1f1b_clipped"):
         for r in (0, 2):
             # the embedding and the tied head (listed under the embedding's name) split over the vocabulary: rank i
@@ -194,7 +205,6 @@ def test_the_layout_puts_a_stages_tensor_parallel_ranks_side_by_side_and_pipelin
 
 
 @pytest.mark.parametrize("option, match", [
-    ({"schedule": "zb_h1"}, "schedule='zb_h1' is not supported with tensor_parallel_size > 1 yet"),
     ({"compile": True}, "compile=True is not supported"),
     ({"data_parallel_size": 2}, "data_parallel_size=2 is not supported"),
     ({"layer_cost": "measured"}, "layer_cost='measured' is not supported"),
@@ -203,6 +213,12 @@ def test_the_layout_puts_a_stages_tensor_parallel_ranks_side_by_side_and_pipelin
 def test_options_not_supported_with_tensor_parallelism_are_refused_naming_them(option, match):
     with pytest.raises(ValueError, match=match):
         AsyncPipelineStrategy(**{"tensor_parallel_size": 2, **option})
+
+
+def test_a_delay_other_than_the_schedules_is_refused_across_tensor_parallel_processes():
+    PipelineConfig(tensor_parallel_size=2, delay=1).check(4)
+    with pytest.raises(ValueError, match=r"delay=2 is a one-device research variant"):
+        PipelineConfig(tensor_parallel_size=2, delay=2).check(4)
 
 
 def test_tensor_parallelism_on_one_process_is_refused():
@@ -237,22 +253,25 @@ def test_checkpoints_evaluation_and_the_gather_are_not_refused_with_tensor_paral
                                            PipelineConfig(tensor_parallel_size=2), True, previous_call=False)
 
 
-def test_optimizers_not_tested_on_shards_are_refused_with_tensor_parallelism_and_muon_and_error_feedback_pass():
+def test_optimizers_not_tested_on_shards_are_refused_with_tensor_parallelism_and_the_tested_ones_pass():
     from functools import partial
 
-    from lightning_async_pp.optim import DelayCompensation, ErrorFeedback, Muon
+    from lightning_async_pp.optim import AsyncNesterov, DelayCompensation, ErrorFeedback, Muon, WeightPrediction
 
     config = PipelineConfig(tensor_parallel_size=2)
     params = [torch.nn.Parameter(torch.zeros(4, 4))]
+    sgd = partial(torch.optim.SGD, lr=0.1)
     for refused, match in ((torch.optim.SGD(params, lr=0.1), "the optimizer SGD is not supported"),
-                           (DelayCompensation(params, optimizer=partial(Muon)),
-                            r"the optimizer DelayCompensation\(Muon\) is not supported with tensor_parallel_size > 1 yet"),
-                           (ErrorFeedback(params, optimizer=partial(torch.optim.SGD, lr=0.1)),
-                            r"ErrorFeedback\(SGD\) is not supported")):
+                           (DelayCompensation(params, optimizer=sgd),
+                            r"the optimizer DelayCompensation\(SGD\) is not supported with tensor_parallel_size > 1 yet"),
+                           (ErrorFeedback(params, optimizer=partial(WeightPrediction, optimizer=sgd)),
+                            r"ErrorFeedback\(WeightPrediction\(SGD\)\) is not supported")):
         with pytest.raises(ValueError, match=match):
             options.refuse_optimizers_with_tensor_parallelism([refused], config)
     options.refuse_optimizers_with_tensor_parallelism(
-        [torch.optim.AdamW(params), Muon(params), ErrorFeedback(params, optimizer=partial(Muon))], config)
+        [torch.optim.AdamW(params), Muon(params), ErrorFeedback(params, optimizer=partial(Muon)), AsyncNesterov(params),
+         DelayCompensation(params, optimizer=torch.optim.AdamW), WeightPrediction(params, optimizer=partial(Muon)),
+         ErrorFeedback(params, optimizer=partial(DelayCompensation, optimizer=torch.optim.AdamW))], config)
 
 
 def test_muons_step_on_gathered_matrices_is_torch_muons_step_on_whole_ones():
@@ -304,6 +323,11 @@ def test_a_two_by_two_checkpoint_resumes_exactly_on_two_by_two_on_two_stages_and
                     "eval_calls": ["validate", "test", "predict"]},
         "resumed_from_one_file": {**RESUME, "resume_from": str(single / "saved.ckpt")},  # whole tensors sliced
         "resumed_from_one_device": {**RESUME, "resume_from": str(one_device / "saved.ckpt")},
+        # DelayCompensation's weight history: the parameter's shards stacked along a new first dimension
+        "dc_full": {**RESUME, "optimizer": "delay_compensation"},
+        "dc_saved": {**RESUME, "optimizer": "delay_compensation", "steps": 2, "save_at": 2,
+                     "checkpoint_dir": str(tmp_path / "dc")},
+        "dc_resumed": {**RESUME, "optimizer": "delay_compensation", "resume_from": str(tmp_path / "dc" / "saved.ckpt")},
     }
     ranks = script_ranks(SCRIPT, {"devices": 4, "cases": {n: {**c, "tensor_parallel": 2} for n, c in cases.items()}},
                          tmp_path / "tp", ranks=4, timeout=420)
@@ -337,6 +361,7 @@ def test_a_two_by_two_checkpoint_resumes_exactly_on_two_by_two_on_two_stages_and
     # Resumed on the same layout: the uninterrupted run's weights (same shards, same order of sums).
     assert max_difference(_whole_model(ranks, "resumed"), full) < 1e-6
     assert max_difference(_whole_model(ranks, "resumed_from_one_file"), full) < 1e-6
+    assert max_difference(_whole_model(ranks, "dc_resumed"), _whole_model(ranks, "dc_full")) < 1e-6
     # From t = 1 to t = 2: the one-device checkpoint resumed on 2 x 2 (other orders of sums: the tolerance).
     assert max_difference(_whole_model(ranks, "resumed_from_one_device"), reference["state_dict"]) < TOL
     assert max_difference(saved, full) > 1e-3  # the resumed step moved the weights

@@ -524,7 +524,9 @@ def needed_keys(engine: Any, module_state_names: Iterable[str], source: TensorSo
 def layouts(engine: Any, keys: Iterable[str], source: TensorSource) -> dict[str, DTensorSpec]:
     """The keys among ``keys`` that this process holds as DTensors (tensor parallelism) and how: a DTensor
     parameter's weights (``model.``, ``stash.``) and its optimizer state of the parameter's shape, laid out as the
-    parameter (a scalar such as AdamW's ``step`` stays whole). Empty without tensor parallelism."""
+    parameter (a scalar such as AdamW's ``step`` stays whole), or of its shape behind one more leading dimension
+    (``DelayCompensation``'s stacked weight history), laid out as the parameter along the others. Empty without
+    tensor parallelism."""
     specs = {n: (dtensor_spec(p), tuple(p.shape)) for view in engine.stats.stages
              for n, p in zip(view.param_names, view.params)}
     specs = {n: spec for n, spec in specs.items() if spec[0] is not None}
@@ -541,9 +543,25 @@ def layouts(engine: Any, keys: Iterable[str], source: TensorSource) -> dict[str,
         else:
             continue
         saved = source.shapes.get(key)
-        if name in specs and saved is not None and tuple(saved[0]) == specs[name][1]:
-            out[key] = specs[name][0]
+        if name not in specs or saved is None:
+            continue
+        spec, shape = specs[name]
+        if tuple(saved[0]) == shape:
+            out[key] = spec
+        elif key.startswith(OPTIM) and tuple(saved[0][1:]) == shape:
+            out[key] = _stacked(spec, int(saved[0][0]))
     return out
+
+
+def _stacked(spec: DTensorSpec, n: int) -> DTensorSpec:
+    """The layout of ``n`` tensors laid out as ``spec`` stacked along a new first dimension: each sharded dimension
+    one further on."""
+    from torch.distributed.tensor import Shard
+
+    mesh, placements, shape, _ = spec
+    shifted = tuple(Shard(p.dim + 1) if p.is_shard() else p for p in placements)
+    whole = torch.Size((n, *shape))
+    return mesh, shifted, whole, torch.empty(whole, device="meta").stride()
 
 
 def load_engine(engine: Any, module: nn.Module, tensors: Mapping[str, Any], num_updates: int,

@@ -139,12 +139,10 @@ class PipelineConfig:
         """The options not supported with ``tensor_parallel_size > 1`` yet (docs/design/tensor-parallel.md, "What
         runs"): refused here, before any process starts."""
         unsupported = [
-            (self.schedule == "zb_h1", f"schedule={self.schedule!r}", "use '2bw', '1f1b' or 'gpipe'"),
             (self.compile is not False, f"compile={self.compile!r}", "use compile=False"),
             (self.data_parallel_size != 1, f"data_parallel_size={self.data_parallel_size}", "use data_parallel_size=1"),
             (self.shard_optimizer, "shard_optimizer=True", "use shard_optimizer=False"),
             (self.layer_cost != "flops", f"layer_cost={self.layer_cost!r}", "use layer_cost='flops'"),
-            (self.delay is not None, f"delay={self.delay!r}", "drop delay"),
             (self.num_stages is not None, f"num_stages={self.num_stages!r}", "drop num_stages (the stages are the "
              "processes / tensor_parallel_size)"),
         ]

@@ -482,7 +482,7 @@ class PipelineRuntime:
             pending, inputs, out_leaves, received = self._weight_due.pop((stage.index, b, j))
             self._count_gradient_action(action)
             start = time.perf_counter()
-            backward_weight(pending)
+            backward_weight(pending)  # from the nodes the input pass reached: no loss backward left
             if self.reducer is not None and action.batch == 0:
                 self.reducer.accumulated_outside_autograd(pending.weights)
             elapsed = self._span(stage.index, "backward", start, batch=b, microbatch=j, part="weight")
@@ -510,7 +510,10 @@ class PipelineRuntime:
                 torch.autograd.backward(outputs, seeds)
             elapsed = self._span(stage.index, "backward", start, batch=b, microbatch=j)
         else:  # I: the input gradient now, the weight gradient at this microbatch's W
-            pending = backward_input(outputs, seeds, inputs, stage.grad_leaves(b))
+            # The last stage's input pass runs the loss's backward: under loss_parallel(), as B's does (outside it
+            # DTensor refuses the backward of the cross-entropy on vocabulary-split logits).
+            with loss_context(self.tensor_parallel and stage.is_last):
+                pending = backward_input(outputs, seeds, inputs, stage.grad_leaves(b))
             elapsed = self._span(stage.index, "backward", start, batch=b, microbatch=j, part="input")
         if not stage.is_first:
             if remote_in:

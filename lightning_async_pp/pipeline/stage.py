@@ -143,10 +143,10 @@ class Stage:
                 if b is not None and n not in m._non_persistent_buffers_set]
 
     def grad_leaves(self, batch_index: int) -> list[Tensor]:
-        """Every leaf the forward of batch ``batch_index`` read: this stage's and the borrowed ones (each once),
-        the weights a split backward's weight pass computes gradients for."""
-        return list({id(t): t for t in self.weights(self.versions.leaves_for_batch(batch_index), batch_index).values()}
-                    .values())
+        """Every leaf the forward of batch ``batch_index`` read: this stage's and the borrowed ones, the weights a
+        split backward's weight pass computes gradients for. The leaves themselves, not the DTensor views
+        :meth:`weights` lays them out as (each call makes new views, which are not in the forward's graph)."""
+        return [*self.versions.leaves_for_batch(batch_index), *self._borrowed_for_batch(batch_index)]
 
     def forward_newest(self, x: Any) -> Any:
         """Forward on the newest version (validation, test, predict)."""

@@ -71,13 +71,14 @@ def refuse_unsupported(trainer: Any, precision_plugin: Any, config: PipelineConf
 
 def _tensor_parallel_ready(optimizer: Any) -> bool:
     """Whether ``optimizer`` is tested exact on tensor-parallel shards against one device (docs/design/
-    tensor-parallel.md, "What runs"): AdamW's update is elementwise, so each shard's is the slice of one device's;
-    ``optim.Muon`` gathers each matrix for its Newton-Schulz; ``ErrorFeedback`` is elementwise around either."""
-    from lightning_async_pp.optim import ErrorFeedback, Muon
+    tensor-parallel.md, "What runs"): AdamW's and AsyncNesterov's (NAdam's) updates are elementwise, so each
+    shard's is the slice of one device's; ``optim.Muon`` gathers each matrix for its Newton-Schulz; the corrections
+    ``ErrorFeedback``, ``DelayCompensation`` and ``WeightPrediction`` are elementwise around any of them."""
+    from lightning_async_pp.optim import AsyncNesterov, DelayCompensation, ErrorFeedback, Muon, WeightPrediction
 
-    if type(optimizer) is ErrorFeedback:
+    if type(optimizer) in (ErrorFeedback, DelayCompensation, WeightPrediction):
         return _tensor_parallel_ready(optimizer.wrapped)
-    return type(optimizer) in (torch.optim.AdamW, Muon)
+    return type(optimizer) in (torch.optim.AdamW, Muon, AsyncNesterov)
 
 
 def _short_name(optimizer: Any) -> str:
@@ -127,8 +128,9 @@ def refuse_optimizers_with_tensor_parallelism(optimizers: Any, config: PipelineC
         if not _tensor_parallel_ready(optimizer):
             raise ValueError(
                 f"the optimizer {_short_name(optimizer)} is not supported with tensor_parallel_size > 1 yet "
-                f"(tensor_parallel_size={config.tensor_parallel_size}); use torch.optim.AdamW or "
-                f"lightning_async_pp.optim.Muon, alone or inside ErrorFeedback")
+                f"(tensor_parallel_size={config.tensor_parallel_size}); use torch.optim.AdamW, "
+                f"lightning_async_pp.optim.Muon or AsyncNesterov, alone or inside ErrorFeedback, DelayCompensation "
+                f"or WeightPrediction")
 
 
 def compile_per_layer(config: PipelineConfig) -> PipelineConfig:

@@ -21,7 +21,8 @@ neighbouring tensor-parallel rank's slice at initialization), model ("hf": a tin
 ``HF_LLAMA`` updated by ``hf_config``, or the config and weights of the save_pretrained folder ``pretrained``,
 through models.HuggingFaceCausalLM; "own": ``OwnPlanLM``, a PipelineModule applying its own plan;
 else models.Llama), optimizer ("muon": optim.Muon over the named parameters, "error_feedback_muon": the same
-inside ErrorFeedback; default the model's AdamW),
+inside ErrorFeedback; "delay_compensation", "weight_prediction", "async_nesterov": that correction over the model's
+AdamW groups; default the model's AdamW),
 checkpoint_dir + save_at (a ModelCheckpoint writing checkpoint_dir/saved.ckpt at that step), resume_from (ckpt_path),
 resumable (a loader that resumes mid-epoch: tests/helpers.py ResumableLoader), gather (tensor_parallel with
 gather_final_weights=True: rank 0 returns the whole "state_dict"), eval_calls (after fit, each of "validate", "test",
@@ -45,6 +46,9 @@ from lightning_async_pp import PipelineModule  # noqa: E402
 from lightning_async_pp.models import HuggingFaceCausalLM, Llama  # noqa: E402
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing is downloaded: configs are built here
+#: DelayCompensation's coefficient in ``optimizer: "delay_compensation"``: large enough that the correction moves the
+#: tiny model's weights far beyond the tensor-parallel tolerance in 3 steps (its gradients are small).
+CORRECTION = 1e4
 #: The tiny transformers Llama of ``model: "hf"`` (tests/scripts/adapter_fit.py's, with 4 blocks): the partition
 #: [3, 4] splits it as embedding + 2 blocks | 2 blocks + norm + head.
 HF_LLAMA = dict(model_type="llama", vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
@@ -166,18 +170,29 @@ class OwnPlanLM(PipelineModule):
         return torch.optim.AdamW(self.parameters(), lr=self.hparams.lr)
 
 
-def muon_optimizer(model: Llama, kind: str) -> torch.optim.Optimizer:
+def chosen_optimizer(model: Llama, kind: str) -> torch.optim.Optimizer:
     """``optim.Muon`` over the model's named parameters (the blocks' matrices to Muon, embedding, head and norms to
-    its AdamW), alone or inside ``ErrorFeedback``."""
+    its AdamW), alone or inside ``ErrorFeedback``; or a delay correction over the model's own AdamW groups:
+    "delay_compensation" (``DelayCompensation(AdamW)``, coefficient ``CORRECTION``), "weight_prediction"
+    (``WeightPrediction(AdamW)``), "async_nesterov" (``AsyncNesterov`` at the model's learning rate)."""
     from functools import partial
 
-    from lightning_async_pp.optim import ErrorFeedback, Muon
+    from lightning_async_pp.optim import AsyncNesterov, DelayCompensation, ErrorFeedback, Muon, WeightPrediction
+    from lightning_async_pp.optim.groups import decay_matrices_only
 
     make = partial(Muon, lr=model.hparams.lr, weight_decay=0.1)
     if kind == "muon":
         return make(model.named_parameters())
-    assert kind == "error_feedback_muon", kind
-    return ErrorFeedback(model.named_parameters(), optimizer=make)
+    if kind == "error_feedback_muon":
+        return ErrorFeedback(model.named_parameters(), optimizer=make)
+    groups = decay_matrices_only(model.named_parameters(), model.hparams.weight_decay)
+    adamw = partial(torch.optim.AdamW, lr=model.hparams.lr, betas=(0.9, 0.95))
+    if kind == "delay_compensation":
+        return DelayCompensation(groups, optimizer=adamw, coefficient=CORRECTION)
+    if kind == "weight_prediction":
+        return WeightPrediction(groups, optimizer=adamw)
+    assert kind == "async_nesterov", kind
+    return AsyncNesterov(groups, lr=model.hparams.lr)
 
 
 def build(cfg: dict) -> tuple[Llama, DataLoader, L.Trainer]:
@@ -202,7 +217,7 @@ def build(cfg: dict) -> tuple[Llama, DataLoader, L.Trainer]:
             "tiny", vocab_size=cfg.get("vocab", 256), tie_embeddings=tie, max_seq_len=cfg.get("max_seq_len", 64),
             lr=cfg.get("lr", 3e-3), skip_document_ends=bool(cfg.get("packed")), **kwargs)
     if cfg.get("optimizer"):
-        model.configure_optimizers = lambda: muon_optimizer(model, cfg["optimizer"])  # type: ignore[method-assign]
+        model.configure_optimizers = lambda: chosen_optimizer(model, cfg["optimizer"])  # type: ignore[method-assign]
     rows: Any = token_rows(cfg.get("samples", 32), cfg.get("seq", 16))
     if cfg.get("packed"):
         rows = packed_rows(rows)
@@ -276,7 +291,7 @@ def run(cfg: dict, devices: int) -> tuple[dict, Llama, L.Trainer]:
         result.update(stage_weights(model))
         link = trainer.strategy.engine._link  # what crossed the stage boundary: this rank's shapes
         result["crossed"] = [list(m.shape) for m in (link.out_layout or link.in_layout).metas]
-        if cfg.get("optimizer"):
+        if "muon" in cfg.get("optimizer", ""):
             result["muon_step_difference"] = muon_step_against_whole(model)
     elif trainer.is_global_zero:
         result["state_dict"] = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
