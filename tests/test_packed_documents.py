@@ -725,6 +725,36 @@ def test_packed_rows_with_pooled_receive_buffers_train_exactly_as_one_device(tmp
     assert all(d < 1e-5 for d in differences.values()), differences  # stale masks: 2e-2 and more
 
 
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_packed_rows_attended_document_by_document_on_two_replicas_train_as_one_device_on_both_batches(tmp_path):
+    """Data parallelism on packed rows (issue 56): 2 replicas x 2 stages, attention document by document, pooled
+    receive buffers, give the weights one device gets on the replicas' batches together (the mean of the replicas'
+    gradients is the gradient of their concatenation). Every target is kept: with skip_document_ends each replica's
+    batch weighs as one, as Lightning's DDP weighs its ranks (docs/design/update-rule.md), which one device on the
+    concatenation does not. The traffic is replayed under NCCL's rules (tests/conftest.py)."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).parent / "scripts"))
+    pytest.importorskip("transformers")
+    import packed_pooled_fit
+    from pipeline_runs import max_difference, run_here_on_one_device, script_ranks
+
+    runs = [{"model": "llama", "schedule": "2bw", "per_document": True},
+            {"model": "llama", "schedule": "zb_h1", "per_document": True},
+            {"model": "hf", "schedule": "2bw", "per_document": True}]
+    cfg = {"runs": runs, "pooled": True, "steps": 3, "dp": 2, "devices": 4, "skip_document_ends": False}
+    ranks = script_ranks(Path(__file__).parent / "scripts" / "packed_pooled_fit.py", cfg, tmp_path, ranks=4,
+                         timeout=400)
+    reference = run_here_on_one_device(packed_pooled_fit.run, cfg)
+    differences = {}
+    for i, (spec, want) in enumerate(zip(runs, reference["runs"])):
+        assert all(rank["runs"][i]["reused"] > 0 for rank in ranks), spec  # the pools were used on every rank
+        differences[f"{spec['model']} {spec['schedule']}"] = max_difference(ranks[0]["runs"][i]["state_dict"],
+                                                                            want["state_dict"])
+    assert all(d < 1e-5 for d in differences.values()), differences
+
+
 def fit_packed_on_one_device(schedule: str, attention: str, monkeypatch, **options) -> dict[str, torch.Tensor]:
     """models.Llama trained 2 steps by SGD on packed rows (documents of 1..7 tokens) on one device, 2 stages, attention
     ``per-document`` or through the ``mask``; the weights after."""
