@@ -792,3 +792,17 @@ def test_every_schedule_trains_packed_rows_document_by_document_as_through_the_m
     by_document = fit_packed_on_one_device(schedule, "per-document", monkeypatch, **options)
     masked = fit_packed_on_one_device(schedule, "mask", monkeypatch, **options)
     assert max((by_document[k] - masked[k]).abs().max().item() for k in masked) < 1e-5
+
+
+@pytest.mark.parametrize("checkpointing", [False, True], ids=["kept", "activation-checkpointing"])
+def test_each_stage_finds_a_microbatchs_documents_once_zb_h1s_weight_pass_and_recomputation_included(checkpointing,
+                                                                                                    monkeypatch):
+    """zb_h1's weight-gradient pass, and the forward recomputed under activation checkpointing, attend over the
+    documents the stage found in the microbatch's forward: one packing.Documents per microbatch and stage (the
+    tiny Llama's 4 blocks on 2 stages would find them 4 times per microbatch if each layer did)."""
+    calls = []
+    real = packing.Documents.__init__
+    monkeypatch.setattr(packing.Documents, "__init__", lambda self, p: calls.append(1) or real(self, p))
+    fit_packed_on_one_device("zb_h1", "per-document", monkeypatch, activation_checkpointing=checkpointing)
+    steps, microbatches, stages = 2, 4, 2
+    assert len(calls) == steps * microbatches * stages
