@@ -132,6 +132,25 @@ def test_a_packed_row_gives_each_document_upstreams_logits_and_the_loss_upstream
             torch.testing.assert_close(p.grad, grads[name], rtol=1e-4, atol=1e-5, msg=name)
 
 
+@pytest.mark.parametrize("case", MOE_CASES)
+def test_a_packed_microbatchs_attention_inputs_are_built_once_not_per_layer(case, monkeypatch):
+    """What a layer needs from a packed microbatch's positions (its documents or mask, the rotary tables;
+    packing.per_positions) is built once per microbatch, not per layer: the positions keep their tensor through
+    the MoE layers, whose router statistics ride beside them."""
+    from lightning_async_pp.models import packing
+
+    ours = HuggingFaceCausalLM(moe_config(case, num_hidden_layers=4), init_seed=3, skip_document_ends=True)
+    ours.configure_model()
+    built = []
+    real = packing.per_positions
+    monkeypatch.setattr(packing, "per_positions",
+                        lambda positions, key, build: real(positions, key, lambda: built.append(key) or build()))
+    batch = {"input_ids": tokens(b=1, t=20), "position_ids": torch.cat([torch.arange(n) for n in (6, 11, 4)])[None]}
+    with torch.no_grad():
+        ours.pipeline_forward(batch)
+    assert built and len(built) == len(set(built)) <= 2, built  # the layers' inputs, and the documents
+
+
 def test_moe_without_output_router_logits_has_no_balancing_term():
     ours = HuggingFaceCausalLM(moe_config("mixtral", output_router_logits=False), init_seed=3)
     ours.configure_model()

@@ -105,24 +105,48 @@ def test_the_documents_are_found_once_per_positions_tensor_not_per_layer(monkeyp
     assert len(model.blocks) == 4 and len(calls) == 1
 
 
-def test_the_documents_are_found_again_when_a_pooled_buffer_is_refilled_in_place(attention_path):
-    """A receive into a pooled buffer writes an earlier microbatch's positions tensor without bumping its version
-    (issue 54): the stage must attend over the new documents, not the ones it found for the old positions."""
+def test_a_receive_into_a_pooled_buffer_makes_the_stage_find_the_documents_again(attention_path):
+    """With pooled receive buffers (CUDA's default) a microbatch's positions arrive in an earlier microbatch's
+    tensor, written by the transport outside autograd (issue 54). The link bumps a pooled buffer's version as it
+    hands it to a receive and the stage's cache keys on tensor and version (packing.per_positions): the layers
+    attend over the new documents, with no comparison of positions (a host wait per layer on CUDA)."""
+    import torch.distributed as dist
+
+    from lightning_async_pp.pipeline.comm import FailureBoard, StageLink
+    from lightning_async_pp.pipeline.structure import Layout, flatten, unflatten
+
     model = models()["llama"].eval()
-    first, _ = packed_row(seed=0)
-    second, docs = packed_row(lengths=(9, 4, 9), seed=1)
-    first, second = packing.packed_input(first), packing.packed_input(second)
-    received = first["position_ids"].clone()  # a stage's receive buffer
     blocks = torch.nn.Sequential(*model.blocks)
-    with torch.no_grad():
-        blocks({"hidden": model.embed(first)["hidden"], "position_ids": received})
-        reference = blocks({"hidden": model.embed(second)["hidden"], "position_ids": second["position_ids"]})
-        version = received._version
-        received.untyped_storage().copy_(second["position_ids"].clone().untyped_storage())
-        assert received._version == version  # as after a receive: the version did not move
-        got = blocks({"hidden": model.embed(second)["hidden"], "position_ids": received})
+    first, second = (packing.packed_input(packed_row(lengths, seed)[0]) for lengths, seed in ((DOCS, 0), ((9, 4, 9), 1)))
     assert not torch.equal(first["position_ids"], second["position_ids"])
-    torch.testing.assert_close(got["hidden"], reference["hidden"], rtol=0, atol=0)
+    with torch.no_grad():
+        sent = [{"hidden": model.embed(b)["hidden"], "position_ids": b["position_ids"]} for b in (first, second)]
+        reference = blocks(sent[1])["hidden"]
+    leaves, spec = flatten(sent[0])
+    received = [t.clone() for t in leaves]  # a stage's receive buffers, holding the first microbatch
+    initialized_here = not dist.is_initialized()
+    if initialized_here:  # the receive's operation names its process group; nothing is sent
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        link = StageLink(stage=1, rank=0, prev_rank=0, next_rank=None, device=torch.device("cpu"), timeout=60.0,
+                         board=FailureBoard(None), rank_to_stage={0: 1})
+        link.reuse_buffers, link.in_layout = True, Layout.of(received, spec, with_grad=False)
+        with torch.no_grad():
+            blocks(unflatten(received, spec))  # the first microbatch's forward: its documents are cached
+        link.release_microbatch(received, [], None)  # its backward ran: the buffers go back to the pool
+        link.post_activations(("act", 1, 0))  # the second microbatch's receive, into them
+        posted = link.take(("act", 1, 0))
+    finally:
+        if initialized_here:
+            dist.destroy_process_group()
+    assert link.buffers_reused == 1 and all(a is b for a, b in zip(posted.tensors, received))
+    versions = [t._version for t in received]
+    for buffer, value in zip(received, flatten(sent[1])[0]):  # the transfer: a write autograd does not see
+        buffer.untyped_storage().copy_(value.clone().untyped_storage())
+    assert [t._version for t in received] == versions
+    with torch.no_grad():
+        got = blocks(unflatten(received, spec))["hidden"]
+    torch.testing.assert_close(got, reference, rtol=0, atol=0)
 
 
 def test_at_8192_tokens_no_token_by_token_mask_is_made_and_each_document_attends_alone(monkeypatch):
@@ -701,6 +725,36 @@ def test_packed_rows_with_pooled_receive_buffers_train_exactly_as_one_device(tmp
     assert all(d < 1e-5 for d in differences.values()), differences  # stale masks: 2e-2 and more
 
 
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_packed_rows_attended_document_by_document_on_two_replicas_train_as_one_device_on_both_batches(tmp_path):
+    """Data parallelism on packed rows (issue 56): 2 replicas x 2 stages, attention document by document, pooled
+    receive buffers, give the weights one device gets on the replicas' batches together (the mean of the replicas'
+    gradients is the gradient of their concatenation). Every target is kept: with skip_document_ends each replica's
+    batch weighs as one, as Lightning's DDP weighs its ranks (docs/design/update-rule.md), which one device on the
+    concatenation does not. The traffic is replayed under NCCL's rules (tests/conftest.py)."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).parent / "scripts"))
+    pytest.importorskip("transformers")
+    import packed_pooled_fit
+    from pipeline_runs import max_difference, run_here_on_one_device, script_ranks
+
+    runs = [{"model": "llama", "schedule": "2bw", "per_document": True},
+            {"model": "llama", "schedule": "zb_h1", "per_document": True},
+            {"model": "hf", "schedule": "2bw", "per_document": True}]
+    cfg = {"runs": runs, "pooled": True, "steps": 3, "dp": 2, "devices": 4, "skip_document_ends": False}
+    ranks = script_ranks(Path(__file__).parent / "scripts" / "packed_pooled_fit.py", cfg, tmp_path, ranks=4,
+                         timeout=400)
+    reference = run_here_on_one_device(packed_pooled_fit.run, cfg)
+    differences = {}
+    for i, (spec, want) in enumerate(zip(runs, reference["runs"])):
+        assert all(rank["runs"][i]["reused"] > 0 for rank in ranks), spec  # the pools were used on every rank
+        differences[f"{spec['model']} {spec['schedule']}"] = max_difference(ranks[0]["runs"][i]["state_dict"],
+                                                                            want["state_dict"])
+    assert all(d < 1e-5 for d in differences.values()), differences
+
+
 def fit_packed_on_one_device(schedule: str, attention: str, monkeypatch, **options) -> dict[str, torch.Tensor]:
     """models.Llama trained 2 steps by SGD on packed rows (documents of 1..7 tokens) on one device, 2 stages, attention
     ``per-document`` or through the ``mask``; the weights after."""
@@ -738,3 +792,17 @@ def test_every_schedule_trains_packed_rows_document_by_document_as_through_the_m
     by_document = fit_packed_on_one_device(schedule, "per-document", monkeypatch, **options)
     masked = fit_packed_on_one_device(schedule, "mask", monkeypatch, **options)
     assert max((by_document[k] - masked[k]).abs().max().item() for k in masked) < 1e-5
+
+
+@pytest.mark.parametrize("checkpointing", [False, True], ids=["kept", "activation-checkpointing"])
+def test_each_stage_finds_a_microbatchs_documents_once_zb_h1s_weight_pass_and_recomputation_included(checkpointing,
+                                                                                                    monkeypatch):
+    """zb_h1's weight-gradient pass, and the forward recomputed under activation checkpointing, attend over the
+    documents the stage found in the microbatch's forward: one packing.Documents per microbatch and stage (the
+    tiny Llama's 4 blocks on 2 stages would find them 4 times per microbatch if each layer did)."""
+    calls = []
+    real = packing.Documents.__init__
+    monkeypatch.setattr(packing.Documents, "__init__", lambda self, p: calls.append(1) or real(self, p))
+    fit_packed_on_one_device("zb_h1", "per-document", monkeypatch, activation_checkpointing=checkpointing)
+    steps, microbatches, stages = 2, 4, 2
+    assert len(calls) == steps * microbatches * stages

@@ -91,12 +91,14 @@ def per_positions(position_ids: Tensor, key: Any, build: Any) -> Any:
     """``build()``, once per microbatch's positions and ``key`` (what else the value depends on): what every layer of
     a stage needs from a microbatch's positions (the document mask, an upstream model's rotary tables).
 
-    Kept while the positions tensor lives and used again only while it holds the same positions: a receive into a
-    pooled buffer (``pipeline/comm.py``, ``StageLink``) refills the tensor of an earlier microbatch without bumping
-    its version, so neither the tensor object nor its version says whose positions it holds; its content does."""
+    Kept while the positions tensor lives and used again only while its version is the one it had: every write
+    bumps it, the receive into a pooled buffer included (``pipeline/comm.py``, ``StageLink._take_buffers``, where an
+    earlier microbatch's tensor is refilled outside autograd), so no content is compared (on CUDA a host wait per
+    layer). An inference tensor keeps no version; none is refilled (evaluation receives into new buffers)."""
+    version = -1 if position_ids.is_inference() else position_ids._version
     entry = _cached.get(position_ids)
-    if entry is None or entry[0].shape != position_ids.shape or not torch.equal(entry[0], position_ids):
-        entry = _cached[position_ids] = (position_ids.detach().clone(), {})
+    if entry is None or entry[0] != version:
+        entry = _cached[position_ids] = (version, {})
     values = entry[1]
     if key not in values:
         values[key] = build()

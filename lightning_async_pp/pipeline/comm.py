@@ -180,7 +180,9 @@ class StageLink:
       so steady-state training allocates none. Buffers still shared with something in flight (a stage that
       passes its input through as its output, a gradient autograd kept as an input's ``.grad``) are not reused.
       On CUDA "the backward ran" means its kernels are queued; NCCL starts each transfer after the work already
-      queued on the compute stream, so a new receive writes a pooled buffer only after its last reader ran.
+      queued on the compute stream, so a new receive writes a pooled buffer only after its last reader ran. A
+      pooled buffer's version is bumped as a receive takes it (:meth:`_take_buffers`). Training only: evaluation
+      receives into new buffers.
     """
 
     REUSE_BUFFERS_ON_CPU = False  # tests turn this on to check the pools with gloo on CPU
@@ -412,10 +414,16 @@ class StageLink:
 
     # ---- reusing receive buffers --------------------------------------------------------------------------------
     def _take_buffers(self, pool: list) -> Optional[list]:
+        """Pooled buffers for the next receive, their versions bumped: the transfer writes them as an in-place op
+        would, but outside autograd, which would leave the version of the earlier microbatch's content. A cache
+        keyed on tensor and version (``models/packing.py``, ``per_positions``) then knows the new content without
+        reading it (a host wait on CUDA)."""
         if not pool:
             return None
         self.buffers_reused += 1
-        return pool.pop()
+        buffers = pool.pop()
+        torch.autograd.graph.increment_version([b for b in buffers if b is not None])
+        return buffers
 
     def release_microbatch(self, inputs: list[Tensor], outputs: list[Tensor],
                            gradients: Optional[list[Optional[Tensor]]]) -> None:

@@ -5,7 +5,8 @@ Run by tests/test_packed_documents.py; the test imports ``run`` for the same run
 
 Config keys: runs (a list of {"model": "llama" | "hf", "schedule": ..., "per_document": attention document by
 document whatever it costs (else these tiny documents go through the mask)}), pooled (the receive buffers pooled),
-steps.
+steps, dp (``data_parallel_size``: replica ``r`` trains on rows ``r::dp`` in batches of 8, the one-device run on the
+replicas' batches together, 8 x dp rows in 4 x dp microbatches), skip_document_ends (default on).
 """
 from __future__ import annotations
 
@@ -31,10 +32,10 @@ HF_LLAMA = dict(model_type="llama", vocab_size=256, hidden_size=32, intermediate
                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
 
 
-def build_model(name: str) -> L.LightningModule:
+def build_model(name: str, skip_document_ends: bool = True) -> L.LightningModule:
     if name == "llama":
-        return Llama("tiny", vocab_size=256, max_seq_len=64, lr=3e-3, skip_document_ends=True)
-    return HuggingFaceCausalLM(HF_LLAMA, lr=3e-3, init_seed=0, skip_document_ends=True)
+        return Llama("tiny", vocab_size=256, max_seq_len=64, lr=3e-3, skip_document_ends=skip_document_ends)
+    return HuggingFaceCausalLM(HF_LLAMA, lr=3e-3, init_seed=0, skip_document_ends=skip_document_ends)
 
 
 def run(cfg: dict, devices: int) -> tuple[dict, Any, L.Trainer]:
@@ -48,16 +49,25 @@ def run(cfg: dict, devices: int) -> tuple[dict, Any, L.Trainer]:
 def _run(cfg: dict, devices: int) -> tuple[dict, Any, L.Trainer]:
     StageLink.REUSE_BUFFERS_ON_CPU = bool(cfg.get("pooled")) and devices > 1
     result: dict[str, Any] = {"runs": []}
-    loader = DataLoader(packed_rows(token_rows(32, 16)), batch_size=8, shuffle=False, drop_last=True)
+    steps, dp = cfg.get("steps", 4), cfg.get("dp", 1)
+    rows = packed_rows(token_rows(max(32, 8 * dp * steps), 16))
+    if devices > 1 and dp > 1:
+        # Shard by data-parallel rank (rows r::dp, what the strategy's distributed_sampler_kwargs say), before the
+        # Trainer exists: the launcher set LOCAL_RANK. The replicas' k-th batches together are the one-device run's.
+        rows = rows[int(os.environ.get("LOCAL_RANK", 0)) // (devices // dp)::dp]
+    per_replica = dp if devices == 1 else 1  # one device: the replicas' batches in one
+    loader = DataLoader(rows, batch_size=8 * per_replica, shuffle=False, drop_last=True)
     for spec in cfg["runs"]:
         packing.CALL_COST_PAIRS = 0 if spec.get("per_document") else 10**12
         L.seed_everything(0, verbose=False)
-        model = build_model(spec["model"])
-        kwargs: dict[str, Any] = {"num_stages": 2} if devices == 1 else {}
-        strategy = AsyncPipelineStrategy(schedule=spec["schedule"], num_microbatches=4, pipeline_timeout=60.0, **kwargs)
-        trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=devices, max_steps=cfg.get("steps", 4),
+        model = build_model(spec["model"], cfg.get("skip_document_ends", True))
+        kwargs: dict[str, Any] = {"num_stages": 2} if devices == 1 else {"data_parallel_size": dp}
+        strategy = AsyncPipelineStrategy(schedule=spec["schedule"], num_microbatches=4 * per_replica,
+                                         pipeline_timeout=60.0, **kwargs)
+        trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=devices, max_steps=steps,
                             logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                            enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0)
+                            enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,
+                            use_distributed_sampler=False)
         trainer.fit(model, loader)
         record: dict[str, Any] = {"reused": sum(getattr(link, "buffers_reused", 0) for link in _links(trainer))}
         if trainer.is_global_zero:
