@@ -1,10 +1,12 @@
 """Tensor parallelism for the models beyond ``models.Llama``: a tied ``models.HuggingFaceCausalLM`` Llama (also
-from a save_pretrained folder) and Qwen2 with transformers' own plan, and a user's own ``PipelineModule`` applying
-its own plan in ``configure_model``, train on 2 stages x 2 tensor-parallel ranks the one-device run's weights; a
-family without a plan (or not verified) and a module that applies none are refused by name.
+from a save_pretrained folder; AdamW and Muon) and Qwen2 with transformers' own plan, and a user's own
+``PipelineModule`` applying its own plan in ``configure_model``, train on 2 stages x 2 tensor-parallel ranks the
+one-device run's weights; a family without a plan (or not verified) and a module that applies none are refused by
+name.
 
-The tolerance is tests/test_tensor_parallel.py's (docs/design/tensor-parallel.md, "Matching one device"): the
-plan is the same column-/row-wise split of q, k, v, o and the MLP, so the same reorderings of sums.
+The tolerances are tests/test_tensor_parallel.py's (docs/design/tensor-parallel.md, "Matching one device"): the
+plan is the same column-/row-wise split of q, k, v, o and the MLP, so the same reorderings of sums (Muon's bound
+is wider: its Newton-Schulz runs in bfloat16).
 """
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ sys.path.insert(0, str(Path(__file__).parent / "scripts"))
 import llama_fit  # noqa: E402
 from pipeline_runs import (  # noqa: E402
     max_difference, run_here_on_one_device, script_ranks, whole_tensor_parallel_model)
+from test_tensor_parallel import MUON_TOL  # noqa: E402
 
 from lightning_async_pp.models.huggingface import as_pretrained_config, tensor_parallel_plan  # noqa: E402
 
@@ -27,6 +30,9 @@ HF = {"model": "hf", "tie": True, "steps": 3, "microbatches": 4, "partition": [3
 CASES = {
     "hf_2bw": {**HF, "schedule": "2bw"},
     "hf_1f1b_clipped": {**HF, "schedule": "1f1b", "clip": 0.5},
+    # optim.Muon over named_parameters: the blocks' matrices to Muon, embed_tokens (and the head tied to it) and the
+    # norms to its AdamW
+    "hf_2bw_muon": {**HF, "schedule": "2bw", "optimizer": "muon"},
     "hf_wrong_shard": {**HF, "schedule": "1f1b", "steps": 1, "swap_shards": True},
     "qwen2_2bw": {**HF, "schedule": "2bw", "hf_config": {"model_type": "qwen2"}},  # q, k, v with biases
     "own_2bw": {"model": "own", "steps": 3, "microbatches": 4, "partition": [3, 3], "schedule": "2bw"},
@@ -48,11 +54,12 @@ def test_two_stages_of_two_tensor_parallel_ranks_train_a_tied_transformers_llama
     cases = {**CASES, "hf_pretrained": pretrained}
     ranks = script_ranks(SCRIPT, {"devices": 4, "cases": {n: {**c, "tensor_parallel": 2} for n, c in cases.items()}},
                          tmp_path, ranks=4, timeout=420)
-    for name in ("hf_2bw", "hf_1f1b_clipped"):
+    for name in ("hf_2bw", "hf_1f1b_clipped", "hf_2bw_muon"):
         reference = run_here_on_one_device(llama_fit.run, CASES[name])["state_dict"]
         weights = _whole_model(ranks, name)
         assert set(weights) == set(reference), name
-        assert max_difference(weights, reference) < TOL, name
+        assert max_difference(weights, reference) < (MUON_TOL if CASES[name].get("optimizer") else TOL), (
+            name, max_difference(weights, reference))
         assert max_difference(weights, run_here_on_one_device(llama_fit.run, {**CASES[name], "steps": 0})
                               ["state_dict"]) > 1e-3, name  # the steps did move the weights
         for r in (0, 2):  # transformers' plan shards the blocks' matrices; the rest is whole, equal on both ranks
@@ -64,6 +71,8 @@ def test_two_stages_of_two_tensor_parallel_ranks_train_a_tied_transformers_llama
             for n, value in mine.items():
                 if value.shape == whole[n].shape:
                     assert torch.equal(value, other[n]), (name, n)
+    # Muon's step on each rank's shard of a block matrix is bitwise the whole matrix's step on one process.
+    assert [ranks[r]["cases"]["hf_2bw_muon"]["muon_step_difference"] for r in range(4)] == [0.0] * 4
     # From a save_pretrained folder: each rank's shards are the file's slices (then trained as one device).
     reference = run_here_on_one_device(llama_fit.run, pretrained)["state_dict"]
     assert max_difference(_whole_model(ranks, "hf_pretrained"), reference) < TOL
