@@ -1,8 +1,8 @@
 """Tensor parallelism for the models beyond ``models.Llama``: a tied ``models.HuggingFaceCausalLM`` Llama (also
-from a save_pretrained folder; AdamW and Muon) and Qwen2 with transformers' own plan, and a user's own
-``PipelineModule`` applying its own plan in ``configure_model``, train on 2 stages x 2 tensor-parallel ranks the
-one-device run's weights; a family without a plan (or not verified) and a module that applies none are refused by
-name.
+from a save_pretrained folder; AdamW and Muon) and Qwen2 with transformers' own plan, ``models.GPT`` with its plan
+(the fused qkv matrix split by heads), and a user's own ``PipelineModule`` applying its own plan in
+``configure_model``, train on 2 stages x 2 tensor-parallel ranks the one-device run's weights; a family without a
+plan (or not verified) is refused by name.
 
 The tolerances are tests/test_tensor_parallel.py's (docs/design/tensor-parallel.md, "Matching one device"): the
 plan is the same column-/row-wise split of q, k, v, o and the MLP, so the same reorderings of sums (Muon's bound
@@ -37,6 +37,14 @@ CASES = {
     "qwen2_2bw": {**HF, "schedule": "2bw", "hf_config": {"model_type": "qwen2"}},  # q, k, v with biases
     "own_2bw": {"model": "own", "steps": 3, "microbatches": 4, "partition": [3, 3], "schedule": "2bw"},
 }
+GPT = {"model": "gpt", "steps": 3, "microbatches": 4, "partition": [3, 3],  # embedding + 2 blocks | 2 + head
+       "resumable": True}
+GPT_CASES = {
+    "gpt_2bw": {**GPT, "schedule": "2bw"},  # saved at its last step (the test adds where)
+    "gpt_resumed": {**GPT, "schedule": "2bw", "steps": 4},  # from gpt_2bw's checkpoint
+    "gpt_1f1b_gathered": {**GPT, "schedule": "1f1b", "gather": True},  # rank 0's module made whole again
+    "gpt_wrong_shard": {**GPT, "schedule": "1f1b", "steps": 1, "swap_shards": True},
+}
 
 
 def _whole_model(ranks: list[dict], case: str) -> dict[str, torch.Tensor]:
@@ -45,15 +53,18 @@ def _whole_model(ranks: list[dict], case: str) -> dict[str, torch.Tensor]:
 
 @pytest.mark.multiprocess
 @pytest.mark.slow
-def test_two_stages_of_two_tensor_parallel_ranks_train_a_tied_transformers_llama_and_a_users_own_plan_as_one_device(
+def test_two_stages_of_two_tensor_parallel_ranks_train_a_tied_transformers_llama_gpt_and_a_users_own_plan_as_one_device(
         tmp_path):
     from test_pretrained import hf_folder
 
     pretrained = {**HF, "schedule": "2bw", "steps": 2,
                   "pretrained": str(hf_folder(tmp_path / "pretrained", num_hidden_layers=4))}
-    cases = {**CASES, "hf_pretrained": pretrained}
+    gpt_saved = tmp_path / "gpt" / "saved.ckpt"
+    cases = {**CASES, "hf_pretrained": pretrained, **GPT_CASES,
+             "gpt_2bw": {**GPT_CASES["gpt_2bw"], "checkpoint_dir": str(gpt_saved.parent), "save_at": 3},
+             "gpt_resumed": {**GPT_CASES["gpt_resumed"], "resume_from": str(gpt_saved)}}
     ranks = script_ranks(SCRIPT, {"devices": 4, "cases": {n: {**c, "tensor_parallel": 2} for n, c in cases.items()}},
-                         tmp_path, ranks=4, timeout=420)
+                         tmp_path, ranks=4, timeout=600)
     for name in ("hf_2bw", "hf_1f1b_clipped", "hf_2bw_muon"):
         reference = run_here_on_one_device(llama_fit.run, CASES[name])["state_dict"]
         weights = _whole_model(ranks, name)
@@ -89,6 +100,47 @@ def test_two_stages_of_two_tensor_parallel_ranks_train_a_tied_transformers_llama
     # The control: a rank that starts from its neighbour's shard is far outside the tolerance.
     wrong = _whole_model(ranks, "hf_wrong_shard")
     assert max_difference(wrong, run_here_on_one_device(llama_fit.run, CASES["hf_wrong_shard"])["state_dict"]) > 1e-2
+    _check_gpt(ranks, gpt_saved, tmp_path)
+
+
+def _check_gpt(ranks: list[dict], saved: Path, tmp_path: Path) -> None:
+    """models.GPT's plan: exact against one device, each rank holding its own heads' q, k, v rows of the fused
+    matrix, the rest of the plan as Llama's; the gather and the consolidated checkpoint give the one-device
+    layout, and the checkpoint resumes on the same layout."""
+    from lightning_async_pp import consolidate
+
+    def stages(name: str) -> dict[str, torch.Tensor]:  # untied: each stage's parameters whole, merged
+        return {**ranks[0]["cases"][name]["stage_weights"], **ranks[2]["cases"][name]["stage_weights"]}
+
+    reference = run_here_on_one_device(llama_fit.run, GPT_CASES["gpt_2bw"])["state_dict"]
+    assert max_difference(stages("gpt_2bw"), reference) < TOL, max_difference(stages("gpt_2bw"), reference)
+    assert max_difference(reference, run_here_on_one_device(llama_fit.run, {**GPT_CASES["gpt_2bw"], "steps": 0})
+                          ["state_dict"]) > 1e-3  # the steps did move the weights
+    gathered = ranks[0]["cases"]["gpt_1f1b_gathered"]["state_dict"]
+    assert max_difference(gathered, run_here_on_one_device(llama_fit.run, GPT_CASES["gpt_1f1b_gathered"])
+                          ["state_dict"]) < TOL
+    for r in range(4):
+        case = ranks[r]["cases"]["gpt_2bw"]
+        mine, whole, block = case["local_weights"], case["stage_weights"], 0 if r < 2 else 2
+        # qkv (q, k, v of 4 heads of 8, one after another): tensor-parallel rank i holds heads 2i and 2i + 1 of each
+        qkv = f"blocks.{block}.attn.qkv.weight"
+        assert torch.equal(mine[qkv], whole[qkv].view(3, 2, 16, 32)[:, r % 2].reshape(48, 32)), r
+        assert mine[f"blocks.{block}.mlp.fc.weight"].shape == (64, 32)
+        assert mine[f"blocks.{block}.attn.out_proj.weight"].shape == (32, 16)
+        assert mine["embedding.token.weight" if r < 2 else "head.proj.weight"].shape == (128, 32)  # vocabulary halves
+        assert case["crossed"] == [[2, 8, 32]]  # each rank sends its peer its half of the sequence
+        for n, value in mine.items():  # the replicated ones (norms, position embedding, row-wise biases) agree
+            if value.shape == whole[n].shape:
+                assert torch.equal(value, ranks[r ^ 1]["cases"]["gpt_2bw"]["local_weights"][n]), (r, n)
+    # The checkpoint (sharded: the strided qkv written whole) consolidates to the stages' weights exactly, and
+    # resumes on 2 x 2 (its strided matrices read whole, then sliced) as one device trains on.
+    consolidated = consolidate.consolidate_checkpoint(saved, tmp_path / "gpt.ckpt")["state_dict"]
+    assert consolidated.keys() == stages("gpt_2bw").keys()
+    assert all(torch.equal(consolidated[k], v) for k, v in stages("gpt_2bw").items())
+    resumed = run_here_on_one_device(llama_fit.run, GPT_CASES["gpt_resumed"])["state_dict"]
+    assert max_difference(stages("gpt_resumed"), resumed) < TOL
+    wrong = run_here_on_one_device(llama_fit.run, GPT_CASES["gpt_wrong_shard"])["state_dict"]
+    assert max_difference(stages("gpt_wrong_shard"), wrong) > 1e-2
 
 
 # ---- the plan and what is refused ------------------------------------------------------------------------------
@@ -112,22 +164,6 @@ def test_the_transformers_plan_of_a_llama_layer_is_column_wise_q_k_v_gate_up_and
 def test_a_family_without_a_verified_plan_or_a_size_it_does_not_divide_is_refused_by_name(config, match):
     with pytest.raises(ValueError, match=match):
         tensor_parallel_plan(as_pretrained_config(config), 2)
-
-
-def test_a_model_that_applies_no_tensor_parallel_plan_is_refused_naming_it():
-    from types import SimpleNamespace
-
-    from lightning.pytorch.trainer.states import TrainerFn
-
-    from lightning_async_pp.models import GPT
-    from lightning_async_pp.pipeline.config import PipelineConfig
-    from lightning_async_pp.strategy import options
-
-    trainer = SimpleNamespace(state=SimpleNamespace(fn=TrainerFn.FITTING), checkpoint_callbacks=[], ckpt_path=None)
-    with pytest.raises(ValueError, match=r"the model GPT is not supported with tensor_parallel_size > 1 yet .* applies "
-                                         r"no tensor-parallel plan"):
-        options.refuse_with_tensor_parallelism(trainer, GPT(n_layer=1), PipelineConfig(tensor_parallel_size=2), False,
-                                               previous_call=False)
 
 
 def test_a_sharded_layer_initialized_inside_whole_parameters_holds_its_slice_of_the_one_device_values():
