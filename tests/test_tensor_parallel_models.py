@@ -73,12 +73,15 @@ def test_two_stages_of_two_tensor_parallel_ranks_train_a_tied_transformers_llama
             name, max_difference(weights, reference))
         assert max_difference(weights, run_here_on_one_device(llama_fit.run, {**CASES[name], "steps": 0})
                               ["state_dict"]) > 1e-3, name  # the steps did move the weights
-        for r in (0, 2):  # transformers' plan shards the blocks' matrices; the rest is whole, equal on both ranks
+        for r in (0, 2):  # transformers' plan shards the blocks' matrices; the norms are whole, equal on both ranks
             mine, other = ranks[r]["cases"][name]["local_weights"], ranks[r + 1]["cases"][name]["local_weights"]
             whole = ranks[r]["cases"][name]["stage_weights"]
             q, down = f"model.layers.{r}.self_attn.q_proj.weight", f"model.layers.{r + 1}.mlp.down_proj.weight"
             assert mine[q].shape == (16, 32) and whole[q].shape == (32, 32), (name, q)
             assert mine[down].shape == (32, 32) and whole[down].shape == (32, 64), (name, down)
+            # the embedding and the head tied to it: rank i of both stages holds the same half of the vocabulary
+            embedding = next(n for n in mine if n in ("model.embed_tokens.weight", "lm_head.weight"))  # one, tied
+            assert mine[embedding].shape == (128, 32) and whole[embedding].shape == (256, 32), (name, r)
             for n, value in mine.items():
                 if value.shape == whole[n].shape:
                     assert torch.equal(value, other[n]), (name, n)
