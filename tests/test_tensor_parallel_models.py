@@ -198,3 +198,42 @@ def test_a_sharded_layer_initialized_inside_whole_parameters_holds_its_slice_of_
         assert torch.equal(block.proj.bias.to_local(), one_device.proj.bias.detach())  # replicated: whole
     finally:
         dist.destroy_process_group()
+
+
+def test_gpts_plan_refuses_dropout_packed_batches_and_rows_it_cannot_split_and_splits_qkv_by_heads():
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.placement_types import _StridedShard
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from lightning_async_pp.models import GPT
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tensor_parallel",))
+        with pytest.raises(ValueError, match=r"GPT with tensor_parallel_size=2 takes dropout=0 only, got dropout=0.1"):
+            GPT(n_layer=1, n_head=4, n_embd=32, dropout=0.1).parallelize(mesh)
+        model = GPT(n_layer=1, n_head=4, n_embd=32, block_size=64)
+        model.parallelize(mesh)
+        qkv = model.blocks[0].attn.qkv.weight
+        assert qkv.placements == (_StridedShard(0, split_factor=3),) and qkv.to_local().shape == (48, 32)
+        assert model.pipeline_input(torch.zeros(2, 17, dtype=torch.long)).shape == (2, 16)
+        with pytest.raises(ValueError, match=r"splits each row's 15 input tokens .* divisible by 2"):
+            model.pipeline_input(torch.zeros(2, 16, dtype=torch.long))
+        with pytest.raises(ValueError, match="packed batch .* only with tensor_parallel_size=1"):
+            model.pipeline_input({"input_ids": torch.zeros(2, 17, dtype=torch.long),
+                                  "position_ids": torch.zeros(2, 17, dtype=torch.long)})
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.hf
+def test_a_transformers_model_split_over_the_vocabulary_refuses_packed_batches():
+    from lightning_async_pp.models import HuggingFaceCausalLM
+
+    model = HuggingFaceCausalLM(llama_fit.HF_LLAMA)
+    model._tensor_parallel_size = 2  # what parallelize() sets
+    with pytest.raises(ValueError, match=r"takes a packed batch .* only with tensor_parallel_size=1, got "
+                                         r"tensor_parallel_size=2"):
+        model.pipeline_input({"input_ids": torch.zeros(2, 17, dtype=torch.long),
+                              "position_ids": torch.zeros(2, 17, dtype=torch.long)})
