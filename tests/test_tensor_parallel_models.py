@@ -1,10 +1,12 @@
 """Tensor parallelism for the models beyond ``models.Llama``: a tied ``models.HuggingFaceCausalLM`` Llama (also
-from a save_pretrained folder) and Qwen2 with transformers' own plan, and a user's own ``PipelineModule`` applying
-its own plan in ``configure_model``, train on 2 stages x 2 tensor-parallel ranks the one-device run's weights; a
-family without a plan (or not verified) and a module that applies none are refused by name.
+from a save_pretrained folder; AdamW and Muon) and Qwen2 with transformers' own plan, ``models.GPT`` with its plan
+(the fused qkv matrix split by heads), and a user's own ``PipelineModule`` applying its own plan in
+``configure_model``, train on 2 stages x 2 tensor-parallel ranks the one-device run's weights; a family without a
+plan (or not verified) is refused by name.
 
-The tolerance is tests/test_tensor_parallel.py's (docs/design/tensor-parallel.md, "Matching one device"): the
-plan is the same column-/row-wise split of q, k, v, o and the MLP, so the same reorderings of sums.
+The tolerances are tests/test_tensor_parallel.py's (docs/design/tensor-parallel.md, "Matching one device"): the
+plan is the same column-/row-wise split of q, k, v, o and the MLP, so the same reorderings of sums (Muon's bound
+is wider: its Newton-Schulz runs in bfloat16).
 """
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ sys.path.insert(0, str(Path(__file__).parent / "scripts"))
 import llama_fit  # noqa: E402
 from pipeline_runs import (  # noqa: E402
     max_difference, run_here_on_one_device, script_ranks, whole_tensor_parallel_model)
+from test_tensor_parallel import MUON_TOL  # noqa: E402
 
 from lightning_async_pp.models.huggingface import as_pretrained_config, tensor_parallel_plan  # noqa: E402
 
@@ -27,9 +30,20 @@ HF = {"model": "hf", "tie": True, "steps": 3, "microbatches": 4, "partition": [3
 CASES = {
     "hf_2bw": {**HF, "schedule": "2bw"},
     "hf_1f1b_clipped": {**HF, "schedule": "1f1b", "clip": 0.5},
+    # optim.Muon over named_parameters: the blocks' matrices to Muon, embed_tokens (and the head tied to it) and the
+    # norms to its AdamW
+    "hf_2bw_muon": {**HF, "schedule": "2bw", "optimizer": "muon"},
     "hf_wrong_shard": {**HF, "schedule": "1f1b", "steps": 1, "swap_shards": True},
     "qwen2_2bw": {**HF, "schedule": "2bw", "hf_config": {"model_type": "qwen2"}},  # q, k, v with biases
     "own_2bw": {"model": "own", "steps": 3, "microbatches": 4, "partition": [3, 3], "schedule": "2bw"},
+}
+GPT = {"model": "gpt", "steps": 3, "microbatches": 4, "partition": [3, 3],  # embedding + 2 blocks | 2 + head
+       "resumable": True}
+GPT_CASES = {
+    "gpt_2bw": {**GPT, "schedule": "2bw"},  # saved at its last step (the test adds where)
+    "gpt_resumed": {**GPT, "schedule": "2bw", "steps": 4},  # from gpt_2bw's checkpoint
+    "gpt_1f1b_gathered": {**GPT, "schedule": "1f1b", "gather": True},  # rank 0's module made whole again
+    "gpt_wrong_shard": {**GPT, "schedule": "1f1b", "steps": 1, "swap_shards": True},
 }
 
 
@@ -39,31 +53,40 @@ def _whole_model(ranks: list[dict], case: str) -> dict[str, torch.Tensor]:
 
 @pytest.mark.multiprocess
 @pytest.mark.slow
-def test_two_stages_of_two_tensor_parallel_ranks_train_a_tied_transformers_llama_and_a_users_own_plan_as_one_device(
+def test_two_stages_of_two_tensor_parallel_ranks_train_a_tied_transformers_llama_gpt_and_a_users_own_plan_as_one_device(
         tmp_path):
     from test_pretrained import hf_folder
 
     pretrained = {**HF, "schedule": "2bw", "steps": 2,
                   "pretrained": str(hf_folder(tmp_path / "pretrained", num_hidden_layers=4))}
-    cases = {**CASES, "hf_pretrained": pretrained}
+    gpt_saved = tmp_path / "gpt" / "saved.ckpt"
+    cases = {**CASES, "hf_pretrained": pretrained, **GPT_CASES,
+             "gpt_2bw": {**GPT_CASES["gpt_2bw"], "checkpoint_dir": str(gpt_saved.parent), "save_at": 3},
+             "gpt_resumed": {**GPT_CASES["gpt_resumed"], "resume_from": str(gpt_saved)}}
     ranks = script_ranks(SCRIPT, {"devices": 4, "cases": {n: {**c, "tensor_parallel": 2} for n, c in cases.items()}},
-                         tmp_path, ranks=4, timeout=420)
-    for name in ("hf_2bw", "hf_1f1b_clipped"):
+                         tmp_path, ranks=4, timeout=600)
+    for name in ("hf_2bw", "hf_1f1b_clipped", "hf_2bw_muon"):
         reference = run_here_on_one_device(llama_fit.run, CASES[name])["state_dict"]
         weights = _whole_model(ranks, name)
         assert set(weights) == set(reference), name
-        assert max_difference(weights, reference) < TOL, name
+        assert max_difference(weights, reference) < (MUON_TOL if CASES[name].get("optimizer") else TOL), (
+            name, max_difference(weights, reference))
         assert max_difference(weights, run_here_on_one_device(llama_fit.run, {**CASES[name], "steps": 0})
                               ["state_dict"]) > 1e-3, name  # the steps did move the weights
-        for r in (0, 2):  # transformers' plan shards the blocks' matrices; the rest is whole, equal on both ranks
+        for r in (0, 2):  # transformers' plan shards the blocks' matrices; the norms are whole, equal on both ranks
             mine, other = ranks[r]["cases"][name]["local_weights"], ranks[r + 1]["cases"][name]["local_weights"]
             whole = ranks[r]["cases"][name]["stage_weights"]
             q, down = f"model.layers.{r}.self_attn.q_proj.weight", f"model.layers.{r + 1}.mlp.down_proj.weight"
             assert mine[q].shape == (16, 32) and whole[q].shape == (32, 32), (name, q)
             assert mine[down].shape == (32, 32) and whole[down].shape == (32, 64), (name, down)
+            # the embedding and the head tied to it: rank i of both stages holds the same half of the vocabulary
+            embedding = next(n for n in mine if n in ("model.embed_tokens.weight", "lm_head.weight"))  # one, tied
+            assert mine[embedding].shape == (128, 32) and whole[embedding].shape == (256, 32), (name, r)
             for n, value in mine.items():
                 if value.shape == whole[n].shape:
                     assert torch.equal(value, other[n]), (name, n)
+    # Muon's step on each rank's shard of a block matrix is bitwise the whole matrix's step on one process.
+    assert [ranks[r]["cases"]["hf_2bw_muon"]["muon_step_difference"] for r in range(4)] == [0.0] * 4
     # From a save_pretrained folder: each rank's shards are the file's slices (then trained as one device).
     reference = run_here_on_one_device(llama_fit.run, pretrained)["state_dict"]
     assert max_difference(_whole_model(ranks, "hf_pretrained"), reference) < TOL
@@ -80,6 +103,47 @@ def test_two_stages_of_two_tensor_parallel_ranks_train_a_tied_transformers_llama
     # The control: a rank that starts from its neighbour's shard is far outside the tolerance.
     wrong = _whole_model(ranks, "hf_wrong_shard")
     assert max_difference(wrong, run_here_on_one_device(llama_fit.run, CASES["hf_wrong_shard"])["state_dict"]) > 1e-2
+    _check_gpt(ranks, gpt_saved, tmp_path)
+
+
+def _check_gpt(ranks: list[dict], saved: Path, tmp_path: Path) -> None:
+    """models.GPT's plan: exact against one device, each rank holding its own heads' q, k, v rows of the fused
+    matrix, the rest of the plan as Llama's; the gather and the consolidated checkpoint give the one-device
+    layout, and the checkpoint resumes on the same layout."""
+    from lightning_async_pp import consolidate
+
+    def stages(name: str) -> dict[str, torch.Tensor]:  # untied: each stage's parameters whole, merged
+        return {**ranks[0]["cases"][name]["stage_weights"], **ranks[2]["cases"][name]["stage_weights"]}
+
+    reference = run_here_on_one_device(llama_fit.run, GPT_CASES["gpt_2bw"])["state_dict"]
+    assert max_difference(stages("gpt_2bw"), reference) < TOL, max_difference(stages("gpt_2bw"), reference)
+    assert max_difference(reference, run_here_on_one_device(llama_fit.run, {**GPT_CASES["gpt_2bw"], "steps": 0})
+                          ["state_dict"]) > 1e-3  # the steps did move the weights
+    gathered = ranks[0]["cases"]["gpt_1f1b_gathered"]["state_dict"]
+    assert max_difference(gathered, run_here_on_one_device(llama_fit.run, GPT_CASES["gpt_1f1b_gathered"])
+                          ["state_dict"]) < TOL
+    for r in range(4):
+        case = ranks[r]["cases"]["gpt_2bw"]
+        mine, whole, block = case["local_weights"], case["stage_weights"], 0 if r < 2 else 2
+        # qkv (q, k, v of 4 heads of 8, one after another): tensor-parallel rank i holds heads 2i and 2i + 1 of each
+        qkv = f"blocks.{block}.attn.qkv.weight"
+        assert torch.equal(mine[qkv], whole[qkv].view(3, 2, 16, 32)[:, r % 2].reshape(48, 32)), r
+        assert mine[f"blocks.{block}.mlp.fc.weight"].shape == (64, 32)
+        assert mine[f"blocks.{block}.attn.out_proj.weight"].shape == (32, 16)
+        assert mine["embedding.token.weight" if r < 2 else "head.proj.weight"].shape == (128, 32)  # vocabulary halves
+        assert case["crossed"] == [[2, 8, 32]]  # each rank sends its peer its half of the sequence
+        for n, value in mine.items():  # the replicated ones (norms, position embedding, row-wise biases) agree
+            if value.shape == whole[n].shape:
+                assert torch.equal(value, ranks[r ^ 1]["cases"]["gpt_2bw"]["local_weights"][n]), (r, n)
+    # The checkpoint (sharded: the strided qkv written whole) consolidates to the stages' weights exactly, and
+    # resumes on 2 x 2 (its strided matrices read whole, then sliced) as one device trains on.
+    consolidated = consolidate.consolidate_checkpoint(saved, tmp_path / "gpt.ckpt")["state_dict"]
+    assert consolidated.keys() == stages("gpt_2bw").keys()
+    assert all(torch.equal(consolidated[k], v) for k, v in stages("gpt_2bw").items())
+    resumed = run_here_on_one_device(llama_fit.run, GPT_CASES["gpt_resumed"])["state_dict"]
+    assert max_difference(stages("gpt_resumed"), resumed) < TOL
+    wrong = run_here_on_one_device(llama_fit.run, GPT_CASES["gpt_wrong_shard"])["state_dict"]
+    assert max_difference(stages("gpt_wrong_shard"), wrong) > 1e-2
 
 
 # ---- the plan and what is refused ------------------------------------------------------------------------------
@@ -103,22 +167,6 @@ def test_the_transformers_plan_of_a_llama_layer_is_column_wise_q_k_v_gate_up_and
 def test_a_family_without_a_verified_plan_or_a_size_it_does_not_divide_is_refused_by_name(config, match):
     with pytest.raises(ValueError, match=match):
         tensor_parallel_plan(as_pretrained_config(config), 2)
-
-
-def test_a_model_that_applies_no_tensor_parallel_plan_is_refused_naming_it():
-    from types import SimpleNamespace
-
-    from lightning.pytorch.trainer.states import TrainerFn
-
-    from lightning_async_pp.models import GPT
-    from lightning_async_pp.pipeline.config import PipelineConfig
-    from lightning_async_pp.strategy import options
-
-    trainer = SimpleNamespace(state=SimpleNamespace(fn=TrainerFn.FITTING), checkpoint_callbacks=[], ckpt_path=None)
-    with pytest.raises(ValueError, match=r"the model GPT is not supported with tensor_parallel_size > 1 yet .* applies "
-                                         r"no tensor-parallel plan"):
-        options.refuse_with_tensor_parallelism(trainer, GPT(n_layer=1), PipelineConfig(tensor_parallel_size=2), False,
-                                               previous_call=False)
 
 
 def test_a_sharded_layer_initialized_inside_whole_parameters_holds_its_slice_of_the_one_device_values():
@@ -150,3 +198,42 @@ def test_a_sharded_layer_initialized_inside_whole_parameters_holds_its_slice_of_
         assert torch.equal(block.proj.bias.to_local(), one_device.proj.bias.detach())  # replicated: whole
     finally:
         dist.destroy_process_group()
+
+
+def test_gpts_plan_refuses_dropout_packed_batches_and_rows_it_cannot_split_and_splits_qkv_by_heads():
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.placement_types import _StridedShard
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from lightning_async_pp.models import GPT
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tensor_parallel",))
+        with pytest.raises(ValueError, match=r"GPT with tensor_parallel_size=2 takes dropout=0 only, got dropout=0.1"):
+            GPT(n_layer=1, n_head=4, n_embd=32, dropout=0.1).parallelize(mesh)
+        model = GPT(n_layer=1, n_head=4, n_embd=32, block_size=64)
+        model.parallelize(mesh)
+        qkv = model.blocks[0].attn.qkv.weight
+        assert qkv.placements == (_StridedShard(0, split_factor=3),) and qkv.to_local().shape == (48, 32)
+        assert model.pipeline_input(torch.zeros(2, 17, dtype=torch.long)).shape == (2, 16)
+        with pytest.raises(ValueError, match=r"splits each row's 15 input tokens .* divisible by 2"):
+            model.pipeline_input(torch.zeros(2, 16, dtype=torch.long))
+        with pytest.raises(ValueError, match="packed batch .* only with tensor_parallel_size=1"):
+            model.pipeline_input({"input_ids": torch.zeros(2, 17, dtype=torch.long),
+                                  "position_ids": torch.zeros(2, 17, dtype=torch.long)})
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.hf
+def test_a_transformers_model_split_over_the_vocabulary_refuses_packed_batches():
+    from lightning_async_pp.models import HuggingFaceCausalLM
+
+    model = HuggingFaceCausalLM(llama_fit.HF_LLAMA)
+    model._tensor_parallel_size = 2  # what parallelize() sets
+    with pytest.raises(ValueError, match=r"takes a packed batch .* only with tensor_parallel_size=1, got "
+                                         r"tensor_parallel_size=2"):
+        model.pipeline_input({"input_ids": torch.zeros(2, 17, dtype=torch.long),
+                              "position_ids": torch.zeros(2, 17, dtype=torch.long)})

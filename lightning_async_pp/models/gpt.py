@@ -2,7 +2,9 @@
 
 The model is a flat list of layers (embedding, transformer blocks, head) so that a pipeline strategy can cut it
 anywhere. Nothing is shared between layers: the input embedding and the output projection are separate matrices
-(no weight tying), because they usually live on different pipeline stages.
+(no weight tying), because they usually live on different pipeline stages. With tensor parallelism
+(``configure_model`` finds a ``"tensor_parallel"`` mesh dimension of size > 1) ``GPT.parallelize`` applies its
+plan (docs/design/tensor-parallel.md, "Models with a plan").
 """
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ from typing import Any, Optional
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor, Partial
 
 from lightning_async_pp.models import packing
 from lightning_async_pp.module import PipelineModule
@@ -33,15 +36,23 @@ class CausalSelfAttention(nn.Module):
     def forward(self, x: Tensor, position_ids: Optional[Tensor] = None) -> Tensor:
         """``position_ids`` (B, T) restarting at each document: each token attends within its document only."""
         B, T, C = x.shape
-        q, k, v = self.qkv(x).split(C, dim=2)
-        # (B, T, C) -> (B, n_head, T, head_dim)
-        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
+        w, b = self.qkv.weight, self.qkv.bias
+        if isinstance(w, DTensor):
+            # Tensor parallelism (GPT.parallelize): this rank's rows of the fused matrix are its heads' q, k and v
+            # rows, one after another; x is whole on every rank, so its gradient from here is a partial sum.
+            qkv = F.linear(x.to_local(grad_placements=(Partial(),)), w.to_local(),
+                           None if b is None else b.to_local())
+        else:
+            qkv = self.qkv(x)
+        q, k, v = qkv.chunk(3, dim=2)
+        # (B, T, heads * head_dim) -> (B, heads, T, head_dim); -1 heads: under tensor parallelism n_head / t
+        q, k, v = (t.view(B, T, -1, C // self.n_head).transpose(1, 2) for t in (q, k, v))
         dropout = self.dropout if self.training else 0.0
         if position_ids is None:
             y = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True)
         else:  # each document's blocks only; what it needs is built once per microbatch on this stage
             y = packing.document_attention(q, k, v, position_ids, dropout_p=dropout)
-        y = y.transpose(1, 2).contiguous().view(B, T, C)
+        y = y.transpose(1, 2).contiguous().view(B, T, -1)
         return self.resid_dropout(self.out_proj(y))
 
 
@@ -139,6 +150,7 @@ class GPT(PipelineModule):
         self.embedding = Embedding(vocab_size, block_size, n_embd, dropout)
         self.blocks = nn.ModuleList(Block(n_embd, n_head, dropout, bias) for _ in range(n_layer))
         self.head = Head(n_embd, vocab_size, bias)
+        self._tensor_parallel_size = 1  # parallelize() sets it
         self.apply(self._init_weights)
         # GPT-2: scale the projections that write into the residual stream by 1/sqrt(2 * n_layer), so that the
         # residual stream's variance does not grow with depth.
@@ -153,11 +165,96 @@ class GPT(PipelineModule):
         if isinstance(module, nn.Linear) and module.bias is not None:
             nn.init.zeros_(module.bias)
 
+    # ---- tensor parallelism ------------------------------------------------------------------------------------
+    def configure_model(self) -> None:
+        mesh = self.device_mesh  # set by a strategy with tensor parallelism (ours, Lightning's ModelParallelStrategy)
+        if (self._tensor_parallel_size == 1 and mesh is not None and "tensor_parallel" in (mesh.mesh_dim_names or ())
+                and mesh["tensor_parallel"].size() > 1):  # Lightning calls this hook on every trainer entry point
+            self.parallelize(mesh["tensor_parallel"])
+
+    def parallelize(self, tp_mesh: Any) -> None:
+        """Apply the tensor-parallel plan over ``tp_mesh`` (docs/design/tensor-parallel.md, "Models with a plan"):
+        ``models.Llama``'s, with GPT's two differences. The fused ``qkv`` matrix is split column-wise so that each
+        rank holds its own heads' q, k and v rows (a strided placement: the matrix keeps its one-device layout, in
+        checkpoints and the gather); the embedding adds the learned position embedding (replicated) to the
+        token embedding's all-reduced output, then each rank keeps its sequence shard, as Megatron-LM does. The
+        norms are sequence-parallel, ``fc`` column-wise, ``out_proj`` row-wise, the head split over the
+        vocabulary (its logits never gathered: the loss runs under ``loss_parallel``).
+
+        GPT is built whole in ``__init__``: each rank takes its slices of tensor-parallel rank 0's values (so the
+        ranks agree even unseeded), which are one device's."""
+        from torch.distributed.tensor import Replicate, Shard, distribute_module, distribute_tensor
+        from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, PrepareModuleOutput,
+                                                       RowwiseParallel, SequenceParallel, parallelize_module)
+        from torch.distributed.tensor.placement_types import _StridedShard
+
+        from lightning_async_pp.pipeline.mesh import check_tensor_parallel_divides
+
+        h, t = self.hparams, tp_mesh.size()
+        check_tensor_parallel_divides(t, {"n_head": h.n_head, "vocab_size": h.vocab_size}, "GPT")
+        if h.dropout:
+            raise ValueError(f"GPT with tensor_parallel_size={t} takes dropout=0 only, got dropout={h.dropout}: its "
+                             f"plan does not draw dropout masks per shard yet; use dropout=0 or tensor_parallel_size=1")
+        # The whole values, kept aside while the plan lays the parameters out on the meta device (no memory, no
+        # communication; under the strategy's configure_model new parameters are registered there anyway).
+        whole: dict[tuple[int, str], Tensor] = {}
+        for m in self.modules():
+            for name, p in m._parameters.items():
+                if p is not None and not p.is_meta:
+                    whole[(id(m), name)] = p.detach()
+                    m._parameters[name] = nn.Parameter(p.detach().to("meta"), p.requires_grad)
+
+        def heads_rows(name: str, module: nn.Module, mesh: Any) -> None:  # rank i: q, k, v rows of its heads
+            for n, p in list(module.named_parameters(recurse=False)):
+                module.register_parameter(n, nn.Parameter(
+                    distribute_tensor(p, mesh, [_StridedShard(0, split_factor=3)]), p.requires_grad))
+
+        def replicated_input(module: nn.Module, inputs: tuple, mesh: Any) -> tuple:
+            return tuple(DTensor.from_local(x, mesh, [Replicate()], run_check=False) for x in inputs)
+
+        def local_output(module: nn.Module, output: Any, mesh: Any) -> Any:
+            return output.to_local()
+
+        gather_sequence = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
+        block_plan = {"ln_1": SequenceParallel(), "attn": gather_sequence,
+                      "attn.out_proj": RowwiseParallel(output_layouts=Shard(1)),
+                      "ln_2": SequenceParallel(), "mlp": gather_sequence,
+                      "mlp.fc": ColwiseParallel(), "mlp.out_proj": RowwiseParallel(output_layouts=Shard(1))}
+        parallelize_module(self.embedding.token, tp_mesh,
+                           RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()))
+        parallelize_module(self.embedding, tp_mesh,
+                           PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=Shard(1)))
+        distribute_module(self.embedding.position, tp_mesh, input_fn=replicated_input, output_fn=local_output)
+        for block in self.blocks:
+            parallelize_module(block, tp_mesh, block_plan)
+            distribute_module(block.attn.qkv, tp_mesh, partition_fn=heads_rows)
+        parallelize_module(self.head, tp_mesh, {
+            "norm": SequenceParallel(),
+            "proj": ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False)})
+        for m in self.modules():
+            for name, p in m._parameters.items():
+                value = whole.get((id(m), name))
+                if value is not None:
+                    m._parameters[name] = nn.Parameter(
+                        distribute_tensor(value, p.device_mesh, p.placements) if isinstance(p, DTensor) else value,
+                        p.requires_grad)
+        self._tensor_parallel_size = t
+
     # ---- the PipelineModule contract -------------------------------------------------------------------------
     def pipeline_layers(self) -> Sequence[nn.Module]:
         return [self.embedding, *self.blocks, self.head]
 
     def pipeline_input(self, batch: Any) -> Any:
+        t = self._tensor_parallel_size
+        if t > 1:  # the sequence-parallel plan splits the tokens of a row over the tensor-parallel ranks
+            if not isinstance(batch, Tensor):
+                raise ValueError(f"GPT takes a packed batch ({type(batch).__name__} of input_ids and position_ids) "
+                                 f"only with tensor_parallel_size=1, got tensor_parallel_size={t}; pass rows of "
+                                 f"token ids (a LongTensor (batch, seq + 1))")
+            if (batch.shape[1] - 1) % t != 0:
+                raise ValueError(f"GPT with tensor_parallel_size={t} splits each row's {batch.shape[1] - 1} input "
+                                 f"tokens over the tensor-parallel ranks (sequence parallelism): use a sequence length "
+                                 f"divisible by {t}")
         return packing.model_input(batch, "GPT")
 
     def pipeline_sample(self) -> Any:

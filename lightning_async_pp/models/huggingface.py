@@ -467,6 +467,7 @@ class HuggingFaceCausalLM(AdoptedCausalLM):
         self.check_exact = True
         self._causal_without_mask = False  # what the check found; unchecked, the layers build every mask
         self._layer_inputs: list[DecoderLayerInputs] = []  # each decoder layer's pre-hook
+        self._tensor_parallel_size = 1  # parallelize() sets it
         self.model: nn.Module
         self.lm_head: nn.Module
         self._build()  # model and lm_head, parameters on the meta device until configure_model()
@@ -547,12 +548,21 @@ class HuggingFaceCausalLM(AdoptedCausalLM):
 
     def parallelize(self, tp_mesh: Any, plan: Mapping[str, Any]) -> None:
         """Apply the family's tensor-parallel plan (:func:`tensor_parallel_plan`) to every decoder layer over
-        ``tp_mesh``; the embedding, the norms and the head stay whole on every rank (docs/design/tensor-parallel.md,
-        "What runs")."""
-        from torch.distributed.tensor.parallel import parallelize_module
+        ``tp_mesh``, and split the embedding and the head over the vocabulary (docs/design/tensor-parallel.md,
+        "Models with a plan"): the embedding's output all-reduced whole (transformers' plan takes and gives whole
+        hidden states), the head's logits never gathered (the loss runs under ``loss_parallel``); a tied head keeps
+        the embedding's matrix, both split by rows. The norms stay whole on every rank."""
+        from torch.distributed.tensor import Replicate, Shard
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
         for block in self.model.layers:
             parallelize_module(block, tp_mesh, dict(plan))
+        parallelize_module(self.model.embed_tokens, tp_mesh,
+                           RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()))
+        parallelize_module(self.lm_head, tp_mesh, ColwiseParallel(output_layouts=Shard(-1), use_local_output=False))
+        if self.config.tie_word_embeddings:  # each module got its own DTensor of the one matrix: one again
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self._tensor_parallel_size = tp_mesh.size()
 
     def _mask_as_upstream(self, causal_without_mask: bool) -> None:
         """Make the decoder layers' masks as upstream's forward does with its cache: none where SDPA can run
@@ -580,6 +590,10 @@ class HuggingFaceCausalLM(AdoptedCausalLM):
 
     # ---- packed batches (models/packing.py) ------------------------------------------------------------------
     def pipeline_input(self, batch: Any) -> Any:
+        if isinstance(batch, Mapping) and self._tensor_parallel_size > 1:  # the embedding's hooks take tensors
+            raise ValueError(f"HuggingFaceCausalLM takes a packed batch (a mapping of {', '.join(sorted(batch))}) only "
+                             f"with tensor_parallel_size=1, got tensor_parallel_size={self._tensor_parallel_size}; "
+                             f"pass rows of token ids (a LongTensor (batch, seq + 1))")
         if not isinstance(batch, Mapping) or not (packing.POSITION_IDS in batch or set(batch) == {packing.INPUT_IDS}):
             x = super().pipeline_input(batch)  # token rows, or a refusal naming the batch form taken (padding)
         else:  # a packed batch, or a refusal naming what it lacks
@@ -642,10 +656,11 @@ LAYERS_PREFIX = "layers.*."
 def tensor_parallel_plan(config: Any, tensor_parallel_size: int) -> dict[str, Any]:
     """The tensor-parallel plan of one decoder layer of ``config``'s family, from transformers' own
     (``config.base_model_tp_plan``): ``{"self_attn.q_proj": ColwiseParallel(), ..., "mlp.down_proj":
-    RowwiseParallel()}``. Entries outside the decoder layers (the head's ``colwise_rep``) are not applied: the
-    embedding, the norms and the head stay whole on every rank. Refused, naming it: a family without a plan, one
-    not verified exact (:data:`TENSOR_PARALLEL_FAMILIES`), a style other than column- or row-wise, and a
-    ``tensor_parallel_size`` that does not divide the heads or the MLP's width."""
+    RowwiseParallel()}``. Entries outside the decoder layers (the head's ``colwise_rep``) are not applied
+    (``HuggingFaceCausalLM.parallelize`` splits the embedding and the head over the vocabulary itself). Refused,
+    naming it: a family without a plan, one not verified exact (:data:`TENSOR_PARALLEL_FAMILIES`), a style other
+    than column- or row-wise, and a ``tensor_parallel_size`` that does not divide the vocabulary, the heads or the
+    MLP's width."""
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
     from lightning_async_pp.pipeline.mesh import check_tensor_parallel_divides
@@ -667,7 +682,7 @@ def tensor_parallel_plan(config: Any, tensor_parallel_size: int) -> dict[str, An
         raise ValueError(f"HuggingFaceCausalLM: model_type {family!r}'s tensor-parallel plan has styles "
                          f"{other} that are not supported (only {', '.join(TENSOR_PARALLEL_STYLES)}); use "
                          f"tensor_parallel_size=1")
-    check_tensor_parallel_divides(t, {"num_attention_heads": config.num_attention_heads,
+    check_tensor_parallel_divides(t, {"vocab_size": config.vocab_size, "num_attention_heads": config.num_attention_heads,
                                       "num_key_value_heads": getattr(config, "num_key_value_heads", None),
                                       "intermediate_size": getattr(config, "intermediate_size", None)},
                                   f"model_type {family!r}")

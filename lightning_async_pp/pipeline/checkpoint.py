@@ -40,7 +40,8 @@ from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
 from lightning_async_pp.pipeline.sharding import local_optimizer, sync_group_settings
-from lightning_async_pp.pipeline.tensor_parallel import DTensorSpec, as_laid_out, dtensor_spec, lay_out, local_tensor
+from lightning_async_pp.pipeline.tensor_parallel import (DTensorSpec, as_laid_out, dtensor_spec, in_blocks,
+                                                         is_one_block, lay_out, local_tensor)
 
 MODEL, STASH, OPTIM, GROUP = "model.", "stash.", "optim.", "@group"
 META_FILE = "meta.pt"
@@ -69,7 +70,7 @@ def engine_tensors(engine: Any, module_state: Mapping[str, Tensor], optimizers: 
                          for n, t, s in zip(view.param_names, view.predicted_newest(), specs)})
     for i, optimizer in enumerate(optimizers):
         flat.update(_optimizer_by_name(optimizer, engine.global_names, f"{OPTIM}{i}/"))
-    return flat
+    return in_blocks(flat)  # DCP writes a shard as one block: a strided one is written whole
 
 
 def _optimizer_by_name(optimizer: torch.optim.Optimizer, names: Mapping[int, str], prefix: str) -> dict[str, Any]:
@@ -213,6 +214,7 @@ class ShardedSource(TensorSource):
             shape = self.shapes[k]
             out[k] = (b"" if shape is None else torch.empty(shape[0], dtype=shape[1]) if k not in layouts
                       else _empty_laid_out(shape[0], shape[1], layouts[k]))
+        strided = {k: spec for k, spec in layouts.items() if not is_one_block(spec[1])}  # read whole, then sliced
         reader = _CheckedReader(self.path, self.checksums or {}, self.verified)
         # Without a process group (one device, consolidation) each process reads alone.
         try:
@@ -231,13 +233,15 @@ class ShardedSource(TensorSource):
                     f"torch.load(weights_only=True) will not build", SAFE_GLOBALS) from err
             raise UnreadableCheckpoint(self.path, f"reading its shards failed ({_first_line(err)}): a shard is "
                                        "damaged") from err
-        return out
+        return lay_out({k: v.to_local() if k in strided else v for k, v in out.items()}, strided)
 
 
 def _empty_laid_out(shape: torch.Size, dtype: torch.dtype, spec: DTensorSpec) -> Tensor:
-    from torch.distributed.tensor import empty
+    from torch.distributed.tensor import Replicate, empty
 
     mesh, placements, _, _ = spec
+    if not is_one_block(placements):  # DCP reads into one block: the whole tensor, sliced after the read
+        placements = [Replicate()] * mesh.ndim
     return empty(shape, dtype=dtype, device_mesh=mesh, placements=placements)
 
 

@@ -104,6 +104,25 @@ def lay_out(tensors: dict[str, Any], layouts: Mapping[str, DTensorSpec]) -> dict
     return tensors
 
 
+def is_one_block(placements: Sequence[Any]) -> bool:
+    """Whether a rank's shard under ``placements`` is one block of the global tensor, as
+    ``torch.distributed.checkpoint`` records a shard (an offset and a shape). Not so under a strided placement
+    (``models.GPT``'s fused qkv matrix: each rank holds its heads' q, k and v rows)."""
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    return not any(isinstance(p, _StridedShard) for p in placements)
+
+
+def in_blocks(flat: Mapping[str, Any]) -> dict[str, Any]:
+    """``flat`` with each DTensor whose shard is not one block (:func:`is_one_block`) gathered whole, replicated
+    (a collective over its mesh: every tensor-parallel rank of a stage calls it with the same keys in the same
+    order), which DCP writes once."""
+    from torch.distributed.tensor import Replicate
+
+    return {k: v.redistribute(placements=[Replicate()] * v.device_mesh.ndim)
+            if isinstance(v, DTensor) and not is_one_block(v.placements) else v for k, v in flat.items()}
+
+
 def whole_value(t: Tensor) -> Tensor:
     """``t``'s global value as a plain tensor, differentiably: a DTensor's (gathered over its mesh: a collective;
     a replicated one's local tensor, no communication), else ``t`` itself. The loss of logits split over the

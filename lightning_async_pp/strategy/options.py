@@ -101,11 +101,11 @@ def refuse_with_tensor_parallelism(trainer: Any, module: Any, config: PipelineCo
     t = config.tensor_parallel_size
     refused = []
     # Llama and the transformers adapter apply their plan in configure_model (under the strategy it ran before
-    # setup); any other module must have applied its own: a DTensor parameter shows a plan (models.GPT has none).
+    # setup); any other module (models.GPT included) must have applied its own: a DTensor parameter shows a plan.
     if not (isinstance(module, (Llama, HuggingFaceCausalLM)) or any(isinstance(p, DTensor) for p in module.parameters())):
         refused.append((f"the model {type(module).__name__}", "it applies no tensor-parallel plan (it has no DTensor "
-                        "parameter after configure_model); models.Llama and models.HuggingFaceCausalLM come with "
-                        "one, your own PipelineModule applies its own in configure_model over "
+                        "parameter after configure_model); models.Llama, models.GPT and models.HuggingFaceCausalLM "
+                        "come with one, your own PipelineModule applies its own in configure_model over "
                         "self.device_mesh['tensor_parallel'] (docs/guide/models.md, 'Tensor parallelism in your own "
                         "model'); or use tensor_parallel_size=1"))
     if previous_call:

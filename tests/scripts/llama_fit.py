@@ -19,10 +19,10 @@ whole as "stage_weights", each DTensor's shards gathered over its tensor-paralle
 "local_weights", and the shapes it sent or received across the stage boundary as "crossed"), swap_shards (a control: the model takes each sharded matrix's
 neighbouring tensor-parallel rank's slice at initialization), model ("hf": a tiny transformers Llama,
 ``HF_LLAMA`` updated by ``hf_config``, or the config and weights of the save_pretrained folder ``pretrained``,
-through models.HuggingFaceCausalLM; "own": ``OwnPlanLM``, a PipelineModule applying its own plan;
-else models.Llama), optimizer ("muon": optim.Muon over the named parameters, "error_feedback_muon": the same
-inside ErrorFeedback; "delay_compensation", "weight_prediction", "async_nesterov": that correction over the model's
-AdamW groups; default the model's AdamW),
+through models.HuggingFaceCausalLM; "own": ``OwnPlanLM``, a PipelineModule applying its own plan; "gpt":
+a tiny models.GPT, untied; else models.Llama), optimizer ("muon": optim.Muon over the named parameters,
+"error_feedback_muon": the same inside ErrorFeedback; "delay_compensation", "weight_prediction", "async_nesterov":
+that correction over the model's AdamW groups; default the model's AdamW),
 checkpoint_dir + save_at (a ModelCheckpoint writing checkpoint_dir/saved.ckpt at that step), resume_from (ckpt_path),
 resumable (a loader that resumes mid-epoch: tests/helpers.py ResumableLoader), gather (tensor_parallel with
 gather_final_weights=True: rank 0 returns the whole "state_dict"), eval_calls (after fit, each of "validate", "test",
@@ -43,7 +43,7 @@ from helpers import script_main  # noqa: E402
 
 from lightning_async_pp import AsyncPipelineStrategy  # noqa: E402
 from lightning_async_pp import PipelineModule  # noqa: E402
-from lightning_async_pp.models import HuggingFaceCausalLM, Llama  # noqa: E402
+from lightning_async_pp.models import GPT, HuggingFaceCausalLM, Llama  # noqa: E402
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing is downloaded: configs are built here
 #: DelayCompensation's coefficient in ``optimizer: "delay_compensation"``: large enough that the correction moves the
@@ -121,6 +121,15 @@ class HFSwappedShards(HuggingFaceCausalLM):
     def init_layer(self, index: int, layer: torch.nn.Module) -> None:
         super().init_layer(index, layer)
         swap_shards(layer)
+
+
+class GPTSwappedShards(GPT):
+    """``LlamaSwappedShards`` of ``models.GPT`` (built whole in ``__init__``: its plan lays out the values it has)."""
+
+    def configure_model(self) -> None:
+        super().configure_model()
+        for layer in self.pipeline_layers():
+            swap_shards(layer)
 
 
 class ResidualMLP(torch.nn.Module):
@@ -206,6 +215,10 @@ def build(cfg: dict) -> tuple[Llama, DataLoader, L.Trainer]:
     model: Any
     if cfg.get("model") == "own":
         model = OwnPlanLM(lr=cfg.get("lr", 3e-3))
+    elif cfg.get("model") == "gpt":
+        model = (GPTSwappedShards if cfg.get("swap_shards") else GPT)(
+            vocab_size=cfg.get("vocab", 256), block_size=cfg.get("max_seq_len", 64), n_layer=4, n_head=4, n_embd=32,
+            learning_rate=cfg.get("lr", 3e-3))
     elif cfg.get("model") == "hf":
         config: Any = {**HF_LLAMA, **cfg.get("hf_config", {}), "tie_word_embeddings": tie}
         if cfg.get("pretrained"):  # a save_pretrained folder's config and weights
@@ -290,7 +303,8 @@ def run(cfg: dict, devices: int) -> tuple[dict, Llama, L.Trainer]:
     if cfg.get("tensor_parallel") and devices > 1 and not cfg.get("gather"):
         result.update(stage_weights(model))
         link = trainer.strategy.engine._link  # what crossed the stage boundary: this rank's shapes
-        result["crossed"] = [list(m.shape) for m in (link.out_layout or link.in_layout).metas]
+        layout = link.out_layout or link.in_layout  # none on one stage
+        result["crossed"] = [list(m.shape) for m in layout.metas] if layout is not None else []
         if "muon" in cfg.get("optimizer", ""):
             result["muon_step_difference"] = muon_step_against_whole(model)
     elif trainer.is_global_zero:
