@@ -100,6 +100,32 @@ def test_two_stages_of_two_tensor_parallel_ranks_train_llama_as_one_device(tmp_p
     assert max_difference(wrong, run_here_on_one_device(llama_fit.run, CASES["wrong_shard"])["state_dict"]) > 1e-2
 
 
+#: 2 data-parallel replicas of 2 stages x 2 ranks (8 processes); ``batch`` and ``microbatches`` are a replica's, and
+#: the one-device reference trains both replicas' batches as one batch of twice the microbatches (llama_fit's
+#: ``data_parallel``): the replicas' mean gradient is that batch's.
+DP_BASE = {**BASE, "data_parallel": 2, "batch": 4, "microbatches": 2}
+DP_CASES = {
+    "2bw": {**DP_BASE, "schedule": "2bw"},
+    "1f1b_clipped": {**DP_BASE, "schedule": "1f1b", "clip": 0.5},
+}
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_two_replicas_of_two_stages_of_two_tensor_parallel_ranks_train_llama_as_one_device_on_both_batches(tmp_path):
+    launch = {n: {**c, "tensor_parallel": 2} for n, c in DP_CASES.items()}
+    ranks = script_ranks(SCRIPT, {"devices": 8, "cases": launch}, tmp_path, ranks=8, timeout=600)
+    for name, case in DP_CASES.items():
+        replicas = [_whole_model(ranks[4 * d : 4 * d + 4], name) for d in range(2)]  # replica d: ranks 4d..4d+3
+        reference = run_here_on_one_device(llama_fit.run, case)["state_dict"]
+        assert max_difference(replicas[0], reference) < TOL, (name, max_difference(replicas[0], reference))
+        # one averaged gradient: the replicas' shards stay equal, bitwise
+        assert all(torch.equal(replicas[0][k], replicas[1][k]) for k in reference), name
+    # The control: what replica 0 trains on its own batches alone (no reduction) is far outside the tolerance.
+    alone = run_here_on_one_device(llama_fit.run, {**DP_CASES["2bw"], "only_replica": 0})["state_dict"]
+    assert max_difference(_whole_model(ranks, "2bw"), alone) > 1e-2
+
+
 # ---- the engine's local shards ---------------------------------------------------------------------------------
 @pytest.fixture
 def two_rank_mesh():
@@ -196,7 +222,6 @@ def test_the_layout_puts_a_stages_tensor_parallel_ranks_side_by_side_and_pipelin
 @pytest.mark.parametrize("option, match", [
     ({"schedule": "zb_h1"}, "schedule='zb_h1' is not supported with tensor_parallel_size > 1 yet"),
     ({"compile": True}, "compile=True is not supported"),
-    ({"data_parallel_size": 2}, "data_parallel_size=2 is not supported"),
     ({"layer_cost": "measured"}, "layer_cost='measured' is not supported"),
     ({"tensor_parallel_size": 0}, "tensor_parallel_size must be a positive integer, got 0"),
 ])
