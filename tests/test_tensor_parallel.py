@@ -107,6 +107,7 @@ DP_BASE = {**BASE, "data_parallel": 2, "batch": 4, "microbatches": 2}
 DP_CASES = {
     "2bw": {**DP_BASE, "schedule": "2bw"},
     "1f1b_clipped": {**DP_BASE, "schedule": "1f1b", "clip": 0.5},
+    "2bw_zero": {**DP_BASE, "schedule": "2bw"},  # launched with shard_optimizer=True (ZeRO-1 over the replicas)
 }
 
 
@@ -114,6 +115,7 @@ DP_CASES = {
 @pytest.mark.slow
 def test_two_replicas_of_two_stages_of_two_tensor_parallel_ranks_train_llama_as_one_device_on_both_batches(tmp_path):
     launch = {n: {**c, "tensor_parallel": 2} for n, c in DP_CASES.items()}
+    launch["2bw_zero"]["strategy_kwargs"] = {"shard_optimizer": True}
     ranks = script_ranks(SCRIPT, {"devices": 8, "cases": launch}, tmp_path, ranks=8, timeout=600)
     for name, case in DP_CASES.items():
         replicas = [_whole_model(ranks[4 * d : 4 * d + 4], name) for d in range(2)]  # replica d: ranks 4d..4d+3

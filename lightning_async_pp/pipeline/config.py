@@ -141,7 +141,6 @@ class PipelineConfig:
         unsupported = [
             (self.schedule == "zb_h1", f"schedule={self.schedule!r}", "use '2bw', '1f1b' or 'gpipe'"),
             (self.compile is not False, f"compile={self.compile!r}", "use compile=False"),
-            (self.shard_optimizer, "shard_optimizer=True", "use shard_optimizer=False"),
             (self.layer_cost != "flops", f"layer_cost={self.layer_cost!r}", "use layer_cost='flops'"),
             (self.delay is not None, f"delay={self.delay!r}", "drop delay"),
             (self.num_stages is not None, f"num_stages={self.num_stages!r}", "drop num_stages (the stages are the "
