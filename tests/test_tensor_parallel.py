@@ -123,6 +123,9 @@ def test_two_replicas_of_two_stages_of_two_tensor_parallel_ranks_train_llama_as_
         assert max_difference(replicas[0], reference) < TOL, (name, max_difference(replicas[0], reference))
         # one averaged gradient: the replicas' shards stay equal, bitwise
         assert all(torch.equal(replicas[0][k], replicas[1][k]) for k in reference), name
+    # ZeRO-1 steps each parameter on its owner as the unsharded run does: the same weights, bitwise.
+    sharded, unsharded = _whole_model(ranks, "2bw_zero"), _whole_model(ranks, "2bw")
+    assert all(torch.equal(sharded[k], unsharded[k]) for k in unsharded)
     # The control: what replica 0 trains on its own batches alone (no reduction) is far outside the tolerance.
     alone = run_here_on_one_device(llama_fit.run, {**DP_CASES["2bw"], "only_replica": 0})["state_dict"]
     assert max_difference(_whole_model(ranks, "2bw"), alone) > 1e-2
