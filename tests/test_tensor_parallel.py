@@ -163,6 +163,23 @@ def test_weight_versions_keep_a_dtensor_parameters_local_shard_and_updates_write
     assert torch.equal(p.to_local(), versions.version(1)[0])
 
 
+def test_the_data_parallel_buckets_hold_each_dtensor_parameters_local_shard_gradient(two_rank_mesh):
+    """A DTensor parameter's local tensor never requires grad: the reducer asks the parameter, so its shard's
+    gradient is bucketed (taken from the local tensor, the buckets were empty and no replica reduced)."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+
+    from lightning_async_pp.pipeline.data_parallel import GradientReducer
+    from lightning_async_pp.pipeline.tensor_parallel import local_tensor
+
+    layer = parallelize_module(torch.nn.Linear(4, 6), two_rank_mesh, ColwiseParallel())
+    assert layer.weight.requires_grad and not local_tensor(layer.weight).requires_grad
+    reducer = GradientReducer(list(layer.parameters()), group=None, size=2)
+    assert [b.buffer.numel() for b in reducer.buckets] == [3 * 4 + 3]  # the local shards of weight and bias
+    leaves = [p.to_local().detach().requires_grad_() for p in layer.parameters()]
+    reducer.attach(leaves)
+    assert [tuple(leaf.grad.shape) for leaf in leaves] == [(3, 4), (3,)]  # views into the bucket
+
+
 def test_undoing_tensor_parallelism_leaves_a_plain_module_that_runs_without_the_group(two_rank_mesh):
     """What rank 0's module becomes after the gather: whole plain parameters (one object where one was shared),
     none of parallelize_module's hooks, so it computes as the module never parallelized (a hook left behind would
