@@ -111,6 +111,37 @@ def test_two_stages_of_two_tensor_parallel_ranks_train_llama_as_one_device(tmp_p
     assert max_difference(wrong, run_here_on_one_device(llama_fit.run, CASES["wrong_shard"])["state_dict"]) > 1e-2
 
 
+#: 2 data-parallel replicas of 2 stages x 2 ranks (8 processes); ``batch`` and ``microbatches`` are a replica's, and
+#: the one-device reference trains both replicas' batches as one batch of twice the microbatches (llama_fit's
+#: ``data_parallel``): the replicas' mean gradient is that batch's.
+DP_BASE = {**BASE, "data_parallel": 2, "batch": 4, "microbatches": 2}
+DP_CASES = {
+    "2bw": {**DP_BASE, "schedule": "2bw"},
+    "1f1b_clipped": {**DP_BASE, "schedule": "1f1b", "clip": 0.5},
+    "2bw_zero": {**DP_BASE, "schedule": "2bw"},  # launched with shard_optimizer=True (ZeRO-1 over the replicas)
+}
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_two_replicas_of_two_stages_of_two_tensor_parallel_ranks_train_llama_as_one_device_on_both_batches(tmp_path):
+    launch = {n: {**c, "tensor_parallel": 2} for n, c in DP_CASES.items()}
+    launch["2bw_zero"]["strategy_kwargs"] = {"shard_optimizer": True}
+    ranks = script_ranks(SCRIPT, {"devices": 8, "cases": launch}, tmp_path, ranks=8, timeout=600)
+    for name, case in DP_CASES.items():
+        replicas = [_whole_model(ranks[4 * d : 4 * d + 4], name) for d in range(2)]  # replica d: ranks 4d..4d+3
+        reference = run_here_on_one_device(llama_fit.run, case)["state_dict"]
+        assert max_difference(replicas[0], reference) < TOL, (name, max_difference(replicas[0], reference))
+        # one averaged gradient: the replicas' shards stay equal, bitwise
+        assert all(torch.equal(replicas[0][k], replicas[1][k]) for k in reference), name
+    # ZeRO-1 steps each parameter on its owner as the unsharded run does: the same weights, bitwise.
+    sharded, unsharded = _whole_model(ranks, "2bw_zero"), _whole_model(ranks, "2bw")
+    assert all(torch.equal(sharded[k], unsharded[k]) for k in unsharded)
+    # The control: what replica 0 trains on its own batches alone (no reduction) is far outside the tolerance.
+    alone = run_here_on_one_device(llama_fit.run, {**DP_CASES["2bw"], "only_replica": 0})["state_dict"]
+    assert max_difference(_whole_model(ranks, "2bw"), alone) > 1e-2
+
+
 # ---- the engine's local shards ---------------------------------------------------------------------------------
 @pytest.fixture
 def two_rank_mesh():
@@ -141,6 +172,23 @@ def test_weight_versions_keep_a_dtensor_parameters_local_shard_and_updates_write
     assert torch.equal(versions.slots[1][0], before + 1.0)
     assert torch.equal(versions.slots[0][0], before)
     assert torch.equal(p.to_local(), versions.version(1)[0])
+
+
+def test_the_data_parallel_buckets_hold_each_dtensor_parameters_local_shard_gradient(two_rank_mesh):
+    """A DTensor parameter's local tensor never requires grad: the reducer asks the parameter, so its shard's
+    gradient is bucketed (taken from the local tensor, the buckets were empty and no replica reduced)."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+
+    from lightning_async_pp.pipeline.data_parallel import GradientReducer
+    from lightning_async_pp.pipeline.tensor_parallel import local_tensor
+
+    layer = parallelize_module(torch.nn.Linear(4, 6), two_rank_mesh, ColwiseParallel())
+    assert layer.weight.requires_grad and not local_tensor(layer.weight).requires_grad
+    reducer = GradientReducer(list(layer.parameters()), group=None, size=2)
+    assert [b.buffer.numel() for b in reducer.buckets] == [3 * 4 + 3]  # the local shards of weight and bias
+    leaves = [p.to_local().detach().requires_grad_() for p in layer.parameters()]
+    reducer.attach(leaves)
+    assert [tuple(leaf.grad.shape) for leaf in leaves] == [(3, 4), (3,)]  # views into the bucket
 
 
 def test_undoing_tensor_parallelism_leaves_a_plain_module_that_runs_without_the_group(two_rank_mesh):
@@ -206,7 +254,6 @@ def test_the_layout_puts_a_stages_tensor_parallel_ranks_side_by_side_and_pipelin
 
 @pytest.mark.parametrize("option, match", [
     ({"compile": True}, "compile=True is not supported"),
-    ({"data_parallel_size": 2}, "data_parallel_size=2 is not supported"),
     ({"layer_cost": "measured"}, "layer_cost='measured' is not supported"),
     ({"tensor_parallel_size": 0}, "tensor_parallel_size must be a positive integer, got 0"),
 ])

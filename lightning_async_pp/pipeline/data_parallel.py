@@ -31,6 +31,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from lightning_async_pp.pipeline.tensor_parallel import local_tensor
+
 
 @dataclass
 class _Bucket:
@@ -67,9 +69,12 @@ class GradientReducer:
     def _build(self, params: Sequence[Tensor]) -> None:
         """Buckets for the parameters that take gradients now (``requires_grad``)."""
         self.trainable = tuple(p.requires_grad for p in params)
+        # A DTensor parameter's gradient is its local shard's (docs/design/tensor-parallel.md): bucket those shapes.
+        # Which take gradients is the parameters' say: a DTensor parameter's local tensor never requires grad.
+        params = [local_tensor(p) for p in params]
         self.buckets: list[_Bucket] = []
         # Buckets in reverse parameter order, as DDP: a stage's last layers get their gradients first in backward.
-        order = [i for i in reversed(range(len(params))) if params[i].requires_grad]
+        order = [i for i in reversed(range(len(params))) if self.trainable[i]]
         current: list[int] = []
         for i in order:
             if current and (params[i].dtype != params[current[0]].dtype or params[i].device != params[current[0]].device

@@ -19,8 +19,12 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch.distributed.optim import ZeroRedundancyOptimizer
+from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
+
+from lightning_async_pp.pipeline.tensor_parallel import local_tensor
 
 
 class StageShardedOptimizer(ZeroRedundancyOptimizer):
@@ -38,6 +42,16 @@ class StageShardedOptimizer(ZeroRedundancyOptimizer):
         # keeps the dicts it is given), so schedulers and Lightning's LR monitor act on one set of groups.
         super().__init__(template.param_groups, optimizer_class=lambda groups: rebuild(template, groups),
                          process_group=group)
+
+    def _broadcast_params_from_rank(self, rank: int) -> list[Any]:
+        """torch's per-parameter broadcast of the parameters ``rank`` updated, with each DTensor parameter's local
+        shard moved instead of the DTensor (DTensor has no rule for ``broadcast``; the replicas of one
+        tensor-parallel rank hold the same shard shapes: docs/design/tensor-parallel.md)."""
+        params = [p for group in self._partition_parameters()[rank] for p in group["params"]]
+        if self.parameters_as_bucket_view or not any(isinstance(p, DTensor) for p in params):
+            return super()._broadcast_params_from_rank(rank)
+        src = dist.get_global_rank(self.process_group, rank)
+        return [dist.broadcast(local_tensor(p).data, src=src, group=self.process_group, async_op=True) for p in params]
 
     def step(self, closure: Any = None, **kwargs: Any) -> Any:  # type: ignore[override]
         loss = super().step(closure, **kwargs)

@@ -14,6 +14,9 @@ a sequence records the optimizer state per layer its split counted),
 activation_checkpointing, stage_memory_gib (strategy options as named), pool_buffers (receive buffers pooled as on
 CUDA: ``StageLink.REUSE_BUFFERS_ON_CPU``),
 cases: {name: config}: several runs in one launch (``run_cases``), each result under its name.
+data_parallel (data_parallel_size r; ``batch`` and ``microbatches`` are a replica's: on one device each batch is the
+r replicas' batches one after another, of ``r x microbatches`` microbatches, the run r replicas make; with
+only_replica i, replica i's batches alone, what that replica would train without the reduction),
 tensor_parallel (tensor_parallel_size; the weights are not gathered: every rank returns its stage's parameters
 whole as "stage_weights", each DTensor's shards gathered over its tensor-parallel group, and its own shards as
 "local_weights", and the shapes it sent or received across the stage boundary as "crossed"), swap_shards (a control: the model takes each sharded matrix's
@@ -234,21 +237,43 @@ def build(cfg: dict) -> tuple[Llama, DataLoader, L.Trainer]:
     rows: Any = token_rows(cfg.get("samples", 32), cfg.get("seq", 16))
     if cfg.get("packed"):
         rows = packed_rows(rows)
+    batch = cfg.get("batch", 8)
+    if cfg.get("data_parallel", 1) > 1 and cfg.get("devices", 2) == 1:
+        rows, batch = replica_batches(rows, cfg["data_parallel"], batch, cfg.get("seed", 0), cfg.get("only_replica"))
     if cfg.get("resumable"):
         from helpers import ResumableLoader
 
-        loader: Any = ResumableLoader(rows, batch_size=cfg.get("batch", 8))
+        loader: Any = ResumableLoader(rows, batch_size=batch)
     else:
-        loader = DataLoader(rows, batch_size=cfg.get("batch", 8), shuffle=False, drop_last=True)
+        loader = DataLoader(rows, batch_size=batch, shuffle=False, drop_last=True)
     return model, loader, make_trainer(cfg)
+
+
+def replica_batches(rows: list, replicas: int, batch: int, seed: int, only: Any = None) -> tuple[list, int]:
+    """The rows and batch size with which one device trains what ``replicas`` data-parallel replicas of ``batch``
+    rows each train in the first epoch: each replica reads the rows of its ``DistributedSampler`` (Lightning's for
+    training: shuffled with the run's seed, rank = the replica); step k's batch is every replica's batch k,
+    replica 0's first (or replica ``only``'s alone)."""
+    from torch.utils.data import DistributedSampler
+
+    shards = [[rows[i] for i in DistributedSampler(rows, replicas, r, shuffle=True, seed=seed)] for r in range(replicas)]
+    if only is not None:
+        return shards[only], batch
+    return [row for k in range(len(shards[0]) // batch) for shard in shards
+            for row in shard[k * batch : (k + 1) * batch]], batch * replicas
 
 
 def make_trainer(cfg: dict) -> L.Trainer:
     kwargs: dict[str, Any] = {}
+    microbatches = cfg.get("microbatches", 4)
     if cfg.get("partition"):
         kwargs["partition"] = cfg["partition"]
     if cfg.get("devices", 2) == 1:
         kwargs["num_stages"] = cfg.get("stages", 2)  # the one-device emulation of the same pipeline
+        if cfg.get("only_replica") is None:  # the replicas' microbatches, of a replica's microbatch size
+            microbatches *= cfg.get("data_parallel", 1)
+    elif cfg.get("data_parallel", 1) > 1:
+        kwargs["data_parallel_size"] = cfg["data_parallel"]
     if cfg.get("tensor_parallel"):
         kwargs.update(tensor_parallel_size=cfg["tensor_parallel"], gather_final_weights=bool(cfg.get("gather")))
     for key in ("activation_checkpointing", "stage_memory_gib"):
@@ -258,7 +283,7 @@ def make_trainer(cfg: dict) -> L.Trainer:
 
     StageLink.REUSE_BUFFERS_ON_CPU = bool(cfg.get("pool_buffers"))  # what CUDA does; each case sets its own
     kwargs.update(cfg.get("strategy_kwargs", {}))
-    strategy = AsyncPipelineStrategy(schedule=cfg.get("schedule", "2bw"), num_microbatches=cfg.get("microbatches", 4),
+    strategy = AsyncPipelineStrategy(schedule=cfg.get("schedule", "2bw"), num_microbatches=microbatches,
                                      pipeline_timeout=cfg.get("timeout", 60.0), **kwargs)
     callbacks: list[Any] = []
     if cfg.get("save_at"):
