@@ -33,6 +33,7 @@ CASES = {
     # optim.Muon over named_parameters: the blocks' matrices to Muon, embed_tokens (and the head tied to it) and the
     # norms to its AdamW
     "hf_2bw_muon": {**HF, "schedule": "2bw", "optimizer": "muon"},
+    "hf_1f1b_muon": {**HF, "schedule": "1f1b", "optimizer": "muon"},
     "hf_wrong_shard": {**HF, "schedule": "1f1b", "steps": 1, "swap_shards": True},
     "qwen2_2bw": {**HF, "schedule": "2bw", "hf_config": {"model_type": "qwen2"}},  # q, k, v with biases
     "own_2bw": {"model": "own", "steps": 3, "microbatches": 4, "partition": [3, 3], "schedule": "2bw"},
@@ -65,7 +66,7 @@ def test_two_stages_of_two_tensor_parallel_ranks_train_a_tied_transformers_llama
              "gpt_resumed": {**GPT_CASES["gpt_resumed"], "resume_from": str(gpt_saved)}}
     ranks = script_ranks(SCRIPT, {"devices": 4, "cases": {n: {**c, "tensor_parallel": 2} for n, c in cases.items()}},
                          tmp_path, ranks=4, timeout=600)
-    for name in ("hf_2bw", "hf_1f1b_clipped", "hf_2bw_muon"):
+    for name in ("hf_2bw", "hf_1f1b_clipped", "hf_2bw_muon", "hf_1f1b_muon"):
         reference = run_here_on_one_device(llama_fit.run, CASES[name])["state_dict"]
         weights = _whole_model(ranks, name)
         assert set(weights) == set(reference), name
@@ -86,7 +87,8 @@ def test_two_stages_of_two_tensor_parallel_ranks_train_a_tied_transformers_llama
                 if value.shape == whole[n].shape:
                     assert torch.equal(value, other[n]), (name, n)
     # Muon's step on each rank's shard of a block matrix is bitwise the whole matrix's step on one process.
-    assert [ranks[r]["cases"]["hf_2bw_muon"]["muon_step_difference"] for r in range(4)] == [0.0] * 4
+    for name in ("hf_2bw_muon", "hf_1f1b_muon"):
+        assert [ranks[r]["cases"][name]["muon_step_difference"] for r in range(4)] == [0.0] * 4, name
     # From a save_pretrained folder: each rank's shards are the file's slices (then trained as one device).
     reference = run_here_on_one_device(llama_fit.run, pretrained)["state_dict"]
     assert max_difference(_whole_model(ranks, "hf_pretrained"), reference) < TOL
