@@ -331,17 +331,7 @@ class Llama(BuiltInInit, PipelineModule):
         return [self.embed, *self.blocks, self.head]
 
     def pipeline_input(self, batch: Any) -> Any:
-        t = self._tensor_parallel_size
-        if t > 1:  # the sequence-parallel plan splits the tokens of a row over the tensor-parallel ranks
-            if not isinstance(batch, Tensor):
-                raise ValueError(f"Llama takes a packed batch ({type(batch).__name__} of input_ids and position_ids) "
-                                 f"only with tensor_parallel_size=1, got tensor_parallel_size={t}; pass rows of "
-                                 f"token ids (a LongTensor (batch, seq + 1))")
-            if (batch.shape[1] - 1) % t != 0:
-                raise ValueError(f"Llama with tensor_parallel_size={t} splits each row's {batch.shape[1] - 1} input "
-                                 f"tokens over the tensor-parallel ranks (sequence parallelism): use a sequence length "
-                                 f"divisible by {t}")
-        return packing.model_input(batch, "Llama")
+        return packing.model_input(batch, "Llama", self._tensor_parallel_size)
 
     def pipeline_sample(self) -> Any:
         """The example batch if one is set, else one row of ``min(max_seq_len, 256)`` tokens (and its target)."""

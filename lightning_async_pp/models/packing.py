@@ -276,9 +276,21 @@ def packed_input(batch: Mapping[str, Tensor]) -> dict[str, Tensor]:
     return {INPUT_IDS: batch[INPUT_IDS][:, :-1], POSITION_IDS: batch[POSITION_IDS][:, :-1]}
 
 
-def model_input(batch: Any, who: str) -> Any:
+def model_input(batch: Any, who: str, tensor_parallel_size: int = 1) -> Any:
     """What a built-in model's first layer takes: a row of token ids without its last column, or a checked packed
-    batch's ids and positions likewise (``who`` names the model in the refusal)."""
+    batch's ids and positions likewise (``who`` names the model in the refusal). With ``tensor_parallel_size > 1``
+    the model's sequence-parallel plan splits each row's tokens over the ranks: a packed batch and a row ``t``
+    does not split are refused."""
+    t = tensor_parallel_size
+    if t > 1:
+        if not isinstance(batch, Tensor):
+            raise ValueError(f"{who} takes a packed batch ({type(batch).__name__} of input_ids and position_ids) "
+                             f"only with tensor_parallel_size=1, got tensor_parallel_size={t}; pass rows of "
+                             f"token ids (a LongTensor (batch, seq + 1))")
+        if (batch.shape[1] - 1) % t != 0:
+            raise ValueError(f"{who} with tensor_parallel_size={t} splits each row's {batch.shape[1] - 1} input "
+                             f"tokens over the tensor-parallel ranks (sequence parallelism): use a sequence length "
+                             f"divisible by {t}")
     if isinstance(batch, Tensor):
         return batch[:, :-1]
     return packed_input(check_packed(batch, who))
