@@ -20,6 +20,7 @@ from torch.distributed.tensor import DTensor, Partial
 from lightning_async_pp.models import packing
 from lightning_async_pp.module import PipelineModule
 from lightning_async_pp.optim.groups import decay_matrices_only
+from lightning_async_pp.pipeline.mesh import tensor_parallel_mesh
 
 
 class CausalSelfAttention(nn.Module):
@@ -167,10 +168,9 @@ class GPT(PipelineModule):
 
     # ---- tensor parallelism ------------------------------------------------------------------------------------
     def configure_model(self) -> None:
-        mesh = self.device_mesh  # set by a strategy with tensor parallelism (ours, Lightning's ModelParallelStrategy)
-        if (self._tensor_parallel_size == 1 and mesh is not None and "tensor_parallel" in (mesh.mesh_dim_names or ())
-                and mesh["tensor_parallel"].size() > 1):  # Lightning calls this hook on every trainer entry point
-            self.parallelize(mesh["tensor_parallel"])
+        tp_mesh = tensor_parallel_mesh(self.device_mesh)  # set by a strategy with tensor parallelism
+        if self._tensor_parallel_size == 1 and tp_mesh is not None:  # Lightning calls this hook on every entry point
+            self.parallelize(tp_mesh)
 
     def parallelize(self, tp_mesh: Any) -> None:
         """Apply the tensor-parallel plan over ``tp_mesh`` (docs/design/tensor-parallel.md, "Models with a plan"):

@@ -37,6 +37,7 @@ from lightning_async_pp.models import hf_outside, hf_probe, packing
 from lightning_async_pp.models.adopted import AdoptedCausalLM, missing_package
 from lightning_async_pp.models.pretrained import SafetensorsFolder
 from lightning_async_pp.models.moe import RouterLoss, adds_router_loss, check_router_loss_supported
+from lightning_async_pp.pipeline.mesh import tensor_parallel_mesh
 
 #: What the adapter takes from the upstream model, as dotted paths of ``AutoModelForCausalLM.from_config(config)``.
 LAYOUT = ("model.embed_tokens", "model.layers", "model.norm", "model.rotary_emb", "lm_head")
@@ -539,9 +540,8 @@ class HuggingFaceCausalLM(AdoptedCausalLM):
             # Before any layer gets memory: refuses a family whose pipeline layers differ from the upstream forward.
             # The adapter itself, not a subclass: a subclass may take other constructor arguments.
             self._mask_as_upstream(hf_probe.check_exact(HuggingFaceCausalLM, self.config))
-        mesh = self.device_mesh  # set by a strategy with tensor parallelism (AsyncPipelineStrategy, ModelParallelStrategy)
-        tp_mesh = mesh["tensor_parallel"] if mesh is not None and "tensor_parallel" in (mesh.mesh_dim_names or ()) else None
-        plan = tensor_parallel_plan(self.config, tp_mesh.size()) if tp_mesh is not None and tp_mesh.size() > 1 else None
+        tp_mesh = tensor_parallel_mesh(self.device_mesh)  # set by a strategy with tensor parallelism
+        plan = tensor_parallel_plan(self.config, tp_mesh.size()) if tp_mesh is not None else None
         super().configure_model()
         if plan is not None:
             self.parallelize(tp_mesh, plan)

@@ -27,6 +27,7 @@ from lightning_async_pp.models import packing
 from lightning_async_pp.models.meta_built import BuiltInInit
 from lightning_async_pp.module import PipelineModule, layer_seed
 from lightning_async_pp.optim.groups import decay_matrices_only
+from lightning_async_pp.pipeline.mesh import tensor_parallel_mesh
 
 
 @dataclass(frozen=True)
@@ -259,9 +260,9 @@ class Llama(BuiltInInit, PipelineModule):
         self._materialize()  # what layers built here would get; keeps requires_grad (a layer frozen in setup)
         self._configured = True
         self.init_weights()
-        mesh = self.device_mesh  # set by a strategy with tensor parallelism (AsyncPipelineStrategy, ModelParallelStrategy)
-        if mesh is not None and "tensor_parallel" in (mesh.mesh_dim_names or ()) and mesh["tensor_parallel"].size() > 1:
-            self.parallelize(mesh["tensor_parallel"])
+        tp_mesh = tensor_parallel_mesh(self.device_mesh)  # set by a strategy with tensor parallelism
+        if tp_mesh is not None:
+            self.parallelize(tp_mesh)
 
     def parallelize(self, tp_mesh: Any) -> None:
         """Apply the tensor-parallel plan over ``tp_mesh`` (docs/design/tensor-parallel.md, "Tensor parallelism"),

@@ -99,6 +99,16 @@ class MeshLayout:
         return [self.rank_of(d, stage, tp_rank) for d in range(self.data_parallel_size)]
 
 
+def tensor_parallel_mesh(mesh: Any) -> Any:
+    """The ``"tensor_parallel"`` dimension of ``mesh`` (a model's ``self.device_mesh``: ours or Lightning's
+    ``ModelParallelStrategy``'s) where it splits a stage over more than one rank, else ``None``: what a model's
+    ``configure_model`` applies its plan over."""
+    if mesh is None or "tensor_parallel" not in (mesh.mesh_dim_names or ()):
+        return None
+    tp_mesh = mesh["tensor_parallel"]
+    return tp_mesh if tp_mesh.size() > 1 else None
+
+
 def check_tensor_parallel_divides(tensor_parallel_size: int, sizes: Mapping[str, Optional[int]],
                                   where: str = "the model") -> None:
     """Refuse a ``tensor_parallel_size`` that does not evenly split each of ``sizes`` (``{"num_heads": 32,
