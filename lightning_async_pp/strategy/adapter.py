@@ -49,6 +49,7 @@ from lightning_async_pp.pipeline.tensor_parallel import parameter_grad
 from lightning_async_pp.pipeline.topology import PipelineTopology
 from lightning_async_pp.strategy import _lightning, options, processes
 from lightning_async_pp.strategy.batches import TrainingBatches
+from lightning_async_pp.strategy.experts import refuse_with_expert_parallelism_at_setup
 from lightning_async_pp.strategy.failures import FailureReporting
 from lightning_async_pp.strategy.lookahead import LookaheadLoader
 from lightning_async_pp.strategy.requeue import RequeueAtStepBoundary
@@ -74,6 +75,12 @@ class AsyncPipelineStrategy(PipelineStateHooks, TrainingBatches, FailureReportin
             ``torch.optim.AdamW`` or ``optim.Muon`` (alone or in ``ErrorFeedback``) under ``2bw``, ``1f1b`` and
             ``gpipe``; checkpoints, evaluation and the gather run;
             everything else is refused with it (docs/design/tensor-parallel.md, "What runs").
+        expert_parallel_size: ranks of a stage that split its mixture-of-experts layers' experts (default 1): each
+            of ``expert_parallel_size`` consecutive data-parallel replicas holds ``num_experts / expert_parallel_size``
+            whole experts of each MoE layer, tokens reach them by all-to-all; no extra processes. Must divide
+            ``data_parallel_size x tensor_parallel_size`` and each MoE layer's number of experts. The model shards
+            its experts in ``configure_model`` over ``self.device_mesh["expert_parallel"]`` (``models.Llama`` with
+            ``num_experts``). See docs/design/expert-parallel.md.
         partition: ``"balanced"`` (default: the contiguous split whose slowest stage is fastest, each layer's
             forward and backward FLOPs counted on fake tensors for the model's example batch, every stage's
             predicted memory under ``stage_memory_gib``; without an example batch, parameter counts, with a
@@ -142,6 +149,7 @@ class AsyncPipelineStrategy(PipelineStateHooks, TrainingBatches, FailureReportin
         data_parallel_size: int = 1,
         partition: PartitionSpec = "balanced",
         tensor_parallel_size: int = 1,
+        expert_parallel_size: int = 1,
         delay: DelaySpec = None,
         sync_steps: int = 0,
         num_stages: Optional[int] = None,
@@ -171,7 +179,8 @@ class AsyncPipelineStrategy(PipelineStateHooks, TrainingBatches, FailureReportin
         options.refuse_unknown_keywords(unknown)
         self.config = PipelineConfig(
             schedule=schedule, num_microbatches=num_microbatches, data_parallel_size=data_parallel_size,
-            tensor_parallel_size=tensor_parallel_size, partition=partition, delay=delay, sync_steps=sync_steps, sync_from_step=sync_from_step,
+            tensor_parallel_size=tensor_parallel_size, expert_parallel_size=expert_parallel_size, partition=partition,
+            delay=delay, sync_steps=sync_steps, sync_from_step=sync_from_step,
             num_stages=num_stages,
             pipeline_timeout=pipeline_timeout, check_batches=check_batches,
             activation_checkpointing=activation_checkpointing, shard_optimizer=shard_optimizer,
@@ -230,12 +239,14 @@ class AsyncPipelineStrategy(PipelineStateHooks, TrainingBatches, FailureReportin
     @property
     def topology(self) -> PipelineTopology:
         return PipelineTopology(self.world_size_total, self.data_parallel_size, self.global_rank,
-                                self.tensor_parallel_size)
+                                self.tensor_parallel_size, self.config.expert_parallel_size)
 
     @property
     def device_mesh(self) -> Any:
         """With ``tensor_parallel_size > 1``: the ``DeviceMesh`` (dimensions ``"data_parallel"``, ``"pipeline"``,
-        ``"tensor_parallel"``) that ``configure_model`` reads as ``self.device_mesh``; ``None`` otherwise."""
+        ``"tensor_parallel"``; with ``expert_parallel_size > 1`` also ``"expert_parallel"`` and
+        ``"expert_data_parallel"``, pipeline/mesh.py) that ``configure_model`` reads as ``self.device_mesh``;
+        ``None`` otherwise."""
         return self._device_mesh
 
     @property
@@ -301,8 +312,9 @@ class AsyncPipelineStrategy(PipelineStateHooks, TrainingBatches, FailureReportin
         super().setup_distributed()
         processes.set_rng_states(states)
         processes.destroy_process_groups_at_exit()
-        if self.tensor_parallel_size > 1:
-            # Before configure_model, which applies the model's plan to the mesh's "tensor_parallel" dimension.
+        if self.tensor_parallel_size > 1 or self.config.expert_parallel_size > 1:
+            # Before configure_model, which applies the model's plan to the mesh's "tensor_parallel" dimension (and
+            # shards its experts over "expert_parallel").
             self._device_mesh = build_device_mesh(self.topology.layout, self.root_device.type)
             _lightning.set_device_mesh(self.lightning_module, self._device_mesh)
 
@@ -335,6 +347,7 @@ class AsyncPipelineStrategy(PipelineStateHooks, TrainingBatches, FailureReportin
         options.refuse_unsupported(trainer, self.precision_plugin, self.config)
         options.refuse_with_tensor_parallelism(trainer, module, self.config, self.gather_final_weights,
                                                previous_call=self.engine is not None)
+        refuse_with_expert_parallelism_at_setup(trainer, module, self.config, self.gather_final_weights)
         self.model = self.precision_plugin.convert_module(self.model)
         # The full layer list is remembered on the module: after a multi-process call, other stages' layers are
         # placeholders in rank 0's tree (unless gathered back), and a later call must still find the originals.
