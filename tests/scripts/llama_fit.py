@@ -30,6 +30,11 @@ checkpoint_dir + save_at (a ModelCheckpoint writing checkpoint_dir/saved.ckpt at
 resumable (a loader that resumes mid-epoch: tests/helpers.py ResumableLoader), gather (tensor_parallel with
 gather_final_weights=True: rank 0 returns the whole "state_dict"), eval_calls (after fit, each of "validate", "test",
 "predict" on a new Trainer; rank 0 returns their "eval" results), val_loss (returned when validation ran in fit).
+experts (models.Llama's routed-expert keyword arguments: num_experts, experts_per_token, ...), expert_parallel
+(expert_parallel_size; not gathered: every rank returns its stage's parameters as "stage_weights", its experts under
+their global names), misroute_experts (a control: each held expert starts from the weights of the expert half the
+experts away, so the tokens routed to it are computed by another), unaveraged_experts (a control: the expert
+gradients are not divided by the number of replicas), optimizer "sgd" (plain SGD at ``lr``).
 """
 from __future__ import annotations
 
@@ -135,6 +140,27 @@ class GPTSwappedShards(GPT):
             swap_shards(layer)
 
 
+class LlamaMisroutedExperts(Llama):
+    """The expert-parallel control: each held expert starts from the initial weights of the expert ``E / 2`` away,
+    so the tokens the router sends to an expert are computed by another one."""
+
+    def init_layer(self, index: int, layer: torch.nn.Module) -> None:
+        import math
+
+        from lightning_async_pp.models.routed_experts import init_experts
+        from lightning_async_pp.module import layer_seed
+        from lightning_async_pp.pipeline.expert_parallel import LocalExperts
+
+        super().init_layer(index, layer)
+        for experts in [m for m in layer.modules() if isinstance(m, LocalExperts)]:
+            moved = LocalExperts([])
+            half = experts.num_experts // 2
+            for key, expert in experts.items():
+                moved[str((int(key) + half) % experts.num_experts)] = expert
+            init_experts(moved, layer_seed(index, self.hparams.init_seed), 0.02,
+                         0.02 / math.sqrt(2 * self.config.num_layers))
+
+
 class ResidualMLP(torch.nn.Module):
     def __init__(self, width: int) -> None:
         super().__init__()
@@ -193,6 +219,8 @@ def chosen_optimizer(model: Llama, kind: str) -> torch.optim.Optimizer:
     from lightning_async_pp.optim.groups import decay_matrices_only
 
     make = partial(Muon, lr=model.hparams.lr, weight_decay=0.1)
+    if kind == "sgd":
+        return torch.optim.SGD(model.parameters(), lr=model.hparams.lr)
     if kind == "muon":
         return make(model.named_parameters())
     if kind == "error_feedback_muon":
@@ -229,9 +257,11 @@ def build(cfg: dict) -> tuple[Llama, DataLoader, L.Trainer]:
         model = (HFSwappedShards if cfg.get("swap_shards") else HuggingFaceCausalLM)(
             config, lr=cfg.get("lr", 3e-3), init_seed=cfg.get("seed", 0), pretrained=cfg.get("pretrained"))
     else:
-        model = (LlamaGroupedByName if cfg.get("groups_by_name") else LlamaSwappedShards if cfg.get("swap_shards") else Llama)(
-            "tiny", vocab_size=cfg.get("vocab", 256), tie_embeddings=tie, max_seq_len=cfg.get("max_seq_len", 64),
-            lr=cfg.get("lr", 3e-3), skip_document_ends=bool(cfg.get("packed")), **kwargs)
+        kind = (LlamaGroupedByName if cfg.get("groups_by_name") else LlamaSwappedShards if cfg.get("swap_shards")
+                else LlamaMisroutedExperts if cfg.get("misroute_experts") else Llama)
+        model = kind("tiny", vocab_size=cfg.get("vocab", 256), tie_embeddings=tie, max_seq_len=cfg.get("max_seq_len", 64),
+                     lr=cfg.get("lr", 3e-3), skip_document_ends=bool(cfg.get("packed")), **cfg.get("experts", {}),
+                     **kwargs)
     if cfg.get("optimizer"):
         model.configure_optimizers = lambda: chosen_optimizer(model, cfg["optimizer"])  # type: ignore[method-assign]
     rows: Any = token_rows(cfg.get("samples", 32), cfg.get("seq", 16))
@@ -276,6 +306,11 @@ def make_trainer(cfg: dict) -> L.Trainer:
         kwargs["data_parallel_size"] = cfg["data_parallel"]
     if cfg.get("tensor_parallel"):
         kwargs.update(tensor_parallel_size=cfg["tensor_parallel"], gather_final_weights=bool(cfg.get("gather")))
+    if cfg.get("expert_parallel") and cfg.get("devices", 2) > 1:
+        kwargs.update(expert_parallel_size=cfg["expert_parallel"], gather_final_weights=False)
+    from lightning_async_pp.pipeline.expert_parallel import ExpertGradients
+
+    ExpertGradients.UNAVERAGED = bool(cfg.get("unaveraged_experts"))  # the control; each case sets its own
     for key in ("activation_checkpointing", "stage_memory_gib"):
         if cfg.get(key) is not None:
             kwargs[key] = cfg[key]
@@ -325,7 +360,9 @@ def run(cfg: dict, devices: int) -> tuple[dict, Llama, L.Trainer]:
     samples = [c for c in trainer.callbacks if type(c).__name__ == "TextSamples"]
     if samples:
         result["texts"] = samples[0].history
-    if cfg.get("tensor_parallel") and devices > 1 and not cfg.get("gather"):
+    if cfg.get("expert_parallel") and devices > 1:
+        result.update(stage_weights(model))
+    elif cfg.get("tensor_parallel") and devices > 1 and not cfg.get("gather"):
         result.update(stage_weights(model))
         link = trainer.strategy.engine._link  # what crossed the stage boundary: this rank's shapes
         layout = link.out_layout or link.in_layout  # none on one stage
