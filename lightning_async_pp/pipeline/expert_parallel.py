@@ -170,30 +170,36 @@ def run_experts(x: Tensor, weights: Tensor, chosen: Tensor, experts: LocalExpert
     rows = x[order // k]
     if _is_fake(x):
         share = -(-tokens * k // held)
-        sizes = [min(share, max(0, tokens * k - i * share)) for i in range(held)]
-        out = _apply(experts, rows, sizes)
-    elif e == 1:
-        out = _apply(experts, rows, torch.bincount(flat, minlength=num_experts).tolist())  # the one host read
-    else:
-        group = experts.mesh.get_group()
-        counts = torch.bincount(flat, minlength=num_experts)
-        received = torch.empty_like(counts)
-        dist.all_to_all_single(received, counts, group=group)  # (source, held expert): rows each source sends
-        both = torch.cat([counts, received]).tolist()  # the one host read
-        sent_per_expert, received_per = both[:num_experts], both[num_experts:]
-        send = [sum(sent_per_expert[r * held : (r + 1) * held]) for r in range(e)]
-        recv = [sum(received_per[s * held : (s + 1) * held]) for s in range(e)]
-        arrived = _AllToAll.apply(rows, recv, send, group)  # by source, then expert within it
-        # by expert, then source: each held expert's rows together
-        expert_of_row = torch.repeat_interleave(torch.arange(held, device=x.device).repeat(e), received,
-                                                output_size=sum(recv))
-        by_expert = torch.argsort(expert_of_row, stable=True)
-        sizes = [sum(received_per[s * held + i] for s in range(e)) for i in range(held)]
-        computed = _apply(experts, arrived[by_expert], sizes)
-        out = _AllToAll.apply(computed[torch.argsort(by_expert)], send, recv, group)
+        out = _apply(experts, rows, [min(share, max(0, tokens * k - i * share)) for i in range(held)])
+        return _combine(out, order, weights)
+    # rows per expert (bincount would read its input's maximum on the host first, on CUDA)
+    counts = torch.zeros(num_experts, dtype=torch.long, device=x.device).index_add_(0, flat, torch.ones_like(flat))
+    if e == 1:
+        return _combine(_apply(experts, rows, counts.tolist()), order, weights)  # the one host read
+    group = experts.mesh.get_group()
+    received = torch.empty_like(counts)
+    dist.all_to_all_single(received, counts, group=group)  # (source, held expert): rows each source sends
+    both = torch.cat([counts, received]).tolist()  # the one host read
+    sent_per_expert, received_per = both[:num_experts], both[num_experts:]
+    send = [sum(sent_per_expert[r * held : (r + 1) * held]) for r in range(e)]
+    recv = [sum(received_per[s * held : (s + 1) * held]) for s in range(e)]
+    arrived = _AllToAll.apply(rows, recv, send, group)  # by source, then expert within it
+    # by expert, then source: each held expert's rows together
+    expert_of_row = torch.repeat_interleave(torch.arange(held, device=x.device).repeat(e), received,
+                                            output_size=sum(recv))
+    by_expert = torch.argsort(expert_of_row, stable=True)
+    sizes = [sum(received_per[s * held + i] for s in range(e)) for i in range(held)]
+    computed = _apply(experts, arrived[by_expert], sizes)
+    return _combine(_AllToAll.apply(computed[torch.argsort(by_expert)], send, recv, group), order, weights)
+
+
+def _combine(out: Tensor, order: Tensor, weights: Tensor) -> Tensor:
+    """The expert outputs ``out`` (one row per assignment, in ``order``) weighted and added per token, in upstream's
+    order: its loop over experts adds each one's products in turn (ascending experts: ``route`` sorted them)."""
+    tokens, k = weights.shape
     products = out[torch.argsort(order)].view(tokens, k, -1) * weights.unsqueeze(-1)
     combined = products[:, 0]
-    for j in range(1, k):  # in upstream's order: its loop over experts adds each one's products in turn
+    for j in range(1, k):
         combined = combined + products[:, j]
     return combined
 
