@@ -265,9 +265,6 @@ class PipelineConfig:
         elif self.tensor_parallel_size != 1:
             raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size} needs at least that many processes (one "
                              f"per shard of a stage); got one device")
-        elif self.expert_parallel_size != 1:
-            raise ValueError(f"expert_parallel_size={self.expert_parallel_size} splits each stage's experts over that "
-                             f"many of its data-parallel ranks; got one device (use expert_parallel_size=1)")
         self.stage_delays(num_stages)
         check_schedule(self.schedule, num_stages, self.microbatches_for(num_stages))
 

@@ -34,12 +34,16 @@ experts (models.Llama's routed-expert keyword arguments: num_experts, experts_pe
 (expert_parallel_size; not gathered: every rank returns its stage's parameters as "stage_weights", its experts under
 their global names), misroute_experts (a control: each held expert starts from the weights of the expert half the
 experts away, so the tokens routed to it are computed by another), unaveraged_experts (a control: the expert
-gradients are not divided by the number of replicas), optimizer "sgd" (plain SGD at ``lr``).
+gradients are not divided by the number of replicas), optimizer "sgd" (plain SGD at ``lr``), count_expert_reads
+(returns "expert_reads": the calls of run_experts during fit and the host reads, ``tolist``/``item``, issued by
+pipeline/expert_parallel.py's code, forward or backward).
 """
 from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
 from typing import Any
 
 import lightning as L
@@ -345,18 +349,55 @@ def make_trainer(cfg: dict) -> L.Trainer:
     return trainer
 
 
+@contextmanager
+def counting_expert_reads(counts: dict[str, int]) -> Iterator[None]:
+    """Within: ``counts["calls"]`` counts ``run_experts`` calls on real tensors, ``counts["reads"]`` the host reads (``tolist``,
+    ``item``) that pipeline/expert_parallel.py's own code issues (its forward and its all-to-all's backward)."""
+    from lightning_async_pp.models import routed_experts
+    from lightning_async_pp.pipeline import expert_parallel
+
+    run_experts, reads = routed_experts.run_experts, {"tolist": torch.Tensor.tolist, "item": torch.Tensor.item}
+
+    def counted_run(x: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        from torch._subclasses.fake_tensor import FakeTensor
+
+        counts["calls"] += not isinstance(x, FakeTensor)  # the split's cost model runs the layers on fake tensors
+        return run_experts(x, *args, **kwargs)
+
+    def counted(original: Any) -> Any:
+        def read(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            if sys._getframe(1).f_code.co_filename == expert_parallel.__file__:
+                counts["reads"] += 1
+            return original(tensor, *args, **kwargs)
+        return read
+
+    routed_experts.run_experts = counted_run
+    for name, original in reads.items():
+        setattr(torch.Tensor, name, counted(original))
+    try:
+        yield
+    finally:
+        routed_experts.run_experts = run_experts
+        for name, original in reads.items():
+            setattr(torch.Tensor, name, original)
+
+
 def run(cfg: dict, devices: int) -> tuple[dict, Llama, L.Trainer]:
     if cfg.get("sequence"):
         return run_sequence(cfg, devices)
     model, loader, trainer = build({**cfg, "devices": devices})
     # A resumable loader records its own position: validation reads another one.
     val_loader = eval_rows(cfg) if cfg.get("resumable") else loader
-    trainer.fit(model, loader, val_loader if cfg.get("val_every") else None, ckpt_path=cfg.get("resume_from"))
+    expert_reads = {"calls": 0, "reads": 0}
+    with counting_expert_reads(expert_reads) if cfg.get("count_expert_reads") else nullcontext():
+        trainer.fit(model, loader, val_loader if cfg.get("val_every") else None, ckpt_path=cfg.get("resume_from"))
     result: dict[str, Any] = {"rank": trainer.global_rank, "global_step": trainer.global_step,
                               "split": (trainer.strategy.engine.stats.split.method,
                                         list(trainer.strategy.engine.stats.split.counts))}
     if "val_loss" in trainer.callback_metrics:
         result["val_loss"] = float(trainer.callback_metrics["val_loss"])
+    if cfg.get("count_expert_reads"):
+        result["expert_reads"] = expert_reads
     samples = [c for c in trainer.callbacks if type(c).__name__ == "TextSamples"]
     if samples:
         result["texts"] = samples[0].history
