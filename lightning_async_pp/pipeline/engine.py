@@ -32,7 +32,7 @@ from lightning_async_pp.pipeline.config import PipelineConfig
 from lightning_async_pp.pipeline.cost import (MemoryModel, SplitReport, layer_costs, report_for, split_and_run_ahead,
                                               stage_memory_bytes)
 from lightning_async_pp.pipeline.expert_parallel import (ExpertGradients, create_expert_groups, expert_parameters,
-                                                         expert_square_sum)
+                                                         expert_square_sum, start_alike)
 from lightning_async_pp.pipeline.mesh import describe_layout
 from lightning_async_pp.pipeline.partition import partition_layers
 from lightning_async_pp.pipeline.placement import (
@@ -151,7 +151,6 @@ class PipelineEngine:
         self.num_stages = config.stages_for(world_size)
         self.num_microbatches = config.microbatches_for(self.num_stages)
         self.tensor_parallel_size = config.tensor_parallel_size
-        self.expert_parallel_size = config.expert_parallel_size
         self.topology = (PipelineTopology(world_size, config.data_parallel_size, rank, config.tensor_parallel_size,
                                           config.expert_parallel_size)
                          if self.is_multiprocess else None)
@@ -190,7 +189,7 @@ class PipelineEngine:
         delays = config.stage_delays(self.num_stages)
         self._tie_groups: list[tuple[Tie, Any]] = []
         self.pipeline_group: Any = None
-        # expert parallelism: this rank's expert group, and the ranks holding the same experts (pipeline/expert_parallel.py)
+        # expert parallelism (pipeline/expert_parallel.py): this rank's expert group, the ranks with the same experts
         self.expert_group: Any = None
         self.expert_copies_group: Any = None
         self.expert_ids: set[int] = set()  # the parameters held in LocalExperts, once the stages exist
@@ -326,20 +325,10 @@ class PipelineEngine:
         for tie, group in self._tie_groups:
             assert topology is not None
             dist.broadcast(local_tensor(tie.param).data, src=topology.rank_of(tie.owner), group=group)
-        if self._dp_group is not None:
-            # Replicas start from the first replica's weights and buffers, as DDP does: a model initialized
-            # differently per process (an unseeded run) would otherwise train r different models.
+        if self._dp_group is not None:  # replicas start from the same weights and buffers, as DDP does
             assert topology is not None
-            held = nn.ModuleList([self.layers[i] for i in own])
-            expert_ids = expert_parameters(held)
-            experts = [p for p in held.parameters() if id(p) in expert_ids]
-            for t in [*held.parameters(), *held.buffers()]:
-                if id(t) not in expert_ids:  # replicas in other places of an expert group hold other experts
-                    dist.broadcast(local_tensor(t).data, src=topology.rank_of(topology.stage, 0), group=self._dp_group)
-            if experts and self.expert_copies_group is not None:  # the same experts: from the first copy's
-                first = topology.layout.expert_data_parallel_ranks(self.rank)[0]
-                for t in experts:
-                    dist.broadcast(t.data, src=first, group=self.expert_copies_group)
+            start_alike(nn.ModuleList([self.layers[i] for i in own]), topology.layout, self.rank, self._dp_group,
+                        self.expert_copies_group)
 
     @contextmanager
     def whole_model(self) -> Iterator[None]:
@@ -367,7 +356,9 @@ class PipelineEngine:
             dp_group=self._dp_group, dp_size=self.config.data_parallel_size, check_batches=self.config.check_batches,
             loss_group=self._loss_group, metric_names=self._metric_names, metrics_fn=self._metrics_fn,
             randomness=self.randomness, last_ahead=self.split.run_ahead is not False,
-            tensor_parallel=self.tensor_parallel_size > 1, expert_gradients=self._expert_gradients(),
+            tensor_parallel=self.tensor_parallel_size > 1, expert_gradients=None if self.expert_group is None else
+            ExpertGradients.of_stage(self.stages[0].params, self.expert_ids, self.expert_copies_group,
+                                     self.topology.layout, self.rank),
         )
         names = self.global_names
         self.stage_views = [StageView(st.index, st.versions.delay, tuple(names[id(p)] for p in st.params), st)
@@ -382,13 +373,9 @@ class PipelineEngine:
             # A whole (plain or replicated) parameter's gradient is whole and equal on every tensor-parallel rank:
             # counted on rank 0 only; a sharded parameter's local shard on every rank.
             self._counted_elsewhere |= {id(p) for p in self.params if is_whole(p)}
+        if self.expert_group is not None:  # counted over the expert group instead, each expert once (clip_grad_norm)
+            self._counted_elsewhere |= self.expert_ids
         return self
-
-    def _expert_gradients(self) -> Optional[ExpertGradients]:
-        if self.expert_parallel_size == 1 or self.topology is None:
-            return None
-        return ExpertGradients.of_stage(self.stages[0].params, self.expert_ids, self.expert_copies_group,
-                                        self.topology.layout, self.rank)
 
     @classmethod
     def build(cls, root: nn.Module, layers: Sequence[nn.Module], config: PipelineConfig, **kwargs: Any) -> "PipelineEngine":
@@ -570,17 +557,14 @@ class PipelineEngine:
         # Each stage's sum, then the stages' sums in stage order: on one device as across processes, to the bit.
         stage_of = {id(p): stage.index for stage in self.stages for p in stage.params}
         by_stage: dict[int, list[Tensor]] = {}
-        experts: list[Tensor] = []
         for p in params:
-            if id(p) in self.expert_ids and self.expert_group is not None:
-                experts.append(p.grad)  # each expert once: the squares of the expert group's experts, below
-            elif id(p) not in self._counted_elsewhere:
+            if id(p) not in self._counted_elsewhere:
                 by_stage.setdefault(stage_of.get(id(p), 0), []).append(local_tensor(p.grad))
         sums = [torch.stack([torch.linalg.vector_norm(g.detach(), dtype=torch.float32) ** 2 for g in grads]).sum()
                 for _, grads in sorted(by_stage.items())]
-        if self.expert_group is not None:  # one stage here; every rank of its expert group adds its experts' squares
-            sums = [functools.reduce(operator.add, sums) if sums else torch.zeros((), device=device)]
-            sums[0] = sums[0] + expert_square_sum(experts, self.expert_group, device)
+        if self.expert_group is not None:  # one stage here: its experts' squares, summed over its expert group
+            sums.append(expert_square_sum([p.grad for p in params if id(p) in self.expert_ids], self.expert_group,
+                                          device))
         sq = functools.reduce(operator.add, sums) if sums else torch.zeros((), device=device)
         if self.pipeline_group is not None:
             sq = _sum_in_stage_order(sq, self.pipeline_group, self.num_stages * self.tensor_parallel_size)

@@ -267,15 +267,30 @@ class ExpertGradients:
         return gradients
 
 
+def start_alike(held: nn.Module, layout: Any, rank: int, dp_group: Any, copies_group: Any) -> None:
+    """Replicas start from the first replica's weights and buffers, as DDP does (a model initialized differently
+    per process, an unseeded run, would otherwise train different models); an expert from the first rank holding
+    the same experts, since the replicas elsewhere in its expert group hold others."""
+    from lightning_async_pp.pipeline.tensor_parallel import local_tensor
+
+    experts = expert_parameters([held])
+    first = layout.rank_of(0, layout.coordinates(rank)[1], layout.coordinates(rank)[2])
+    for t in [*held.parameters(), *held.buffers()]:
+        if id(t) not in experts:
+            dist.broadcast(local_tensor(t).data, src=first, group=dp_group)
+        elif copies_group is not None:
+            dist.broadcast(t.data, src=layout.expert_data_parallel_ranks(rank)[0], group=copies_group)
+
+
 def create_expert_groups(layout: Any, rank: int) -> tuple[Any, Any]:
-    """This rank's expert group and its copies group (:meth:`MeshLayout.expert_data_parallel_ranks`), created on
-    every rank in one order (``new_group`` is collective)."""
+    """This rank's expert group and its copies group (:meth:`MeshLayout.expert_data_parallel_ranks`; ``None`` where
+    no other rank holds the same experts), created on every rank in one order (``new_group`` is collective)."""
     mine: list[Any] = [None, None]
     done: set[tuple[int, ...]] = set()
     for r in range(layout.world_size):
         for slot, ranks in enumerate((layout.expert_parallel_ranks(r), layout.expert_data_parallel_ranks(r))):
             key = (slot, *ranks)
-            if key in done:
+            if key in done or len(ranks) == 1:
                 continue
             done.add(key)
             group = dist.new_group(ranks)
