@@ -47,6 +47,9 @@ CASES = {
     "2bw_muon": {**BASE, "schedule": "2bw", "optimizer": "muon"},
     "1f1b_muon": {**BASE, "schedule": "1f1b", "optimizer": "muon"},
     "2bw_sgd": {**BASE, "schedule": "2bw", "optimizer": "sgd", "lr": 0.5},
+    # clipped far below the gradient's norm: SGD's step is then the clipping coefficient itself, so the norm must count
+    # every expert once
+    "1f1b_sgd_clipped": {**BASE, "schedule": "1f1b", "optimizer": "sgd", "lr": 0.5, "clip": 0.01},
     # the controls
     "unaveraged_sgd": {**BASE, "schedule": "2bw", "optimizer": "sgd", "lr": 0.5, "unaveraged_experts": True},
     "misrouted": {**BASE, "schedule": "1f1b", "steps": 1, "misroute_experts": True},
