@@ -46,6 +46,7 @@ CASES = {
     "1f1b_checkpointed": {**BASE, "schedule": "1f1b", "activation_checkpointing": True},
     "2bw_muon": {**BASE, "schedule": "2bw", "optimizer": "muon"},
     "1f1b_muon": {**BASE, "schedule": "1f1b", "optimizer": "muon"},
+    "1f1b_gathered": {**BASE, "schedule": "1f1b", "gather": True},  # gather_final_weights=True: rank 0 holds all
     "2bw_sgd": {**BASE, "schedule": "2bw", "optimizer": "sgd", "lr": 0.5},
     # clipped far below the gradient's norm: SGD's step is then the clipping coefficient itself, so the norm must count
     # every expert once
@@ -89,7 +90,8 @@ def test_two_stages_of_two_replicas_splitting_the_experts_train_the_moe_llama_as
             continue
         reference = _reference(case)
         tolerance = MUON_TOL if "muon" in name else SGD_TOL if "sgd" in name else TOL
-        measured[name] = max_difference(_whole_model(ranks, name), reference)
+        weights = ranks[0]["cases"][name]["state_dict"] if case.get("gather") else _whole_model(ranks, name)
+        measured[name] = max_difference(weights, reference)
         assert measured[name] < tolerance, (name, measured[name])
     print("expert parallelism against one device:", measured)
     initial = run_here_on_one_device(llama_fit.run, {**CASES["2bw"], "steps": 0})["state_dict"]
@@ -107,6 +109,9 @@ def test_two_stages_of_two_replicas_splitting_the_experts_train_the_moe_llama_as
     for r in range(4):
         reads = ranks[r]["cases"]["2bw"]["expert_reads"]
         assert reads["calls"] > 0 and reads["reads"] == reads["calls"], (r, reads)
+    # The gather: rank 0's module holds every stage and every expert, one device's state dict (compared above).
+    assert "blocks.3.mlp.experts.3.down_proj.weight" in ranks[0]["cases"]["1f1b_gathered"]["state_dict"]
+    assert ranks[0]["cases"]["1f1b_gathered"]["runs_alone"]
     # The controls, far outside the tolerances.
     assert max_difference(_whole_model(ranks, "misrouted"), _reference(CASES["misrouted"])) > 1e-2
     assert max_difference(_whole_model(ranks, "unaveraged_sgd"), _reference(CASES["unaveraged_sgd"])) > 100 * SGD_TOL
@@ -174,20 +179,27 @@ def _trainer(fn=TrainerFn.FITTING, checkpointing=False):
                            ckpt_path=None)
 
 
-@pytest.mark.parametrize("trainer, experts, gather, match", [
-    (_trainer(), 0, False, "the model Llama is not supported with expert_parallel_size > 1 yet .* holds no experts"),
-    (_trainer(), 4, True, "gather_final_weights=True is not supported .* pass gather_final_weights=False"),
-    (_trainer(TrainerFn.PREDICTING), 4, False, "trainer.predict is not supported"),
-    (_trainer(checkpointing=True), 4, False, r"checkpoints \(a ModelCheckpoint callback or ckpt_path\) is not "
-     r"supported .* enable_checkpointing=False"),
+def _gathered(model: Llama) -> Llama:
+    object.__setattr__(model, "_pipeline_tensor_parallel_gathered", True)  # what the gather after a call marks
+    return model
+
+
+@pytest.mark.parametrize("trainer, model, match", [
+    (_trainer(), lambda: Llama("tiny"), "the model Llama is not supported with expert_parallel_size > 1 yet .* "
+     "holds no experts"),
+    (_trainer(TrainerFn.PREDICTING), lambda: Llama("tiny", num_experts=4), "trainer.predict is not supported"),
+    (_trainer(checkpointing=True), lambda: Llama("tiny", num_experts=4), r"checkpoints \(a ModelCheckpoint callback "
+     r"or ckpt_path\) is not supported .* enable_checkpointing=False"),
+    (_trainer(TrainerFn.VALIDATING), lambda: _gathered(Llama("tiny", num_experts=4)), r"a trainer call on a model "
+     r"gathered by an earlier one \(gather_final_weights=True\) is not supported"),
 ])
-def test_setups_not_supported_with_expert_parallelism_are_refused_naming_them(trainer, experts, gather, match):
+def test_setups_not_supported_with_expert_parallelism_are_refused_naming_them(trainer, model, match):
     from lightning_async_pp.strategy.experts import refuse_with_expert_parallelism_at_setup
 
     config = PipelineConfig(data_parallel_size=2, expert_parallel_size=2)
     with pytest.raises(ValueError, match=match):
-        refuse_with_expert_parallelism_at_setup(trainer, Llama("tiny", num_experts=experts), config, gather)
-    refuse_with_expert_parallelism_at_setup(_trainer(), Llama("tiny", num_experts=4), config, False)  # what runs
+        refuse_with_expert_parallelism_at_setup(trainer, model(), config)
+    refuse_with_expert_parallelism_at_setup(_trainer(), Llama("tiny", num_experts=4), config)  # what runs
 
 
 @pytest.mark.parametrize("fake_world", [(0, 2), (1, 2)], indirect=True)
@@ -207,6 +219,12 @@ def test_each_rank_keeps_its_half_of_the_experts_initialized_as_on_one_device(fa
     for name, p in model.named_parameters():
         assert torch.equal(p, whole[name]), name
     assert len(whole) - len(dict(model.named_parameters())) == 4 * 2 * 3  # 4 blocks x 2 experts x 3 matrices gone
+    # what the gather into rank 0 makes of it: every expert again, in one device's order, computed without the group
+    from lightning_async_pp.pipeline.expert_parallel import unshard_experts
+
+    unshard_experts([model])
+    assert list(model.state_dict()) == list(one.state_dict())
+    assert all(block.mlp.experts.mesh is None and block.mlp.experts.first == 0 for block in model.blocks)
     uneven = Llama("tiny", num_experts=3)
     uneven._device_mesh = model._device_mesh
     with pytest.raises(ValueError, match=r"expert_parallel_size=2 does not divide Llama's num_experts=3: .* among "

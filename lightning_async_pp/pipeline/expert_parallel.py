@@ -93,6 +93,16 @@ class LocalExperts(nn.ModuleDict):
                 del self[str(j)]
         self.first, self.mesh = r * per, mesh
 
+    def unshard(self) -> None:
+        """Hold every expert again, as on one device: the missing ones as copies of a held one (their values to be
+        loaded next: the gather into rank 0 after a trainer call), computed here without the group."""
+        template = next(iter(self.values()))
+        for j in range(self.num_experts):
+            if str(j) not in self:
+                self[str(j)] = _deepcopy(template, {})
+        self._modules = dict(sorted(self._modules.items(), key=lambda item: int(item[0])))  # state-dict order
+        self.first, self.mesh = 0, None
+
     def __deepcopy__(self, memo: dict) -> "LocalExperts":
         # A DeviceMesh holds process groups, which cannot be copied: a copy (a callback's averaged model) shares it.
         copy = LocalExperts.__new__(LocalExperts)
@@ -116,6 +126,18 @@ def expert_parameters(modules: Iterable[nn.Module]) -> set[int]:
     """The ids of the parameters held in :class:`LocalExperts` anywhere under ``modules``."""
     return {id(p) for module in modules for m in module.modules() if isinstance(m, LocalExperts)
             for p in m.parameters()}
+
+
+def expert_names(module: nn.Module) -> set[str]:
+    """The names (in ``module``) of the expert parameters it holds."""
+    experts = expert_parameters([module])
+    return {name for name, p in module.named_parameters() if id(p) in experts}
+
+
+def unshard_experts(modules: Iterable[nn.Module]) -> None:
+    """Every :class:`LocalExperts` under ``modules`` holds all its experts again (:meth:`LocalExperts.unshard`)."""
+    for experts in {id(m): m for module in modules for m in module.modules() if isinstance(m, LocalExperts)}.values():
+        experts.unshard()
 
 
 def route(router_logits: Tensor, top_k: int, normalize: bool, dtype: torch.dtype) -> tuple[Tensor, Tensor]:

@@ -347,7 +347,7 @@ class AsyncPipelineStrategy(PipelineStateHooks, TrainingBatches, FailureReportin
         options.refuse_unsupported(trainer, self.precision_plugin, self.config)
         options.refuse_with_tensor_parallelism(trainer, module, self.config, self.gather_final_weights,
                                                previous_call=self.engine is not None)
-        refuse_with_expert_parallelism_at_setup(trainer, module, self.config, self.gather_final_weights)
+        refuse_with_expert_parallelism_at_setup(trainer, module, self.config)
         self.model = self.precision_plugin.convert_module(self.model)
         # The full layer list is remembered on the module: after a multi-process call, other stages' layers are
         # placeholders in rank 0's tree (unless gathered back), and a later call must still find the originals.

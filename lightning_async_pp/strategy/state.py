@@ -21,6 +21,7 @@ from torch import Tensor
 from lightning_async_pp.lightning_callbacks import check_resume
 from lightning_async_pp.pipeline import checkpoint as ckpt
 from lightning_async_pp.pipeline.engine import PipelineEngine, check_names_and_shapes
+from lightning_async_pp.pipeline.expert_parallel import expert_names, unshard_experts
 from lightning_async_pp.pipeline.tensor_parallel import undo_tensor_parallelism, whole
 from lightning_async_pp.strategy import _lightning
 from lightning_async_pp.strategy.options import GATHERED
@@ -56,13 +57,13 @@ class PipelineStateHooks:
                 return
             raise RuntimeError("AsyncPipelineStrategy can save a checkpoint only once its setup has run (inside a "
                                "trainer call, or after one)")
+        if self.config.expert_parallel_size > 1:  # each replica holds other experts: replica 0 alone would save some
+            raise RuntimeError(f"saving a checkpoint is not supported with expert_parallel_size > 1 yet "
+                               f"(expert_parallel_size={self.config.expert_parallel_size})")
         if self._gathered_tensor_parallel:
             raise RuntimeError("this Trainer's tensor-parallel stages were gathered into rank 0's module after its "
                                "call (gather_final_weights=True), so they no longer hold their shards: save during "
                                "the call (ModelCheckpoint), or pass gather_final_weights=False to save after it")
-        if self.config.expert_parallel_size > 1:  # each replica holds other experts: replica 0 alone would save some
-            raise RuntimeError(f"saving a checkpoint is not supported with expert_parallel_size > 1 yet "
-                               f"(expert_parallel_size={self.config.expert_parallel_size})")
         path = os.fspath(filepath)
         own = self.not_a_replica
         module_state = checkpoint.pop("state_dict")
@@ -238,6 +239,9 @@ class PipelineStateHooks:
         if self.tensor_parallel_size > 1:
             state = whole(state)  # collective over each stage's tensor-parallel ranks, replicas included
         own = self.not_a_replica and (self.tensor_parallel_size == 1 or self.topology.tp_rank == 0)
+        if not own and self.config.expert_parallel_size > 1:  # the other replicas hold other experts: theirs too
+            names = expert_names(module)
+            state, own = {k: v for k, v in state.items() if k in names}, True
         parts = self._gather_to_zero(_cpu(state) if own else {})
         merged: dict[str, Tensor] = {}
         for part in parts or []:
@@ -248,7 +252,8 @@ class PipelineStateHooks:
         """Put every stage's layers and weights into rank 0's module (the others keep their own stage)."""
         assert self.engine is not None
         merged = self._merged_module_state()
-        if self.tensor_parallel_size > 1:  # on every rank: a later call on this model is refused on all alike
+        if self.tensor_parallel_size > 1 or self.config.expert_parallel_size > 1:
+            # on every rank: a later call on this model is refused on all alike
             self._gathered_tensor_parallel = True
             object.__setattr__(self.lightning_module, GATHERED, True)
         if self.is_global_zero:
@@ -257,6 +262,8 @@ class PipelineStateHooks:
                 # (docs/design/tensor-parallel.md, "What runs").
                 module = self.lightning_module
                 undo_tensor_parallelism([module, *module._pipeline_all_layers], self.root_device)
+            if self.config.expert_parallel_size > 1:  # every expert in rank 0's module, computed there alone
+                unshard_experts([self.lightning_module, *self.lightning_module._pipeline_all_layers])
             self.engine.restore_all_layers(merged, self.root_device)
             self.lightning_module.load_state_dict(merged)
 

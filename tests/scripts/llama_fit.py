@@ -31,8 +31,8 @@ resumable (a loader that resumes mid-epoch: tests/helpers.py ResumableLoader), g
 gather_final_weights=True: rank 0 returns the whole "state_dict"), eval_calls (after fit, each of "validate", "test",
 "predict" on a new Trainer; rank 0 returns their "eval" results), val_loss (returned when validation ran in fit).
 experts (models.Llama's routed-expert keyword arguments: num_experts, experts_per_token, ...), expert_parallel
-(expert_parallel_size; not gathered: every rank returns its stage's parameters as "stage_weights", its experts under
-their global names), misroute_experts (a control: each held expert starts from the weights of the expert half the
+(expert_parallel_size; unless gather, not gathered: every rank returns its stage's parameters as "stage_weights", its
+experts under their global names), misroute_experts (a control: each held expert starts from the weights of the expert half the
 experts away, so the tokens routed to it are computed by another), unaveraged_experts (a control: the expert
 gradients are not divided by the number of replicas), optimizer "sgd" (plain SGD at ``lr``), count_expert_reads
 (returns "expert_reads": the calls of run_experts during fit and the host reads, ``tolist``/``item``, issued by
@@ -311,7 +311,7 @@ def make_trainer(cfg: dict) -> L.Trainer:
     if cfg.get("tensor_parallel"):
         kwargs.update(tensor_parallel_size=cfg["tensor_parallel"], gather_final_weights=bool(cfg.get("gather")))
     if cfg.get("expert_parallel") and cfg.get("devices", 2) > 1:
-        kwargs.update(expert_parallel_size=cfg["expert_parallel"], gather_final_weights=False)
+        kwargs.update(expert_parallel_size=cfg["expert_parallel"], gather_final_weights=bool(cfg.get("gather")))
     from lightning_async_pp.pipeline.expert_parallel import ExpertGradients
 
     ExpertGradients.UNAVERAGED = bool(cfg.get("unaveraged_experts"))  # the control; each case sets its own
@@ -401,7 +401,7 @@ def run(cfg: dict, devices: int) -> tuple[dict, Llama, L.Trainer]:
     samples = [c for c in trainer.callbacks if type(c).__name__ == "TextSamples"]
     if samples:
         result["texts"] = samples[0].history
-    if cfg.get("expert_parallel") and devices > 1:
+    if cfg.get("expert_parallel") and devices > 1 and not cfg.get("gather"):
         result.update(stage_weights(model))
     elif cfg.get("tensor_parallel") and devices > 1 and not cfg.get("gather"):
         result.update(stage_weights(model))
@@ -412,6 +412,12 @@ def run(cfg: dict, devices: int) -> tuple[dict, Llama, L.Trainer]:
             result["muon_step_difference"] = muon_step_against_whole(model)
     elif trainer.is_global_zero:
         result["state_dict"] = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
+        if cfg.get("expert_parallel") and devices > 1:  # the gathered model computes alone (no expert group)
+            from lightning_async_pp.models.routed_experts import take_statistics
+
+            with torch.no_grad():
+                logits, _ = take_statistics(model.pipeline_forward(next(iter(loader))))
+            result["runs_alone"] = bool(torch.isfinite(logits).all())
     if cfg.get("eval_calls"):
         result["eval"] = evaluate(model, eval_rows(cfg), cfg, devices)
     return result, model, trainer
