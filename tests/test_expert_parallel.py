@@ -46,7 +46,9 @@ CASES = {
     "1f1b_checkpointed": {**BASE, "schedule": "1f1b", "activation_checkpointing": True},
     "2bw_muon": {**BASE, "schedule": "2bw", "optimizer": "muon"},
     "1f1b_muon": {**BASE, "schedule": "1f1b", "optimizer": "muon"},
-    "1f1b_gathered": {**BASE, "schedule": "1f1b", "gather": True},  # gather_final_weights=True: rank 0 holds all
+    # gather_final_weights=True: rank 0 holds all; validation inside fit runs through the all-to-alls too
+    "1f1b_gathered": {**BASE, "schedule": "1f1b", "gather": True, "val_every": 2, "val_batches": 1},
+    "gpipe": {**BASE, "schedule": "gpipe"},
     "2bw_sgd": {**BASE, "schedule": "2bw", "optimizer": "sgd", "lr": 0.5},
     # clipped far below the gradient's norm: SGD's step is then the clipping coefficient itself, so the norm must count
     # every expert once
@@ -112,6 +114,7 @@ def test_two_stages_of_two_replicas_splitting_the_experts_train_the_moe_llama_as
     # The gather: rank 0's module holds every stage and every expert, one device's state dict (compared above).
     assert "blocks.3.mlp.experts.3.down_proj.weight" in ranks[0]["cases"]["1f1b_gathered"]["state_dict"]
     assert ranks[0]["cases"]["1f1b_gathered"]["runs_alone"]
+    assert 0 < ranks[0]["cases"]["1f1b_gathered"]["val_loss"] < 10  # validation inside fit ran
     # The controls, far outside the tolerances.
     assert max_difference(_whole_model(ranks, "misrouted"), _reference(CASES["misrouted"])) > 1e-2
     assert max_difference(_whole_model(ranks, "unaveraged_sgd"), _reference(CASES["unaveraged_sgd"])) > 100 * SGD_TOL
