@@ -5,8 +5,8 @@ replicas' batches; the layout, the dispatch, the refusals and the host reads in 
 The tolerances (docs/design/expert-parallel.md, "Matching one device"): expert parallelism changes only the order
 of sums (an expert's rows from both replicas in one product, its gradient summed over them before the division by
 the replicas), as another microbatch count does on one device. That noise reference, measured on the one-device run
-without the router loss (with it, each microbatch's balancing term is another objective): 3.2e-5 (2bw) and 2.5e-5
-(1f1b clipped) under AdamW, 6.8e-4 and 1.1e-3 under Muon (bf16 Newton-Schulz), 1.1e-8 under SGD. The bounds are a
+without the router loss (with it, each microbatch's balancing term is another objective): 3.2e-5 (2bw, 1f1b,
+gpipe) and 2.5e-5 (1f1b clipped) under AdamW, 6.8e-4 and 1.1e-3 under Muon (bf16 Newton-Schulz), 1.1e-8 under SGD. The bounds are a
 little above them; a misrouted expert (the control) lands 1e-1 away, expert gradients left undivided 2e-3 away under
 SGD (AdamW's normalization hides a gradient's scale: SGD is the case that sees it).
 """
