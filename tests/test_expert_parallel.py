@@ -82,10 +82,60 @@ def _reference(case: dict) -> dict[str, torch.Tensor]:
                                                   if k not in ("misroute_experts", "unaveraged_experts")})["state_dict"]
 
 
+#: The checkpoint cases: 16 rows, so a replica's epoch is 2 steps and the step-2 checkpoint is at an epoch's end
+#: (a plain DataLoader restarts its epoch on resume); the third step is the second epoch, shuffled by each replica's
+#: sampler, which the one-device run reads as ``replica_epoch=1``.
+CKPT = {**BASE, "schedule": "2bw", "samples": 16}
+UNSPLIT = {k: v for k, v in CKPT.items() if k != "expert_parallel"}  # 2 stages x 2 replicas, every expert on each
+
+
+def _checkpoint_cases(tmp_path: Path) -> dict[str, dict]:
+    sharded, single, one = (str(tmp_path / d / "saved.ckpt") for d in ("sharded", "single", "one"))
+    return {
+        "ckpt_full": CKPT,
+        "ckpt_saved": {**CKPT, "steps": 2, "save_at": 2, "checkpoint_dir": str(tmp_path / "sharded")},
+        "ckpt_saved_single": {**CKPT, "steps": 2, "save_at": 2, "checkpoint_dir": str(tmp_path / "single"),
+                              "strategy_kwargs": {"save_distributed_checkpoint": False}},
+        "ckpt_resumed": {**CKPT, "resume_from": sharded},
+        "ckpt_resumed_unsplit": {**UNSPLIT, "resume_from": sharded},  # expert_parallel_size=1 (gathered to rank 0)
+        "ckpt_resumed_from_one_file": {**CKPT, "resume_from": single},
+        "ckpt_resumed_from_one_device": {**CKPT, "resume_from": one},
+    }
+
+
+def _check_checkpoints(ranks: list[dict], tmp_path: Path) -> dict[str, float]:
+    """A checkpoint of 2 x 2 with expert_parallel_size=2 (each replica writing its own experts under their global
+    names) resumes on the same layout to the uninterrupted run's weights, and within the tolerance with
+    expert_parallel_size=1 and on one device; a one-device checkpoint resumes into expert parallelism; the one-file
+    checkpoint and the consolidated sharded one hold every expert."""
+    from lightning_async_pp import consolidate
+
+    full = _whole_model(ranks, "ckpt_full")
+    saved = _whole_model(ranks, "ckpt_saved")
+    assert max_difference(saved, full) > 1e-3  # the resumed step moved the weights
+    assert max_difference(_whole_model(ranks, "ckpt_resumed"), full) < 1e-6
+    assert max_difference(_whole_model(ranks, "ckpt_resumed_from_one_file"), full) < 1e-6
+    one_device = run_here_on_one_device(llama_fit.run, {**UNSPLIT, "resume_from": str(tmp_path / "sharded" / "saved.ckpt"),
+                                                        "replica_epoch": 1})["state_dict"]
+    measured = {"unsplit": max_difference(ranks[0]["cases"]["ckpt_resumed_unsplit"]["state_dict"], full),
+                "one_device": max_difference(one_device, full),
+                "from_one_device": max_difference(_whole_model(ranks, "ckpt_resumed_from_one_device"), full)}
+    assert all(value < TOL for value in measured.values()), measured
+    single = torch.load(tmp_path / "single" / "saved.ckpt", weights_only=True)["state_dict"]
+    whole = consolidate.consolidate_checkpoint(str(tmp_path / "sharded" / "saved.ckpt"),
+                                               tmp_path / "consolidated.ckpt")["state_dict"]
+    for state in (single, whole):
+        assert state.keys() == saved.keys() and all(torch.equal(state[k], saved[k]) for k in saved)
+    return measured
+
+
 @pytest.mark.multiprocess
 @pytest.mark.slow
 def test_two_stages_of_two_replicas_splitting_the_experts_train_the_moe_llama_as_one_device(tmp_path):
-    ranks = script_ranks(SCRIPT, {"devices": 4, "cases": CASES}, tmp_path, ranks=4, timeout=600)
+    # the one-device checkpoint that a case resumes into expert parallelism
+    run_here_on_one_device(llama_fit.run, {**UNSPLIT, "steps": 2, "save_at": 2, "checkpoint_dir": str(tmp_path / "one")})
+    cases = {**CASES, **_checkpoint_cases(tmp_path)}
+    ranks = script_ranks(SCRIPT, {"devices": 4, "cases": cases}, tmp_path, ranks=4, timeout=600)
     measured = {}
     for name, case in CASES.items():
         if name in CONTROLS:
@@ -118,6 +168,7 @@ def test_two_stages_of_two_replicas_splitting_the_experts_train_the_moe_llama_as
     # The controls, far outside the tolerances.
     assert max_difference(_whole_model(ranks, "misrouted"), _reference(CASES["misrouted"])) > 1e-2
     assert max_difference(_whole_model(ranks, "unaveraged_sgd"), _reference(CASES["unaveraged_sgd"])) > 100 * SGD_TOL
+    print("checkpoints resumed, against the uninterrupted run:", _check_checkpoints(ranks, tmp_path))
 
 
 # ---- the layout --------------------------------------------------------------------------------------------------
@@ -191,8 +242,6 @@ def _gathered(model: Llama) -> Llama:
     (_trainer(), lambda: Llama("tiny"), "the model Llama is not supported with expert_parallel_size > 1 yet .* "
      "holds no experts"),
     (_trainer(TrainerFn.PREDICTING), lambda: Llama("tiny", num_experts=4), "trainer.predict is not supported"),
-    (_trainer(checkpointing=True), lambda: Llama("tiny", num_experts=4), r"checkpoints \(a ModelCheckpoint callback "
-     r"or ckpt_path\) is not supported .* enable_checkpointing=False"),
     (_trainer(TrainerFn.VALIDATING), lambda: _gathered(Llama("tiny", num_experts=4)), r"a trainer call on a model "
      r"gathered by an earlier one \(gather_final_weights=True\) is not supported"),
 ])
@@ -202,7 +251,7 @@ def test_setups_not_supported_with_expert_parallelism_are_refused_naming_them(tr
     config = PipelineConfig(data_parallel_size=2, expert_parallel_size=2)
     with pytest.raises(ValueError, match=match):
         refuse_with_expert_parallelism_at_setup(trainer, model(), config)
-    refuse_with_expert_parallelism_at_setup(_trainer(), Llama("tiny", num_experts=4), config)  # what runs
+    refuse_with_expert_parallelism_at_setup(_trainer(checkpointing=True), Llama("tiny", num_experts=4), config)
 
 
 @pytest.mark.parametrize("fake_world", [(0, 2), (1, 2)], indirect=True)

@@ -134,6 +134,24 @@ def expert_names(module: nn.Module) -> set[str]:
     return {name for name, p in module.named_parameters() if id(p) in experts}
 
 
+def expert_entries(flat: dict[str, Any], names: set[str]) -> dict[str, Any]:
+    """The entries of a checkpoint's flat dictionary (pipeline/checkpoint.py) that belong to the parameters
+    ``names`` (weights, stashed versions, optimizer state): what a replica other than the first writes, its own
+    experts under their global names."""
+    from lightning_async_pp.pipeline.checkpoint import MODEL, OPTIM, STASH
+
+    def parameter(key: str) -> Optional[str]:
+        if key.startswith(MODEL):
+            return key[len(MODEL):]
+        if key.startswith(STASH):
+            return key[len(STASH):].split(".", 1)[1]
+        if key.startswith(OPTIM):
+            return key.split("/", 2)[1]
+        return None
+
+    return {k: v for k, v in flat.items() if parameter(k) in names}
+
+
 def unshard_experts(modules: Iterable[nn.Module]) -> None:
     """Every :class:`LocalExperts` under ``modules`` holds all its experts again (:meth:`LocalExperts.unshard`)."""
     for experts in {id(m): m for module in modules for m in module.modules() if isinstance(m, LocalExperts)}.values():

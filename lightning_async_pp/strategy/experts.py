@@ -29,9 +29,6 @@ def refuse_with_expert_parallelism_at_setup(trainer: Any, module: Any, config: P
         # Lightning's predict sampler gives the replicas unequal numbers of batches; the all-to-all of an expert
         # group needs every replica at every batch
         refused.append(("trainer.predict", "predict with expert_parallel_size=1"))
-    if trainer.checkpoint_callbacks or getattr(trainer, "ckpt_path", None):
-        refused.append(("checkpoints (a ModelCheckpoint callback or ckpt_path)", "pass enable_checkpointing=False "
-                        "and no ckpt_path"))
     if refused:
         what, instead = refused[0]
         raise ValueError(f"{what} is not supported with expert_parallel_size > 1 yet (expert_parallel_size={e}); "

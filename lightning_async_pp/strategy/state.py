@@ -21,7 +21,7 @@ from torch import Tensor
 from lightning_async_pp.lightning_callbacks import check_resume
 from lightning_async_pp.pipeline import checkpoint as ckpt
 from lightning_async_pp.pipeline.engine import PipelineEngine, check_names_and_shapes
-from lightning_async_pp.pipeline.expert_parallel import expert_names, unshard_experts
+from lightning_async_pp.pipeline.expert_parallel import expert_entries, expert_names, unshard_experts
 from lightning_async_pp.pipeline.tensor_parallel import undo_tensor_parallelism, whole
 from lightning_async_pp.strategy import _lightning
 from lightning_async_pp.strategy.options import GATHERED
@@ -57,19 +57,20 @@ class PipelineStateHooks:
                 return
             raise RuntimeError("AsyncPipelineStrategy can save a checkpoint only once its setup has run (inside a "
                                "trainer call, or after one)")
-        if self.config.expert_parallel_size > 1:  # each replica holds other experts: replica 0 alone would save some
-            raise RuntimeError(f"saving a checkpoint is not supported with expert_parallel_size > 1 yet "
-                               f"(expert_parallel_size={self.config.expert_parallel_size})")
         if self._gathered_tensor_parallel:
-            raise RuntimeError("this Trainer's tensor-parallel stages were gathered into rank 0's module after its "
-                               "call (gather_final_weights=True), so they no longer hold their shards: save during "
-                               "the call (ModelCheckpoint), or pass gather_final_weights=False to save after it")
+            raise RuntimeError("this Trainer's tensor-parallel or expert-parallel stages were gathered into rank 0's "
+                               "module after its call (gather_final_weights=True), so they no longer hold their "
+                               "shards: save during the call (ModelCheckpoint), or pass gather_final_weights=False to "
+                               "save after it")
         path = os.fspath(filepath)
         own = self.not_a_replica
         module_state = checkpoint.pop("state_dict")
         sharded = ckpt.owned_parameters(self.optimizers, self.engine.global_names) is not None
         # Replicas hold the same weights; with a sharded optimizer each one adds the state it holds.
         flat = ckpt.engine_tensors(self.engine, module_state, self.optimizers, weights=own) if own or sharded else {}
+        if not own and self.config.expert_parallel_size > 1:  # the other replicas hold other experts: theirs too
+            flat = expert_entries(ckpt.engine_tensors(self.engine, module_state, self.optimizers),
+                                  {self.engine.global_names[i] for i in self.engine.expert_ids})
         meta = ckpt.checkpoint_meta(self.engine, self.schedule, self.data_parallel_size)
         self.finish_pending_save()  # one save in flight at a time, in order
         if self.config.save_distributed_checkpoint:

@@ -16,7 +16,8 @@ CUDA: ``StageLink.REUSE_BUFFERS_ON_CPU``),
 cases: {name: config}: several runs in one launch (``run_cases``), each result under its name.
 data_parallel (data_parallel_size r; ``batch`` and ``microbatches`` are a replica's: on one device each batch is the
 r replicas' batches one after another, of ``r x microbatches`` microbatches, the run r replicas make; with
-only_replica i, replica i's batches alone, what that replica would train without the reduction),
+only_replica i, replica i's batches alone, what that replica would train without the reduction; replica_epoch:
+the replicas' batches of that epoch, as their samplers shuffle it),
 tensor_parallel (tensor_parallel_size; the weights are not gathered: every rank returns its stage's parameters
 whole as "stage_weights", each DTensor's shards gathered over its tensor-parallel group, and its own shards as
 "local_weights", and the shapes it sent or received across the stage boundary as "crossed"), swap_shards (a control: the model takes each sharded matrix's
@@ -273,7 +274,8 @@ def build(cfg: dict) -> tuple[Llama, DataLoader, L.Trainer]:
         rows = packed_rows(rows)
     batch = cfg.get("batch", 8)
     if cfg.get("data_parallel", 1) > 1 and cfg.get("devices", 2) == 1:
-        rows, batch = replica_batches(rows, cfg["data_parallel"], batch, cfg.get("seed", 0), cfg.get("only_replica"))
+        rows, batch = replica_batches(rows, cfg["data_parallel"], batch, cfg.get("seed", 0), cfg.get("only_replica"),
+                                      cfg.get("replica_epoch", 0))
     if cfg.get("resumable"):
         from helpers import ResumableLoader
 
@@ -283,14 +285,20 @@ def build(cfg: dict) -> tuple[Llama, DataLoader, L.Trainer]:
     return model, loader, make_trainer(cfg)
 
 
-def replica_batches(rows: list, replicas: int, batch: int, seed: int, only: Any = None) -> tuple[list, int]:
+def replica_batches(rows: list, replicas: int, batch: int, seed: int, only: Any = None,
+                    epoch: int = 0) -> tuple[list, int]:
     """The rows and batch size with which one device trains what ``replicas`` data-parallel replicas of ``batch``
-    rows each train in the first epoch: each replica reads the rows of its ``DistributedSampler`` (Lightning's for
-    training: shuffled with the run's seed, rank = the replica); step k's batch is every replica's batch k,
-    replica 0's first (or replica ``only``'s alone)."""
+    rows each train in epoch ``epoch`` (default the first): each replica reads the rows of its
+    ``DistributedSampler`` (Lightning's for training: shuffled with the run's seed and the epoch, rank = the
+    replica); step k's batch is every replica's batch k, replica 0's first (or replica ``only``'s alone)."""
     from torch.utils.data import DistributedSampler
 
-    shards = [[rows[i] for i in DistributedSampler(rows, replicas, r, shuffle=True, seed=seed)] for r in range(replicas)]
+    def sampler(r: int) -> DistributedSampler:
+        s = DistributedSampler(rows, replicas, r, shuffle=True, seed=seed)
+        s.set_epoch(epoch)
+        return s
+
+    shards = [[rows[i] for i in sampler(r)] for r in range(replicas)]
     if only is not None:
         return shards[only], batch
     return [row for k in range(len(shards[0]) // batch) for shard in shards
