@@ -16,6 +16,7 @@ update on all replicas' batches. No Lightning here.
 """
 from __future__ import annotations
 
+import copy
 from collections.abc import Iterable, Sequence
 from typing import Any, Optional
 
@@ -99,27 +100,9 @@ class LocalExperts(nn.ModuleDict):
         template = next(iter(self.values()))
         for j in range(self.num_experts):
             if str(j) not in self:
-                self[str(j)] = _deepcopy(template, {})
+                self[str(j)] = copy.deepcopy(template)
         self._modules = dict(sorted(self._modules.items(), key=lambda item: int(item[0])))  # state-dict order
         self.first, self.mesh = 0, None
-
-    def __deepcopy__(self, memo: dict) -> "LocalExperts":
-        # A DeviceMesh holds process groups, which cannot be copied: a copy (a callback's averaged model) shares it.
-        copy = LocalExperts.__new__(LocalExperts)
-        memo[id(self)] = copy
-        mesh, self.mesh = self.mesh, None
-        try:
-            copy.__dict__.update({k: _deepcopy(v, memo) for k, v in self.__dict__.items()})
-        finally:
-            self.mesh = mesh
-        copy.mesh = mesh
-        return copy
-
-
-def _deepcopy(value: Any, memo: dict) -> Any:
-    import copy
-
-    return copy.deepcopy(value, memo)
 
 
 def expert_parameters(modules: Iterable[nn.Module]) -> set[int]:
