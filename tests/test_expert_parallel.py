@@ -363,3 +363,20 @@ def test_router_statistics_count_each_rank_of_choice_per_expert():
     stats = router_statistics(logits, 3, 6)
     chosen = torch.topk(torch.softmax(logits, -1), 3, dim=-1).indices
     assert torch.equal(stats["expert_counts"], torch.nn.functional.one_hot(chosen, 6).sum(0).float())
+
+
+def test_the_option_and_the_routed_experts_come_from_a_yaml_config(tmp_path, monkeypatch):
+    """LightningCLI builds both from their signatures: ``expert_parallel_size`` beside the strategy's other options,
+    ``num_experts`` and ``experts_per_token`` beside Llama's."""
+    from lightning_async_pp.cli import AsyncPipelineCLI
+
+    monkeypatch.setattr(sys, "argv", ["lightning-async-pp"])
+    config = tmp_path / "moe.yaml"
+    config.write_text(
+        "trainer:\n  accelerator: cpu\n  devices: 4\n  logger: false\n"
+        "  strategy:\n    class_path: lightning_async_pp.AsyncPipelineStrategy\n"
+        "    init_args: {data_parallel_size: 2, expert_parallel_size: 2}\n"
+        "model:\n  class_path: lightning_async_pp.models.Llama\n  init_args: {num_experts: 4, experts_per_token: 2}\n")
+    cli = AsyncPipelineCLI(args=["--config", str(config)], run=False)
+    assert cli.trainer.strategy.config.expert_parallel_size == 2
+    assert cli.model.config.num_experts == 4 and cli.model.config.experts_per_token == 2
