@@ -247,6 +247,7 @@ class ExpertGradients:
         self.indices, self.group, self.copies, self.replicas = list(indices), copies_group, copies, replicas
         self._work: Any = None
         self._flat: Optional[Tensor] = None
+        self._due = False  # launched for the last step, not finished yet
 
     @classmethod
     def of_stage(cls, params: Sequence[Tensor], expert_ids: set[int], copies_group: Any, layout: Any,
@@ -258,6 +259,7 @@ class ExpertGradients:
 
     def launch(self, gradients: list[Optional[Tensor]]) -> None:
         """After the batch's last backward: start summing the copies' gradients (nothing to send with one copy)."""
+        self._due = True
         if self.copies == 1 or not self.indices:
             return
         grads = [gradients[i] for i in self.indices]
@@ -268,10 +270,14 @@ class ExpertGradients:
 
     @property
     def pending(self) -> bool:
-        return self._work is not None
+        return self._due
 
     @torch.no_grad()
     def finish(self, gradients: list[Optional[Tensor]]) -> list[Optional[Tensor]]:
+        """The last step's expert gradients summed over the copies and divided by the replicas (once per launch)."""
+        if not self._due:
+            return gradients
+        self._due = False
         if self._work is not None:
             self._work.wait()
             self._work = None
