@@ -190,7 +190,8 @@ def _staleness_bounds(name: str, ranks: list[dict], tag: str, k: int) -> float:
 @pytest.mark.slow
 def test_the_monitors_on_two_stages_of_two_tensor_parallel_ranks_log_the_one_device_runs_figures(two_by_two):
     """StalenessMonitor's figures are of whole tensors, each element counted once (a shard on every rank of its
-    stage, a replicated parameter and the tied head once), within what the runs' weights differ by."""
+    stage, a replicated parameter and the tied head once), within what the runs' weights differ by; PipelineMonitor
+    counts the rows a stage's tensor-parallel ranks share once."""
     for name in (n for n, case in CASES.items() if case.get("monitors")):
         logged, one = two_by_two[0]["cases"][name]["logged"], _one_device(name)["logged"]
         staleness = sorted(tag for tag in one if tag.startswith("staleness/"))
@@ -206,6 +207,17 @@ def test_the_monitors_on_two_stages_of_two_tensor_parallel_ranks_log_the_one_dev
                 assert abs(value - steps[k]) <= bound, (name, tag, k, value, steps[k], bound)
         assert dict(logged["staleness/update_norm"])[1] > 0.1 and (  # the figures are not trivially zero
             dict(logged["staleness/drift"])[1] > 1e-2 or not name.startswith("2bw")), name
+        # Throughput: each process divides the window's tokens by its wall time and by its pipeline's processes
+        # (2 stages x 2 ranks, which see the same rows), and the figures are summed over processes; the logged step
+        # time is the mean of those wall times over the steps. So tokens/s x step time is a batch's tokens
+        # (8 rows of 16) times the processes' mean wall time over their harmonic mean: at least 1, and near it as
+        # the windows start together (after the previous logging step's reduction, or the collectives that start
+        # training) and end within a step; rows counted once per tensor-parallel rank would make it at least 2.
+        tokens, seconds = dict(logged["pipeline/tokens_per_sec"]), dict(logged["pipeline/step_time_s"])
+        samples = dict(logged["pipeline/samples_per_sec"])
+        for k in tokens:
+            assert 1 - 1e-9 <= tokens[k] * seconds[k] / (8 * 16) < 1.5, (name, k, tokens[k], seconds[k])
+            assert 1 - 1e-9 <= samples[k] * seconds[k] / 8 < 1.5, (name, k, samples[k], seconds[k])
 
 
 #: 2 data-parallel replicas of 2 stages x 2 ranks (8 processes); ``batch`` and ``microbatches`` are a replica's, and

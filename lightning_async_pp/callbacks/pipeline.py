@@ -56,8 +56,8 @@ class PipelineMonitor(Callback):
       per-step broadcast across ranks), data loading, logging;
     - ``step_time_s``: wall time per step, the sum of the seven.
 
-    These are logged per stage (``pipeline/stage{s}/...``, the mean over data-parallel replicas) and for the whole
-    model (``pipeline/...``, the mean over processes). On one device all stages run in one process and are timed
+    These are logged per stage (``pipeline/stage{s}/...``, the mean over the stage's processes: data-parallel
+    replicas and tensor-parallel ranks) and for the whole model (``pipeline/...``, the mean over processes). On one device all stages run in one process and are timed
     together: per-stage figures are then only logged when there is one stage.
 
     - ``pipeline/bubble_fraction``: the share of the stages' time within the pipeline's step that is neither
@@ -83,7 +83,8 @@ class PipelineMonitor(Callback):
       ``O_s / T``, apart from the bubble (mean over stages).
     - ``pipeline/tokens_per_sec`` and ``pipeline/samples_per_sec``: global throughput, summed over data-parallel
       replicas. Tokens of a batch are the elements of ``pl_module.pipeline_input(batch)``; samples are its
-      batch size (dim 0).
+      batch size (dim 0). Every process of a pipeline (each stage, and under tensor parallelism each of a stage's
+      ranks) sees the same rows: they are counted once per replica.
     - ``pipeline/peak_memory_mb`` and ``pipeline/stage{s}/peak_memory_mb``: peak memory since the start, the
       largest over processes: the CUDA caching allocator's peak allocation on GPU, the process's peak resident
       set size (``resource.getrusage``) on CPU (which includes Python and PyTorch themselves).
@@ -167,8 +168,16 @@ class PipelineMonitor(Callback):
 
     @staticmethod
     def _rows(strategy: Any) -> int:
-        """Processes per pipeline: one per stage across processes, one for all stages on one device."""
+        """Rows of the table: one per stage across processes, one for all stages on one device."""
         return strategy.topology.num_stages if strategy.is_multiprocess else 1
+
+    @staticmethod
+    def _per_pipeline(strategy: Any) -> int:
+        """Processes per pipeline, which all see the same rows: each stage's ``t`` tensor-parallel ranks across
+        processes, one for all stages on one device."""
+        if not strategy.is_multiprocess:
+            return 1
+        return strategy.topology.num_stages * strategy.engine.stats.tensor_parallel_size
 
     def _reset_window(self, start: Optional[float]) -> None:
         self._window_start = start
@@ -240,7 +249,7 @@ class PipelineMonitor(Callback):
         assert self._figures is not None and self._window_start is not None
         wall = max(time.perf_counter() - self._window_start - self._excluded, 1e-12)
         n = max(self._steps, 1)
-        per_pipeline = self._rows(strategy)  # every process of a pipeline sees the same batches
+        per_pipeline = self._per_pipeline(strategy)  # every process of a pipeline sees the same batches
         compute, comm, opt, pipeline = self._compute / n, self._comm_wait / n, self._optimizer / n, self._pipeline / n
         dp, dp_exposed, tied = self._dp / n, self._dp_exposed / n, self._tied / n
         step = wall / n
