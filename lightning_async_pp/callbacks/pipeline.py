@@ -86,8 +86,11 @@ class PipelineMonitor(Callback):
       batch size (dim 0). Every process of a pipeline (each stage, and under tensor parallelism each of a stage's
       ranks) sees the same rows: they are counted once per replica.
     - ``pipeline/peak_memory_mb`` and ``pipeline/stage{s}/peak_memory_mb``: peak memory since the start, the
-      largest over processes: the CUDA caching allocator's peak allocation on GPU, the process's peak resident
-      set size (``resource.getrusage``) on CPU (which includes Python and PyTorch themselves).
+      largest over processes, measured, in MiB: on GPU the CUDA caching allocator's peak of allocated tensors
+      (``torch.cuda.max_memory_allocated``), the quantity the setup report's "predicted peak of allocated
+      tensors" predicts; on CPU the process's peak resident set size (``resource.getrusage``), the whole
+      process's memory (Python, PyTorch and its libraries, the allocator's cache), which that prediction does not
+      count and is not comparable with.
 
     Across processes the figures are reduced with torchmetrics at logging steps only (one ``all_gather`` per
     state on every rank) and logged once from rank 0; the time of that collective is not counted in the window.
@@ -370,7 +373,8 @@ def _tensorboards(trainer: Trainer) -> list[TensorBoardLogger]:
 
 
 def peak_memory_mb(device: torch.device) -> float:
-    """Peak memory of this process so far, in MiB: CUDA allocator peak on GPU, peak resident set size on CPU."""
+    """Peak memory of this process so far, in MiB: on GPU the CUDA allocator's peak of allocated tensors (what the
+    setup report's predicted peak predicts); on CPU the process's peak resident set size, all of its memory."""
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**20
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
