@@ -157,14 +157,15 @@ def _staleness_bounds(name: str, ranks: list[dict], tag: str, k: int) -> float:
     - ``update_norm``, ``||W_k - W_{k+1}||``: ``E_k + E_{k+1}``;
     - ``drift``, ``D / N`` with ``D = ||W_k - W_{k-1}||`` and ``N = ||W_k||``:
       ``(E_k + E_{k-1} + drift E_k) / N`` (``D`` moves by ``E_k + E_{k-1}``, ``N`` by ``E_k``);
-    - under ``ErrorFeedback`` (coefficient ``c = 1``), ``u_0 = W_0 - W_1`` and ``(1 + c) u_k = W_k - W_{k+1} + c u_{k-1}``:
-      ``update_norm`` ``||u_k||`` moves by ``d_k = (E_k + E_{k+1} + c d_{k-1}) / (1 + c)`` (``d_0 = E_0 + E_1``), plus
-      the float32 rounding of the identity's terms (``2 eps ||W_{k+1}||``), and ``correction_norm``
-      ``||W_k - W_{k+1} - u_k||`` by ``E_k + E_{k+1} + d_k``.
+    - under ``ErrorFeedback`` (coefficient ``c = 1``), ``u_0 = W_0 - W_1`` and
+      ``(1 + c) u_k = W_k - W_{k+1} + c u_{k-1}``: ``update_norm`` ``||u_k||`` moves by
+      ``d_k = (E_k + E_{k+1} + c d_{k-1}) / (1 + c)`` (``d_0 = E_0 + E_1``), plus the float32 rounding of the
+      identity's terms (``2 eps ||W_{k+1}||``), and ``correction_norm`` ``||W_k - W_{k+1} - u_k||`` by
+      ``E_k + E_{k+1} + d_k``.
 
-    ``compensation_ratio`` is a ratio of gradients' norms, which tensor parallelism moves by the order of their
-    sums too (measured: 1e-7 of it); its bound, ``1e-4`` of it, is well below what a shard counted twice or left
-    out moves it by (several percent here)."""
+    ``compensation_ratio`` is a ratio of gradients' norms, which are not the weights': tensor parallelism moves
+    them by the order of their sums too (measured: 1e-7 of the ratio); the bound is ``1e-4`` of it, a margin for
+    any CPU."""
     history, stage_names = _weights_per_step(ranks, name)
     one = _one_device(name)["weights_per_step"]
     E = [_distance(mine, theirs) for mine, theirs in zip(history, one)]

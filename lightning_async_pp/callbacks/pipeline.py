@@ -57,8 +57,9 @@ class PipelineMonitor(Callback):
     - ``step_time_s``: wall time per step, the sum of the seven.
 
     These are logged per stage (``pipeline/stage{s}/...``, the mean over the stage's processes: data-parallel
-    replicas and tensor-parallel ranks) and for the whole model (``pipeline/...``, the mean over processes). On one device all stages run in one process and are timed
-    together: per-stage figures are then only logged when there is one stage.
+    replicas and tensor-parallel ranks) and for the whole model (``pipeline/...``, the mean over processes). On one
+    device all stages run in one process and are timed together: per-stage figures are then only logged when there
+    is one stage.
 
     - ``pipeline/bubble_fraction``: the share of the stages' time within the pipeline's step that is neither
       computing nor updating weights, ``1 - sum_s (C_s + O_s) / (S x T)``, with ``S`` the number of stages,

@@ -349,7 +349,8 @@ def run(cfg: dict, devices: int) -> tuple[dict, Llama, L.Trainer]:
     if cfg.get("monitors"):  # what the monitors logged (rank 0's logger writes) and the weights they saw
         result["weights_per_step"] = next(c for c in trainer.callbacks if isinstance(c, WeightsPerStep)).history
         if trainer.is_global_zero:
-            result["logged"] = {n: v for n, v in trainer.logger.metrics.items() if n.startswith(("staleness/", "pipeline/"))}
+            result["logged"] = {n: v for n, v in trainer.logger.metrics.items()
+                                if n.startswith(("staleness/", "pipeline/"))}
     samples = [c for c in trainer.callbacks if type(c).__name__ == "TextSamples"]
     if samples:
         result["texts"] = samples[0].history
