@@ -162,6 +162,21 @@ def test_the_default_split_is_balanced_by_cost_and_reported_through_the_stats_vi
     assert uniform.time_share == pytest.approx((1280 / 13568, 12288 / 13568))  # reported for any method
 
 
+def test_the_setup_report_names_its_memory_figure_a_predicted_peak_of_allocated_tensors_not_process_memory():
+    # PipelineMonitor's pipeline/peak_memory_mb is the process's resident set size on CPU: the report must not
+    # read as the same quantity.
+    from lightning_async_pp.pipeline.cost import SplitReport, format_bytes
+    from lightning_async_pp.pipeline.mesh import describe_layout
+
+    split = fit_and_split(Plain(example=torch.zeros(2, 8)))
+    quantity = "predicted peak of allocated tensors per {} (weights, gradients, optimizer state, activations; not " \
+               "the process's memory) "
+    assert quantity.format("stage") + ", ".join(format_bytes(b) for b in split.memory_bytes) in split.describe()
+    tensor_parallel = replace(split, layout=describe_layout(2, 2)).describe()  # each device holds 1/t of a stage
+    assert quantity.format("device") in tensor_parallel and quantity.format("stage") not in tensor_parallel
+    assert "peak" not in SplitReport("explicit", (3, 3), (), ()).describe()  # nothing costed, nothing predicted
+
+
 def test_without_an_example_batch_the_split_falls_back_to_parameters_with_a_warning():
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

@@ -502,9 +502,11 @@ class SplitReport:
             text = f"{self.layout}, {text}"
         if self.time_share:
             basis = "measured time" if self.cost == "measured" else "FLOPs"
-            per = " per device" if "tensor-parallel" in self.layout else ""
+            per = "device" if "tensor-parallel" in self.layout else "stage"
+            # the planner's account of tensors (torch.cuda.max_memory_allocated's quantity), not the process's memory
             text += (f"; predicted compute share ({basis}) " + ", ".join(f"{t:.1%}" for t in self.time_share)
-                     + f" (slowest/mean {self.imbalance:.2f}); predicted peak memory{per} "
+                     + f" (slowest/mean {self.imbalance:.2f}); predicted peak of allocated tensors per {per} "
+                     + "(weights, gradients, optimizer state, activations; not the process's memory) "
                      + ", ".join(format_bytes(b) for b in self.memory_bytes))
         if self.run_ahead is False:
             text += "; the last stage does not run ahead (one gradient)"

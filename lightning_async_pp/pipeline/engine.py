@@ -59,6 +59,9 @@ class StageView:
     delay: int
     param_names: tuple[str, ...]  # global names (in the model), in the order of ``params``
     _stage: Stage
+    # per parameter: this process counts its local tensor in a whole-model sum (not a tied copy another stage
+    # owns, nor a whole parameter on tensor-parallel ranks but 0; a shard on every rank)
+    counted: tuple[bool, ...] = ()
 
     @property
     def params(self) -> list[nn.Parameter]:
@@ -104,6 +107,15 @@ class PipelineStats:
     @property
     def schedule(self) -> str:
         return self._engine.config.schedule
+
+    @property
+    def tensor_parallel_size(self) -> int:
+        """``t``: the processes of one stage, each holding its shards of the stage's parameters (1 without)."""
+        return self._engine.tensor_parallel_size
+
+    @property
+    def tensor_parallel_rank(self) -> int:
+        return self._engine.topology.tp_rank if self._engine.topology is not None else 0
 
     @property
     def stages(self) -> list[StageView]:
@@ -353,10 +365,6 @@ class PipelineEngine:
             randomness=self.randomness, last_ahead=self.split.run_ahead is not False,
             tensor_parallel=self.tensor_parallel_size > 1,
         )
-        names = self.global_names
-        self.stage_views = [StageView(st.index, st.versions.delay, tuple(names[id(p)] for p in st.params), st)
-                            for st in self.stages]
-        self.stats = PipelineStats(self)
         # Where each tied parameter sits among this process's gradients, and the parameters another stage counts
         # in a global norm (a tied one only on the stage that owns it): fixed once the stages exist.
         index = {id(p): i for i, p in enumerate(self.params)}
@@ -366,6 +374,11 @@ class PipelineEngine:
             # A whole (plain or replicated) parameter's gradient is whole and equal on every tensor-parallel rank:
             # counted on rank 0 only; a sharded parameter's local shard on every rank.
             self._counted_elsewhere |= {id(p) for p in self.params if is_whole(p)}
+        names = self.global_names
+        self.stage_views = [StageView(st.index, st.versions.delay, tuple(names[id(p)] for p in st.params), st,
+                                      tuple(id(p) not in self._counted_elsewhere for p in st.params))
+                            for st in self.stages]
+        self.stats = PipelineStats(self)
         return self
 
     @classmethod

@@ -29,7 +29,10 @@ that correction over the model's AdamW groups; default the model's AdamW),
 checkpoint_dir + save_at (a ModelCheckpoint writing checkpoint_dir/saved.ckpt at that step), resume_from (ckpt_path),
 resumable (a loader that resumes mid-epoch: tests/helpers.py ResumableLoader), gather (tensor_parallel with
 gather_final_weights=True: rank 0 returns the whole "state_dict"), eval_calls (after fit, each of "validate", "test",
-"predict" on a new Trainer; rank 0 returns their "eval" results), val_loss (returned when validation ran in fit).
+"predict" on a new Trainer; rank 0 returns their "eval" results), val_loss (returned when validation ran in fit),
+monitors (StalenessMonitor and PipelineMonitor logging every step into a ``callback_fit.MemoryLogger``: rank 0
+returns what they logged as "logged", every rank its stage's whole weights before training and after each step as
+"weights_per_step").
 """
 from __future__ import annotations
 
@@ -182,6 +185,20 @@ class OwnPlanLM(PipelineModule):
         return torch.optim.AdamW(self.parameters(), lr=self.hparams.lr)
 
 
+class WeightsPerStep(L.Callback):
+    """Keeps this rank's stage's parameters whole (a DTensor's shards gathered over its tensor-parallel group) as
+    training starts and after every step: ``history[k]`` is ``W_k`` by parameter name."""
+
+    def __init__(self) -> None:
+        self.history: list[dict[str, torch.Tensor]] = []
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.history.append(stage_weights(pl_module)["stage_weights"])
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
+        self.history.append(stage_weights(pl_module)["stage_weights"])
+
+
 def chosen_optimizer(model: Llama, kind: str) -> torch.optim.Optimizer:
     """``optim.Muon`` over the model's named parameters (the blocks' matrices to Muon, embedding, head and norms to
     its AdamW), alone or inside ``ErrorFeedback``; or a delay correction over the model's own AdamW groups:
@@ -300,6 +317,13 @@ def make_trainer(cfg: dict) -> L.Trainer:
         from lightning.pytorch.loggers import TensorBoardLogger
 
         logger = TensorBoardLogger(cfg["log_dir"], name="", version=0)
+    if cfg.get("monitors"):
+        from callback_fit import MemoryLogger
+
+        from lightning_async_pp.callbacks import PipelineMonitor, StalenessMonitor
+
+        callbacks += [StalenessMonitor(), PipelineMonitor(), WeightsPerStep()]
+        logger = MemoryLogger()
     val_every = cfg.get("val_every")
     trainer = L.Trainer(
         strategy=strategy, accelerator="cpu", devices=cfg.get("devices", 2), max_steps=cfg.get("steps", 4),
@@ -322,6 +346,11 @@ def run(cfg: dict, devices: int) -> tuple[dict, Llama, L.Trainer]:
                                         list(trainer.strategy.engine.stats.split.counts))}
     if "val_loss" in trainer.callback_metrics:
         result["val_loss"] = float(trainer.callback_metrics["val_loss"])
+    if cfg.get("monitors"):  # what the monitors logged (rank 0's logger writes) and the weights they saw
+        result["weights_per_step"] = next(c for c in trainer.callbacks if isinstance(c, WeightsPerStep)).history
+        if trainer.is_global_zero:
+            result["logged"] = {n: v for n, v in trainer.logger.metrics.items()
+                                if n.startswith(("staleness/", "pipeline/"))}
     samples = [c for c in trainer.callbacks if type(c).__name__ == "TextSamples"]
     if samples:
         result["texts"] = samples[0].history
