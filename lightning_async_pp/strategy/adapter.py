@@ -187,7 +187,7 @@ class AsyncPipelineStrategy(PipelineStateHooks, TrainingBatches, FailureReportin
         self.gather_final_weights = gather_final_weights
         self._pending_save: Optional[ckpt.PendingSave] = None  # an async_checkpoint save still being written
         self._in_trainer_call = False  # between setup and teardown, where teardown awaits a background save
-        self._gathered_tensor_parallel = False  # rank 0 holds the whole model after a tensor-parallel call's gather
+        self._stage_state: Optional[dict] = None  # rank 0's tensor-parallel stage, kept when the gather replaced it
         self._checkpoint_group: Any = None  # async saves' own gloo group: their collectives run in a background thread
         self._source: Optional[ckpt.TensorSource] = None  # the checkpoint being restored, between its two loads
         self._tensors: dict[str, Any] = {}

@@ -26,7 +26,8 @@ through models.HuggingFaceCausalLM; "own": ``OwnPlanLM``, a PipelineModule apply
 a tiny models.GPT, untied; else models.Llama), optimizer ("muon": optim.Muon over the named parameters,
 "error_feedback_muon": the same inside ErrorFeedback; "delay_compensation", "weight_prediction", "async_nesterov":
 that correction over the model's AdamW groups; default the model's AdamW),
-checkpoint_dir + save_at (a ModelCheckpoint writing checkpoint_dir/saved.ckpt at that step), resume_from (ckpt_path),
+checkpoint_dir + save_at (a ModelCheckpoint writing checkpoint_dir/saved.ckpt at that step), save_after (a path:
+``trainer.save_checkpoint`` there after fit), resume_from (ckpt_path),
 resumable (a loader that resumes mid-epoch: tests/helpers.py ResumableLoader), gather (tensor_parallel with
 gather_final_weights=True: rank 0 returns the whole "state_dict"), eval_calls (after fit, each of "validate", "test",
 "predict" on a new Trainer; rank 0 returns their "eval" results), val_loss (returned when validation ran in fit).
@@ -317,6 +318,8 @@ def run(cfg: dict, devices: int) -> tuple[dict, Llama, L.Trainer]:
     # A resumable loader records its own position: validation reads another one.
     val_loader = eval_rows(cfg) if cfg.get("resumable") else loader
     trainer.fit(model, loader, val_loader if cfg.get("val_every") else None, ckpt_path=cfg.get("resume_from"))
+    if cfg.get("save_after"):
+        trainer.save_checkpoint(cfg["save_after"])  # after fit, as Lightning users habitually save
     result: dict[str, Any] = {"rank": trainer.global_rank, "global_step": trainer.global_step,
                               "split": (trainer.strategy.engine.stats.split.method,
                                         list(trainer.strategy.engine.stats.split.counts))}
