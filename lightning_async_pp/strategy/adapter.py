@@ -4,8 +4,8 @@ Lightning keeps doing what it does (launching processes, the loops, the optimize
 logging, checkpoints); this class only builds a :class:`PipelineEngine` in ``setup``, runs it from the module's
 steps, hands its batch gradient to Lightning's optimizer step, and saves its weight versions with checkpoints.
 The rest of the seam is delegated to the modules beside it: ``options.py`` (keyword arguments, refused settings),
-``batches.py`` (the training batches and the lookahead), ``failures.py``, ``processes.py``, ``state.py``
-(checkpoints, the gather after each call) and ``requeue.py``.
+``batches.py`` (the training batches and the lookahead), ``data_rows.py``, ``failures.py``, ``processes.py``,
+``state.py`` (checkpoints, the gather after each call) and ``requeue.py``.
 How it meets Lightning is described in docs/design/lightning.md, "The Lightning seam".
 """
 from __future__ import annotations
@@ -47,7 +47,7 @@ from lightning_async_pp.pipeline.mesh import build_device_mesh
 from lightning_async_pp.pipeline.sharding import local_optimizer, shard_optimizers
 from lightning_async_pp.pipeline.tensor_parallel import parameter_grad
 from lightning_async_pp.pipeline.topology import PipelineTopology
-from lightning_async_pp.strategy import _lightning, options, processes
+from lightning_async_pp.strategy import _lightning, data_rows, options, processes
 from lightning_async_pp.strategy.batches import TrainingBatches
 from lightning_async_pp.strategy.failures import FailureReporting
 from lightning_async_pp.strategy.lookahead import LookaheadLoader
@@ -335,6 +335,7 @@ class AsyncPipelineStrategy(PipelineStateHooks, TrainingBatches, FailureReportin
         options.refuse_unsupported(trainer, self.precision_plugin, self.config)
         options.refuse_with_tensor_parallelism(trainer, module, self.config, self.gather_final_weights,
                                                previous_call=self.engine is not None)
+        data_rows.check_rows(trainer.datamodule, module)  # rows the model refuses: before costing or building
         self.model = self.precision_plugin.convert_module(self.model)
         # The full layer list is remembered on the module: after a multi-process call, other stages' layers are
         # placeholders in rank 0's tree (unless gathered back), and a later call must still find the originals.
