@@ -1,6 +1,8 @@
 """The rows a data module declares (``block_size``, ``document_mask``) are checked against the model at the
 strategy's setup, before any training step, and a refusal names the config key to change
-(``lightning_async_pp/strategy/data_rows.py``)."""
+(``lightning_async_pp/strategy/data_rows.py``); after a setup that failed, the teardown leaves the error as the
+call's and the model as setup found it. The multi-process cases (packed rows refused under tensor parallelism, the
+teardown of meta DTensors) run in tests/test_tensor_parallel.py's checkpoint launch."""
 from __future__ import annotations
 
 import sys
@@ -99,3 +101,42 @@ def test_packed_rows_and_rows_the_sequence_split_cannot_take_are_refused_under_t
     with pytest.raises(ValueError, match=r"splits each row's 15 input tokens over the tensor-parallel ranks.* Change "
                                          r"data\.block_size \(now 15\) in the config"):
         check_rows(TokenRows(block_size=15), model)
+
+
+def test_meta_tensors_are_set_aside_while_the_module_moves_and_back_afterwards_dtensors_included(two_rank_mesh):
+    """What the strategy's teardown does after a setup that failed before materializing: Lightning moves the module
+    to the CPU, which a meta tensor cannot be copied out of ("Cannot copy out of meta tensor"), and a DTensor one
+    could not be swapped with a plain placeholder ("different slots")."""
+    from torch.distributed.tensor import DTensor
+
+    from lightning_async_pp.pipeline.placement import meta_tensors_set_aside
+
+    model = tensor_parallel_llama(two_rank_mesh)
+    params = dict(model.named_parameters())
+    assert any(isinstance(p, DTensor) for p in params.values()) and all(p.is_meta for p in params.values())
+    with pytest.raises(NotImplementedError, match="Cannot copy out of meta tensor"):
+        torch.nn.Linear(2, 2, device="meta").cpu()
+    with meta_tensors_set_aside(model):
+        assert not any(p.is_meta for p in model.parameters())
+        model.cpu()
+    # the same parameter objects, meta again (a later setup materializes them), tied ones still one
+    assert dict(model.named_parameters()) == params and all(p.is_meta for p in model.parameters())
+    assert all(type(p) is type(params[n]) for n, p in model.named_parameters())
+
+
+def test_an_error_in_the_teardown_of_a_failed_call_is_printed_not_raised_over_the_calls_own_error(monkeypatch, capsys):
+    from lightning.pytorch.strategies import DDPStrategy
+
+    def broken(self):
+        raise RuntimeError("the teardown broke")
+
+    monkeypatch.setattr(DDPStrategy, "teardown", broken)
+    trainer = one_device_trainer(AsyncPipelineStrategy(num_stages=2, num_microbatches=2), steps=1)
+    with pytest.raises(ValueError, match=r"set data\.block_size: 32"):
+        trainer.fit(Llama("tiny", vocab_size=256, max_seq_len=32), datamodule=TokenRows(block_size=64))
+    assert ("lightning_async_pp: tearing down after the failure also raised RuntimeError: the teardown broke; the "
+            "failure is the call's error") in capsys.readouterr().err
+    # where the call is not failing, the teardown's error is the call's
+    trainer = one_device_trainer(AsyncPipelineStrategy(num_stages=2, num_microbatches=2), steps=1)
+    with pytest.raises(RuntimeError, match="the teardown broke"):
+        trainer.fit(Llama("tiny", vocab_size=256, max_seq_len=32), datamodule=TokenRows(block_size=32))

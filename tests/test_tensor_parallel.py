@@ -356,7 +356,8 @@ def test_a_two_by_two_checkpoint_resumes_exactly_on_two_by_two_on_two_stages_and
     layout, then validated, tested and predicted on, and the one file and a one-device checkpoint resumed too; a
     save after fit (``trainer.save_checkpoint``, the weights gathered into rank 0 meanwhile) is the save at the
     last step inside it and resumes too. The checkpoints then resume on 2 stages x 1 rank (one launch of 2
-    processes) and on one device here, each to the uninterrupted weights."""
+    processes) and on one device here, each to the uninterrupted weights. First in the launch, a setup refused
+    there (packed rows from a data module) surfaces as itself, the model left on the meta device."""
     sharded, single, one_device = tmp_path / "sharded", tmp_path / "single", tmp_path / "one_device"
     after = tmp_path / "after"
     (tmp_path / "tp").mkdir(), (tmp_path / "two").mkdir()
@@ -364,6 +365,8 @@ def test_a_two_by_two_checkpoint_resumes_exactly_on_two_by_two_on_two_stages_and
     saved_on_one_device = run_here_on_one_device(
         llama_fit.run, {**RESUME, "steps": 2, "val_every": 1, "save_at": 2, "checkpoint_dir": str(one_device)})
     cases = {
+        # refused at setup (packed rows under tensor parallelism, from a data module declaring them), first
+        "refused_at_setup": {**BASE, "packed": True, "refused": True},
         "full": {**RESUME, "gather": True},
         "saved": {**RESUME, "steps": 2, "save_at": 2, "checkpoint_dir": str(sharded), "val_every": 1},
         "single": {**RESUME, "steps": 2, "save_at": 2, "checkpoint_dir": str(single),
@@ -385,6 +388,15 @@ def test_a_two_by_two_checkpoint_resumes_exactly_on_two_by_two_on_two_stages_and
     ranks = script_ranks(SCRIPT, {"devices": 4, "cases": {n: {**c, "tensor_parallel": 2} for n, c in cases.items()}},
                          tmp_path / "tp", ranks=4, timeout=420)
     reference = run_here_on_one_device(llama_fit.run, {**RESUME, "eval_calls": ["validate", "test", "predict"]})
+    # The refusal is the error fit raised on every rank, before any batch: not the teardown's ("different
+    # slots", swapping a meta DTensor parameter for a plain placeholder) raised over it; the parameters are on the
+    # meta device again, as setup found them.
+    for r in range(4):
+        refused = ranks[r]["cases"]["refused_at_setup"]
+        assert refused["refused"].startswith("ValueError: Llama refuses the rows of RowsDataModule (block_size=16, "
+                                             "document_mask=True)"), refused["refused"]
+        assert "Change data.document_mask: false in the config" in refused["refused"]
+        assert refused["batches_started"] == 0 and refused["meta"]
     # The gather: rank 0's module holds the whole model, plain tensors, the one-device run's weights.
     full = ranks[0]["cases"]["full"]["state_dict"]
     assert not any(isinstance(v, DTensor) for v in full.values())

@@ -38,10 +38,10 @@ from lightning_async_pp.pipeline.partition import PartitionSpec
 from lightning_async_pp.strategy.optimizer_state import optimizer_state_per_layer
 from lightning_async_pp.pipeline.placement import (
     layer_paths,
+    meta_tensors_set_aside,
     parameters_on_meta,
     reassemble_layers,
     refusing_loads_onto_meta,
-    replace_meta_tensors,
 )
 from lightning_async_pp.pipeline.mesh import build_device_mesh
 from lightning_async_pp.pipeline.sharding import local_optimizer, shard_optimizers
@@ -49,7 +49,7 @@ from lightning_async_pp.pipeline.tensor_parallel import parameter_grad
 from lightning_async_pp.pipeline.topology import PipelineTopology
 from lightning_async_pp.strategy import _lightning, data_rows, options, processes
 from lightning_async_pp.strategy.batches import TrainingBatches
-from lightning_async_pp.strategy.failures import FailureReporting
+from lightning_async_pp.strategy.failures import FailureReporting, not_raised_over_a_failure
 from lightning_async_pp.strategy.lookahead import LookaheadLoader
 from lightning_async_pp.strategy.requeue import RequeueAtStepBoundary
 from lightning_async_pp.strategy.state import PipelineStateHooks, continued_state
@@ -488,16 +488,15 @@ class AsyncPipelineStrategy(PipelineStateHooks, TrainingBatches, FailureReportin
         module = self.lightning_module
         if isinstance(module, PipelineModule):
             module._pipeline_executor = None
-        if module is not None:
-            # A setup that failed before materializing leaves meta tensors, which Lightning's move to the CPU
-            # cannot copy: give them a placeholder of their shape (no memory) so the original error surfaces.
-            replace_meta_tensors(module, lambda t: torch.empty((), dtype=t.dtype).expand(t.shape))
         self._train_loader = None
         self._lookahead = None
         self.precision_plugin.__dict__.pop("clip_grad_by_norm", None)  # the plugin's own method again
         self._requeue = None
-        self.finish_pending_save()
-        super().teardown()
+        # A setup that failed before materializing leaves meta tensors, which Lightning's move to the CPU cannot
+        # copy: set aside meanwhile. Whatever fails here is not raised over the call's own failure.
+        with not_raised_over_a_failure(module), meta_tensors_set_aside(module) if module else nullcontext():
+            self.finish_pending_save()
+            super().teardown()
 
 
 StrategyRegistry.register(

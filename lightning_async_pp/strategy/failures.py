@@ -77,6 +77,24 @@ class FailureReporting:
         super().on_exception(exception)
 
 
+@contextmanager
+def not_raised_over_a_failure(module: Any) -> Iterator[None]:
+    """Within (the strategy's teardown, which Lightning runs inside its exception handler when the call fails): an
+    error while the call is failing is printed on one line instead of raised, since raised it would replace the
+    call's own error ("Cannot copy out of meta tensor" over a refusal at setup). Raised as usual otherwise."""
+    try:
+        failing = module is not None and bool(module.trainer.interrupted)
+    except RuntimeError:  # a module that is not attached to a trainer
+        failing = False
+    try:
+        yield
+    except Exception as err:
+        if not failing:
+            raise
+        print(f"lightning_async_pp: tearing down after the failure also raised {type(err).__name__}: "
+              f"{' '.join(str(err).split())}; the failure is the call's error", file=sys.stderr, flush=True)
+
+
 def _cause(err: BaseException, board: FailureBoard) -> str:
     """Why this process stopped, on one line: the failing stage's summary where it posted one, else what is known."""
     failure = err if isinstance(err, PipelineFailure) else None
