@@ -13,7 +13,7 @@ import io
 import sys
 import traceback
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from typing import Any, Callable, Optional
 
 from lightning.pytorch.utilities.exceptions import SIGTERMException
@@ -23,6 +23,7 @@ from lightning_async_pp.pipeline.comm import FailureBoard, PipelineFailure, is_l
 #: Set on an exception whose uncaught report this process replaces: a callable giving what to print instead of
 #: its traceback (``None``: nothing; the traceback was printed when it happened).
 _AT_EXIT = "_lightning_async_pp_at_exit"
+_PRINTED = "_lightning_async_pp_printed"  # set on this process's own failure, printed when it was raised
 _HOOKED = [False]  # sys.excepthook wrapped once per process
 
 
@@ -68,6 +69,8 @@ class FailureReporting:
         print(f"lightning_async_pp: {who} failed:\n{''.join(traceback.format_exception(err))}", end="",
               file=sys.stderr, flush=True)
         replace_uncaught_report(err, lambda: None)
+        with suppress(AttributeError):
+            setattr(err, _PRINTED, True)
         board.report(message, summary=f"{who} failed with {type(err).__name__} (its error is printed by that "
                                       f"process)")
 
@@ -107,6 +110,12 @@ def _cause(err: BaseException, board: FailureBoard) -> str:
         return failure.summary
     text = " ".join(str(failure if failure is not None else err).split())
     return text if failure is not None else f"another process failed or died ({type(err).__name__}: {text})"
+
+
+def printed_when_raised(err: BaseException) -> bool:
+    """Whether this process printed ``err`` with its traceback when it was raised (the failing stage's error):
+    whoever reports errors later (the console script) need not repeat it."""
+    return getattr(err, _PRINTED, False)
 
 
 def replace_uncaught_report(err: BaseException, line: Callable[[], Optional[str]]) -> None:
