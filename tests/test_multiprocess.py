@@ -167,7 +167,8 @@ def test_a_stage_that_raises_stops_every_process_within_the_timeout_and_alone_pr
     assert "lightning_async_pp: stage 1 (rank 1) failed:\nTraceback" in err
     # Every other stage says in one line that it stopped because of it, and nothing after that line: no
     # traceback of the connection the failing process closed.
-    sections = {int(m.group(1)): m.group(2) for m in re.finditer(r"---- rank (\d) \(exit code -?\d+\) ----\n(.*?)(?=\n---- rank|\Z)", err, re.S)}
+    section = r"---- rank (\d) \(exit code -?\d+\) ----\n(.*?)(?=\n---- rank|\Z)"
+    sections = {int(m.group(1)): m.group(2) for m in re.finditer(section, err, re.S)}
     assert sorted(sections) == [0, 1, 2], err
     for rank in (0, 2):
         line = (f"lightning_async_pp: stage {rank} (rank {rank}) stopped because stage 1 (rank 1) failed with "
