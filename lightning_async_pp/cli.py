@@ -273,9 +273,12 @@ def main(args: ArgsType = None) -> None:
     except (ValueError, TypeError) as err:
         if not own_refusal(err):
             raise
-        print(f"lightning-async-pp: the run was stopped by a check ({type(err).__name__}; JSONARGPARSE_DEBUG=true "
-              f"shows the traceback)", file=sys.stderr)
-        print(f"error: {err}", file=sys.stderr, flush=True)
+        from lightning_async_pp.strategy.failures import printed_when_raised
+
+        if not printed_when_raised(err):  # a failing stage of several printed it, with its traceback, at once
+            print(f"lightning-async-pp: the run was stopped by a check ({type(err).__name__}; JSONARGPARSE_DEBUG="
+                  f"true shows the traceback)", file=sys.stderr)
+            print(f"error: {err}", file=sys.stderr, flush=True)
         sys.exit(1)
 
 

@@ -293,3 +293,33 @@ def test_the_cli_builds_with_the_data_in_subclass_mode_or_no_data_module(tmp_pat
                            subclass_mode_data=True)
     assert isinstance(cli.datamodule, TextDataModule)
     assert AsyncPipelineCLI(args=model, run=False, datamodule_class=None).datamodule is None
+
+
+def test_a_refusal_a_failing_stage_printed_when_it_was_raised_is_not_repeated_by_the_console_script(
+        monkeypatch, capsys):
+    """Across processes the failing stage prints its error and traceback at once (strategy/failures.py); the
+    console script then exits with status 1 without printing it again."""
+    from types import SimpleNamespace
+
+    from lightning_async_pp import cli
+    from lightning_async_pp.pipeline.comm import FailureBoard
+    from lightning_async_pp.strategy import failures, options
+
+    monkeypatch.setattr(sys, "excepthook", sys.excepthook)  # the hook it installs stays in this test
+    monkeypatch.setattr(failures, "_HOOKED", [False])
+    with pytest.raises(TypeError) as refused:
+        options.refuse_unknown_keywords({"shedule": "2bw"})
+    stage = SimpleNamespace(_reported=None, is_multiprocess=True, engine=SimpleNamespace(board=FailureBoard(None)),
+                            topology=SimpleNamespace(stage=1), global_rank=1)
+    failures.FailureReporting._report_failure(stage, refused.value)
+    printed = capsys.readouterr().err
+    assert printed.startswith("lightning_async_pp: stage 1 (rank 1) failed:\nTraceback")
+    assert printed.count("unknown keyword") == 1
+
+    def failing_cli(args=None):
+        raise refused.value
+
+    monkeypatch.setattr(cli, "_ConsoleCLI", failing_cli)
+    with pytest.raises(SystemExit) as exited:
+        cli.main(["fit"])
+    assert exited.value.code == 1 and capsys.readouterr().err == ""

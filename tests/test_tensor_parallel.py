@@ -30,7 +30,7 @@ from pipeline_runs import (  # noqa: E402
 
 from lightning_async_pp import AsyncPipelineStrategy, consolidate  # noqa: E402
 from lightning_async_pp.models import Llama  # noqa: E402
-from lightning_async_pp.pipeline.checkpoint import read_checksums  # noqa: E402
+from lightning_async_pp.pipeline.checkpoint import ShardedSource, read_checksums, read_meta  # noqa: E402
 from lightning_async_pp.pipeline.config import PipelineConfig  # noqa: E402
 from lightning_async_pp.pipeline.topology import PipelineTopology  # noqa: E402
 from lightning_async_pp.pipeline.versions import WeightVersions  # noqa: E402
@@ -463,15 +463,20 @@ RESUME = {**BASE, "schedule": "2bw", "resumable": True, "val_batches": 1}
 def test_a_two_by_two_checkpoint_resumes_exactly_on_two_by_two_on_two_stages_and_on_one_device(tmp_path):
     """One launch of 2 stages x 2 tensor-parallel ranks: 3 steps uninterrupted (gathered into rank 0), 2 steps
     saved (sharded, with validation inside fit; and one file), the sharded save resumed to 3 steps on the same
-    layout, then validated, tested and predicted on, and the one file and a one-device checkpoint resumed too. The
-    checkpoints then resume on 2 stages x 1 rank (one launch of 2 processes) and on one device here, each to the
-    uninterrupted weights."""
+    layout, then validated, tested and predicted on, and the one file and a one-device checkpoint resumed too; a
+    save after fit (``trainer.save_checkpoint``, the weights gathered into rank 0 meanwhile) is the save at the
+    last step inside it and resumes too. The checkpoints then resume on 2 stages x 1 rank (one launch of 2
+    processes) and on one device here, each to the uninterrupted weights. First in the launch, a setup refused
+    there (packed rows from a data module) surfaces as itself, the model left on the meta device."""
     sharded, single, one_device = tmp_path / "sharded", tmp_path / "single", tmp_path / "one_device"
+    after = tmp_path / "after"
     (tmp_path / "tp").mkdir(), (tmp_path / "two").mkdir()
     # Saved on one device first, for the 2 x 2 run to resume from (DCP reads its whole tensors into shards).
     saved_on_one_device = run_here_on_one_device(
         llama_fit.run, {**RESUME, "steps": 2, "val_every": 1, "save_at": 2, "checkpoint_dir": str(one_device)})
     cases = {
+        # refused at setup (packed rows under tensor parallelism, from a data module declaring them), first
+        "refused_at_setup": {**BASE, "packed": True, "refused": True},
         "full": {**RESUME, "gather": True},
         "saved": {**RESUME, "steps": 2, "save_at": 2, "checkpoint_dir": str(sharded), "val_every": 1},
         "single": {**RESUME, "steps": 2, "save_at": 2, "checkpoint_dir": str(single),
@@ -480,6 +485,10 @@ def test_a_two_by_two_checkpoint_resumes_exactly_on_two_by_two_on_two_stages_and
                     "eval_calls": ["validate", "test", "predict"]},
         "resumed_from_one_file": {**RESUME, "resume_from": str(single / "saved.ckpt")},  # whole tensors sliced
         "resumed_from_one_device": {**RESUME, "resume_from": str(one_device / "saved.ckpt")},
+        # gathered into rank 0 after fit (the default), then saved: as the save inside fit at its last step
+        "saved_after_fit": {**RESUME, "steps": 2, "save_at": 2, "checkpoint_dir": str(after), "gather": True,
+                            "save_after": str(after / "after_fit.ckpt")},
+        "resumed_after_fit": {**RESUME, "resume_from": str(after / "after_fit.ckpt")},
         # DelayCompensation's weight history: the parameter's shards stacked along a new first dimension
         "dc_full": {**RESUME, "optimizer": "delay_compensation"},
         "dc_saved": {**RESUME, "optimizer": "delay_compensation", "steps": 2, "save_at": 2,
@@ -489,6 +498,15 @@ def test_a_two_by_two_checkpoint_resumes_exactly_on_two_by_two_on_two_stages_and
     ranks = script_ranks(SCRIPT, {"devices": 4, "cases": {n: {**c, "tensor_parallel": 2} for n, c in cases.items()}},
                          tmp_path / "tp", ranks=4, timeout=420)
     reference = run_here_on_one_device(llama_fit.run, {**RESUME, "eval_calls": ["validate", "test", "predict"]})
+    # The refusal is the error fit raised on every rank, before any batch: not the teardown's ("different
+    # slots", swapping a meta DTensor parameter for a plain placeholder) raised over it; the parameters are on the
+    # meta device again, as setup found them.
+    for r in range(4):
+        refused = ranks[r]["cases"]["refused_at_setup"]
+        assert refused["refused"].startswith("ValueError: Llama refuses the rows of RowsDataModule (block_size=16, "
+                                             "document_mask=True)"), refused["refused"]
+        assert "Change data.document_mask: false in the config" in refused["refused"]
+        assert refused["batches_started"] == 0 and refused["meta"]
     # The gather: rank 0's module holds the whole model, plain tensors, the one-device run's weights.
     full = ranks[0]["cases"]["full"]["state_dict"]
     assert not any(isinstance(v, DTensor) for v in full.values())
@@ -514,6 +532,19 @@ def test_a_two_by_two_checkpoint_resumes_exactly_on_two_by_two_on_two_stages_and
         assert all(torch.equal(state[k], saved[k]) for k in saved)
         assert not any(isinstance(v, DTensor) for v in state.values())
     assert ranks[0]["cases"]["saved"]["global_step"] == 2
+
+    # Saved after fit, from the gathered model's processes: tensor by tensor the save at the last step inside fit
+    # (weights, the stash, the optimizer's moments), the steps as the same run's; it consolidates and resumes.
+    inside, outside = (ShardedSource(str(after / name)) for name in ("saved.ckpt", "after_fit.ckpt"))
+    assert inside.shapes == outside.shapes and any(k.startswith("stash.") for k in inside.shapes)
+    tensors = [k for k, shape in inside.shapes.items() if shape is not None]
+    read_inside, read_outside = inside.read(tensors), outside.read(tensors)
+    assert all(torch.equal(read_inside[k], read_outside[k]) for k in tensors)
+    assert read_meta(str(after / "after_fit.ckpt"))["async_pipeline"]["num_updates"] == 2
+    consolidated_after = consolidate.consolidate_checkpoint(str(after / "after_fit.ckpt"), tmp_path / "after.ckpt")
+    gathered = ranks[0]["cases"]["saved_after_fit"]["state_dict"]  # rank 0's module after fit
+    assert all(torch.equal(consolidated_after["state_dict"][k], v) for k, v in gathered.items())
+    assert max_difference(_whole_model(ranks, "resumed_after_fit"), full) < 1e-6
 
     # Resumed on the same layout: the uninterrupted run's weights (same shards, same order of sums).
     assert max_difference(_whole_model(ranks, "resumed"), full) < 1e-6

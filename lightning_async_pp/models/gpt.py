@@ -188,10 +188,11 @@ class GPT(PipelineModule):
                                                        RowwiseParallel, SequenceParallel, parallelize_module)
         from torch.distributed.tensor.placement_types import _StridedShard
 
-        from lightning_async_pp.pipeline.mesh import check_tensor_parallel_divides
+        from lightning_async_pp.pipeline.mesh import check_tensor_parallel_divides, replica_processes
 
         h, t = self.hparams, tp_mesh.size()
-        check_tensor_parallel_divides(t, {"n_head": h.n_head, "vocab_size": h.vocab_size}, "GPT")
+        check_tensor_parallel_divides(t, {"n_head": h.n_head, "vocab_size": h.vocab_size}, "GPT",
+                                      replica_processes(self.device_mesh))
         if h.dropout:
             raise ValueError(f"GPT with tensor_parallel_size={t} takes dropout=0 only, got dropout={h.dropout}: its "
                              f"plan does not draw dropout masks per shard yet; use dropout=0 or tensor_parallel_size=1")

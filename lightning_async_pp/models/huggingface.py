@@ -37,7 +37,7 @@ from lightning_async_pp.models import hf_outside, hf_probe, packing
 from lightning_async_pp.models.adopted import AdoptedCausalLM, missing_package
 from lightning_async_pp.models.pretrained import SafetensorsFolder
 from lightning_async_pp.models.moe import RouterLoss, adds_router_loss, check_router_loss_supported
-from lightning_async_pp.pipeline.mesh import tensor_parallel_mesh
+from lightning_async_pp.pipeline.mesh import replica_processes, tensor_parallel_mesh
 
 #: What the adapter takes from the upstream model, as dotted paths of ``AutoModelForCausalLM.from_config(config)``.
 LAYOUT = ("model.embed_tokens", "model.layers", "model.norm", "model.rotary_emb", "lm_head")
@@ -541,7 +541,8 @@ class HuggingFaceCausalLM(AdoptedCausalLM):
             # The adapter itself, not a subclass: a subclass may take other constructor arguments.
             self._mask_as_upstream(hf_probe.check_exact(HuggingFaceCausalLM, self.config))
         tp_mesh = tensor_parallel_mesh(self.device_mesh)  # set by a strategy with tensor parallelism
-        plan = tensor_parallel_plan(self.config, tp_mesh.size()) if tp_mesh is not None else None
+        plan = (tensor_parallel_plan(self.config, tp_mesh.size(), replica_processes(self.device_mesh))
+                if tp_mesh is not None else None)
         super().configure_model()
         if plan is not None:
             self.parallelize(tp_mesh, plan)
@@ -653,14 +654,14 @@ TENSOR_PARALLEL_STYLES = ("colwise", "rowwise")
 LAYERS_PREFIX = "layers.*."
 
 
-def tensor_parallel_plan(config: Any, tensor_parallel_size: int) -> dict[str, Any]:
+def tensor_parallel_plan(config: Any, tensor_parallel_size: int, processes: Optional[int] = None) -> dict[str, Any]:
     """The tensor-parallel plan of one decoder layer of ``config``'s family, from transformers' own
     (``config.base_model_tp_plan``): ``{"self_attn.q_proj": ColwiseParallel(), ..., "mlp.down_proj":
     RowwiseParallel()}``. Entries outside the decoder layers (the head's ``colwise_rep``) are not applied
     (``HuggingFaceCausalLM.parallelize`` splits the embedding and the head over the vocabulary itself). Refused,
     naming it: a family without a plan, one not verified exact (:data:`TENSOR_PARALLEL_FAMILIES`), a style other
     than column- or row-wise, and a ``tensor_parallel_size`` that does not divide the vocabulary, the heads or the
-    MLP's width."""
+    MLP's width (the sizes suggested instead also divide ``processes``, a pipeline replica's, where known)."""
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
     from lightning_async_pp.pipeline.mesh import check_tensor_parallel_divides
@@ -685,7 +686,7 @@ def tensor_parallel_plan(config: Any, tensor_parallel_size: int) -> dict[str, An
     check_tensor_parallel_divides(t, {"vocab_size": config.vocab_size, "num_attention_heads": config.num_attention_heads,
                                       "num_key_value_heads": getattr(config, "num_key_value_heads", None),
                                       "intermediate_size": getattr(config, "intermediate_size", None)},
-                                  f"model_type {family!r}")
+                                  f"model_type {family!r}", processes)
     styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
     return {name: styles[style]() for name, style in layers.items()}
 
