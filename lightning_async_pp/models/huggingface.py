@@ -659,11 +659,12 @@ def tensor_parallel_plan(config: Any, tensor_parallel_size: int) -> dict[str, An
     RowwiseParallel()}``. Entries outside the decoder layers (the head's ``colwise_rep``) are not applied
     (``HuggingFaceCausalLM.parallelize`` splits the embedding and the head over the vocabulary itself). Refused,
     naming it: a family without a plan, one not verified exact (:data:`TENSOR_PARALLEL_FAMILIES`), a style other
-    than column- or row-wise, and a ``tensor_parallel_size`` that does not divide the vocabulary, the heads or the
-    MLP's width."""
+    than column- or row-wise, a ``tensor_parallel_size`` that does not divide the vocabulary, the heads or the
+    MLP's width, and a dropout rate above 0 (``attention_dropout``: each rank would draw one device's mask for its
+    own heads)."""
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
-    from lightning_async_pp.pipeline.mesh import check_tensor_parallel_divides
+    from lightning_async_pp.pipeline.mesh import check_tensor_parallel_divides, check_tensor_parallel_no_dropout
 
     family, t = config.model_type, tensor_parallel_size
     upstream = getattr(config, "base_model_tp_plan", None) or {}
@@ -686,6 +687,9 @@ def tensor_parallel_plan(config: Any, tensor_parallel_size: int) -> dict[str, An
                                       "num_key_value_heads": getattr(config, "num_key_value_heads", None),
                                       "intermediate_size": getattr(config, "intermediate_size", None)},
                                   f"model_type {family!r}")
+    read = read_by_the_code(type(config))  # the dropout rates its layers draw with (attention_dropout)
+    check_tensor_parallel_no_dropout(t, {k: v for k, v in config.to_dict().items()
+                                         if ("dropout" in k or "pdrop" in k) and k in read}, f"model_type {family!r}")
     styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
     return {name: styles[style]() for name, style in layers.items()}
 
