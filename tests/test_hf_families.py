@@ -186,6 +186,23 @@ def test_a_family_whose_init_leaves_its_norms_to_their_constructors_is_exact_bui
         torch.testing.assert_close(ours.eval()(batch), upstream(batch[:, :-1]).logits, rtol=0, atol=TOL)
 
 
+@pytest.mark.parametrize("heads, kv_heads, tiny_heads, tiny_kv_heads", [
+    (3, 3, 3, 3),  # the issue's config: 3 key/value heads were cut to 2, which do not divide 3 query heads
+    (32, 32, 4, 4), (32, 8, 4, 2), (9, 3, 4, 2), (32, 1, 4, 1), (4, 2, 4, 2), (6, 4, 6, 4)])
+def test_the_tiny_copy_keeps_the_configs_kind_of_attention_and_a_config_transformers_runs_passes_the_check(
+        heads, kv_heads, tiny_heads, tiny_kv_heads):
+    """The probe's tiny copy shrinks the heads keeping multi-head, multi-query and grouped-query attention as they
+    are, and the width a multiple of the heads; a config whose key/value heads do not divide its heads (6 and 4)
+    keeps both, so the copy fails as the model would."""
+    config = AutoConfig.for_model("llama", hidden_size=16 * heads, num_attention_heads=heads,
+                                  num_key_value_heads=kv_heads, head_dim=16, intermediate_size=64, vocab_size=256)
+    tiny = tiny_config(config)
+    assert (tiny.num_attention_heads, tiny.num_key_value_heads) == (tiny_heads, tiny_kv_heads)
+    assert tiny.hidden_size % tiny.num_attention_heads == 0
+    if heads % kv_heads == 0:  # transformers runs it: the adapter passes its build-time check on the copy
+        HuggingFaceCausalLM(config).configure_model()
+
+
 @pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
 def test_a_router_loss_family_passes_the_build_time_check_with_its_balancing_term(family, monkeypatch):
     """The tiny-copy check compares the loss with upstream's, router term included (models/moe.py): it runs and

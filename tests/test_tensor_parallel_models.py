@@ -242,6 +242,30 @@ def test_a_transformers_models_attention_dropout_under_tensor_parallelism_is_ref
     tensor_parallel_plan(as_pretrained_config({**llama_fit.HF_LLAMA, "attention_dropout": 0.0}), 2)
 
 
+@pytest.mark.hf
+def test_heads_two_ranks_cannot_split_are_refused_by_the_plan_naming_them_before_the_build_time_check():
+    # 3 heads and 3 key/value heads: transformers runs it, and so does the adapter at t = 1; at t = 2 the reason is
+    # the heads, which the build-time check on a tiny copy used to hide behind its own failure
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from lightning_async_pp.models import HuggingFaceCausalLM
+    from lightning_async_pp.strategy import _lightning
+
+    config = {**llama_fit.HF_LLAMA, "hidden_size": 48, "num_attention_heads": 3, "num_key_value_heads": 3}
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tensor_parallel",))
+        model = HuggingFaceCausalLM(config)
+        _lightning.set_device_mesh(model, mesh)
+        with pytest.raises(ValueError, match=r"tensor_parallel_size=2 does not divide model_type 'llama''s "
+                                             r"num_attention_heads=3: .* among \[1, 3\]"):
+            model.configure_model()
+    finally:
+        dist.destroy_process_group()
+
+
 def test_dropout_in_a_layer_a_users_own_plan_splits_is_refused_at_setup_naming_the_module():
     import torch.distributed as dist
     from lightning.pytorch.trainer.states import TrainerFn

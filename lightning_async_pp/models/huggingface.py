@@ -536,12 +536,13 @@ class HuggingFaceCausalLM(AdoptedCausalLM):
     def configure_model(self) -> None:
         if self._layers is not None:  # Lightning calls this hook on every trainer entry point
             return
+        tp_mesh = tensor_parallel_mesh(self.device_mesh)  # set by a strategy with tensor parallelism
+        # First what the plan refuses by name (sizes it does not divide), which the check below would only see fail
+        plan = tensor_parallel_plan(self.config, tp_mesh.size()) if tp_mesh is not None else None
         if self.check_exact:
             # Before any layer gets memory: refuses a family whose pipeline layers differ from the upstream forward.
             # The adapter itself, not a subclass: a subclass may take other constructor arguments.
             self._mask_as_upstream(hf_probe.check_exact(HuggingFaceCausalLM, self.config))
-        tp_mesh = tensor_parallel_mesh(self.device_mesh)  # set by a strategy with tensor parallelism
-        plan = tensor_parallel_plan(self.config, tp_mesh.size()) if tp_mesh is not None else None
         super().configure_model()
         if plan is not None:
             self.parallelize(tp_mesh, plan)
