@@ -626,7 +626,7 @@ class HuggingFaceCausalLM(AdoptedCausalLM):
         return loss if self._router_loss is None else loss + self._router_loss.loss(statistics)
 
     def pipeline_loss_weight(self, batch: Any) -> Any:
-        return packing.loss_weight(batch, self.skip_document_ends)  # kept targets, where some are skipped
+        return packing.loss_weight(batch, self.skip_document_ends, type(self).__name__)  # kept targets, where skipped
 
     def pipeline_metric_names(self) -> tuple[str, ...]:
         return ("train_aux_loss",) if adds_router_loss(self.config) else ()
