@@ -162,6 +162,18 @@ def test_every_familys_default_config_passes_the_key_check_and_a_misspelt_key_is
     assert len(checked) > 0.8 * len(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES), sorted(set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES) - set(checked))
 
 
+def test_an_unknown_model_type_is_refused_with_the_close_family_not_a_list_of_every_model_type():
+    from lightning_async_pp.models.huggingface import as_pretrained_config
+
+    with pytest.raises(ValueError) as caught:
+        HuggingFaceCausalLM({"model_type": "llamma", "hidden_size": 64})
+    message = str(caught.value)
+    assert "model_type 'llamma' is not one transformers knows; did you mean 'llama'" in message
+    assert len(message) < 400, message  # transformers' own lists its every model type (300 of them)
+    with pytest.raises(ValueError, match=r"model_type 'zzzz' is not one transformers knows; Its causal-LM families"):
+        as_pretrained_config({"model_type": "zzzz"})
+
+
 def test_a_family_whose_init_leaves_its_norms_to_their_constructors_is_exact_built_on_meta_as_under_the_strategy():
     # HunYuan's _init_weights sets only linear and embedding weights; its RMSNorm gains keep the constructor's ones.
     # Built on the meta device (the model's __init__, the strategy's configure_model) those values were lost: the

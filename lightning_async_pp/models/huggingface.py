@@ -58,6 +58,7 @@ def as_pretrained_config(config: Any) -> Any:
     if isinstance(config, Mapping):
         if "model_type" not in config:
             raise ValueError(f"a HuggingFaceCausalLM config mapping needs a 'model_type' (e.g. llama, mistral, qwen2); got keys {sorted(config)}")
+        check_model_type(config["model_type"])
         rest = {k: v for k, v in config.items() if k != "model_type"}
         by_hand = "transformers_version" not in config  # one transformers wrote may hold extra keys
         try:
@@ -72,6 +73,21 @@ def as_pretrained_config(config: Any) -> Any:
             check_config_keys(type(made), rest, made)
         return made
     raise TypeError(f"config must be a transformers.PretrainedConfig or a mapping with 'model_type', got {type(config).__name__}")
+
+
+def check_model_type(model_type: Any) -> None:
+    """Refuse a ``model_type`` transformers does not know with the close ones (``llamma``: did you mean 'llama'?),
+    not transformers' list of every model type it has (300 of them)."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    if model_type in CONFIG_MAPPING:
+        return
+    close = difflib.get_close_matches(str(model_type), list(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES), n=3, cutoff=0.6)
+    hint = f"did you mean {' or '.join(map(repr, close))}? " if close else ""
+    raise ValueError(f"HuggingFaceCausalLM: model_type {model_type!r} is not one transformers knows; {hint}Its "
+                     f"causal-LM families are listed in docs/models.md (the Llama family's layout: llama, mistral, "
+                     f"qwen2, qwen3, gemma, ...)")
 
 
 #: Keys a config mapping may hold that the family's signature and defaults need not show: the rope settings,
