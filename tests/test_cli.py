@@ -174,6 +174,25 @@ def test_the_console_script_ends_a_refused_configuration_with_its_one_line_reaso
     assert "Traceback" not in err and not any(line.startswith("usage:") for line in err)
 
 
+@pytest.mark.parametrize("option, reason", [
+    ("--model.skip_document_endz=true", "'skip_document_endz' is not one of its options (did you mean "
+     "'skip_document_ends'? 'skip_document_ends' is an option of Llama, GPT, HuggingFaceCausalLM; the model's options "
+     "come after its class"),
+    ("--model.skip_document_ends=true", "'skip_document_ends' is not one of its options ('skip_document_ends' is an "
+     "option of Llama, GPT, HuggingFaceCausalLM; the model's options come after its class"),
+])
+def test_a_model_option_read_before_the_models_class_is_refused_with_the_option_it_resembles_and_the_order(
+        tmp_path, monkeypatch, capsys, option, reason):
+    # Parsed only: the option, read before --config names the model's class, is checked against PipelineModule's
+    from lightning_async_pp.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as exited:
+        main(["fit", option, "--config", str(demo_config(tmp_path))])
+    assert exited.value.code == 2
+    assert reason in capsys.readouterr().err.strip().splitlines()[-1]
+
+
 def test_a_misspelt_data_key_in_a_config_file_is_refused_with_the_key_it_resembles(tmp_path, monkeypatch, capsys):
     from lightning_async_pp.cli import main
 

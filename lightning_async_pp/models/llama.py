@@ -346,7 +346,7 @@ class Llama(BuiltInInit, PipelineModule):
         return packing.document_loss(logits, batch, self.hparams.skip_document_ends)
 
     def pipeline_loss_weight(self, batch: Any) -> Any:
-        return packing.loss_weight(batch, self.hparams.skip_document_ends)  # kept targets, where some are skipped
+        return packing.loss_weight(batch, self.hparams.skip_document_ends, "Llama")  # kept targets, where skipped
 
     # ---- optimizer ---------------------------------------------------------------------------------------------
     def configure_optimizers(self) -> torch.optim.Optimizer:

@@ -30,7 +30,7 @@ from torch.func import functional_call
 from lightning_async_pp.pipeline.comm import FailureBoard, StageLink
 from lightning_async_pp.pipeline.config import PipelineConfig
 from lightning_async_pp.pipeline.cost import (MemoryModel, SplitReport, layer_costs, report_for, split_and_run_ahead,
-                                              stage_memory_bytes)
+                                              shared_parameters, stage_memory_bytes)
 from lightning_async_pp.pipeline.mesh import describe_layout
 from lightning_async_pp.pipeline.partition import partition_layers
 from lightning_async_pp.pipeline.placement import (
@@ -251,7 +251,7 @@ class PipelineEngine:
         # One device models the p devices its stages stand for, so it picks the split p processes pick.
         model = MemoryModel(config.schedule, p, self.num_microbatches, config.data_parallel_size, config.shard_optimizer,
                             run_ahead=config.last_stage_run_ahead is not False, state_bytes=self.optimizer_state_bytes,
-                            state_shared=self.optimizer_state_shared)
+                            state_shared=self.optimizer_state_shared, param_shared=shared_parameters(self.layers))
         costs, measured = None, None
         if sample_batch is not None:
             try:

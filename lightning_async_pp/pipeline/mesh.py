@@ -143,6 +143,23 @@ def check_tensor_parallel_divides(tensor_parallel_size: int, sizes: Mapping[str,
             )
 
 
+def check_tensor_parallel_no_dropout(tensor_parallel_size: int, probabilities: Mapping[str, Any],
+                                     where: str = "the model") -> None:
+    """Refuse dropout under tensor parallelism: any of ``probabilities`` (``{"attention_dropout": 0.1}``, or a
+    module's path and its ``p``) above 0 with ``tensor_parallel_size > 1``, naming it and what would run. Every rank
+    of a stage draws from one stream (pipeline/randomness.py), so each would drop the same positions of its own
+    shard (its heads, its columns), not its slice of one device's mask: another model would be trained."""
+    drawn = {name: p for name, p in probabilities.items()
+             if isinstance(p, (int, float)) and not isinstance(p, bool) and p > 0}
+    if tensor_parallel_size == 1 or not drawn:
+        return
+    given = ", ".join(f"{name}={p}" for name, p in drawn.items())
+    zeros = ", ".join(f"{name}=0" for name in drawn)
+    raise ValueError(f"{where} with tensor_parallel_size={tensor_parallel_size} takes no dropout, got {given}: "
+                     f"every tensor-parallel rank would draw the same mask for its own shard, not its slice of one "
+                     f"device's mask; set {zeros}, or use tensor_parallel_size=1")
+
+
 def build_device_mesh(layout: MeshLayout, device_type: str) -> Any:
     """The ``DeviceMesh`` of ``layout`` over the default process group (collective: every rank calls it), with
     dimensions :data:`MESH_DIMS`. Its row-major order is :class:`MeshLayout`'s, which is checked."""
