@@ -21,18 +21,16 @@ from litdata.utilities.env import _DistributedEnv
 from litdata.utilities.train_test_split import train_test_split
 
 from lightning_async_pp.data.corpus import (
-    DEFAULT_VAL_FRACTION,
     VOCAB_SIZE,
     build_token_cache,
     byte_tokenizer,
     cache_info,
-    check_val_fraction,
     corpus_key,
-    split_corpus,
     stdlib_files,
     text_files,
 )
 from lightning_async_pp.data.inputs import DEFAULT_ENCODING, check_encoding, is_record_file, text_inputs
+from lightning_async_pp.data.split import DEFAULT_VAL_FRACTION, check_val_fraction, split_corpus
 from lightning_async_pp.data.tokenized import (
     TOKENIZER_DIR,
     build_tokenized_cache,
@@ -122,11 +120,14 @@ class TextDataModule(L.LightningDataModule):
         block_size: tokens the model sees per row; each row holds ``block_size + 1`` (inputs and shifted targets).
         batch_size: rows per batch (per data-parallel replica); every batch has exactly this many.
         num_workers: DataLoader worker processes.
-        val_fraction: share of the corpus held out for validation: the last ``val_fraction`` of its bytes in a
-            seeded shuffle of the files (whole files and the tail of one), so about that share of the tokens.
+        val_fraction: share of the corpus held out for validation: that share of its pieces (whole records; pieces
+            of at least 4 KiB of text), every ``1 / val_fraction``-th from a seeded start, so from across the corpus
+            and about that share of the tokens (``data/split.py``). A single litdata-optimized folder is split by
+            litdata's ``train_test_split`` instead.
         max_bytes: cap on the corpus size, for tests and quick runs.
         cache_dir: where tokenized corpora are kept, one subfolder per corpus hash.
-        seed: seeds the split, the shuffle and ``max_bytes``'s choice of files.
+        seed: seeds the split, the order the training pieces are written in, litdata's shuffle of the chunks and of
+            the rows within each (again every epoch) and ``max_bytes``'s choice of files.
         document_mask: yield packed batches ``{"input_ids": (B, T + 1), "position_ids": (B, T + 1)}`` whose
             positions restart at 0 after each document's end (the tokenizer's end-of-text id; for bytes a NUL byte
             written after each file or piece of one, in a cache of its own), so the models attend within documents
