@@ -221,6 +221,30 @@ def test_a_parquet_column_is_read_row_by_row(tmp_path, tokenizer):
     assert sorted(rows_of(train) + rows_of(val)) == sorted(rows)
 
 
+def test_a_parquet_file_is_cut_at_its_row_groups_and_a_training_piece_lies_in_one(tmp_path, tokenizer):
+    pq = pytest.importorskip("pyarrow.parquet")
+    import pyarrow as pa
+
+    from lightning_async_pp.data.split import parquet_metadata
+
+    rows = [SENTENCES[i % 5] + f" row {i}" for i in range(100)]
+    path = tmp_path / "groups.parquet"
+    pq.write_table(pa.table({"text": rows}), path, row_group_size=20)
+    assert parquet_metadata(str(path)).num_row_groups == 5
+    size = path.stat().st_size
+    group_starts = [g * 20 * size // 100 for g in range(5)]  # each group's first row's proportional byte
+    train, val = split_corpus([path], 0.2, None, 0)
+    assert {a for _, a, _ in (*train, *val)} >= set(group_starts)
+    group = lambda byte: max(g for g, s in enumerate(group_starts) if s <= byte)  # noqa: E731
+    assert all(group(a) == group(b - 1) for _, a, b in train)
+    dm = TextDataModule(data_path=str(path), tokenizer=str(tokenizer), cache_dir=str(tmp_path / "c"), val_fraction=0.2,
+                        seed=0)
+    train_dir, val_dir = dm.optimized_dirs()
+    rows_of = lambda segments: [r for _, a, b in segments for i, r in enumerate(rows) if a <= i * size / 100 < b]  # noqa: E731
+    assert stored_ids(train_dir) == expected_ids(tokenizer, rows_of(train))
+    assert stored_ids(val_dir) == expected_ids(tokenizer, rows_of(val))
+
+
 # ---- prepare ----------------------------------------------------------------------------------------------------
 def test_prepare_writes_what_data_path_takes_as_it_is(tmp_path, tokenizer, mixed_corpus):
     out = tmp_path / "tokens"
