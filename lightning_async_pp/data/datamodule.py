@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, Union
 from unittest import mock
 
 import lightning as L
@@ -177,10 +177,18 @@ class TextDataModule(L.LightningDataModule):
         self.val_dataset: Optional[StreamingDataset] = None
 
     # ---- where the optimized data lives ------------------------------------------------------------------------
-    def example_batch(self, rows: int = 1) -> torch.Tensor:
-        """A batch of ``rows`` sequences shaped as this module's (token ids ``(rows, block_size + 1)``, all zero):
-        what ``partition="balanced"`` costs the layers on (the CLI sets it as the model's example batch)."""
-        return torch.zeros(rows, self.block_size + 1, dtype=torch.long)
+    def example_batch(self, rows: int = 1) -> Union[torch.Tensor, dict[str, torch.Tensor]]:
+        """A batch of ``rows`` sequences shaped as this module's: what ``partition="balanced"`` costs the layers on
+        (the CLI sets it as the model's example batch). Token ids ``(rows, block_size + 1)``, all zero; with
+        ``document_mask=True`` the packed batch its loaders yield, ``{"input_ids", "position_ids"}`` of that shape,
+        each row one document (positions ``0 .. block_size``): the costliest attention a row can have, and what
+        crosses a stage boundary beside the hidden state."""
+        from lightning_async_pp.models.packing import INPUT_IDS, POSITION_IDS
+
+        ids = torch.zeros(rows, self.block_size + 1, dtype=torch.long)
+        if not self.document_mask:
+            return ids
+        return {INPUT_IDS: ids, POSITION_IDS: torch.arange(self.block_size + 1).repeat(rows, 1)}
 
     def prepared_dirs(self) -> Optional[tuple[str, Optional[str]]]:
         """``(train_dir, val_dir)`` if ``data_path`` is litdata-optimized already (``val_dir`` ``None`` for a single
