@@ -400,6 +400,42 @@ def test_each_epoch_is_reshuffled_and_a_resume_inside_a_later_epoch_continues_it
         assert rows(reference) == third, workers
 
 
+def test_a_checkpoint_resumes_the_training_order_where_it_stopped(tmp_path, three_alphabets):
+    """The loader's position travels in the checkpoint (Lightning saves a stateful loader's state): a run stopped
+    after 3 updates and resumed from its checkpoint trains the batches one run of 7 updates trains, in order."""
+    import lightning as L
+
+    from lightning_async_pp import AsyncPipelineStrategy
+    from lightning_async_pp.models import GPT
+
+    seen: list[torch.Tensor] = []
+
+    class Record(L.Callback):
+        def on_train_batch_start(self, trainer, module, batch, batch_idx):
+            seen.append(batch.clone())
+
+    def fit(steps: int, ckpt_path=None, save=None) -> list[torch.Tensor]:
+        seen.clear()
+        L.seed_everything(0, verbose=False)
+        dm = TextDataModule(data_path=str(three_alphabets), cache_dir=str(tmp_path / "c"), block_size=BLOCK,
+                            batch_size=4, val_fraction=0.05, seed=3)
+        model = GPT(block_size=BLOCK, n_layer=2, n_head=2, n_embd=16)
+        trainer = L.Trainer(strategy=AsyncPipelineStrategy(num_stages=2, num_microbatches=2), accelerator="cpu",
+                            devices=1, max_steps=steps, logger=False, enable_checkpointing=False,
+                            enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
+                            callbacks=[Record()])
+        trainer.fit(model, datamodule=dm, ckpt_path=ckpt_path)
+        if save is not None:
+            trainer.save_checkpoint(save)
+        return list(seen)
+
+    whole = fit(7)
+    head = fit(3, save=tmp_path / "three.ckpt")
+    tail = fit(7, ckpt_path=tmp_path / "three.ckpt")
+    assert len(whole) == 7 and len(head) == 3
+    assert all(torch.equal(a, b) for a, b in zip(head + tail, whole)) and len(head + tail) == 7
+
+
 def test_data_parallel_ranks_get_disjoint_data_and_stages_of_one_rank_identical_batches(
     tmp_path, numbered_corpus, monkeypatch
 ):
