@@ -11,7 +11,7 @@ proportional position falls in it).
   same order that picks the files a ``max_bytes`` cap keeps): ``val_fraction`` of the pieces, so about that share of
   the bytes whatever the file sizes, spread over the corpus; every file of at least ``1 / val_fraction`` pieces gives
   some, and a small file is held out whole or not at all. Records are never cut.
-- **Training** is the other pieces, adjacent ones of a file joined up to :data:`MAX_PIECE_BYTES` (a ``.parquet``
+- **Training** is the other pieces, adjacent ones of a file joined up to :func:`train_piece_bytes` (a ``.parquet``
   file's up to its row group, which it is read by), in a seeded shuffle: the order the cache is written in, so each
   chunk litdata reads holds pieces of the whole corpus.
 
@@ -21,6 +21,7 @@ Every piece of text is a document of its own (the tokenizer's end-of-text token 
 """
 from __future__ import annotations
 
+import bisect
 import functools
 import math
 import os
@@ -133,7 +134,7 @@ def split_corpus(
 
 def _held_out(n: int, fraction: float, rng: random.Random) -> list[bool]:
     """Which of ``n`` pieces are held out: every ``1 / fraction``-th from a seeded start (systematic sampling), at
-    least one where ``n * fraction >= 1`` and, of two or more, never all."""
+    least one, and of two or more never all."""
     if fraction <= 0.0 or n == 0:
         return [False] * n
     start = rng.random()
@@ -220,7 +221,7 @@ def _row_groups(path: str, cuts: list[int]) -> list[Optional[int]]:
     if suffix(path) != ".parquet":
         return [None] * (len(cuts) - 1)
     starts = _row_group_starts(path)
-    return [max([g for g, s in enumerate(starts) if s <= a], default=0) for a in cuts[:-1]]
+    return [max(0, bisect.bisect_right(starts, a) - 1) for a in cuts[:-1]]
 
 
 def parquet_metadata(path: str) -> Any:
