@@ -4,8 +4,8 @@ Lightning keeps doing what it does (launching processes, the loops, the optimize
 logging, checkpoints); this class only builds a :class:`PipelineEngine` in ``setup``, runs it from the module's
 steps, hands its batch gradient to Lightning's optimizer step, and saves its weight versions with checkpoints.
 The rest of the seam is delegated to the modules beside it: ``options.py`` (keyword arguments, refused settings),
-``batches.py`` (the training batches and the lookahead), ``failures.py``, ``processes.py``, ``state.py``
-(checkpoints, the gather after each call) and ``requeue.py``.
+``batches.py`` (the training batches and the lookahead), ``data_rows.py``, ``failures.py``, ``processes.py``,
+``state.py`` (checkpoints, the gather after each call) and ``requeue.py``.
 How it meets Lightning is described in docs/design/lightning.md, "The Lightning seam".
 """
 from __future__ import annotations
@@ -38,19 +38,19 @@ from lightning_async_pp.pipeline.partition import PartitionSpec
 from lightning_async_pp.strategy.optimizer_state import optimizer_state_per_layer
 from lightning_async_pp.pipeline.placement import (
     layer_paths,
+    meta_tensors_set_aside,
     parameters_on_meta,
     reassemble_layers,
     refusing_loads_onto_meta,
-    replace_meta_tensors,
 )
 from lightning_async_pp.pipeline.mesh import build_device_mesh
 from lightning_async_pp.pipeline.sharding import local_optimizer, shard_optimizers
 from lightning_async_pp.pipeline.tensor_parallel import parameter_grad
 from lightning_async_pp.pipeline.topology import PipelineTopology
-from lightning_async_pp.strategy import _lightning, options, processes
+from lightning_async_pp.strategy import _lightning, data_rows, options, processes
 from lightning_async_pp.strategy.batches import TrainingBatches
 from lightning_async_pp.strategy.experts import refuse_with_expert_parallelism_at_setup
-from lightning_async_pp.strategy.failures import FailureReporting
+from lightning_async_pp.strategy.failures import FailureReporting, not_raised_over_a_failure
 from lightning_async_pp.strategy.lookahead import LookaheadLoader
 from lightning_async_pp.strategy.requeue import RequeueAtStepBoundary
 from lightning_async_pp.strategy.state import PipelineStateHooks, continued_state
@@ -196,7 +196,7 @@ class AsyncPipelineStrategy(PipelineStateHooks, TrainingBatches, FailureReportin
         self.gather_final_weights = gather_final_weights
         self._pending_save: Optional[ckpt.PendingSave] = None  # an async_checkpoint save still being written
         self._in_trainer_call = False  # between setup and teardown, where teardown awaits a background save
-        self._gathered_tensor_parallel = False  # rank 0 holds the whole model after a tensor-parallel call's gather
+        self._stage_state: Optional[dict] = None  # rank 0's tensor-parallel stage, kept when the gather replaced it
         self._checkpoint_group: Any = None  # async saves' own gloo group: their collectives run in a background thread
         self._source: Optional[ckpt.TensorSource] = None  # the checkpoint being restored, between its two loads
         self._tensors: dict[str, Any] = {}
@@ -348,6 +348,7 @@ class AsyncPipelineStrategy(PipelineStateHooks, TrainingBatches, FailureReportin
         options.refuse_with_tensor_parallelism(trainer, module, self.config, self.gather_final_weights,
                                                previous_call=self.engine is not None)
         refuse_with_expert_parallelism_at_setup(trainer, module, self.config)
+        data_rows.check_rows(trainer.datamodule, module)  # rows the model refuses: before costing or building
         self.model = self.precision_plugin.convert_module(self.model)
         # The full layer list is remembered on the module: after a multi-process call, other stages' layers are
         # placeholders in rank 0's tree (unless gathered back), and a later call must still find the originals.
@@ -500,16 +501,15 @@ class AsyncPipelineStrategy(PipelineStateHooks, TrainingBatches, FailureReportin
         module = self.lightning_module
         if isinstance(module, PipelineModule):
             module._pipeline_executor = None
-        if module is not None:
-            # A setup that failed before materializing leaves meta tensors, which Lightning's move to the CPU
-            # cannot copy: give them a placeholder of their shape (no memory) so the original error surfaces.
-            replace_meta_tensors(module, lambda t: torch.empty((), dtype=t.dtype).expand(t.shape))
         self._train_loader = None
         self._lookahead = None
         self.precision_plugin.__dict__.pop("clip_grad_by_norm", None)  # the plugin's own method again
         self._requeue = None
-        self.finish_pending_save()
-        super().teardown()
+        # A setup that failed before materializing leaves meta tensors, which Lightning's move to the CPU cannot
+        # copy: set aside meanwhile. Whatever fails here is not raised over the call's own failure.
+        with not_raised_over_a_failure(module), meta_tensors_set_aside(module) if module else nullcontext():
+            self.finish_pending_save()
+            super().teardown()
 
 
 StrategyRegistry.register(
