@@ -31,8 +31,7 @@ from lightning_async_pp.pipeline.comm import FailureBoard, StageLink
 from lightning_async_pp.pipeline.config import PipelineConfig
 from lightning_async_pp.pipeline.cost import (MemoryModel, SplitReport, layer_costs, report_for, split_and_run_ahead,
                                               shared_parameters, stage_memory_bytes)
-from lightning_async_pp.pipeline.expert_parallel import (ExpertGradients, create_expert_groups, expert_parameters,
-                                                         expert_square_sum, start_alike)
+from lightning_async_pp.pipeline.expert_parallel import ExpertGroups, start_alike
 from lightning_async_pp.pipeline.mesh import describe_layout
 from lightning_async_pp.pipeline.partition import partition_layers
 from lightning_async_pp.pipeline.placement import (
@@ -201,10 +200,7 @@ class PipelineEngine:
         delays = config.stage_delays(self.num_stages)
         self._tie_groups: list[tuple[Tie, Any]] = []
         self.pipeline_group: Any = None
-        # expert parallelism (pipeline/expert_parallel.py): this rank's expert group, the ranks with the same experts
-        self.expert_group: Any = None
-        self.expert_copies_group: Any = None
-        self.expert_ids: set[int] = set()  # the parameters held in LocalExperts, once the stages exist
+        self.experts: Optional[ExpertGroups] = None  # expert parallelism (pipeline/expert_parallel.py)
         self.board = FailureBoard(None)
         link, dp_group, loss_group = None, None, None
         if self.is_multiprocess:
@@ -339,8 +335,7 @@ class PipelineEngine:
             dist.broadcast(local_tensor(tie.param).data, src=topology.rank_of(tie.owner), group=group)
         if self._dp_group is not None:  # replicas start from the same weights and buffers, as DDP does
             assert topology is not None
-            start_alike(nn.ModuleList([self.layers[i] for i in own]), topology.layout, self.rank, self._dp_group,
-                        self.expert_copies_group)
+            start_alike(nn.ModuleList([self.layers[i] for i in own]), topology.layout, self.rank, self._dp_group, self.experts)
 
     @contextmanager
     def whole_model(self) -> Iterator[None]:
@@ -360,7 +355,6 @@ class PipelineEngine:
         """Create this process's stages from its layers as they are now (on their device): call after moving the
         model, before the first step. Each stage copies its parameters into its weight-version slots."""
         self.stages = self._build_stages(self._local, self._delays)
-        self.expert_ids = expert_parameters(stage.layers for stage in self.stages)
         self.runtime = PipelineRuntime(
             self.stages, schedule=self.config.schedule, num_microbatches=self.num_microbatches,
             input_fn=self._input_fn, loss_fn=self._loss_fn, weight_fn=self._weight_fn, link=self._link,
@@ -368,9 +362,7 @@ class PipelineEngine:
             dp_group=self._dp_group, dp_size=self.config.data_parallel_size, check_batches=self.config.check_batches,
             loss_group=self._loss_group, metric_names=self._metric_names, metrics_fn=self._metrics_fn,
             randomness=self.randomness, last_ahead=self.split.run_ahead is not False,
-            tensor_parallel=self.tensor_parallel_size > 1, expert_gradients=None if self.expert_group is None else
-            ExpertGradients.of_stage(self.stages[0].params, self.expert_ids, self.expert_copies_group,
-                                     self.topology.layout, self.rank),
+            tensor_parallel=self.tensor_parallel_size > 1, expert_gradients=self.experts and self.experts.gradients(self.stages),
         )
         # Where each tied parameter sits among this process's gradients, and the parameters another stage counts
         # in a global norm (a tied one only on the stage that owns it): fixed once the stages exist.
@@ -381,8 +373,7 @@ class PipelineEngine:
             # A whole (plain or replicated) parameter's gradient is whole and equal on every tensor-parallel rank:
             # counted on rank 0 only; a sharded parameter's local shard on every rank.
             self._counted_elsewhere |= {id(p) for p in self.params if is_whole(p)}
-        if self.expert_group is not None:  # counted over the expert group instead, each expert once (clip_grad_norm)
-            self._counted_elsewhere |= self.expert_ids
+        self._counted_elsewhere |= self.experts.ids if self.experts else set()  # counted over their group instead
         names = self.global_names
         self.stage_views = [StageView(st.index, st.versions.delay, tuple(names[id(p)] for p in st.params), st,
                                       tuple(id(p) not in self._counted_elsewhere for p in st.params))
@@ -416,8 +407,7 @@ class PipelineEngine:
             group = dist.new_group([topology.rank_of(s, d, i) for s in range(topology.num_stages) for i in range(t)])
             if d == topology.dp_rank:
                 self.pipeline_group = group
-        if topology.layout.expert_parallel_size > 1:
-            self.expert_group, self.expert_copies_group = create_expert_groups(topology.layout, self.rank)
+        self.experts = ExpertGroups(topology.layout, self.rank) if topology.layout.expert_parallel_size > 1 else None
         # A tie per replica and tensor-parallel rank: rank i of each stage holds the same shard of the tied tensor.
         for tie in self.ties:
             for d in range(topology.data_parallel_size):
@@ -575,9 +565,7 @@ class PipelineEngine:
                 by_stage.setdefault(stage_of.get(id(p), 0), []).append(local_tensor(p.grad))
         sums = [torch.stack([torch.linalg.vector_norm(g.detach(), dtype=torch.float32) ** 2 for g in grads]).sum()
                 for _, grads in sorted(by_stage.items())]
-        if self.expert_group is not None:  # one stage here: its experts' squares, summed over its expert group
-            sums.append(expert_square_sum([p.grad for p in params if id(p) in self.expert_ids], self.expert_group,
-                                          device))
+        sums += [self.experts.square_sum(params, device)] if self.experts else []  # each expert once, over its group
         sq = functools.reduce(operator.add, sums) if sums else torch.zeros((), device=device)
         if self.pipeline_group is not None:
             sq = _sum_in_stage_order(sq, self.pipeline_group, self.num_stages * self.tensor_parallel_size)

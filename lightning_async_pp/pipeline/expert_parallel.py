@@ -296,19 +296,41 @@ class ExpertGradients:
         return gradients
 
 
-def start_alike(held: nn.Module, layout: Any, rank: int, dp_group: Any, copies_group: Any) -> None:
+def start_alike(held: nn.Module, layout: Any, rank: int, dp_group: Any, groups: Optional["ExpertGroups"]) -> None:
     """Replicas start from the first replica's weights and buffers, as DDP does (a model initialized differently
     per process, an unseeded run, would otherwise train different models); an expert from the first rank holding
-    the same experts, since the replicas elsewhere in its expert group hold others."""
+    the same experts (over ``groups.copies_group``), since the replicas elsewhere in its expert group hold others."""
     from lightning_async_pp.pipeline.tensor_parallel import local_tensor
 
-    experts = expert_parameters([held])
+    experts, copies_group = expert_parameters([held]), groups.copies_group if groups is not None else None
     first = layout.rank_of(0, layout.coordinates(rank)[1], layout.coordinates(rank)[2])
     for t in [*held.parameters(), *held.buffers()]:
         if id(t) not in experts:
             dist.broadcast(local_tensor(t).data, src=first, group=dp_group)
         elif copies_group is not None:
             dist.broadcast(t.data, src=layout.expert_data_parallel_ranks(rank)[0], group=copies_group)
+
+
+class ExpertGroups:
+    """Expert parallelism on this process, for the engine: its expert group and the copies of its experts (created
+    on every rank in one order: ``new_group`` is collective), and, once the stages exist, which parameters are
+    experts (:meth:`find`)."""
+
+    def __init__(self, layout: Any, rank: int) -> None:
+        self.layout, self.rank = layout, rank
+        self.group, self.copies_group = create_expert_groups(layout, rank)
+        self.ids: set[int] = set()
+
+    def gradients(self, stages: Sequence[Any]) -> ExpertGradients:
+        """The rule for the expert gradients of ``stages`` (the engine's, one here), whose expert parameters
+        (``ids``) are found now."""
+        self.ids = expert_parameters(stage.layers for stage in stages)
+        params = [p for stage in stages for p in stage.params]
+        return ExpertGradients.of_stage(params, self.ids, self.copies_group, self.layout, self.rank)
+
+    def square_sum(self, params: Sequence[Tensor], device: torch.device) -> Tensor:
+        """The squared norm of the experts' gradients among ``params``, each of the stage's experts counted once."""
+        return expert_square_sum([p.grad for p in params if id(p) in self.ids], self.group, device)
 
 
 def create_expert_groups(layout: Any, rank: int) -> tuple[Any, Any]:

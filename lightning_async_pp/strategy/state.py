@@ -68,7 +68,7 @@ class PipelineStateHooks:
         flat = ckpt.engine_tensors(self.engine, module_state, self.optimizers, weights=own) if own or sharded else {}
         if not own and self.config.expert_parallel_size > 1:  # the other replicas hold other experts: theirs too
             flat = expert_entries(ckpt.engine_tensors(self.engine, module_state, self.optimizers),
-                                  {self.engine.global_names[i] for i in self.engine.expert_ids})
+                                  {self.engine.global_names[i] for i in self.engine.experts.ids})
         meta = ckpt.checkpoint_meta(self.engine, self.schedule, self.data_parallel_size)
         self.finish_pending_save()  # one save in flight at a time, in order
         if self.config.save_distributed_checkpoint:
