@@ -49,7 +49,7 @@ def test_two_optimizers_under_manual_optimization_both_update_as_in_plain_lightn
 
 
 def test_a_group_loaded_in_another_layout_keeps_its_own_param_names():
-    from lightning_async_pp.pipeline import checkpoint as ckpt
+    from lightning_async_pp import checkpoint as ckpt
 
     a, b = torch.nn.Parameter(torch.ones(2)), torch.nn.Parameter(torch.ones(3))
     saved = torch.optim.AdamW([("a", a), ("b", b)], lr=0.5)  # named parameters: the groups carry param_names

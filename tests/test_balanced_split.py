@@ -16,10 +16,10 @@ from helpers import one_device_trainer
 from lightning_async_pp import AsyncPipelineStrategy, PipelineModule
 from lightning_async_pp.models import Llama
 from lightning_async_pp.pipeline.config import PipelineConfig
-from lightning_async_pp.pipeline.cost import (LayerCost, MemoryModel, balanced_split, layer_costs, split_and_run_ahead,
+from lightning_async_pp.plan.balanced import (LayerCost, MemoryModel, balanced_split, layer_costs, split_and_run_ahead,
                                               stage_memory_bytes, stage_peak)
-from lightning_async_pp.pipeline.memory import StageMemory
-from lightning_async_pp.pipeline.timing import measure_layer_times
+from lightning_async_pp.plan.memory import StageMemory
+from lightning_async_pp.plan.timing import measure_layer_times
 
 
 def brute_force(times, p, memory=None, cap=None):
@@ -488,7 +488,7 @@ def test_the_optimizer_state_is_counted_on_the_whole_model_after_a_multi_process
     """After a multi-process call each process's tree holds placeholders for other stages' layers (here: what rank
     1 of 2 keeps); the state was found on that tree, layers outside it counting 0, so the processes chose
     different splits under a cap. Counted on the whole model, every process sees a fresh model's numbers."""
-    from lightning_async_pp.pipeline.placement import layer_paths, remove_other_stages
+    from lightning_async_pp.parallel.placement import layer_paths, remove_other_stages
 
     model = Blocks(lambda named: torch.optim.AdamW([p for _, p in named], lr=1e-3))
     layers = model.pipeline_layers()

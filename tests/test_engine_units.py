@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from lightning_async_pp.pipeline.structure import Layout, flatten, normalize, unflatten
-from lightning_async_pp.pipeline.partition import partition_layers
+from lightning_async_pp.plan.partition import partition_layers
 from lightning_async_pp.pipeline.schedule import check_schedule, step_actions
 from lightning_async_pp.pipeline.versions import WeightVersions
 

@@ -22,7 +22,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent / "scripts"))
 from faults_fit import run  # noqa: E402
 
-from lightning_async_pp.pipeline import checkpoint as ckpt  # noqa: E402
+from lightning_async_pp import checkpoint as ckpt  # noqa: E402
 
 SCRIPT = Path(__file__).parent / "scripts" / "faults_fit.py"
 _RENDEZVOUS = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK", "LOCAL_WORLD_SIZE",

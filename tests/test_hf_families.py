@@ -166,7 +166,7 @@ def test_a_family_whose_init_leaves_its_norms_to_their_constructors_is_exact_bui
     # HunYuan's _init_weights sets only linear and embedding weights; its RMSNorm gains keep the constructor's ones.
     # Built on the meta device (the model's __init__, the strategy's configure_model) those values were lost: the
     # norms were uninitialized memory, and the build-time check refused the family under the strategy only.
-    from lightning_async_pp.pipeline.placement import materialize_layers, parameters_on_meta
+    from lightning_async_pp.parallel.placement import materialize_layers, parameters_on_meta
 
     if "hunyuan_v1_dense" not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
         pytest.skip("this transformers has no hunyuan_v1_dense")

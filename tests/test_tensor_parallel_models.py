@@ -178,7 +178,7 @@ def test_a_sharded_layer_initialized_inside_whole_parameters_holds_its_slice_of_
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from lightning_async_pp.pipeline.tensor_parallel import whole_parameters
+    from lightning_async_pp.parallel.tensor_parallel import whole_parameters
 
     # Rank 1 of a fake 2-process group (torch's test backend: collectives do nothing; none is needed here).
     dist.init_process_group("fake", store=FakeStore(), rank=1, world_size=2)

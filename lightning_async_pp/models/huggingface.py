@@ -37,7 +37,7 @@ from lightning_async_pp.models import hf_outside, hf_probe, packing
 from lightning_async_pp.models.adopted import AdoptedCausalLM, missing_package
 from lightning_async_pp.models.pretrained import SafetensorsFolder
 from lightning_async_pp.models.moe import RouterLoss, adds_router_loss, check_router_loss_supported
-from lightning_async_pp.pipeline.mesh import tensor_parallel_mesh
+from lightning_async_pp.parallel.mesh import tensor_parallel_mesh
 
 #: What the adapter takes from the upstream model, as dotted paths of ``AutoModelForCausalLM.from_config(config)``.
 LAYOUT = ("model.embed_tokens", "model.layers", "model.norm", "model.rotary_emb", "lm_head")
@@ -663,7 +663,7 @@ def tensor_parallel_plan(config: Any, tensor_parallel_size: int) -> dict[str, An
     MLP's width."""
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
-    from lightning_async_pp.pipeline.mesh import check_tensor_parallel_divides
+    from lightning_async_pp.parallel.mesh import check_tensor_parallel_divides
 
     family, t = config.model_type, tensor_parallel_size
     upstream = getattr(config, "base_model_tp_plan", None) or {}

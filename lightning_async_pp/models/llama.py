@@ -27,7 +27,7 @@ from lightning_async_pp.models import packing
 from lightning_async_pp.models.meta_built import BuiltInInit
 from lightning_async_pp.module import PipelineModule, layer_seed
 from lightning_async_pp.optim.groups import decay_matrices_only
-from lightning_async_pp.pipeline.mesh import tensor_parallel_mesh
+from lightning_async_pp.parallel.mesh import tensor_parallel_mesh
 
 
 @dataclass(frozen=True)
@@ -276,7 +276,7 @@ class Llama(BuiltInInit, PipelineModule):
         from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
                                                        SequenceParallel, parallelize_module)
 
-        from lightning_async_pp.pipeline.mesh import check_tensor_parallel_divides
+        from lightning_async_pp.parallel.mesh import check_tensor_parallel_divides
 
         cfg = self.config
         check_tensor_parallel_divides(tp_mesh.size(), {"num_heads": cfg.num_heads, "num_kv_heads": cfg.num_kv_heads,

@@ -207,7 +207,7 @@ def _step_whole_matrices(muon: torch.optim.Muon) -> None:
     a sharded matrix's slice is bitwise the whole matrix's step."""
     from torch.optim._muon import _adjust_lr, _zeropower_via_newtonschulz
 
-    from lightning_async_pp.pipeline.tensor_parallel import laid_out_like, whole_value
+    from lightning_async_pp.parallel.tensor_parallel import laid_out_like, whole_value
 
     for group in muon.param_groups:
         lr = float(group["lr"])

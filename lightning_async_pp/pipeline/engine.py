@@ -29,11 +29,11 @@ from torch.func import functional_call
 
 from lightning_async_pp.pipeline.comm import FailureBoard, StageLink
 from lightning_async_pp.pipeline.config import PipelineConfig
-from lightning_async_pp.pipeline.cost import (MemoryModel, SplitReport, layer_costs, report_for, split_and_run_ahead,
+from lightning_async_pp.plan.balanced import (MemoryModel, SplitReport, layer_costs, report_for, split_and_run_ahead,
                                               stage_memory_bytes)
-from lightning_async_pp.pipeline.mesh import describe_layout
-from lightning_async_pp.pipeline.partition import partition_layers
-from lightning_async_pp.pipeline.placement import (
+from lightning_async_pp.parallel.mesh import describe_layout
+from lightning_async_pp.plan.partition import partition_layers
+from lightning_async_pp.parallel.placement import (
     Tie,
     check_parameters_covered,
     layer_paths,
@@ -45,9 +45,9 @@ from lightning_async_pp.pipeline.placement import (
 from lightning_async_pp.pipeline.randomness import ForwardRandomness
 from lightning_async_pp.pipeline.runtime import PipelineRuntime, Span, StepTimes
 from lightning_async_pp.pipeline.stage import Stage
-from lightning_async_pp.pipeline.tensor_parallel import is_whole, local_tensor
-from lightning_async_pp.pipeline.timing import measure_layer_times
-from lightning_async_pp.pipeline.topology import PipelineTopology
+from lightning_async_pp.parallel.tensor_parallel import is_whole, local_tensor
+from lightning_async_pp.plan.timing import measure_layer_times
+from lightning_async_pp.parallel.topology import PipelineTopology
 from lightning_async_pp.pipeline.versions import WeightVersions
 
 
@@ -286,7 +286,7 @@ class PipelineEngine:
 
     def _measured_times(self, sample_batch: Any, input_fn: Callable[[Any], Any],
                         loss_fn: Callable[[Any, Any], Tensor]) -> Optional[list[float]]:
-        """``layer_cost="measured"``: rank 0 times each layer on its device (pipeline/timing.py) and every process
+        """``layer_cost="measured"``: rank 0 times each layer on its device (plan/timing.py) and every process
         takes rank 0's times, so all choose one split (each timing its own would disagree by noise). ``None``
         (the FLOPs are used) where rank 0 could not time them or has no sample (``sample_batch`` None)."""
         times: Optional[list[float]] = None

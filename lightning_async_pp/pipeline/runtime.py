@@ -26,14 +26,14 @@ from torch import Tensor
 
 from lightning_async_pp.pipeline.backward import PendingWeightGradient, backward_input, backward_weight
 from lightning_async_pp.pipeline.comm import StageLink
-from lightning_async_pp.pipeline.data_parallel import GradientReducer
+from lightning_async_pp.parallel.data_parallel import GradientReducer
 from lightning_async_pp.pipeline.messages import Message, evaluation_programs, step_programs
 from lightning_async_pp.pipeline.microbatch import batch_size_of, fingerprint, split_microbatches, split_ragged, tensors_of
 from lightning_async_pp.pipeline.randomness import EVAL, ForwardRandomness
 from lightning_async_pp.pipeline.schedule import Action, step_actions
 from lightning_async_pp.pipeline.stage import Stage
 from lightning_async_pp.pipeline.structure import as_received, flatten, input_gradient, unflatten
-from lightning_async_pp.pipeline.tensor_parallel import loss_context, whole_value
+from lightning_async_pp.parallel.tensor_parallel import loss_context, whole_value
 
 InputFn = Callable[[Any], Any]
 LossFn = Callable[[Any, Any], Tensor]

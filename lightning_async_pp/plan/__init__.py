@@ -12,11 +12,11 @@ peak activations and weight copies per device. The costs come from one of:
 - a model shape (``--model smollm-360m`` or ``llama-10b``, or ``--hidden --layers --heads --kv-heads
   --intermediate --vocab --seq-len``): FLOPs per layer, an accelerator rate (``--tflops`` x ``--mfu``) and a
   link bandwidth (``--link-gbps``) give the times; blocks are split as the engine's ``partition="balanced"`` splits
-  them (``pipeline.cost.balanced_split``: the slowest stage least, every stage's memory under
+  them (``plan.balanced.balanced_split``: the slowest stage least, every stage's memory under
   ``--stage-memory-gib``), and a *Split* table sets that split against ``"parameters"`` and ``"uniform"``.
 
 A shape also gives a table of each schedule's peak memory per device (:func:`device_memory`: the memory model,
-``pipeline.memory.stage_memory``, fed the shape's per-layer parameters and activations, ``--param-bytes``,
+``plan.memory.stage_memory``, fed the shape's per-layer parameters and activations, ``--param-bytes``,
 ``--optimizer``, ``--correction-buffers``, ``--bytes-per-value``).
 
 ``--data-parallel R`` adds a table of the data-parallel gradient reduction (each stage's gradient all-reduced

@@ -7,8 +7,8 @@ import argparse
 from pathlib import Path
 from typing import Optional
 
-from lightning_async_pp.pipeline.cost import OPTIMIZER_STATE_RULES
-from lightning_async_pp.pipeline.memory import StageMemory
+from lightning_async_pp.plan.balanced import OPTIMIZER_STATE_RULES
+from lightning_async_pp.plan.memory import StageMemory
 from lightning_async_pp.pipeline.simulate import SimulationResult, simulate
 from lightning_async_pp.plan.costs import CostModel, Costs, device_memory, tied_kwargs
 from lightning_async_pp.plan.tensor import tensor_parallel_section
@@ -241,7 +241,7 @@ def plan(args: argparse.Namespace) -> tuple[list[str], list[dict]]:
                   "|---:|---:|---|---|---|---:|---:|", *split_lines]
     if memory_lines:
         lines += ["", "## Memory per device (peak, GiB)", "",
-                  f"The device with the largest peak, by what holds it (`pipeline.memory.stage_memory` over the "
+                  f"The device with the largest peak, by what holds it (`plan.memory.stage_memory` over the "
                   f"simulated timeline): parameters and gradients at {args.param_bytes} bytes each, "
                   f"the optimizer's state as {args.optimizer} keeps it ({OPTIMIZER_STATE_RULES[args.optimizer]}), "
                   f"{args.correction_buffers:g} correction buffers per parameter (ErrorFeedback 1) and as many "

@@ -30,23 +30,23 @@ from lightning_async_pp.module import PipelineModule
 from lightning_async_pp.optim.checks import check_corrections, set_step_delay
 from lightning_async_pp.optim.empty import allowing_empty_parameter_lists
 from lightning_async_pp.optim.weight_prediction import prediction_scales
-from lightning_async_pp.pipeline import checkpoint as ckpt
+from lightning_async_pp import checkpoint as ckpt
 from lightning_async_pp.pipeline.comm import elastic_attempt_store
 from lightning_async_pp.pipeline.config import CheckpointingSpec, CompileSpec, DelaySpec, PipelineConfig
 from lightning_async_pp.pipeline.engine import PipelineEngine
-from lightning_async_pp.pipeline.partition import PartitionSpec
+from lightning_async_pp.plan.partition import PartitionSpec
 from lightning_async_pp.strategy.optimizer_state import optimizer_state_per_layer
-from lightning_async_pp.pipeline.placement import (
+from lightning_async_pp.parallel.placement import (
     layer_paths,
     parameters_on_meta,
     reassemble_layers,
     refusing_loads_onto_meta,
     replace_meta_tensors,
 )
-from lightning_async_pp.pipeline.mesh import build_device_mesh
-from lightning_async_pp.pipeline.sharding import local_optimizer, shard_optimizers
-from lightning_async_pp.pipeline.tensor_parallel import parameter_grad
-from lightning_async_pp.pipeline.topology import PipelineTopology
+from lightning_async_pp.parallel.mesh import build_device_mesh
+from lightning_async_pp.parallel.zero import local_optimizer, shard_optimizers
+from lightning_async_pp.parallel.tensor_parallel import parameter_grad
+from lightning_async_pp.parallel.topology import PipelineTopology
 from lightning_async_pp.strategy import _lightning, options, processes
 from lightning_async_pp.strategy.batches import TrainingBatches
 from lightning_async_pp.strategy.failures import FailureReporting

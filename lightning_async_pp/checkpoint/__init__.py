@@ -39,8 +39,8 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
-from lightning_async_pp.pipeline.sharding import local_optimizer, sync_group_settings
-from lightning_async_pp.pipeline.tensor_parallel import (DTensorSpec, as_laid_out, dtensor_spec, in_blocks,
+from lightning_async_pp.parallel.zero import local_optimizer, sync_group_settings
+from lightning_async_pp.parallel.tensor_parallel import (DTensorSpec, as_laid_out, dtensor_spec, in_blocks,
                                                          is_one_block, lay_out, local_tensor)
 
 MODEL, STASH, OPTIM, GROUP = "model.", "stash.", "optim.", "@group"

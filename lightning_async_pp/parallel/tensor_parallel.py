@@ -13,7 +13,7 @@ import torch
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from lightning_async_pp.pipeline.placement import parameters_swapped
+from lightning_async_pp.parallel.placement import parameters_swapped
 
 #: What a DTensor parameter's leaf is wrapped with for the forward: (mesh, placements, global shape, stride).
 DTensorSpec = tuple[Any, tuple[Any, ...], Any, tuple[int, ...]]
