@@ -27,12 +27,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.func import functional_call
 
-from lightning_async_pp.pipeline.comm import FailureBoard, StageLink
-from lightning_async_pp.pipeline.config import PipelineConfig
-from lightning_async_pp.plan.balanced import (MemoryModel, SplitReport, layer_costs, report_for, split_and_run_ahead,
-                                              stage_memory_bytes)
 from lightning_async_pp.parallel.mesh import describe_layout
-from lightning_async_pp.plan.partition import partition_layers
 from lightning_async_pp.parallel.placement import (
     Tie,
     check_parameters_covered,
@@ -42,13 +37,19 @@ from lightning_async_pp.parallel.placement import (
     remove_other_stages,
     restore_layers,
 )
-from lightning_async_pp.pipeline.randomness import ForwardRandomness
-from lightning_async_pp.pipeline.runtime import PipelineRuntime, Span, StepTimes
-from lightning_async_pp.pipeline.stage import Stage
 from lightning_async_pp.parallel.tensor_parallel import is_whole, local_tensor
-from lightning_async_pp.plan.timing import measure_layer_times
 from lightning_async_pp.parallel.topology import PipelineTopology
+from lightning_async_pp.pipeline.comm import FailureBoard, StageLink
+from lightning_async_pp.pipeline.config import PipelineConfig
+from lightning_async_pp.pipeline.randomness import ForwardRandomness
+from lightning_async_pp.pipeline.runtime import PipelineRuntime
+from lightning_async_pp.pipeline.stage import Stage
 from lightning_async_pp.pipeline.versions import WeightVersions
+from lightning_async_pp.plan.balanced import (MemoryModel, SplitReport, layer_costs, report_for, split_and_run_ahead,
+                                              stage_memory_bytes)
+from lightning_async_pp.plan.partition import partition_layers
+from lightning_async_pp.plan.timing import measure_layer_times
+from lightning_async_pp.trace import Span, StepTimes
 
 
 @dataclass(frozen=True)
