@@ -12,22 +12,7 @@ from lightning_async_pp.plan.memory import StageMemory
 from lightning_async_pp.pipeline.simulate import SimulationResult, simulate
 from lightning_async_pp.plan.costs import CostModel, Costs, device_memory, tied_kwargs
 from lightning_async_pp.plan.tensor import tensor_parallel_section
-
-
-def fmt_seconds(s: float) -> str:
-    if s >= 1.0:
-        return f"{s:.3g} s"
-    if s >= 1e-3:
-        return f"{s * 1e3:.3g} ms"
-    return f"{s * 1e6:.3g} µs"
-
-
-def fmt_count(n: float) -> str:
-    """A parameter count in the unit that shows it: 10.31 B, 134.5 M, 7.2 K (not 0.00 B for a small model)."""
-    for scale, unit, digits in ((1e9, "B", 2), (1e6, "M", 1), (1e3, "K", 1)):
-        if n >= scale:
-            return f"{n / scale:.{digits}f} {unit}"
-    return f"{n:.0f}"
+from lightning_async_pp.plan.units import fmt_count, fmt_seconds
 
 
 def label(schedule: str, args: argparse.Namespace) -> str:
