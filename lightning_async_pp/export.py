@@ -25,9 +25,9 @@ import torch
 from torch import Tensor
 
 from lightning_async_pp import export_tokenizer
+from lightning_async_pp import checkpoint as _checkpoint
 from lightning_async_pp.data.tokenized import TOKENIZER_FILE, TOKENIZER_FILES, prepared_tokenizer, tokenizer_files
 from lightning_async_pp.models.litgpt_model import LIT_MODEL
-from lightning_async_pp import checkpoint as _checkpoint
 
 GENERATION_CONFIG = "generation_config.json"
 

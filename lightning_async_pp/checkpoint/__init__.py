@@ -30,17 +30,17 @@ The package, one concern per module (the names the strategy, consolidation and e
 A new format is a new way to write and read the same flat dictionary: a :class:`TensorSource` for reading, and
 the writer beside ``writing.py``'s.
 """
-from lightning_async_pp.checkpoint.format import (CHECKSUMS_FILE, FORMAT, GROUP, META_FILE, MODEL, OPTIM, STASH,
-                                                  UnreadableCheckpoint, read_settings, settings_bytes, unreadable_file)
 from lightning_async_pp.checkpoint.checksums import (ChecksummedWriter, check_file, check_sharded, file_crc32,
                                                      read_checksums, verify_file)
-from lightning_async_pp.checkpoint.writing import (PARTIAL_DIR, PendingSave, begin_sharded, is_sharded, partial_path,
-                                                   put_in_place, resolve, save_sharded)
-from lightning_async_pp.checkpoint.sources import MemorySource, ShardedSource, TensorSource, file_source, read_meta
+from lightning_async_pp.checkpoint.consolidation import consolidate, read_model_state, single_file_parts
+from lightning_async_pp.checkpoint.format import (CHECKSUMS_FILE, FORMAT, GROUP, META_FILE, MODEL, OPTIM, STASH,
+                                                  UnreadableCheckpoint, read_settings, settings_bytes, unreadable_file)
 from lightning_async_pp.checkpoint.layouts import (check_model_fits, checkpoint_meta, engine_tensors,
                                                    has_optimizer_state, layouts, load_engine, load_optimizers,
                                                    model_key, needed_keys, owned_parameters, plain_optimizer_tensors)
-from lightning_async_pp.checkpoint.consolidation import consolidate, read_model_state, single_file_parts
+from lightning_async_pp.checkpoint.sources import MemorySource, ShardedSource, TensorSource, file_source, read_meta
+from lightning_async_pp.checkpoint.writing import (PARTIAL_DIR, PendingSave, begin_sharded, is_sharded, partial_path,
+                                                   put_in_place, resolve, save_sharded)
 
 __all__ = [
     "CHECKSUMS_FILE", "FORMAT", "GROUP", "META_FILE", "MODEL", "OPTIM", "STASH", "UnreadableCheckpoint",

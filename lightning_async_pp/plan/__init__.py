@@ -39,14 +39,14 @@ each stage's memory account, :func:`balanced_split`), ``timing.py`` (``layer_cos
 on the device) and ``memory.py`` (a device's peak walked over the simulated action order). The simulation itself
 is the engine's (:mod:`lightning_async_pp.pipeline.simulate`), on the same action lists the runtime executes.
 """
-from lightning_async_pp.plan.shapes import MODELS, Shape
+from lightning_async_pp.plan.cli import (_fraction, _non_negative, _open_fraction, _positive, _positive_int, main,
+                                         parser)
 from lightning_async_pp.plan.costs import (DEFAULT_STAGES, CostModel, Costs, device_memory, optimizer_state_bytes,
                                            tied_kwargs)
 from lightning_async_pp.plan.report import (dp_row, label, memory_row, optimizer_fraction, plan,
                                             simulated_spans, split_rows, trace_path, write_figure, write_trace)
+from lightning_async_pp.plan.shapes import MODELS, Shape
 from lightning_async_pp.plan.units import fmt_count, fmt_seconds
-from lightning_async_pp.plan.cli import (_fraction, _non_negative, _open_fraction, _positive, _positive_int, main,
-                                         parser)
 
 __all__ = [
     "MODELS", "Shape",

@@ -27,8 +27,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils.flop_counter import FlopCounterMode
 
-from lightning_async_pp.plan.memory import PeakPoint, StageMemory, action_order, order_peak_points, stage_memory
 from lightning_async_pp.parallel.tensor_parallel import layout_hooks_off, local_tensor
+from lightning_async_pp.plan.memory import PeakPoint, StageMemory, action_order, order_peak_points, stage_memory
 
 @dataclass(frozen=True)
 class LayerCost:

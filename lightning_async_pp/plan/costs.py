@@ -8,12 +8,12 @@ import argparse
 from dataclasses import dataclass, field, replace
 from typing import Optional, Sequence
 
+from lightning_async_pp.pipeline.schedule import check_schedule, chunks_per_device, device_of
+from lightning_async_pp.pipeline.simulate import SimulationResult
 from lightning_async_pp.plan.balanced import (LayerCost, MemoryModel, balanced_split, optimizer_state,
                                               smallest_peak, split_and_run_ahead, stage_memory_bytes, stage_peak)
 from lightning_async_pp.plan.memory import StageMemory
 from lightning_async_pp.plan.partition import _balanced_counts
-from lightning_async_pp.pipeline.schedule import check_schedule, chunks_per_device, device_of
-from lightning_async_pp.pipeline.simulate import SimulationResult
 from lightning_async_pp.plan.shapes import MODELS, Shape
 
 

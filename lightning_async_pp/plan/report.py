@@ -7,10 +7,10 @@ import argparse
 from pathlib import Path
 from typing import Optional
 
-from lightning_async_pp.plan.balanced import OPTIMIZER_STATE_RULES
-from lightning_async_pp.plan.memory import StageMemory
 from lightning_async_pp.pipeline.simulate import SimulationResult, simulate
+from lightning_async_pp.plan.balanced import OPTIMIZER_STATE_RULES
 from lightning_async_pp.plan.costs import CostModel, Costs, device_memory, tied_kwargs
+from lightning_async_pp.plan.memory import StageMemory
 from lightning_async_pp.plan.tensor import tensor_parallel_section
 from lightning_async_pp.plan.units import fmt_count, fmt_seconds
 

@@ -17,9 +17,9 @@ from __future__ import annotations
 import argparse
 from typing import Optional
 
-from lightning_async_pp.plan.balanced import LayerCost, MemoryModel, split_and_run_ahead, stage_memory_bytes, stage_peak
 from lightning_async_pp.parallel.mesh import check_tensor_parallel_divides
 from lightning_async_pp.pipeline.simulate import simulate
+from lightning_async_pp.plan.balanced import LayerCost, MemoryModel, split_and_run_ahead, stage_memory_bytes, stage_peak
 from lightning_async_pp.plan.shapes import Shape
 from lightning_async_pp.plan.units import fmt_seconds
 

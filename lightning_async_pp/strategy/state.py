@@ -18,10 +18,10 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
 
-from lightning_async_pp.lightning_callbacks import check_resume
 from lightning_async_pp import checkpoint as ckpt
-from lightning_async_pp.pipeline.engine import PipelineEngine, check_names_and_shapes
+from lightning_async_pp.lightning_callbacks import check_resume
 from lightning_async_pp.parallel.tensor_parallel import undo_tensor_parallelism, whole
+from lightning_async_pp.pipeline.engine import PipelineEngine, check_names_and_shapes
 from lightning_async_pp.strategy import _lightning
 from lightning_async_pp.strategy.options import GATHERED
 
