@@ -30,7 +30,7 @@ class PipelineStateHooks:
     """Mixed into ``AsyncPipelineStrategy`` (before ``DDPStrategy``, whose hooks these replace)."""
 
     # ---- checkpoints ------------------------------------------------------------------------------------------
-    # Every stage contributes its own tensors, keyed by global names (checkpoint/__init__.py); see docs/design/checkpoints.md,
+    # Every stage contributes its own tensors, keyed by global names (checkpoint/layouts.py); see docs/design/checkpoints.md,
     # "Checkpoints". Nothing is gathered for a sharded checkpoint; a single file is assembled on rank 0.
     @property
     def restore_checkpoint_after_setup(self) -> bool:
