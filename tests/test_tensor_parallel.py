@@ -2,7 +2,7 @@
 ``models.Llama`` train the one-device run's weights; what is not supported yet is refused before training; the
 engine keeps a DTensor parameter's local shard in its weight versions.
 
-The tolerance (docs/design/tensor-parallel.md, "Matching one device"): tensor parallelism changes only the order
+The tolerance (docs/design/tensor-parallel-shards.md, "Matching one device"): tensor parallelism changes only the order
 of sums (a row-parallel product adds two partial products, the norm of the clipped gradient adds shards), a few
 ulps per operation; AdamW's normalization ``m / (sqrt(v) + eps)`` turns them into up to about ``1e-3`` of one
 step (lr ``3e-3``) for an element whose gradient is near zero. After 3 steps the largest difference measured is

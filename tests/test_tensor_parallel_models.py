@@ -4,7 +4,7 @@ from a save_pretrained folder; AdamW and Muon) and Qwen2 with transformers' own 
 ``configure_model``, train on 2 stages x 2 tensor-parallel ranks the one-device run's weights; a family without a
 plan (or not verified) is refused by name.
 
-The tolerances are tests/test_tensor_parallel.py's (docs/design/tensor-parallel.md, "Matching one device"): the
+The tolerances are tests/test_tensor_parallel.py's (docs/design/tensor-parallel-shards.md, "Matching one device"): the
 plan is the same column-/row-wise split of q, k, v, o and the MLP, so the same reorderings of sums (Muon's bound
 is wider: its Newton-Schulz runs in bfloat16).
 """

@@ -26,7 +26,7 @@ def engine_tensors(engine: Any, module_state: Mapping[str, Tensor], optimizers: 
         k = engine.stats.batch_index
         # A slot holds a DTensor parameter's local shard: saved as a DTensor laid out as the parameter, so DCP
         # records the global shape and this shard's offset
-        # (docs/design/tensor-parallel.md, "Checkpoints of sharded stages").
+        # (docs/design/tensor-parallel-shards.md, "Checkpoints of sharded stages").
         specs = [dtensor_spec(p) for p in view.params]
         for o in range(1, min(view.delay, k) + 1):
             flat.update({f"{STASH}{o}.{n}": as_laid_out(t, s)

@@ -1,6 +1,6 @@
 """DTensor parameters in the engine: what the engine keeps per parameter is the parameter's **local tensor**
 (this tensor-parallel rank's shard), and these helpers are the only place that tells a DTensor parameter from a
-plain one. See docs/design/tensor-parallel.md, "Weights, gradients and optimizer state per shard".
+plain one. See docs/design/tensor-parallel-shards.md, "Weights, gradients and optimizer state per shard".
 """
 from __future__ import annotations
 

@@ -539,7 +539,7 @@ class PipelineEngine:
         this for the same optimizers at the same step. Data-parallel replicas hold the same (averaged, whole)
         gradient: no reduction across them. Scaling is torch's ``clip_grads_with_norm_``. Under tensor parallelism
         every rank adds its shards' squares (a replicated parameter on tensor-parallel rank 0 only) and the sum
-        spans every stage's tensor-parallel ranks (docs/design/tensor-parallel.md, "Weights, gradients and
+        spans every stage's tensor-parallel ranks (docs/design/tensor-parallel-shards.md, "Weights, gradients and
         optimizer state per shard").
         """
         params = [p for p in params if p.grad is not None]
