@@ -162,6 +162,21 @@ def test_the_default_split_is_balanced_by_cost_and_reported_through_the_stats_vi
     assert uniform.time_share == pytest.approx((1280 / 13568, 12288 / 13568))  # reported for any method
 
 
+def test_the_setup_report_names_its_memory_figure_a_predicted_peak_of_allocated_tensors_not_process_memory():
+    # PipelineMonitor's pipeline/peak_memory_mb is the process's resident set size on CPU: the report must not
+    # read as the same quantity.
+    from lightning_async_pp.plan.balanced import SplitReport, format_bytes
+    from lightning_async_pp.parallel.mesh import describe_layout
+
+    split = fit_and_split(Plain(example=torch.zeros(2, 8)))
+    quantity = "predicted peak of allocated tensors per {} (weights, gradients, optimizer state, activations; not " \
+               "the process's memory) "
+    assert quantity.format("stage") + ", ".join(format_bytes(b) for b in split.memory_bytes) in split.describe()
+    tensor_parallel = replace(split, layout=describe_layout(2, 2)).describe()  # each device holds 1/t of a stage
+    assert quantity.format("device") in tensor_parallel and quantity.format("stage") not in tensor_parallel
+    assert "peak" not in SplitReport("explicit", (3, 3), (), ()).describe()  # nothing costed, nothing predicted
+
+
 def test_without_an_example_batch_the_split_falls_back_to_parameters_with_a_warning():
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -515,6 +530,27 @@ def test_a_weight_tied_within_a_stage_counts_its_optimizer_state_once():
     assert split.counts == sgd_split.counts == (2, 2)
     real = real_state_bytes(trainer)
     assert [a - b for a, b in zip(split.memory_bytes, sgd_split.memory_bytes)] == real, real
+
+
+def test_a_weight_tied_within_a_stage_counts_its_bytes_once_in_the_account_against_a_hand_count():
+    """Stage 0 holds two blocks sharing their first matrix (D x H): one tensor, one gradient, one pair of AdamW
+    moments (the account's rule without a cap). Counted by hand: D * H * 4 bytes less for each of the four than two
+    untied blocks; the account counted the shared matrix once per block holding it."""
+    from lightning_async_pp.plan.balanced import shared_parameters
+
+    tied = Blocks()
+    tied.blocks[1][0].weight = tied.blocks[0][0].weight
+    assert shared_parameters(tied.pipeline_layers()) == ((D * H * 4, (0, 1)),)
+    untied_split = block_trainer(Blocks()).strategy.engine.stats.split
+    tied_split = block_trainer(tied).strategy.engine.stats.split
+    assert tied_split.counts == untied_split.counts == (2, 2)
+    saved = [a - b for a, b in zip(untied_split.memory_bytes, tied_split.memory_bytes)]
+    assert saved == [4 * D * H * 4, 0], saved  # weights, gradient, two moments; stage 1 holds no tie
+    # the account's parts, by hand: two blocks of D*H + H + H*D + D parameters, the tied D*H once
+    costs = layer_costs(tied.pipeline_layers(), torch.zeros(B, D), lambda x: x, tied.pipeline_loss)
+    held = 2 * (D * H + H + H * D + D) - D * H
+    peak = stage_peak(costs, 0, 2, 0, MemoryModel("1f1b", 2, 2, param_shared=shared_parameters(tied.pipeline_layers())))
+    assert (peak.weights, peak.gradients, peak.optimizer_state) == (held * 4, held * 4, 2 * held * 4)
 
 
 class CountsConfigureOptimizers(Blocks):

@@ -135,6 +135,14 @@ class NotAWeight:
     """An object torch.load(weights_only=True) does not build."""
 
 
+def test_the_reason_a_checkpoint_is_unreadable_arrives_whole_however_long():
+    # A pickle naming a class of a long module path: the reason (and its way out) used to be cut at 200 characters
+    module, name = "a" * 150, "B" * 150
+    with pytest.raises(ValueError) as caught:
+        ckpt.read_settings(f"c{module}\n{name}\n.".encode(), "optimizer")
+    assert str(caught.value).endswith(f"name {module}.{name}, which is not loaded from a checkpoint")
+
+
 def damaged_copy(saved: Path, tmp_path: Path) -> tuple[Path, Path]:
     """A copy of the sharded ``last.ckpt`` with its first shard cut in half; returns the copy and that shard."""
     copy = tmp_path / "cut.ckpt"

@@ -58,11 +58,12 @@ def test_the_default_balanced_split_on_two_processes_trains_exactly_as_one_devic
 
 
 # Every schedule (zb_h1's split backward too), clipping (the norm counts the tied matrix once), activation
-# checkpointing, and the HF adapter, whose head is tied to its embedding; untied as the control.
+# checkpointing, and the HF adapter, whose head is tied to its embedding; untied as the control. The monitors log
+# every step of a delayed and a synchronous one (test_the_staleness_figures_...).
 TIE_CASES = {
     "gpipe": {"schedule": "gpipe"},
-    "1f1b_clipped": {"schedule": "1f1b", "clip": 0.05},
-    "2bw_checkpointed": {"schedule": "2bw", "strategy_kwargs": {"activation_checkpointing": True}},
+    "1f1b_clipped": {"schedule": "1f1b", "clip": 0.05, "monitors": True},
+    "2bw_checkpointed": {"schedule": "2bw", "strategy_kwargs": {"activation_checkpointing": True}, "monitors": True},
     "zb_h1": {"schedule": "zb_h1"},
     "untied_2bw": {"schedule": "2bw", "tie": False},
     "hf_2bw": {"adapter": "hf", "schedule": "2bw", "partition": [2, 3]},
@@ -70,17 +71,25 @@ TIE_CASES = {
 }
 
 
+@pytest.fixture(scope="module")
+def tie_runs(tmp_path_factory) -> tuple[dict, list[dict], dict]:
+    """``TIE_CASES`` on 2 processes (one launch) and on one device: (the cases, what each rank returned, what one
+    device's runs returned)."""
+    cases = {name: {"tie": True, "steps": 3, "microbatches": 4, "partition": [3, 3], **case}
+             for name, case in TIE_CASES.items()}
+    ranks = script_ranks(Path(tie_cases_fit.__file__), {"cases": cases}, tmp_path_factory.mktemp("tie_cases"),
+                         timeout=400)
+    return cases, ranks, run_here_on_one_device(tie_cases_fit.run, {"cases": cases})["cases"]
+
+
 @pytest.mark.multiprocess
 @pytest.mark.slow
-def test_a_tied_embedding_and_head_on_two_processes_train_bit_for_bit_as_on_one_device(tmp_path):
+def test_a_tied_embedding_and_head_on_two_processes_train_bit_for_bit_as_on_one_device(tie_runs):
     # The tied matrix's gradient is each stage's own sum over its microbatches, then the stages' sums added in
     # stage order, on one device as across processes (docs/design/stages.md, "Tied weights"): equal, as untied
     # runs are. One device used to add both stages' uses into one leaf microbatch by microbatch: up to 5e-7 apart
     # here after 3 steps, and a tied HF Llama 16% of its weights apart after 300.
-    cases = {name: {"tie": True, "steps": 3, "microbatches": 4, "partition": [3, 3], **case}
-             for name, case in TIE_CASES.items()}
-    ranks = script_ranks(Path(tie_cases_fit.__file__), {"cases": cases}, tmp_path, timeout=400)
-    reference = run_here_on_one_device(tie_cases_fit.run, {"cases": cases})["cases"]
+    cases, ranks, reference = tie_runs
     failures = []
     for name in cases:
         got, want = ranks[0]["cases"][name]["state_dict"], reference[name]["state_dict"]
@@ -91,6 +100,27 @@ def test_a_tied_embedding_and_head_on_two_processes_train_bit_for_bit_as_on_one_
     assert not failures, failures
     moved = run_here_on_one_device(tie_cases_fit.run, {"cases": {"gpipe": {**cases["gpipe"], "steps": 0}}})
     assert max_difference(reference["gpipe"]["state_dict"], moved["cases"]["gpipe"]["state_dict"]) > 1e-3
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_the_staleness_figures_of_a_tied_embedding_and_head_on_two_processes_are_one_devices(tie_runs):
+    # The weights are one device's bit for bit (the test above), and the tied matrix counts once, on the stage that
+    # owns it (stage 0, where one device's stage 1 borrows it): the figures differ only by the order of their float64
+    # sums, whose relative error is below n eps for n non-negative terms (n: the model's elements), and twice that
+    # for a ratio. Counted on both stages, stage 1's update norm was 9% larger here.
+    cases, ranks, reference = tie_runs
+    for name in (n for n, case in cases.items() if case.get("monitors")):
+        logged, one = ranks[0]["cases"][name]["logged"], reference[name]["logged"]
+        n = sum(t.numel() for t in reference[name]["state_dict"].values())
+        staleness = sorted(tag for tag in one if tag.startswith("staleness/"))
+        assert staleness == sorted(tag for tag in logged if tag.startswith("staleness/")), name
+        for tag in staleness:
+            assert [k for k, _ in logged[tag]] == [k for k, _ in one[tag]] == [0, 1, 2], (name, tag)
+            for (k, value), (_, expected) in zip(logged[tag], one[tag]):
+                assert abs(value - expected) <= 4 * n * torch.finfo(torch.float64).eps * abs(expected), (
+                    name, tag, k, value, expected)
+        assert dict(logged["staleness/stage1/update_norm"])[1] > 0.1, name  # not trivially zero
 
 
 def _compare_calls(ranks: list[dict], reference: dict) -> None:

@@ -688,6 +688,42 @@ def test_skip_document_ends_without_document_mask_is_refused_before_training(tmp
     TextDataModule(data_path=str(small_files), document_mask=True).check_model_documents(True)  # taken
 
 
+@pytest.mark.parametrize("family", ["gpt", "llama", pytest.param("hf", marks=pytest.mark.hf)])
+def test_skip_document_ends_on_a_users_own_token_rows_is_refused_at_the_first_batch_naming_the_option(family):
+    """Without the data module (which refuses its own token rows at setup) the rows reach the loss: they have no
+    documents, and the loss took every target without a word. Costing the layers on a row of tokens (as the data
+    module's example batch is, with document masks too) is not refused."""
+    import warnings
+
+    import lightning as L
+    from torch.utils.data import DataLoader
+
+    from lightning_async_pp import AsyncPipelineStrategy
+
+    if family == "hf":
+        from lightning_async_pp.models import HuggingFaceCausalLM
+
+        model = HuggingFaceCausalLM({"model_type": "llama", "vocab_size": VOCAB, "hidden_size": 16,
+                                     "intermediate_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2,
+                                     "num_key_value_heads": 1}, skip_document_ends=True)
+        who = "HuggingFaceCausalLM"
+    elif family == "gpt":
+        model, who = GPT(vocab_size=VOCAB, block_size=BLOCK, n_layer=1, n_head=2, n_embd=16, skip_document_ends=True), "GPT"
+    else:
+        model, who = Llama("tiny", vocab_size=VOCAB, num_layers=1, skip_document_ends=True), "Llama"
+    rows = torch.randint(0, VOCAB, (8, BLOCK + 1), generator=torch.Generator().manual_seed(0))
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=1, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False,
+                        strategy=AsyncPipelineStrategy(num_stages=2, num_microbatches=2))
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*could not cost the layers.*")
+        with pytest.raises(ValueError, match=rf"{who} has skip_document_ends=True but got a batch of token rows "
+                                             rf"\(torch.int64 \(4, {BLOCK + 1}\)\), which has no documents .* or set "
+                                             rf"skip_document_ends=False"):
+            trainer.fit(model, DataLoader(list(rows), batch_size=8))
+    assert trainer.global_step == 0
+
+
 def test_throughput_counts_a_packed_batchs_tokens_once_not_its_positions():
     from lightning_async_pp.callbacks.pipeline import token_count
 

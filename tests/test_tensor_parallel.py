@@ -11,6 +11,7 @@ Muon's runs have their own bound (``MUON_TOL``, below) and a bitwise check of it
 """
 from __future__ import annotations
 
+import math
 import sys
 from pathlib import Path
 from dataclasses import replace
@@ -25,11 +26,11 @@ from torch.distributed.tensor import DTensor
 sys.path.insert(0, str(Path(__file__).parent / "scripts"))
 import llama_fit  # noqa: E402
 from pipeline_runs import (  # noqa: E402
-    max_difference, run_here_on_one_device, script_ranks, whole_tensor_parallel_model)
+    FLOAT32_EPS, max_difference, run_here_on_one_device, script_ranks, whole_tensor_parallel_model)
 
 from lightning_async_pp import AsyncPipelineStrategy, consolidate  # noqa: E402
 from lightning_async_pp.models import Llama  # noqa: E402
-from lightning_async_pp.checkpoint import read_checksums  # noqa: E402
+from lightning_async_pp.checkpoint import ShardedSource, read_checksums, read_meta  # noqa: E402
 from lightning_async_pp.pipeline.config import PipelineConfig  # noqa: E402
 from lightning_async_pp.parallel.topology import PipelineTopology  # noqa: E402
 from lightning_async_pp.pipeline.versions import WeightVersions  # noqa: E402
@@ -43,15 +44,18 @@ TOL = 5e-5
 #: around it), measured; tensor parallelism's differences are of that size.
 MUON_TOL = 2e-3
 BASE = {"tie": True, "steps": 3, "microbatches": 4, "partition": [3, 3]}  # embed + 2 blocks | 2 blocks + head
+# StalenessMonitor and PipelineMonitor log every step of these (test_the_monitors_...): a delayed and a synchronous
+# schedule, ErrorFeedback's buffers and DelayCompensation's norms, which are DTensors on the shards
+MONITORED = {"monitors": True}
 CASES = {
-    "2bw": {**BASE, "schedule": "2bw"},
-    "1f1b_clipped": {**BASE, "schedule": "1f1b", "clip": 0.5},
+    "2bw": {**BASE, "schedule": "2bw", **MONITORED},
+    "1f1b_clipped": {**BASE, "schedule": "1f1b", "clip": 0.5, **MONITORED},
     "2bw_muon": {**BASE, "schedule": "2bw", "optimizer": "muon"},
-    "1f1b_error_feedback_muon": {**BASE, "schedule": "1f1b", "optimizer": "error_feedback_muon"},
+    "1f1b_error_feedback_muon": {**BASE, "schedule": "1f1b", "optimizer": "error_feedback_muon", **MONITORED},
     "gpipe": {**BASE, "schedule": "gpipe"},
     "1f1b_checkpointed": {**BASE, "schedule": "1f1b", "activation_checkpointing": True},
     "zb_h1": {**BASE, "schedule": "zb_h1"},
-    "2bw_delay_compensation": {**BASE, "schedule": "2bw", "optimizer": "delay_compensation"},
+    "2bw_delay_compensation": {**BASE, "schedule": "2bw", "optimizer": "delay_compensation", **MONITORED},
     "2bw_weight_prediction": {**BASE, "schedule": "2bw", "optimizer": "weight_prediction"},
     "2bw_async_nesterov": {**BASE, "schedule": "2bw", "optimizer": "async_nesterov"},
     # across processes a delay can only be the schedule's own (PipelineConfig.check): given, it changes nothing
@@ -64,11 +68,28 @@ def _whole_model(ranks: list[dict], case: str) -> dict[str, torch.Tensor]:
     return whole_tensor_parallel_model(ranks, case, tie=("head.proj.weight", "embed.weight"))
 
 
+_ONE_DEVICE: dict[str, dict] = {}
+
+
+def _one_device(name: str) -> dict:
+    """The one-device run of ``CASES[name]`` (made once per session)."""
+    if name not in _ONE_DEVICE:
+        _ONE_DEVICE[name] = run_here_on_one_device(llama_fit.run, CASES[name])
+    return _ONE_DEVICE[name]
+
+
+@pytest.fixture(scope="module")
+def two_by_two(tmp_path_factory) -> list[dict]:
+    """Every case of ``CASES`` on 2 stages x 2 tensor-parallel ranks, in one launch: what each rank returned."""
+    return script_ranks(SCRIPT, {"devices": 4, "cases": {n: {**c, "tensor_parallel": 2} for n, c in CASES.items()}},
+                        tmp_path_factory.mktemp("two_by_two"), ranks=4, timeout=600)
+
+
 def _check_against_one_device(ranks: list[dict], name: str, case: dict) -> dict[str, torch.Tensor]:
     """The case's weights (gathered per stage) are the one-device run's within the tolerance; the steps moved them;
     the two tensor-parallel ranks of each stage hold halves of each sharded matrix and equal replicated ones.
     Returns the one-device run's weights."""
-    reference = run_here_on_one_device(llama_fit.run, case)["state_dict"]
+    reference = _one_device(name)["state_dict"]
     weights = _whole_model(ranks, name)
     tolerance = MUON_TOL if "muon" in case.get("optimizer", "") else TOL
     assert max_difference(weights, reference) < tolerance, (name, max_difference(weights, reference))
@@ -86,9 +107,8 @@ def _check_against_one_device(ranks: list[dict], name: str, case: dict) -> dict[
 
 @pytest.mark.multiprocess
 @pytest.mark.slow
-def test_two_stages_of_two_tensor_parallel_ranks_train_llama_as_one_device(tmp_path):
-    ranks = script_ranks(SCRIPT, {"devices": 4, "cases": {n: {**c, "tensor_parallel": 2} for n, c in CASES.items()}},
-                         tmp_path, ranks=4, timeout=600)
+def test_two_stages_of_two_tensor_parallel_ranks_train_llama_as_one_device(two_by_two):
+    ranks = two_by_two
     references = {name: _check_against_one_device(ranks, name, case)
                   for name, case in CASES.items() if name != "wrong_shard"}
     # The delay corrections did act: each moves the one-device run far from plain AdamW's (so a correction that
@@ -109,6 +129,96 @@ def test_two_stages_of_two_tensor_parallel_ranks_train_llama_as_one_device(tmp_p
     # The control: a rank that starts from its neighbour's shard is far outside the tolerance.
     wrong = _whole_model(ranks, "wrong_shard")
     assert max_difference(wrong, run_here_on_one_device(llama_fit.run, CASES["wrong_shard"])["state_dict"]) > 1e-2
+
+
+def _weights_per_step(ranks: list[dict], name: str) -> tuple[list[dict[str, torch.Tensor]], list[set[str]]]:
+    """``W_0, W_1, ...`` of a 2 x 2 run, whole, by name (the tied head counted once, under the embedding's name), and
+    the names each stage counts (stage 1 not the tied head: stage 0 owns it, as on one device)."""
+    stages = [ranks[r]["cases"][name]["weights_per_step"] for r in (0, 2)]
+    history = [{**stage0, **{n: t for n, t in stage1.items() if n != "head.proj.weight"}}
+               for stage0, stage1 in zip(*stages)]
+    return history, [set(stages[0][0]), set(stages[1][0]) - {"head.proj.weight"}]
+
+
+def _norm(weights: dict[str, torch.Tensor], names) -> float:
+    return math.sqrt(sum(float(weights[n].double().square().sum()) for n in names))
+
+
+def _distance(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    assert a.keys() == b.keys(), sorted(set(a) ^ set(b))
+    return math.sqrt(sum(float((a[n].double() - b[n].double()).square().sum()) for n in a))
+
+
+def _staleness_bounds(name: str, ranks: list[dict], tag: str, k: int) -> float:
+    """How far the 2 x 2 run's ``tag`` at step ``k`` may lie from one device's, from how far the two runs' weights
+    lie apart (tensor parallelism reorders sums; ``E_j = ||W_j(2 x 2) - W_j(one device)||`` over the whole model).
+    A norm moves by at most the norm of what its argument moves (triangle inequality), over any part of the model:
+
+    - ``update_norm``, ``||W_k - W_{k+1}||``: ``E_k + E_{k+1}``;
+    - ``drift``, ``D / N`` with ``D = ||W_k - W_{k-1}||`` and ``N = ||W_k||``:
+      ``(E_k + E_{k-1} + drift E_k) / N`` (``D`` moves by ``E_k + E_{k-1}``, ``N`` by ``E_k``);
+    - under ``ErrorFeedback`` (coefficient ``c = 1``), ``u_0 = W_0 - W_1`` and
+      ``(1 + c) u_k = W_k - W_{k+1} + c u_{k-1}``: ``update_norm`` ``||u_k||`` moves by
+      ``d_k = (E_k + E_{k+1} + c d_{k-1}) / (1 + c)`` (``d_0 = E_0 + E_1``), plus the float32 rounding of the
+      identity's terms (``2 eps ||W_{k+1}||``), and ``correction_norm`` ``||W_k - W_{k+1} - u_k||`` by
+      ``E_k + E_{k+1} + d_k``.
+
+    ``compensation_ratio`` is a ratio of gradients' norms, which are not the weights': tensor parallelism moves
+    them by the order of their sums too (measured: 1e-7 of the ratio); the bound is ``1e-4`` of it, a margin for
+    any CPU."""
+    history, stage_names = _weights_per_step(ranks, name)
+    one = _one_device(name)["weights_per_step"]
+    E = [_distance(mine, theirs) for mine, theirs in zip(history, one)]
+    stage = tag.split("/")[1] if tag.split("/")[1].startswith("stage") else None
+    names = stage_names[int(stage[len("stage"):])] if stage else set(history[k])
+    figure = tag.rsplit("/", 1)[1]
+    expected = dict(_one_device(name)["logged"][tag])[k]
+    if figure == "drift":
+        return (E[k] + E[max(k - 1, 0)] + expected * E[k]) / _norm(history[k], names)
+    if figure == "compensation_ratio":
+        return 1e-4 * expected
+    if "error_feedback" not in CASES[name].get("optimizer", ""):
+        assert figure == "update_norm", tag
+        return E[k] + E[k + 1]
+    d = E[0] + E[1]
+    for j in range(1, k + 1):
+        d = (E[j] + E[j + 1] + d) / 2 + 2 * FLOAT32_EPS * _norm(history[j + 1], history[j + 1])
+    assert figure in ("update_norm", "correction_norm"), tag
+    return d if figure == "update_norm" else E[k] + E[k + 1] + d
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_the_monitors_on_two_stages_of_two_tensor_parallel_ranks_log_the_one_device_runs_figures(two_by_two):
+    """StalenessMonitor's figures are of whole tensors, each element counted once (a shard on every rank of its
+    stage, a replicated parameter and the tied head once), within what the runs' weights differ by; PipelineMonitor
+    counts the rows a stage's tensor-parallel ranks share once."""
+    for name in (n for n, case in CASES.items() if case.get("monitors")):
+        logged, one = two_by_two[0]["cases"][name]["logged"], _one_device(name)["logged"]
+        staleness = sorted(tag for tag in one if tag.startswith("staleness/"))
+        assert staleness == sorted(tag for tag in logged if tag.startswith("staleness/")), name
+        for tag in staleness:
+            steps = dict(one[tag])
+            assert sorted(dict(logged[tag])) == sorted(steps) == [0, 1, 2], (name, tag)
+            for k, value in logged[tag]:
+                if tag.endswith("/delay"):
+                    assert value == steps[k] == (1 if name.startswith("2bw") and k > 0 else 0), (name, tag, k)
+                    continue
+                bound = _staleness_bounds(name, two_by_two, tag, k) + 1e-12 * abs(steps[k])  # float64 sums
+                assert abs(value - steps[k]) <= bound, (name, tag, k, value, steps[k], bound)
+        assert dict(logged["staleness/update_norm"])[1] > 0.1 and (  # the figures are not trivially zero
+            dict(logged["staleness/drift"])[1] > 1e-2 or not name.startswith("2bw")), name
+        # Throughput: each process divides the window's tokens by its wall time and by its pipeline's processes
+        # (2 stages x 2 ranks, which see the same rows), and the figures are summed over processes; the logged step
+        # time is the mean of those wall times over the steps. So tokens/s x step time is a batch's tokens
+        # (8 rows of 16) times the processes' mean wall time over their harmonic mean: at least 1, and near it as
+        # the windows start together (after the previous logging step's reduction, or the collectives that start
+        # training) and end within a step; rows counted once per tensor-parallel rank would make it at least 2.
+        tokens, seconds = dict(logged["pipeline/tokens_per_sec"]), dict(logged["pipeline/step_time_s"])
+        samples = dict(logged["pipeline/samples_per_sec"])
+        for k in tokens:
+            assert 1 - 1e-9 <= tokens[k] * seconds[k] / (8 * 16) < 1.5, (name, k, tokens[k], seconds[k])
+            assert 1 - 1e-9 <= samples[k] * seconds[k] / 8 < 1.5, (name, k, samples[k], seconds[k])
 
 
 #: 2 data-parallel replicas of 2 stages x 2 ranks (8 processes); ``batch`` and ``microbatches`` are a replica's, and
@@ -353,15 +463,20 @@ RESUME = {**BASE, "schedule": "2bw", "resumable": True, "val_batches": 1}
 def test_a_two_by_two_checkpoint_resumes_exactly_on_two_by_two_on_two_stages_and_on_one_device(tmp_path):
     """One launch of 2 stages x 2 tensor-parallel ranks: 3 steps uninterrupted (gathered into rank 0), 2 steps
     saved (sharded, with validation inside fit; and one file), the sharded save resumed to 3 steps on the same
-    layout, then validated, tested and predicted on, and the one file and a one-device checkpoint resumed too. The
-    checkpoints then resume on 2 stages x 1 rank (one launch of 2 processes) and on one device here, each to the
-    uninterrupted weights."""
+    layout, then validated, tested and predicted on, and the one file and a one-device checkpoint resumed too; a
+    save after fit (``trainer.save_checkpoint``, the weights gathered into rank 0 meanwhile) is the save at the
+    last step inside it and resumes too. The checkpoints then resume on 2 stages x 1 rank (one launch of 2
+    processes) and on one device here, each to the uninterrupted weights. First in the launch, a setup refused
+    there (packed rows from a data module) surfaces as itself, the model left on the meta device."""
     sharded, single, one_device = tmp_path / "sharded", tmp_path / "single", tmp_path / "one_device"
+    after = tmp_path / "after"
     (tmp_path / "tp").mkdir(), (tmp_path / "two").mkdir()
     # Saved on one device first, for the 2 x 2 run to resume from (DCP reads its whole tensors into shards).
     saved_on_one_device = run_here_on_one_device(
         llama_fit.run, {**RESUME, "steps": 2, "val_every": 1, "save_at": 2, "checkpoint_dir": str(one_device)})
     cases = {
+        # refused at setup (packed rows under tensor parallelism, from a data module declaring them), first
+        "refused_at_setup": {**BASE, "packed": True, "refused": True},
         "full": {**RESUME, "gather": True},
         "saved": {**RESUME, "steps": 2, "save_at": 2, "checkpoint_dir": str(sharded), "val_every": 1},
         "single": {**RESUME, "steps": 2, "save_at": 2, "checkpoint_dir": str(single),
@@ -370,6 +485,10 @@ def test_a_two_by_two_checkpoint_resumes_exactly_on_two_by_two_on_two_stages_and
                     "eval_calls": ["validate", "test", "predict"]},
         "resumed_from_one_file": {**RESUME, "resume_from": str(single / "saved.ckpt")},  # whole tensors sliced
         "resumed_from_one_device": {**RESUME, "resume_from": str(one_device / "saved.ckpt")},
+        # gathered into rank 0 after fit (the default), then saved: as the save inside fit at its last step
+        "saved_after_fit": {**RESUME, "steps": 2, "save_at": 2, "checkpoint_dir": str(after), "gather": True,
+                            "save_after": str(after / "after_fit.ckpt")},
+        "resumed_after_fit": {**RESUME, "resume_from": str(after / "after_fit.ckpt")},
         # DelayCompensation's weight history: the parameter's shards stacked along a new first dimension
         "dc_full": {**RESUME, "optimizer": "delay_compensation"},
         "dc_saved": {**RESUME, "optimizer": "delay_compensation", "steps": 2, "save_at": 2,
@@ -379,6 +498,15 @@ def test_a_two_by_two_checkpoint_resumes_exactly_on_two_by_two_on_two_stages_and
     ranks = script_ranks(SCRIPT, {"devices": 4, "cases": {n: {**c, "tensor_parallel": 2} for n, c in cases.items()}},
                          tmp_path / "tp", ranks=4, timeout=420)
     reference = run_here_on_one_device(llama_fit.run, {**RESUME, "eval_calls": ["validate", "test", "predict"]})
+    # The refusal is the error fit raised on every rank, before any batch: not the teardown's ("different
+    # slots", swapping a meta DTensor parameter for a plain placeholder) raised over it; the parameters are on the
+    # meta device again, as setup found them.
+    for r in range(4):
+        refused = ranks[r]["cases"]["refused_at_setup"]
+        assert refused["refused"].startswith("ValueError: Llama refuses the rows of RowsDataModule (block_size=16, "
+                                             "document_mask=True)"), refused["refused"]
+        assert "Change data.document_mask: false in the config" in refused["refused"]
+        assert refused["batches_started"] == 0 and refused["meta"]
     # The gather: rank 0's module holds the whole model, plain tensors, the one-device run's weights.
     full = ranks[0]["cases"]["full"]["state_dict"]
     assert not any(isinstance(v, DTensor) for v in full.values())
@@ -404,6 +532,19 @@ def test_a_two_by_two_checkpoint_resumes_exactly_on_two_by_two_on_two_stages_and
         assert all(torch.equal(state[k], saved[k]) for k in saved)
         assert not any(isinstance(v, DTensor) for v in state.values())
     assert ranks[0]["cases"]["saved"]["global_step"] == 2
+
+    # Saved after fit, from the gathered model's processes: tensor by tensor the save at the last step inside fit
+    # (weights, the stash, the optimizer's moments), the steps as the same run's; it consolidates and resumes.
+    inside, outside = (ShardedSource(str(after / name)) for name in ("saved.ckpt", "after_fit.ckpt"))
+    assert inside.shapes == outside.shapes and any(k.startswith("stash.") for k in inside.shapes)
+    tensors = [k for k, shape in inside.shapes.items() if shape is not None]
+    read_inside, read_outside = inside.read(tensors), outside.read(tensors)
+    assert all(torch.equal(read_inside[k], read_outside[k]) for k in tensors)
+    assert read_meta(str(after / "after_fit.ckpt"))["async_pipeline"]["num_updates"] == 2
+    consolidated_after = consolidate.consolidate_checkpoint(str(after / "after_fit.ckpt"), tmp_path / "after.ckpt")
+    gathered = ranks[0]["cases"]["saved_after_fit"]["state_dict"]  # rank 0's module after fit
+    assert all(torch.equal(consolidated_after["state_dict"][k], v) for k, v in gathered.items())
+    assert max_difference(_whole_model(ranks, "resumed_after_fit"), full) < 1e-6
 
     # Resumed on the same layout: the uninterrupted run's weights (same shards, same order of sums).
     assert max_difference(_whole_model(ranks, "resumed"), full) < 1e-6

@@ -213,7 +213,8 @@ def test_gpts_plan_refuses_dropout_packed_batches_and_rows_it_cannot_split_and_s
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
     try:
         mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tensor_parallel",))
-        with pytest.raises(ValueError, match=r"GPT with tensor_parallel_size=2 takes dropout=0 only, got dropout=0.1"):
+        with pytest.raises(ValueError, match=r"GPT with tensor_parallel_size=2 takes no dropout, got dropout=0.1: .*"
+                                             r"set dropout=0, or use tensor_parallel_size=1"):
             GPT(n_layer=1, n_head=4, n_embd=32, dropout=0.1).parallelize(mesh)
         model = GPT(n_layer=1, n_head=4, n_embd=32, block_size=64)
         model.parallelize(mesh)
@@ -225,6 +226,83 @@ def test_gpts_plan_refuses_dropout_packed_batches_and_rows_it_cannot_split_and_s
         with pytest.raises(ValueError, match="packed batch .* only with tensor_parallel_size=1"):
             model.pipeline_input({"input_ids": torch.zeros(2, 17, dtype=torch.long),
                                   "position_ids": torch.zeros(2, 17, dtype=torch.long)})
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.hf  # make test also runs it on transformers 5.x (its attention reads the rate as 4.x's does)
+def test_a_transformers_models_attention_dropout_under_tensor_parallelism_is_refused_naming_the_key():
+    # Each rank would draw one device's mask for its own heads: another model trained (1.8e-2 off one device's
+    # weights after a few steps at attention_dropout=0.1, more than dropout's whole effect)
+    config = as_pretrained_config({**llama_fit.HF_LLAMA, "attention_dropout": 0.1})
+    with pytest.raises(ValueError, match=r"model_type 'llama' with tensor_parallel_size=2 takes no dropout, got "
+                                         r"attention_dropout=0.1: .* set attention_dropout=0, or use "
+                                         r"tensor_parallel_size=1"):
+        tensor_parallel_plan(config, 2)
+    tensor_parallel_plan(as_pretrained_config({**llama_fit.HF_LLAMA, "attention_dropout": 0.0}), 2)
+
+
+@pytest.mark.hf
+def test_heads_two_ranks_cannot_split_are_refused_by_the_plan_naming_them_before_the_build_time_check():
+    # 3 heads and 3 key/value heads: transformers runs it, and so does the adapter at t = 1; at t = 2 the reason is
+    # the heads, which the build-time check on a tiny copy used to hide behind its own failure
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from lightning_async_pp.models import HuggingFaceCausalLM
+    from lightning_async_pp.strategy import _lightning
+
+    config = {**llama_fit.HF_LLAMA, "hidden_size": 48, "num_attention_heads": 3, "num_key_value_heads": 3}
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tensor_parallel",))
+        model = HuggingFaceCausalLM(config)
+        _lightning.set_device_mesh(model, mesh)
+        with pytest.raises(ValueError, match=r"tensor_parallel_size=2 does not divide model_type 'llama''s "
+                                             r"num_attention_heads=3: .* among \[1, 3\]"):
+            model.configure_model()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_dropout_in_a_layer_a_users_own_plan_splits_is_refused_at_setup_naming_the_module():
+    import torch.distributed as dist
+    from lightning.pytorch.trainer.states import TrainerFn
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+    from test_tensor_parallel import _trainer
+
+    from lightning_async_pp.pipeline.config import PipelineConfig
+    from lightning_async_pp.strategy import options
+
+    class DroppingBlock(llama_fit.ResidualMLP):
+        def __init__(self, width: int, p: float) -> None:
+            super().__init__(width)
+            self.drop = torch.nn.Dropout(p)
+
+    def model(p: float) -> llama_fit.OwnPlanLM:
+        lm = llama_fit.OwnPlanLM(layers=2)
+        lm.embed = torch.nn.Embedding(256, 32)
+        lm.blocks = torch.nn.ModuleList([llama_fit.ResidualMLP(32), DroppingBlock(32, p)])
+        lm.head = torch.nn.Linear(32, 256)
+        for block in lm.blocks:
+            parallelize_module(block, mesh, {"fc": ColwiseParallel(), "proj": RowwiseParallel()})
+        return lm
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tensor_parallel",))
+        config = PipelineConfig(tensor_parallel_size=2)
+        with pytest.raises(ValueError, match=r"the model OwnPlanLM with tensor_parallel_size=2 takes no dropout, got "
+                                             r"pipeline_layers\(\)\[2\]\.drop\.p=0\.1: .*set "
+                                             r"pipeline_layers\(\)\[2\]\.drop\.p=0, or use tensor_parallel_size=1"):
+            options.refuse_with_tensor_parallelism(_trainer(), model(0.1), config, True, previous_call=False)
+        options.refuse_with_tensor_parallelism(_trainer(), model(0.0), config, True, previous_call=False)
+        # evaluation draws no mask: a model trained with dropout elsewhere is evaluated under tensor parallelism
+        options.refuse_with_tensor_parallelism(_trainer(TrainerFn.VALIDATING), model(0.1), config, True,
+                                               previous_call=False)
     finally:
         dist.destroy_process_group()
 

@@ -1,10 +1,10 @@
 """What the monitors share: per-stage figures reduced across processes with torchmetrics, and when to log.
 
-Across processes each rank holds one stage (of one data-parallel replica), while only rank 0's logger writes.
-:class:`StageFigures` is a ``torchmetrics.Metric`` whose states are per-stage sums (and maxima): every rank adds
-its own stage's row, ``compute()`` reduces the rows of all ranks (one ``all_gather`` per state on the default
-process group), and every rank gets the same table back. On one device there is no process group and nothing
-is gathered.
+Across processes each rank holds one stage (of one data-parallel replica, and under tensor parallelism one of
+the stage's ``t`` tensor-parallel ranks), while only rank 0's logger writes. :class:`StageFigures` is a
+``torchmetrics.Metric`` whose states are per-stage sums (and maxima): every rank adds its own stage's row,
+``compute()`` reduces the rows of all ranks (one ``all_gather`` per state on the default process group), and every
+rank gets the same table back. On one device there is no process group and nothing is gathered.
 
 The monitors call ``compute()`` only at logging steps, on every rank at the same step: a collective across
 stages is a barrier, which 2BW is built to avoid, so it is paid once per ``log_every_n_steps`` and never on a
@@ -24,16 +24,21 @@ from torchmetrics import Metric
 class StageFigures(Metric):
     """A table of figures per pipeline stage, summed (and counted) over the processes that report a stage.
 
-    ``mean_fields`` are averaged over the processes that reported a row (data-parallel replicas of one stage);
-    ``max_fields`` keep the largest value reported. ``compute()`` returns ``(means, counts, maxima)`` as float64
+    ``mean_fields`` are averaged over the reports of a row (data-parallel replicas of one stage); ``max_fields``
+    keep the largest value reported. With ``parts=t`` a report comes in ``t`` parts, one from each process that
+    holds a share of the stage (its ``t`` tensor-parallel ranks, each reporting the squares of its own shards): the
+    mean fields are then summed over the parts and averaged over the reports, so every process's values must be
+    its part of the figure, not the whole figure. ``compute()`` returns ``(means, reports, maxima)`` as float64
     tensors of shape ``[rows, len(mean_fields)]``, ``[rows]`` and ``[rows, len(max_fields)]``.
     """
 
     full_state_update = False
 
-    def __init__(self, rows: int, mean_fields: Sequence[str], max_fields: Sequence[str] = (), **kwargs: Any) -> None:
+    def __init__(self, rows: int, mean_fields: Sequence[str], max_fields: Sequence[str] = (), parts: int = 1,
+                 **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.rows = int(rows)
+        self.parts = int(parts)
         self.mean_fields = list(mean_fields)
         self.max_fields = list(max_fields)
         self.add_state("sums", torch.zeros(self.rows, len(self.mean_fields), dtype=torch.float64), dist_reduce_fx="sum")
@@ -52,14 +57,15 @@ class StageFigures(Metric):
                 self.maxima[row, i] = max(float(self.maxima[row, i]), float(maxima[field]))
 
     def compute(self) -> tuple[Tensor, Tensor, Tensor]:
-        means = self.sums / self.counts.clamp(min=1).unsqueeze(1)
+        reports = self.counts / self.parts  # every process counts one part of a report
+        means = self.sums / reports.clamp(min=1).unsqueeze(1)
         means[self.counts == 0] = float("nan")
-        return means, self.counts.clone(), self.maxima.clone()
+        return means, reports, self.maxima.clone()
 
     def reduce(self) -> dict[int, dict[str, float]]:
         """Reduce across processes and reset; ``{row: {field: value}}`` for every row some process reported.
 
-        Mean fields are also available summed over the row's processes as ``"<field>:sum"``.
+        Mean fields are also available summed over the row's reports as ``"<field>:sum"``.
         """
         means, counts, maxima = self.compute()
         self.reset()

@@ -56,9 +56,10 @@ class PipelineMonitor(Callback):
       per-step broadcast across ranks), data loading, logging;
     - ``step_time_s``: wall time per step, the sum of the seven.
 
-    These are logged per stage (``pipeline/stage{s}/...``, the mean over data-parallel replicas) and for the whole
-    model (``pipeline/...``, the mean over processes). On one device all stages run in one process and are timed
-    together: per-stage figures are then only logged when there is one stage.
+    These are logged per stage (``pipeline/stage{s}/...``, the mean over the stage's processes: data-parallel
+    replicas and tensor-parallel ranks) and for the whole model (``pipeline/...``, the mean over processes). On one
+    device all stages run in one process and are timed together: per-stage figures are then only logged when there
+    is one stage.
 
     - ``pipeline/bubble_fraction``: the share of the stages' time within the pipeline's step that is neither
       computing nor updating weights, ``1 - sum_s (C_s + O_s) / (S x T)``, with ``S`` the number of stages,
@@ -83,10 +84,14 @@ class PipelineMonitor(Callback):
       ``O_s / T``, apart from the bubble (mean over stages).
     - ``pipeline/tokens_per_sec`` and ``pipeline/samples_per_sec``: global throughput, summed over data-parallel
       replicas. Tokens of a batch are the elements of ``pl_module.pipeline_input(batch)``; samples are its
-      batch size (dim 0).
+      batch size (dim 0). Every process of a pipeline (each stage, and under tensor parallelism each of a stage's
+      ranks) sees the same rows: they are counted once per replica.
     - ``pipeline/peak_memory_mb`` and ``pipeline/stage{s}/peak_memory_mb``: peak memory since the start, the
-      largest over processes: the CUDA caching allocator's peak allocation on GPU, the process's peak resident
-      set size (``resource.getrusage``) on CPU (which includes Python and PyTorch themselves).
+      largest over processes, measured, in MiB: on GPU the CUDA caching allocator's peak of allocated tensors
+      (``torch.cuda.max_memory_allocated``), the quantity the setup report's "predicted peak of allocated
+      tensors" predicts; on CPU the process's peak resident set size (``resource.getrusage``), the whole
+      process's memory (Python, PyTorch and its libraries, the allocator's cache), which that prediction does not
+      count and is not comparable with.
 
     Across processes the figures are reduced with torchmetrics at logging steps only (one ``all_gather`` per
     state on every rank) and logged once from rank 0; the time of that collective is not counted in the window.
@@ -167,8 +172,16 @@ class PipelineMonitor(Callback):
 
     @staticmethod
     def _rows(strategy: Any) -> int:
-        """Processes per pipeline: one per stage across processes, one for all stages on one device."""
+        """Rows of the table: one per stage across processes, one for all stages on one device."""
         return strategy.topology.num_stages if strategy.is_multiprocess else 1
+
+    @staticmethod
+    def _per_pipeline(strategy: Any) -> int:
+        """Processes per pipeline, which all see the same rows: each stage's ``t`` tensor-parallel ranks across
+        processes, one for all stages on one device."""
+        if not strategy.is_multiprocess:
+            return 1
+        return strategy.topology.num_stages * strategy.engine.stats.tensor_parallel_size
 
     def _reset_window(self, start: Optional[float]) -> None:
         self._window_start = start
@@ -240,7 +253,7 @@ class PipelineMonitor(Callback):
         assert self._figures is not None and self._window_start is not None
         wall = max(time.perf_counter() - self._window_start - self._excluded, 1e-12)
         n = max(self._steps, 1)
-        per_pipeline = self._rows(strategy)  # every process of a pipeline sees the same batches
+        per_pipeline = self._per_pipeline(strategy)  # every process of a pipeline sees the same batches
         compute, comm, opt, pipeline = self._compute / n, self._comm_wait / n, self._optimizer / n, self._pipeline / n
         dp, dp_exposed, tied = self._dp / n, self._dp_exposed / n, self._tied / n
         step = wall / n
@@ -361,7 +374,8 @@ def _tensorboards(trainer: Trainer) -> list[TensorBoardLogger]:
 
 
 def peak_memory_mb(device: torch.device) -> float:
-    """Peak memory of this process so far, in MiB: CUDA allocator peak on GPU, peak resident set size on CPU."""
+    """Peak memory of this process so far, in MiB: on GPU the CUDA allocator's peak of allocated tensors (what the
+    setup report's predicted peak predicts); on CPU the process's peak resident set size, all of its memory."""
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**20
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss

@@ -29,9 +29,12 @@ from lightning_async_pp.optim.delay_compensation import DelayCompensation
 from lightning_async_pp.optim.error_feedback import PREV_UPDATE, ErrorFeedback
 from lightning_async_pp.optim.pipemare import PipeMareLR
 from lightning_async_pp.optim.weight_prediction import WeightPrediction, prediction_scales
+from lightning_async_pp.parallel.tensor_parallel import local_tensor, whole_value
 from lightning_async_pp.pipeline.microbatch import split_microbatches
 
-_FIELDS = ("drift_sq", "weight_sq", "delay", "update_sq", "correction_sq", "compensation_sq", "stale_grad_sq")
+# Squared norms: each process adds its part (its shards, each parameter counted once: StageView.counted), summed over
+# a stage's tensor-parallel ranks and averaged over its data-parallel replicas; the delay is the largest reported.
+_FIELDS = ("drift_sq", "weight_sq", "update_sq", "correction_sq", "compensation_sq", "stale_grad_sq")
 # Per parameter group (``staleness/<group>/<metric>``): the squared norms summed per stage (reduced like the stage
 # figures, square root taken after the sum over stages), and the figures that are not sums (largest reported).
 _GROUP_SUMS = {"correction_norm": ("correction_sq",), "compensation_ratio": ("compensation_sq", "stale_grad_sq"),
@@ -60,6 +63,11 @@ class StalenessMonitor(Callback):
 
     Whole-model figures combine the stages' squared norms (``drift = sqrt(sum_s ||dW_s||^2 / sum_s ||W_s||^2)``),
     not their ratios.
+
+    Every figure is of whole tensors, each element counted once, so any layout logs one device's figures: a weight
+    tied across stages (an embedding and its head) counts on the stage that owns it (the first, as on one device);
+    under tensor parallelism each of a stage's ranks adds the squares of its own shards and a parameter every rank
+    holds whole counts once (the engine's ``StageView.counted``), and the stage's figures are summed over its ranks.
 
     Per parameter group (``per_group=True``), under ``staleness/opt{i}/<group>/<metric>``: ``<group>`` is the
     group's ``name`` key if it has one (as Lightning's ``LearningRateMonitor`` names groups), else ``group{j}``;
@@ -163,7 +171,9 @@ class StalenessMonitor(Callback):
                 for f in _GROUP_SUMS.get(m, ())]
         maxima = [_group_field(label, f) for label, metrics in self._group_metrics.items() for m in metrics
                   for f in _GROUP_MAXIMA.get(m, ())]
-        self._figures = StageFigures(strategy.num_stages, list(_FIELDS) + sums, maxima).to(strategy.root_device)
+        # Under tensor parallelism each of a stage's t ranks reports its shards' part of the stage's figures.
+        self._figures = StageFigures(strategy.num_stages, list(_FIELDS) + sums, ["delay"] + maxima,
+                                     parts=strategy.engine.stats.tensor_parallel_size).to(strategy.root_device)
 
     # ---- per batch ----------------------------------------------------------------------------------------
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
@@ -176,9 +186,10 @@ class StalenessMonitor(Callback):
         if self._due:
             for stage in stats.stages:
                 stale = stage.version_for_batch(k)
+                counted = _counted(stage)
                 self._pending[stage.index] = {
-                    "drift_sq": _sq_distance(stage.version(k), stage.version(stale)),
-                    "weight_sq": _sq_norm(stage.version(k)),
+                    "drift_sq": _sq_distance(_only(stage.version(k), counted), _only(stage.version(stale), counted)),
+                    "weight_sq": _sq_norm(_only(stage.version(k), counted)),
                     "delay": float(k - stale),
                 }
         if self.probe_every is not None and (k + 1) % self.probe_every == 0:
@@ -194,7 +205,7 @@ class StalenessMonitor(Callback):
             return
         for stage in trainer.strategy.engine.stats.stages:
             if stage.delay == 0 or stage.predicts:
-                self._snapshots[stage.index] = [p.detach().clone() for p in stage.params]
+                self._snapshots[stage.index] = [local_tensor(p).detach().clone() for p in stage.params]
 
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
@@ -207,7 +218,8 @@ class StalenessMonitor(Callback):
         groups = _parameter_groups(trainer.optimizers) if self._group_metrics else {}
         scales = prediction_scales(trainer.optimizers) if self._group_metrics else {}
         assert self._figures is not None
-        for stage in trainer.strategy.engine.stats.stages:
+        stats = trainer.strategy.engine.stats
+        for stage in stats.stages:
             before = self._snapshots.pop(stage.index, None)
             if before is None:
                 before = stage.version(k)  # W_k, held when the delay is >= 1
@@ -215,38 +227,45 @@ class StalenessMonitor(Callback):
             compensation_sq, stale_grad_sq = [], []
             group_sq: dict[str, list[Tensor]] = defaultdict(list)  # per-group field -> squared norms
             group_max: dict[str, float] = {}
-            for p, w_k in zip(stage.params, before):
+            for p, w_k, counted in zip(stage.params, before, _counted(stage)):
                 label, group, state_of = groups.get(p, (None, None, None))
                 metrics_of_group = self._group_metrics.get(label, ()) if label is not None else ()
-                change = _wide(w_k) - _wide(p.detach())  # W_k - W_{k+1}, one tensor at a time
+                # DelayCompensation's norms are of whole tensors (a DTensor's: replicated on every tensor-parallel
+                # rank, no communication to read): counted on one rank of the stage
+                norms = compensated.get(p)
+                norms = tuple(whole_value(n) for n in norms) if norms is not None else None
+                once = counted and stats.tensor_parallel_rank == 0
+                if "nesterov_momentum" in metrics_of_group:
+                    mu = _nesterov_momentum(group, state_of.get(p))
+                    field = _group_field(label, "nesterov_momentum")
+                    if mu is not None and mu > group_max.get(field, -math.inf):
+                        group_max[field] = mu
+                if not counted:  # a tied copy another stage counts, or a whole parameter another rank counts
+                    continue
+                change = _wide(w_k) - _wide(local_tensor(p).detach())  # W_k - W_{k+1}, one tensor at a time
                 if "prediction_norm" in metrics_of_group and id(p) in scales:
                     extrapolation = scales[id(p)] * stage.delay  # the next prediction adds s d (W_{k+1} - W_k)
                     group_sq[_group_field(label, "prediction_sq")].append(_sq(change) * extrapolation**2)
                 state = corrected.get(p)
                 if state is not None and PREV_UPDATE in state:
-                    u = _wide(state[PREV_UPDATE])  # u_k
+                    u = _wide(local_tensor(state[PREV_UPDATE]))  # u_k
                     update_sq.append(_sq(u))
                     correction_sq.append(_sq(change - u))  # c (u_k - u_{k-1}) = (W_k - W_{k+1}) - u_k
                     if "correction_norm" in metrics_of_group:
                         group_sq[_group_field(label, "correction_sq")].append(correction_sq[-1])
                 else:
                     update_sq.append(_sq(change))
-                norms = compensated.get(p)
-                if norms is not None:
+                if norms is not None and once:
                     compensation_sq.append(norms[0])
                     stale_grad_sq.append(norms[1])
                     if "compensation_ratio" in metrics_of_group:
                         group_sq[_group_field(label, "compensation_sq")].append(norms[0])
                         group_sq[_group_field(label, "stale_grad_sq")].append(norms[1])
-                if "nesterov_momentum" in metrics_of_group:
-                    mu = _nesterov_momentum(group, state_of.get(p))
-                    field = _group_field(label, "nesterov_momentum")
-                    if mu is not None and mu > group_max.get(field, -math.inf):
-                        group_max[field] = mu
             figures = dict(self._pending.get(stage.index, {}), update_sq=_total(update_sq),
                            correction_sq=_total(correction_sq), compensation_sq=_total(compensation_sq),
                            stale_grad_sq=_total(stale_grad_sq))
             figures.update(_totals(group_sq, self._figures.mean_fields[len(_FIELDS):]))
+            group_max["delay"] = figures.pop("delay")
             self._figures.update(stage.index, figures, group_max)
         table = self._figures.reduce()  # across processes: every rank calls this at the same step
         metrics = self._metrics(table, has_correction=bool(corrected), has_compensation=bool(compensated))
@@ -268,7 +287,7 @@ class StalenessMonitor(Callback):
                 values = _norm_figures(row["drift_sq"], row["weight_sq"], row["delay"], row["update_sq"],
                                        row["correction_sq"], row["compensation_sq"], row["stale_grad_sq"])
                 out.update({f"staleness/stage{s}/{n}": values[n] for n in names})
-        total = {f: sum(row[f] for row in table.values()) for f in _FIELDS if f != "delay"}
+        total = {f: sum(row[f] for row in table.values()) for f in _FIELDS}
         values = _norm_figures(total["drift_sq"], total["weight_sq"], max(row["delay"] for row in table.values()),
                                total["update_sq"], total["correction_sq"], total["compensation_sq"],
                                total["stale_grad_sq"])
@@ -505,6 +524,15 @@ def _total(squares: Sequence[Tensor]) -> float:
 
 def _sq_norm(tensors: Sequence[Tensor]) -> float:
     return _total([_sq(t) for t in tensors])
+
+
+def _counted(stage: Any) -> Sequence[bool]:
+    """Per parameter of ``stage``, whether this process adds it to the figures (``StageView.counted``)."""
+    return stage.counted or (True,) * len(stage.params)
+
+
+def _only(tensors: Sequence[Tensor], counted: Sequence[bool]) -> list[Tensor]:
+    return [t for t, c in zip(tensors, counted) if c]
 
 
 def _sq_distance(a: Sequence[Tensor], b: Sequence[Tensor]) -> float:

@@ -78,7 +78,7 @@ def _first_line(err: BaseException) -> str:
     # DCP's CheckpointException lists each rank's traceback: its last line is the cause.
     lines = [line.strip() for line in text.splitlines() if line.strip()]
     line = (lines[-1] if type(err).__name__ == "CheckpointException" and lines else lines[0] if lines else "")
-    return f"{type(err).__name__}: {line[:200]}" if line else type(err).__name__
+    return f"{type(err).__name__}: {line}" if line else type(err).__name__  # whole: a cut reason hides its end
 
 def unreadable_file(path: str, err: BaseException) -> UnreadableCheckpoint:
     """The error to raise when ``torch.load`` of the checkpoint file ``path`` failed with ``err``. A refusal of

@@ -35,9 +35,9 @@ from torch import Tensor, nn
 
 from lightning_async_pp.models import hf_outside, hf_probe, packing
 from lightning_async_pp.models.adopted import AdoptedCausalLM, missing_package
-from lightning_async_pp.models.pretrained import SafetensorsFolder
 from lightning_async_pp.models.moe import RouterLoss, adds_router_loss, check_router_loss_supported
-from lightning_async_pp.parallel.mesh import tensor_parallel_mesh
+from lightning_async_pp.models.pretrained import SafetensorsFolder
+from lightning_async_pp.parallel.mesh import replica_processes, tensor_parallel_mesh
 
 #: What the adapter takes from the upstream model, as dotted paths of ``AutoModelForCausalLM.from_config(config)``.
 LAYOUT = ("model.embed_tokens", "model.layers", "model.norm", "model.rotary_emb", "lm_head")
@@ -58,6 +58,7 @@ def as_pretrained_config(config: Any) -> Any:
     if isinstance(config, Mapping):
         if "model_type" not in config:
             raise ValueError(f"a HuggingFaceCausalLM config mapping needs a 'model_type' (e.g. llama, mistral, qwen2); got keys {sorted(config)}")
+        check_model_type(config["model_type"])
         rest = {k: v for k, v in config.items() if k != "model_type"}
         by_hand = "transformers_version" not in config  # one transformers wrote may hold extra keys
         try:
@@ -72,6 +73,21 @@ def as_pretrained_config(config: Any) -> Any:
             check_config_keys(type(made), rest, made)
         return made
     raise TypeError(f"config must be a transformers.PretrainedConfig or a mapping with 'model_type', got {type(config).__name__}")
+
+
+def check_model_type(model_type: Any) -> None:
+    """Refuse a ``model_type`` transformers does not know with the close ones (``llamma``: did you mean 'llama'?),
+    not transformers' list of every model type it has (300 of them)."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    if model_type in CONFIG_MAPPING:
+        return
+    close = difflib.get_close_matches(str(model_type), list(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES), n=3, cutoff=0.6)
+    hint = f"did you mean {' or '.join(map(repr, close))}? " if close else ""
+    raise ValueError(f"HuggingFaceCausalLM: model_type {model_type!r} is not one transformers knows; {hint}Its "
+                     f"causal-LM families are listed in docs/models.md (the Llama family's layout: llama, mistral, "
+                     f"qwen2, qwen3, gemma, ...)")
 
 
 #: Keys a config mapping may hold that the family's signature and defaults need not show: the rope settings,
@@ -536,12 +552,14 @@ class HuggingFaceCausalLM(AdoptedCausalLM):
     def configure_model(self) -> None:
         if self._layers is not None:  # Lightning calls this hook on every trainer entry point
             return
+        tp_mesh = tensor_parallel_mesh(self.device_mesh)  # set by a strategy with tensor parallelism
+        # First what the plan refuses by name (sizes it does not divide), which the check below would only see fail
+        plan = (tensor_parallel_plan(self.config, tp_mesh.size(), replica_processes(self.device_mesh))
+                if tp_mesh is not None else None)
         if self.check_exact:
             # Before any layer gets memory: refuses a family whose pipeline layers differ from the upstream forward.
             # The adapter itself, not a subclass: a subclass may take other constructor arguments.
             self._mask_as_upstream(hf_probe.check_exact(HuggingFaceCausalLM, self.config))
-        tp_mesh = tensor_parallel_mesh(self.device_mesh)  # set by a strategy with tensor parallelism
-        plan = tensor_parallel_plan(self.config, tp_mesh.size()) if tp_mesh is not None else None
         super().configure_model()
         if plan is not None:
             self.parallelize(tp_mesh, plan)
@@ -625,7 +643,7 @@ class HuggingFaceCausalLM(AdoptedCausalLM):
         return loss if self._router_loss is None else loss + self._router_loss.loss(statistics)
 
     def pipeline_loss_weight(self, batch: Any) -> Any:
-        return packing.loss_weight(batch, self.skip_document_ends)  # kept targets, where some are skipped
+        return packing.loss_weight(batch, self.skip_document_ends, type(self).__name__)  # kept targets, where skipped
 
     def pipeline_metric_names(self) -> tuple[str, ...]:
         return ("train_aux_loss",) if adds_router_loss(self.config) else ()
@@ -653,17 +671,18 @@ TENSOR_PARALLEL_STYLES = ("colwise", "rowwise")
 LAYERS_PREFIX = "layers.*."
 
 
-def tensor_parallel_plan(config: Any, tensor_parallel_size: int) -> dict[str, Any]:
+def tensor_parallel_plan(config: Any, tensor_parallel_size: int, processes: Optional[int] = None) -> dict[str, Any]:
     """The tensor-parallel plan of one decoder layer of ``config``'s family, from transformers' own
     (``config.base_model_tp_plan``): ``{"self_attn.q_proj": ColwiseParallel(), ..., "mlp.down_proj":
     RowwiseParallel()}``. Entries outside the decoder layers (the head's ``colwise_rep``) are not applied
     (``HuggingFaceCausalLM.parallelize`` splits the embedding and the head over the vocabulary itself). Refused,
     naming it: a family without a plan, one not verified exact (:data:`TENSOR_PARALLEL_FAMILIES`), a style other
-    than column- or row-wise, and a ``tensor_parallel_size`` that does not divide the vocabulary, the heads or the
-    MLP's width."""
+    than column- or row-wise, a ``tensor_parallel_size`` that does not divide the vocabulary, the heads or the
+    MLP's width (the sizes suggested instead also divide ``processes``, a pipeline replica's, where known), and a
+    dropout rate above 0 (``attention_dropout``: each rank would draw one device's mask for its own heads)."""
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
-    from lightning_async_pp.parallel.mesh import check_tensor_parallel_divides
+    from lightning_async_pp.parallel.mesh import check_tensor_parallel_divides, check_tensor_parallel_no_dropout
 
     family, t = config.model_type, tensor_parallel_size
     upstream = getattr(config, "base_model_tp_plan", None) or {}
@@ -685,7 +704,10 @@ def tensor_parallel_plan(config: Any, tensor_parallel_size: int) -> dict[str, An
     check_tensor_parallel_divides(t, {"vocab_size": config.vocab_size, "num_attention_heads": config.num_attention_heads,
                                       "num_key_value_heads": getattr(config, "num_key_value_heads", None),
                                       "intermediate_size": getattr(config, "intermediate_size", None)},
-                                  f"model_type {family!r}")
+                                  f"model_type {family!r}", processes)
+    read = read_by_the_code(type(config))  # the dropout rates its layers draw with (attention_dropout)
+    check_tensor_parallel_no_dropout(t, {k: v for k, v in config.to_dict().items()
+                                         if ("dropout" in k or "pdrop" in k) and k in read}, f"model_type {family!r}")
     styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
     return {name: styles[style]() for name, style in layers.items()}
 

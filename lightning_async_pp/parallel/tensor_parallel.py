@@ -30,6 +30,25 @@ def is_whole(p: Tensor) -> bool:
     return not isinstance(p, DTensor) or all(pl.is_replicate() for pl in p.placements)
 
 
+def dropout_in_split_layers(layers: Sequence[nn.Module]) -> dict[str, float]:
+    """In each layer a tensor-parallel plan splits (one holding a parameter that is not whole, :func:`is_whole`),
+    every dropout that draws: a dropout module's ``p``, or a float attribute named ``*dropout*`` (the probability a
+    module hands its attention function), above 0; keyed ``"pipeline_layers()[i].path.p"`` (for
+    :func:`~lightning_async_pp.parallel.mesh.check_tensor_parallel_no_dropout`)."""
+    found: dict[str, float] = {}
+    for index, layer in enumerate(layers):
+        if all(is_whole(p) for p in layer.parameters()):
+            continue
+        for path, module in layer.named_modules():
+            where = f"pipeline_layers()[{index}]" + (f".{path}" if path else "")
+            if isinstance(module, nn.modules.dropout._DropoutNd) and module.p > 0:
+                found[f"{where}.p"] = module.p
+            for name, value in vars(module).items():
+                if "dropout" in name and isinstance(value, float) and value > 0:
+                    found[f"{where}.{name}"] = value
+    return found
+
+
 def point_at(p: Tensor, storage: Tensor) -> None:
     """Make parameter ``p`` hold ``storage`` (a plain tensor of its local shape) without copying, so that an
     in-place update of ``p`` writes ``storage``. ``p.data = storage`` would replace a DTensor parameter's wrapper

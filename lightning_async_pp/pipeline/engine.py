@@ -45,8 +45,8 @@ from lightning_async_pp.pipeline.randomness import ForwardRandomness
 from lightning_async_pp.pipeline.runtime import PipelineRuntime
 from lightning_async_pp.pipeline.stage import Stage
 from lightning_async_pp.pipeline.versions import WeightVersions
-from lightning_async_pp.plan.balanced import (MemoryModel, SplitReport, layer_costs, report_for, split_and_run_ahead,
-                                              stage_memory_bytes)
+from lightning_async_pp.plan.balanced import (MemoryModel, SplitReport, layer_costs, report_for, shared_parameters,
+                                              split_and_run_ahead, stage_memory_bytes)
 from lightning_async_pp.plan.partition import partition_layers
 from lightning_async_pp.plan.timing import measure_layer_times
 from lightning_async_pp.trace import Span, StepTimes
@@ -60,6 +60,9 @@ class StageView:
     delay: int
     param_names: tuple[str, ...]  # global names (in the model), in the order of ``params``
     _stage: Stage
+    # per parameter: this process counts its local tensor in a whole-model sum (not a tied copy another stage
+    # owns, nor a whole parameter on tensor-parallel ranks but 0; a shard on every rank)
+    counted: tuple[bool, ...] = ()
 
     @property
     def params(self) -> list[nn.Parameter]:
@@ -105,6 +108,15 @@ class PipelineStats:
     @property
     def schedule(self) -> str:
         return self._engine.config.schedule
+
+    @property
+    def tensor_parallel_size(self) -> int:
+        """``t``: the processes of one stage, each holding its shards of the stage's parameters (1 without)."""
+        return self._engine.tensor_parallel_size
+
+    @property
+    def tensor_parallel_rank(self) -> int:
+        return self._engine.topology.tp_rank if self._engine.topology is not None else 0
 
     @property
     def stages(self) -> list[StageView]:
@@ -240,7 +252,7 @@ class PipelineEngine:
         # One device models the p devices its stages stand for, so it picks the split p processes pick.
         model = MemoryModel(config.schedule, p, self.num_microbatches, config.data_parallel_size, config.shard_optimizer,
                             run_ahead=config.last_stage_run_ahead is not False, state_bytes=self.optimizer_state_bytes,
-                            state_shared=self.optimizer_state_shared)
+                            state_shared=self.optimizer_state_shared, param_shared=shared_parameters(self.layers))
         costs, measured = None, None
         if sample_batch is not None:
             try:
@@ -354,10 +366,6 @@ class PipelineEngine:
             randomness=self.randomness, last_ahead=self.split.run_ahead is not False,
             tensor_parallel=self.tensor_parallel_size > 1,
         )
-        names = self.global_names
-        self.stage_views = [StageView(st.index, st.versions.delay, tuple(names[id(p)] for p in st.params), st)
-                            for st in self.stages]
-        self.stats = PipelineStats(self)
         # Where each tied parameter sits among this process's gradients, and the parameters another stage counts
         # in a global norm (a tied one only on the stage that owns it): fixed once the stages exist.
         index = {id(p): i for i, p in enumerate(self.params)}
@@ -367,6 +375,11 @@ class PipelineEngine:
             # A whole (plain or replicated) parameter's gradient is whole and equal on every tensor-parallel rank:
             # counted on rank 0 only; a sharded parameter's local shard on every rank.
             self._counted_elsewhere |= {id(p) for p in self.params if is_whole(p)}
+        names = self.global_names
+        self.stage_views = [StageView(st.index, st.versions.delay, tuple(names[id(p)] for p in st.params), st,
+                                      tuple(id(p) not in self._counted_elsewhere for p in st.params))
+                            for st in self.stages]
+        self.stats = PipelineStats(self)
         return self
 
     @classmethod

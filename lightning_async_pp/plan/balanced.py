@@ -308,6 +308,9 @@ class MemoryModel:
     # Of ``state_bytes``, each parameter several layers hold (a tied weight): its bytes and those layers. Counted in
     # each of them above; a stage holding several keeps it once.
     state_shared: tuple[tuple[int, tuple[int, ...]], ...] = ()
+    # Likewise of the layers' ``param_bytes`` (:func:`shared_parameters`): a stage holding several of its layers
+    # holds the tensor, its gradient and what follows from its bytes once
+    param_shared: tuple[tuple[int, tuple[int, ...]], ...] = ()
 
     def runs_ahead(self, stage: int) -> bool:
         """Whether ``stage`` runs the next batch's first backward before this batch's update (two gradients):
@@ -354,15 +357,13 @@ def stage_peak(costs: Sequence[LayerCost], start: int, stop: int, stage: int, mo
         raise ValueError(f"stage {stage} holds no layers ({start}:{stop})")
     p = model.num_stages
     shards = model.data_parallel_size if model.shard_optimizer and model.data_parallel_size > 1 else 1
-    weights = sum(c.param_bytes for c in layers)
+    weights = held_once([c.param_bytes for c in costs], start, stop, model.param_shared)
     kept = (sum(c.activation_bytes for c in layers) + (layers[0].input_bytes if stage > 0 else 0)
             + (layers[-1].output_bytes if stage < p - 1 else 0))
     working = kept + max(c.transient_bytes for c in layers)
     correction = round(model.correction_buffers * weights / shards)
     if model.state_bytes is not None:
-        state = sum(model.state_bytes[start:stop]) - sum(
-            nbytes * (held - 1) for nbytes, holders in model.state_shared
-            if (held := sum(start <= i < stop for i in holders)) > 1)
+        state = held_once(model.state_bytes, start, stop, model.state_shared)
     else:
         state = optimizer_state(model.optimizer, weights, sum(c.matrix_param_bytes for c in layers))
     state //= shards
@@ -373,6 +374,24 @@ def stage_peak(costs: Sequence[LayerCost], start: int, stop: int, stage: int, mo
                         run_ahead=model.run_ahead and model.data_parallel_size == 1,
                         points=model.peak_points(stage) if result is None else None)
     return peak
+
+
+def held_once(per_layer: Sequence[int], start: int, stop: int,
+              shared: Collection[tuple[int, Sequence[int]]]) -> int:
+    """The bytes of layers ``start:stop`` (``per_layer``), each tensor several of them hold (``shared``: its bytes and
+    the layers holding it, counted in each) once."""
+    return sum(per_layer[start:stop]) - sum(nbytes * (held - 1) for nbytes, holders in shared
+                                            if (held := sum(start <= i < stop for i in holders)) > 1)
+
+
+def shared_parameters(layers: Sequence[nn.Module]) -> tuple[tuple[int, tuple[int, ...]], ...]:
+    """Each parameter several of ``layers`` hold (a tied embedding and head): its bytes (this rank's shard) and the
+    layers holding it, for :attr:`MemoryModel.param_shared`."""
+    holders: dict[int, tuple[int, list[int]]] = {}
+    for index, layer in enumerate(layers):
+        for p in {id(p): p for p in layer.parameters()}.values():
+            holders.setdefault(id(p), (local_tensor(p).numel() * p.element_size(), []))[1].append(index)
+    return tuple((nbytes, tuple(held)) for nbytes, held in holders.values() if len(held) > 1)
 
 
 def stage_memory_bytes(costs: Sequence[LayerCost], start: int, stop: int, stage: int, model: MemoryModel) -> float:
@@ -502,9 +521,11 @@ class SplitReport:
             text = f"{self.layout}, {text}"
         if self.time_share:
             basis = "measured time" if self.cost == "measured" else "FLOPs"
-            per = " per device" if "tensor-parallel" in self.layout else ""
+            per = "device" if "tensor-parallel" in self.layout else "stage"
+            # the planner's account of tensors (torch.cuda.max_memory_allocated's quantity), not the process's memory
             text += (f"; predicted compute share ({basis}) " + ", ".join(f"{t:.1%}" for t in self.time_share)
-                     + f" (slowest/mean {self.imbalance:.2f}); predicted peak memory{per} "
+                     + f" (slowest/mean {self.imbalance:.2f}); predicted peak of allocated tensors per {per} "
+                     + "(weights, gradients, optimizer state, activations; not the process's memory) "
                      + ", ".join(format_bytes(b) for b in self.memory_bytes))
         if self.run_ahead is False:
             text += "; the last stage does not run ahead (one gradient)"

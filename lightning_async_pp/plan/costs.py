@@ -10,7 +10,7 @@ from typing import Optional, Sequence
 
 from lightning_async_pp.pipeline.schedule import check_schedule, chunks_per_device, device_of
 from lightning_async_pp.pipeline.simulate import SimulationResult
-from lightning_async_pp.plan.balanced import (LayerCost, MemoryModel, balanced_split, optimizer_state,
+from lightning_async_pp.plan.balanced import (LayerCost, MemoryModel, balanced_split, held_once, optimizer_state,
                                               smallest_peak, split_and_run_ahead, stage_memory_bytes, stage_peak)
 from lightning_async_pp.plan.memory import StageMemory
 from lightning_async_pp.plan.partition import _balanced_counts
@@ -93,9 +93,10 @@ class CostModel:
             raise ValueError("--data-parallel needs each stage's reduction time: give --dp-reduce-s, or a model shape "
                              "(whose gradient bytes per stage the plan computes)")
         per_layer = self.shape.layer_parameters(args.split_blocks)
+        shared = self.shape.shared_parameters(args.split_blocks)  # a stage holding both ends reduces the tie once
         nbytes, start = [], 0
         for c in counts:
-            nbytes.append(sum(per_layer[start : start + c]) * args.grad_bytes)
+            nbytes.append(held_once(per_layer, start, start + c, shared) * args.grad_bytes)
             start += c
         gbps = args.dp_gbps if args.dp_gbps is not None else args.link_gbps
         ring = lambda b: 2 * (r - 1) / r * b / (gbps * 1e9) + 2 * (r - 1) * args.dp_latency_s  # noqa: E731
@@ -105,8 +106,10 @@ class CostModel:
         """What the balanced split's memory cap is checked against for ``schedule``: the memory table's account
         (``plan.balanced.stage_peak``) under that schedule's action order, as the engine running it checks it."""
         args = self.args
+        shared = () if self.shape is None else self.shape.shared_parameters(args.split_blocks, args.param_bytes)
         return MemoryModel(schedule, p, m, args.data_parallel, args.shard_optimizer, optimizer=args.optimizer,
-                           correction_buffers=args.correction_buffers, virtual_stages=args.virtual_stages)
+                           correction_buffers=args.correction_buffers, virtual_stages=args.virtual_stages,
+                           param_shared=shared)
 
     def run_ahead(self, p: int, m: int) -> bool:
         """Whether 2bw's last stage runs the next batch's first microbatch before its update (a second gradient):
@@ -216,7 +219,8 @@ def device_memory(shape: Shape, counts: list[int], result: SimulationResult, *, 
     if sum(counts) != len(layers):
         raise ValueError(f"counts {counts} split {sum(counts)} layers; the shape has {len(layers)}")
     model = MemoryModel(result.schedule, len(counts), result.num_microbatches, data_parallel, shard_optimizer,
-                        run_ahead=run_ahead, optimizer=optimizer, correction_buffers=correction_buffers)
+                        run_ahead=run_ahead, optimizer=optimizer, correction_buffers=correction_buffers,
+                        param_shared=shape.shared_parameters(split_blocks, param_bytes))
     out, start = [], 0
     for device, count in enumerate(counts):
         # the account the balanced split checks its cap against (plan.balanced.stage_peak), on this timeline

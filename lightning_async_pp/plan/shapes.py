@@ -54,6 +54,16 @@ class Shape:
         params[-1] += self.vocab * h + h
         return params
 
+    def shared_parameters(self, split_blocks: bool, param_bytes: int = 1,
+                          tensor_parallel_size: int = 1) -> tuple[tuple[int, tuple[int, ...]], ...]:
+        """The tied embedding and head (``tied``), which the first and the last pipeline layer both count
+        (:meth:`layer_parameters`): its bytes (one tensor-parallel rank's share) and those layers, so that a stage
+        holding both counts it once (``MemoryModel.param_shared``)."""
+        last = len(self.pipeline_layers(split_blocks)) - 1
+        if not self.tied or last == 0:
+            return ()
+        return ((round(self.vocab * self.hidden / tensor_parallel_size * param_bytes), (0, last)),)
+
     def layer_matrix_parameters(self, split_blocks: bool) -> list[int]:
         """Of :meth:`layer_parameters`, those in the blocks' hidden matrices (the projections: what Muon
         orthogonalizes); the rest are the embedding, the head and the norms."""

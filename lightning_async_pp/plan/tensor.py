@@ -113,7 +113,8 @@ def tensor_parallel_rows(args: argparse.Namespace, shape: Shape, stages: list[in
                 continue
             for m in args.microbatches:
                 for s in schedules:
-                    record = _row(args, s, p, m, t, costs, forward, backward, comm_s, cap)
+                    record = _row(args, s, p, m, t, costs, forward, backward, comm_s, cap,
+                                  shape.shared_parameters(args.split_blocks, args.param_bytes, t))
                     if record is None:
                         continue
                     record["collectives_per_block_s"] = block_coll
@@ -123,9 +124,9 @@ def tensor_parallel_rows(args: argparse.Namespace, shape: Shape, stages: list[in
 
 
 def _row(args: argparse.Namespace, s: str, p: int, m: int, t: int, costs: list[LayerCost], forward: list[float],
-         backward: list[float], comm_s: float, cap: float) -> Optional[dict]:
+         backward: list[float], comm_s: float, cap: float, shared: tuple = ()) -> Optional[dict]:
     model = MemoryModel(s, p, m, args.data_parallel, args.shard_optimizer, optimizer=args.optimizer,
-                        correction_buffers=args.correction_buffers)
+                        correction_buffers=args.correction_buffers, param_shared=shared)
     times = [f + b for f, b in zip(forward, backward)]
     memory = lambda i, j, st, mm: stage_memory_bytes(costs, i, j, st, mm)  # noqa: E731
     try:

@@ -4,8 +4,8 @@ Lightning keeps doing what it does (launching processes, the loops, the optimize
 logging, checkpoints); this class only builds a :class:`PipelineEngine` in ``setup``, runs it from the module's
 steps, hands its batch gradient to Lightning's optimizer step, and saves its weight versions with checkpoints.
 The rest of the seam is delegated to the modules beside it: ``options.py`` (keyword arguments, refused settings),
-``batches.py`` (the training batches and the lookahead), ``failures.py``, ``processes.py``, ``state.py``
-(checkpoints, the gather after each call) and ``requeue.py``.
+``batches.py`` (the training batches and the lookahead), ``data_rows.py``, ``failures.py``, ``processes.py``,
+``state.py`` (checkpoints, the gather after each call) and ``requeue.py``.
 How it meets Lightning is described in docs/design/lightning.md, "The Lightning seam".
 """
 from __future__ import annotations
@@ -25,32 +25,32 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor
 
+from lightning_async_pp import checkpoint as ckpt
 from lightning_async_pp.lightning_callbacks import check_callbacks
 from lightning_async_pp.module import PipelineModule
 from lightning_async_pp.optim.checks import check_corrections, set_step_delay
 from lightning_async_pp.optim.empty import allowing_empty_parameter_lists
 from lightning_async_pp.optim.weight_prediction import prediction_scales
-from lightning_async_pp import checkpoint as ckpt
+from lightning_async_pp.parallel.mesh import build_device_mesh
+from lightning_async_pp.parallel.placement import (
+    layer_paths,
+    meta_tensors_set_aside,
+    parameters_on_meta,
+    reassemble_layers,
+    refusing_loads_onto_meta,
+)
+from lightning_async_pp.parallel.tensor_parallel import parameter_grad
+from lightning_async_pp.parallel.topology import PipelineTopology
+from lightning_async_pp.parallel.zero import local_optimizer, shard_optimizers
 from lightning_async_pp.pipeline.comm import elastic_attempt_store
 from lightning_async_pp.pipeline.config import CheckpointingSpec, CompileSpec, DelaySpec, PipelineConfig
 from lightning_async_pp.pipeline.engine import PipelineEngine
 from lightning_async_pp.plan.partition import PartitionSpec
-from lightning_async_pp.strategy.optimizer_state import optimizer_state_per_layer
-from lightning_async_pp.parallel.placement import (
-    layer_paths,
-    parameters_on_meta,
-    reassemble_layers,
-    refusing_loads_onto_meta,
-    replace_meta_tensors,
-)
-from lightning_async_pp.parallel.mesh import build_device_mesh
-from lightning_async_pp.parallel.zero import local_optimizer, shard_optimizers
-from lightning_async_pp.parallel.tensor_parallel import parameter_grad
-from lightning_async_pp.parallel.topology import PipelineTopology
-from lightning_async_pp.strategy import _lightning, options, processes
+from lightning_async_pp.strategy import _lightning, data_rows, options, processes
 from lightning_async_pp.strategy.batches import TrainingBatches
-from lightning_async_pp.strategy.failures import FailureReporting
+from lightning_async_pp.strategy.failures import FailureReporting, not_raised_over_a_failure
 from lightning_async_pp.strategy.lookahead import LookaheadLoader
+from lightning_async_pp.strategy.optimizer_state import optimizer_state_per_layer
 from lightning_async_pp.strategy.requeue import RequeueAtStepBoundary
 from lightning_async_pp.strategy.state import PipelineStateHooks, continued_state
 
@@ -187,7 +187,7 @@ class AsyncPipelineStrategy(PipelineStateHooks, TrainingBatches, FailureReportin
         self.gather_final_weights = gather_final_weights
         self._pending_save: Optional[ckpt.PendingSave] = None  # an async_checkpoint save still being written
         self._in_trainer_call = False  # between setup and teardown, where teardown awaits a background save
-        self._gathered_tensor_parallel = False  # rank 0 holds the whole model after a tensor-parallel call's gather
+        self._stage_state: Optional[dict] = None  # rank 0's tensor-parallel stage, kept when the gather replaced it
         self._checkpoint_group: Any = None  # async saves' own gloo group: their collectives run in a background thread
         self._source: Optional[ckpt.TensorSource] = None  # the checkpoint being restored, between its two loads
         self._tensors: dict[str, Any] = {}
@@ -335,6 +335,7 @@ class AsyncPipelineStrategy(PipelineStateHooks, TrainingBatches, FailureReportin
         options.refuse_unsupported(trainer, self.precision_plugin, self.config)
         options.refuse_with_tensor_parallelism(trainer, module, self.config, self.gather_final_weights,
                                                previous_call=self.engine is not None)
+        data_rows.check_rows(trainer.datamodule, module)  # rows the model refuses: before costing or building
         self.model = self.precision_plugin.convert_module(self.model)
         # The full layer list is remembered on the module: after a multi-process call, other stages' layers are
         # placeholders in rank 0's tree (unless gathered back), and a later call must still find the originals.
@@ -487,16 +488,15 @@ class AsyncPipelineStrategy(PipelineStateHooks, TrainingBatches, FailureReportin
         module = self.lightning_module
         if isinstance(module, PipelineModule):
             module._pipeline_executor = None
-        if module is not None:
-            # A setup that failed before materializing leaves meta tensors, which Lightning's move to the CPU
-            # cannot copy: give them a placeholder of their shape (no memory) so the original error surfaces.
-            replace_meta_tensors(module, lambda t: torch.empty((), dtype=t.dtype).expand(t.shape))
         self._train_loader = None
         self._lookahead = None
         self.precision_plugin.__dict__.pop("clip_grad_by_norm", None)  # the plugin's own method again
         self._requeue = None
-        self.finish_pending_save()
-        super().teardown()
+        # A setup that failed before materializing leaves meta tensors, which Lightning's move to the CPU cannot
+        # copy: set aside meanwhile. Whatever fails here is not raised over the call's own failure.
+        with not_raised_over_a_failure(module), meta_tensors_set_aside(module) if module else nullcontext():
+            self.finish_pending_save()
+            super().teardown()
 
 
 StrategyRegistry.register(

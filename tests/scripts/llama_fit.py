@@ -26,10 +26,16 @@ through models.HuggingFaceCausalLM; "own": ``OwnPlanLM``, a PipelineModule apply
 a tiny models.GPT, untied; else models.Llama), optimizer ("muon": optim.Muon over the named parameters,
 "error_feedback_muon": the same inside ErrorFeedback; "delay_compensation", "weight_prediction", "async_nesterov":
 that correction over the model's AdamW groups; default the model's AdamW),
-checkpoint_dir + save_at (a ModelCheckpoint writing checkpoint_dir/saved.ckpt at that step), resume_from (ckpt_path),
+checkpoint_dir + save_at (a ModelCheckpoint writing checkpoint_dir/saved.ckpt at that step), save_after (a path:
+``trainer.save_checkpoint`` there after fit), refused (a setup refused on purpose: the rows given through a
+data module declaring them, ``RowsDataModule``; returns what fit raised, the batches started and whether every
+parameter is still on the meta device), resume_from (ckpt_path),
 resumable (a loader that resumes mid-epoch: tests/helpers.py ResumableLoader), gather (tensor_parallel with
 gather_final_weights=True: rank 0 returns the whole "state_dict"), eval_calls (after fit, each of "validate", "test",
-"predict" on a new Trainer; rank 0 returns their "eval" results), val_loss (returned when validation ran in fit).
+"predict" on a new Trainer; rank 0 returns their "eval" results), val_loss (returned when validation ran in fit),
+monitors (StalenessMonitor and PipelineMonitor logging every step into a ``callback_fit.MemoryLogger``: rank 0
+returns what they logged as "logged", every rank its stage's whole weights before training and after each step as
+"weights_per_step").
 """
 from __future__ import annotations
 
@@ -182,6 +188,20 @@ class OwnPlanLM(PipelineModule):
         return torch.optim.AdamW(self.parameters(), lr=self.hparams.lr)
 
 
+class WeightsPerStep(L.Callback):
+    """Keeps this rank's stage's parameters whole (a DTensor's shards gathered over its tensor-parallel group) as
+    training starts and after every step: ``history[k]`` is ``W_k`` by parameter name."""
+
+    def __init__(self) -> None:
+        self.history: list[dict[str, torch.Tensor]] = []
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.history.append(stage_weights(pl_module)["stage_weights"])
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
+        self.history.append(stage_weights(pl_module)["stage_weights"])
+
+
 def chosen_optimizer(model: Llama, kind: str) -> torch.optim.Optimizer:
     """``optim.Muon`` over the model's named parameters (the blocks' matrices to Muon, embedding, head and norms to
     its AdamW), alone or inside ``ErrorFeedback``; or a delay correction over the model's own AdamW groups:
@@ -300,6 +320,13 @@ def make_trainer(cfg: dict) -> L.Trainer:
         from lightning.pytorch.loggers import TensorBoardLogger
 
         logger = TensorBoardLogger(cfg["log_dir"], name="", version=0)
+    if cfg.get("monitors"):
+        from callback_fit import MemoryLogger
+
+        from lightning_async_pp.callbacks import PipelineMonitor, StalenessMonitor
+
+        callbacks += [StalenessMonitor(), PipelineMonitor(), WeightsPerStep()]
+        logger = MemoryLogger()
     val_every = cfg.get("val_every")
     trainer = L.Trainer(
         strategy=strategy, accelerator="cpu", devices=cfg.get("devices", 2), max_steps=cfg.get("steps", 4),
@@ -310,18 +337,60 @@ def make_trainer(cfg: dict) -> L.Trainer:
     return trainer
 
 
+class RowsDataModule(L.LightningDataModule):
+    """The rows of ``loader`` from a data module declaring them as ``data.TextDataModule`` does: ``block_size``
+    tokens per row (and its target), ``document_mask`` for packed rows."""
+
+    def __init__(self, loader: DataLoader, block_size: int, document_mask: bool) -> None:
+        super().__init__()
+        self.loader, self.block_size, self.document_mask = loader, block_size, document_mask
+
+    def train_dataloader(self) -> DataLoader:
+        return self.loader
+
+
+class BatchesStarted(L.Callback):
+    def __init__(self) -> None:
+        self.count = 0
+
+    def on_train_batch_start(self, *args: Any) -> None:
+        self.count += 1
+
+
+def refused_setup(cfg: dict, model: Llama, loader: DataLoader, trainer: L.Trainer) -> dict:
+    """``cfg["refused"]``: fit on the rows as a data module; what fit raised (the user's error), how many batches
+    started, and whether every parameter is on the meta device again after the teardown."""
+    started = BatchesStarted()
+    trainer.callbacks.append(started)
+    try:
+        trainer.fit(model, datamodule=RowsDataModule(loader, cfg.get("seq", 16), bool(cfg.get("packed"))))
+    except Exception as err:
+        return {"refused": f"{type(err).__name__}: {err}", "batches_started": started.count,
+                "meta": all(p.is_meta for p in model.parameters())}
+    raise AssertionError("the setup was not refused")
+
+
 def run(cfg: dict, devices: int) -> tuple[dict, Llama, L.Trainer]:
     if cfg.get("sequence"):
         return run_sequence(cfg, devices)
     model, loader, trainer = build({**cfg, "devices": devices})
+    if cfg.get("refused"):
+        return refused_setup(cfg, model, loader, trainer), model, trainer
     # A resumable loader records its own position: validation reads another one.
     val_loader = eval_rows(cfg) if cfg.get("resumable") else loader
     trainer.fit(model, loader, val_loader if cfg.get("val_every") else None, ckpt_path=cfg.get("resume_from"))
+    if cfg.get("save_after"):
+        trainer.save_checkpoint(cfg["save_after"])  # after fit, as Lightning users habitually save
     result: dict[str, Any] = {"rank": trainer.global_rank, "global_step": trainer.global_step,
                               "split": (trainer.strategy.engine.stats.split.method,
                                         list(trainer.strategy.engine.stats.split.counts))}
     if "val_loss" in trainer.callback_metrics:
         result["val_loss"] = float(trainer.callback_metrics["val_loss"])
+    if cfg.get("monitors"):  # what the monitors logged (rank 0's logger writes) and the weights they saw
+        result["weights_per_step"] = next(c for c in trainer.callbacks if isinstance(c, WeightsPerStep)).history
+        if trainer.is_global_zero:
+            result["logged"] = {n: v for n, v in trainer.logger.metrics.items()
+                                if n.startswith(("staleness/", "pipeline/"))}
     samples = [c for c in trainer.callbacks if type(c).__name__ == "TextSamples"]
     if samples:
         result["texts"] = samples[0].history
