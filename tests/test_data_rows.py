@@ -109,7 +109,7 @@ def test_meta_tensors_are_set_aside_while_the_module_moves_and_back_afterwards_d
     could not be swapped with a plain placeholder ("different slots")."""
     from torch.distributed.tensor import DTensor
 
-    from lightning_async_pp.parallel.placement import meta_tensors_set_aside
+    from lightning_async_pp.parallel.tensor_parallel import meta_tensors_set_aside
 
     model = tensor_parallel_llama(two_rank_mesh)
     params = dict(model.named_parameters())

@@ -34,12 +34,11 @@ from lightning_async_pp.optim.weight_prediction import prediction_scales
 from lightning_async_pp.parallel.mesh import build_device_mesh
 from lightning_async_pp.parallel.placement import (
     layer_paths,
-    meta_tensors_set_aside,
     parameters_on_meta,
     reassemble_layers,
     refusing_loads_onto_meta,
 )
-from lightning_async_pp.parallel.tensor_parallel import parameter_grad
+from lightning_async_pp.parallel.tensor_parallel import meta_tensors_set_aside, parameter_grad
 from lightning_async_pp.parallel.topology import PipelineTopology
 from lightning_async_pp.parallel.zero import local_optimizer, shard_optimizers
 from lightning_async_pp.pipeline.comm import elastic_attempt_store
