@@ -64,7 +64,7 @@ def export_hf(src: str | os.PathLike, out: str | os.PathLike, tokenizer: Optiona
     tokens, and ``config.json``'s and ``generation_config.json``'s bos/eos/pad ids are those tokens' ids."""
     from transformers import AutoModelForCausalLM, GenerationConfig
 
-    from lightning_async_pp.models.huggingface import as_pretrained_config
+    from lightning_async_pp.models.hf_config import as_pretrained_config
 
     src, out = os.fspath(src), os.fspath(out)
     checkpoint, state = read_checkpoint(src)

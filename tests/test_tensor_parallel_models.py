@@ -22,7 +22,8 @@ from pipeline_runs import (  # noqa: E402
     max_difference, run_here_on_one_device, script_ranks, whole_tensor_parallel_model)
 from test_tensor_parallel import MUON_TOL  # noqa: E402
 
-from lightning_async_pp.models.huggingface import as_pretrained_config, tensor_parallel_plan  # noqa: E402
+from lightning_async_pp.models.hf_config import as_pretrained_config  # noqa: E402
+from lightning_async_pp.models.huggingface import tensor_parallel_plan  # noqa: E402
 
 SCRIPT = Path(__file__).parent / "scripts" / "llama_fit.py"
 TOL = 5e-5
