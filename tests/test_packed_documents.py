@@ -533,6 +533,37 @@ def test_a_yaml_flag_turns_document_masks_on_for_the_clis_data_module(tmp_path, 
     assert cli.datamodule.document_mask and cli.model.hparams.skip_document_ends
     batch = rows(cli.datamodule, 1)[0]
     assert set(batch) == {"input_ids", "position_ids"}
+    # The example batch partition="balanced" costs the layers on is a packed batch too (it was token rows): the
+    # loaders' keys, dtypes and row length, each row one document.
+    example = cli.model.pipeline_sample()
+    assert set(example) == set(batch)
+    for key, value in batch.items():
+        assert (example[key].dtype, example[key].shape[1:]) == (value.dtype, value.shape[1:]), key
+    assert torch.equal(example["position_ids"], torch.arange(BLOCK + 1).expand_as(example["position_ids"]))
+
+
+def test_the_layers_are_costed_on_a_packed_example_batch_with_its_positions(tmp_path, small_files):
+    """TextDataModule(document_mask=True).example_batch(), costed on fake tensors: the positions reach the layers
+    (their values unknown there: each row one document, the FLOPs of plain rows), where reading them failed."""
+    from lightning_async_pp.plan.balanced import layer_costs
+
+    dm = TextDataModule(data_path=str(small_files), cache_dir=str(tmp_path / "c"), block_size=BLOCK, batch_size=4,
+                        document_mask=True)
+    example = dm.example_batch(2)
+    assert example["input_ids"].shape == example["position_ids"].shape == (2, BLOCK + 1)
+    assert isinstance(TextDataModule(block_size=BLOCK).example_batch(2), torch.Tensor)  # without: token rows
+    for model in (Llama(max_seq_len=BLOCK + 1), GPT(block_size=BLOCK + 1)):
+        model.configure_model()
+        layers = model.pipeline_layers()
+        seen = []
+        handle = layers[1].register_forward_pre_hook(lambda module, args: seen.append(args[0]))
+        try:
+            packed = layer_costs(layers, example, model.pipeline_input, model.pipeline_loss)
+            plain = layer_costs(layers, example["input_ids"], model.pipeline_input, model.pipeline_loss)
+        finally:
+            handle.remove()
+        assert set(seen[0]) == {"hidden", "position_ids"} and isinstance(seen[1], torch.Tensor)
+        assert [c.flops for c in packed] == [c.flops for c in plain], type(model).__name__
 
 
 def test_a_byte_folder_prepared_without_document_ends_is_refused_with_document_mask(tmp_path, small_files):

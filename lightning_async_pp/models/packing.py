@@ -142,9 +142,12 @@ class Documents:
         self._block_mask: Any = None
         self.spans: list[list[tuple[int, int]]] = []
         self.per_document = False
-        self.flex = self.device.type == "cuda" and _flex() is not None
+        shapes_only = _shapes_only(position_ids)
+        self.flex = self.device.type == "cuda" and not shapes_only and _flex() is not None
         if not self.flex:
-            starts = _document_starts(self._position_ids)
+            # Fake or meta positions (the balanced split costing the layers) have no values: each row one document,
+            # what one device's attention over the row costs at most (TextDataModule.example_batch's own rows).
+            starts = [[0]] * self.shape[0] if shapes_only else _document_starts(self._position_ids)
             length = self.shape[-1]
             for row in starts:
                 bounds = [*row, length]
@@ -176,6 +179,13 @@ class Documents:
     def skips_masked_blocks(self) -> bool:
         """Whether attention computes only each document's blocks (no (T, T) mask)."""
         return self.flex or self.per_document
+
+
+def _shapes_only(t: Tensor) -> bool:
+    """Whether ``t`` has a shape and no values to read (a fake tensor, or one on the meta device)."""
+    from torch._subclasses.fake_tensor import is_fake
+
+    return t.is_meta or is_fake(t)
 
 
 def _document_starts(position_ids: Tensor) -> list[list[int]]:
