@@ -265,7 +265,7 @@ def test_data_help_lists_the_data_modules_options_beside_model_help(capsys):
 def test_a_value_the_library_refuses_once_the_run_started_ends_in_one_line_and_other_errors_keep_their_traceback(
         tmp_path, monkeypatch, capsys):
     from lightning_async_pp.cli import main
-    from lightning_async_pp.pipeline import checkpoint as ckpt
+    from lightning_async_pp import checkpoint as ckpt
 
     monkeypatch.chdir(tmp_path)
     damaged = tmp_path / "damaged.ckpt"  # a sharded checkpoint whose save never finished

@@ -81,7 +81,7 @@ def two_rank_mesh():
 
 def tensor_parallel_llama(mesh) -> Llama:
     """``models.Llama`` as the strategy builds it at t = 2: layers on the meta device, the plan applied."""
-    from lightning_async_pp.pipeline.placement import parameters_on_meta
+    from lightning_async_pp.parallel.placement import parameters_on_meta
 
     model = Llama("tiny", vocab_size=256, max_seq_len=64)
     model._device_mesh = mesh  # what the strategy sets (strategy/_lightning.set_device_mesh)
@@ -109,7 +109,7 @@ def test_meta_tensors_are_set_aside_while_the_module_moves_and_back_afterwards_d
     could not be swapped with a plain placeholder ("different slots")."""
     from torch.distributed.tensor import DTensor
 
-    from lightning_async_pp.pipeline.placement import meta_tensors_set_aside
+    from lightning_async_pp.parallel.tensor_parallel import meta_tensors_set_aside
 
     model = tensor_parallel_llama(two_rank_mesh)
     params = dict(model.named_parameters())

@@ -8,7 +8,8 @@
 - the guide's Trainer examples (monitoring, the quick start's own model) run as shown on one device and on two
   processes (tests/scripts/guide_fit.py);
 - README.md is a front page: the two quick-start commands, links into the site that resolve; links between pages
-  reach a page and, with an anchor, one of its headings.
+  reach a page and, with an anchor, one of its headings;
+- every page is read in one sitting: at most 25 KB (the generated family table and the delay study's record aside).
 """
 from __future__ import annotations
 
@@ -296,3 +297,14 @@ def test_the_data_guides_tokenizer_training_runs_as_shown_and_the_data_reads_wit
     assert (info["eos_id"], info["vocab_size"]) == (eos, namespace["vocab_size"])
     prepared = TextDataModule(data_path="data/tokens", block_size=256)  # it carries the tokenizer
     assert (prepared.vocab_size, prepared.document_end()) == (namespace["vocab_size"], eos)
+
+
+#: Pages that are generated or hold a study's whole record: as long as what they record.
+LONG_PAGES = {"docs/models.md", "docs/delay-study.md"}
+
+
+def test_every_page_is_at_most_25_kb():
+    pages = [ROOT / "README.md", ROOT / "BENCHMARKS.md", *sorted(DOCS.rglob("*.md"))]
+    big = {str(p.relative_to(ROOT)): p.stat().st_size for p in pages
+           if str(p.relative_to(ROOT)) not in LONG_PAGES and p.stat().st_size > 25_000}
+    assert not big, f"pages past 25 KB (split a note by concern; superseded figures go to docs/benchmarks-archive.md): {big}"

@@ -29,8 +29,8 @@ from pipeline_runs import max_difference, run_here_on_one_device, script_ranks  
 from lightning_async_pp import AsyncPipelineStrategy  # noqa: E402
 from lightning_async_pp.models import Llama  # noqa: E402
 from lightning_async_pp.pipeline.config import PipelineConfig  # noqa: E402
-from lightning_async_pp.pipeline.expert_parallel import LocalExperts, route, run_experts  # noqa: E402
-from lightning_async_pp.pipeline.mesh import EXPERT_MESH_DIMS, MeshLayout  # noqa: E402
+from lightning_async_pp.parallel.expert import LocalExperts, route, run_experts  # noqa: E402
+from lightning_async_pp.parallel.mesh import EXPERT_MESH_DIMS, MeshLayout  # noqa: E402
 
 SCRIPT = Path(__file__).parent / "scripts" / "llama_fit.py"
 TOL = 5e-5
@@ -203,8 +203,8 @@ def fake_world(request):
 
 @pytest.mark.parametrize("fake_world", [(2, 4)], indirect=True)
 def test_the_device_mesh_has_the_expert_view_a_model_shards_its_experts_over(fake_world):
-    from lightning_async_pp.pipeline.expert_parallel import expert_parallel_mesh
-    from lightning_async_pp.pipeline.mesh import build_device_mesh, tensor_parallel_mesh
+    from lightning_async_pp.parallel.expert import expert_parallel_mesh
+    from lightning_async_pp.parallel.mesh import build_device_mesh, tensor_parallel_mesh
 
     mesh = build_device_mesh(MeshLayout(4, data_parallel_size=2, expert_parallel_size=2), "cpu")
     assert mesh.mesh_dim_names == EXPERT_MESH_DIMS
@@ -277,7 +277,7 @@ def test_each_rank_keeps_its_half_of_the_experts_initialized_as_on_one_device(fa
         assert torch.equal(p, whole[name]), name
     assert len(whole) - len(dict(model.named_parameters())) == 4 * 2 * 3  # 4 blocks x 2 experts x 3 matrices gone
     # what the gather into rank 0 makes of it: every expert again, in one device's order, computed without the group
-    from lightning_async_pp.pipeline.expert_parallel import unshard_experts
+    from lightning_async_pp.parallel.expert import unshard_experts
 
     unshard_experts([model])
     assert list(model.state_dict()) == list(one.state_dict())
@@ -347,7 +347,7 @@ def test_one_host_read_per_moe_layer_and_microbatch_none_in_backward(monkeypatch
 def test_the_split_costs_routed_experts_on_fake_tensors():
     """The balanced split runs each layer on fake tensors: the routed experts take an equal share of the rows each
     (no data-dependent sizes, no communication), so a MoE Llama is split by FLOPs, not by parameter counts."""
-    from lightning_async_pp.pipeline.cost import layer_costs
+    from lightning_async_pp.plan.balanced import layer_costs
 
     def block_flops(**kwargs) -> int:
         model = Llama("tiny", init_seed=0, **kwargs)

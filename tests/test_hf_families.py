@@ -136,10 +136,10 @@ def test_the_refusal_names_the_family_and_what_it_cannot_do():
 
 
 def test_every_familys_default_config_passes_the_key_check_and_a_misspelt_key_is_refused():
-    # The check (huggingface.check_config_keys) must not refuse a key a family knows: each family's own default
+    # The check (hf_config.check_config_keys) must not refuse a key a family knows: each family's own default
     # config, as a mapping with model_type (what YAML gives), builds the same config; with one key misspelt it is
     # refused, naming the key meant.
-    from lightning_async_pp.models.huggingface import as_pretrained_config
+    from lightning_async_pp.models.hf_config import as_pretrained_config
 
     checked = []
     with warnings.catch_warnings():
@@ -163,7 +163,7 @@ def test_every_familys_default_config_passes_the_key_check_and_a_misspelt_key_is
 
 
 def test_an_unknown_model_type_is_refused_with_the_close_family_not_a_list_of_every_model_type():
-    from lightning_async_pp.models.huggingface import as_pretrained_config
+    from lightning_async_pp.models.hf_config import as_pretrained_config
 
     with pytest.raises(ValueError) as caught:
         HuggingFaceCausalLM({"model_type": "llamma", "hidden_size": 64})
@@ -178,7 +178,7 @@ def test_a_family_whose_init_leaves_its_norms_to_their_constructors_is_exact_bui
     # HunYuan's _init_weights sets only linear and embedding weights; its RMSNorm gains keep the constructor's ones.
     # Built on the meta device (the model's __init__, the strategy's configure_model) those values were lost: the
     # norms were uninitialized memory, and the build-time check refused the family under the strategy only.
-    from lightning_async_pp.pipeline.placement import materialize_layers, parameters_on_meta
+    from lightning_async_pp.parallel.placement import materialize_layers, parameters_on_meta
 
     if "hunyuan_v1_dense" not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
         pytest.skip("this transformers has no hunyuan_v1_dense")

@@ -1,4 +1,4 @@
-"""The data parallel x pipeline x tensor-parallel layout (pipeline/mesh.py): its arithmetic against a layout
+"""The data parallel x pipeline x tensor-parallel layout (parallel/mesh.py): its arithmetic against a layout
 written out by hand and against PipelineTopology, its refusals, and torch's DeviceMesh built from it on a fake
 process group of 8 ranks (one process; no communication)."""
 from __future__ import annotations
@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch.distributed as dist
 
-from lightning_async_pp.pipeline.mesh import MESH_DIMS, MeshLayout, build_device_mesh, check_tensor_parallel_divides
-from lightning_async_pp.pipeline.topology import PipelineTopology
+from lightning_async_pp.parallel.mesh import MESH_DIMS, MeshLayout, build_device_mesh, check_tensor_parallel_divides
+from lightning_async_pp.parallel.topology import PipelineTopology
 
 
 def test_tensor_parallel_ranks_of_a_stage_are_adjacent_then_stages_then_replicas():
@@ -59,8 +59,8 @@ def test_the_tensor_parallel_sizes_suggested_for_a_model_also_divide_the_process
     """3 heads at tensor_parallel_size=2 on 4 processes: 3 splits the heads but not the 4 processes (it suggested
     [1, 3]); on 6 processes it does."""
     from lightning_async_pp.models import Llama
-    from lightning_async_pp.pipeline.mesh import replica_processes
-    from lightning_async_pp.pipeline.placement import parameters_on_meta
+    from lightning_async_pp.parallel.mesh import replica_processes
+    from lightning_async_pp.parallel.placement import parameters_on_meta
 
     def refusal(world: int, data_parallel: int = 1) -> str:
         fake_world(0, world_size=world)

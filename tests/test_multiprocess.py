@@ -13,7 +13,7 @@ from pipeline_runs import max_difference, multiprocess_weights, one_device_weigh
 from torch.utils.data import DataLoader, Subset
 
 from lightning_async_pp import AsyncPipelineStrategy
-from lightning_async_pp.pipeline.checkpoint import read_checksums, read_meta
+from lightning_async_pp.checkpoint import read_checksums, read_meta
 
 pytestmark = pytest.mark.multiprocess
 BASE = dict(microbatches=4, steps=6, batch=8)

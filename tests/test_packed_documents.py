@@ -545,7 +545,7 @@ def test_a_yaml_flag_turns_document_masks_on_for_the_clis_data_module(tmp_path, 
 def test_the_layers_are_costed_on_a_packed_example_batch_with_its_positions(tmp_path, small_files):
     """TextDataModule(document_mask=True).example_batch(), costed on fake tensors: the positions reach the layers
     (their values unknown there: each row one document, the FLOPs of plain rows), where reading them failed."""
-    from lightning_async_pp.pipeline.cost import layer_costs
+    from lightning_async_pp.plan.balanced import layer_costs
 
     dm = TextDataModule(data_path=str(small_files), cache_dir=str(tmp_path / "c"), block_size=BLOCK, batch_size=4,
                         document_mask=True)

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from lightning_async_pp.models import Llama
-from lightning_async_pp.pipeline.cost import balanced_split, layer_costs
+from lightning_async_pp.plan.balanced import balanced_split, layer_costs
 from lightning_async_pp.plan import MODELS, parser, plan
 
 

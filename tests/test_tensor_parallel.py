@@ -2,7 +2,7 @@
 ``models.Llama`` train the one-device run's weights; what is not supported yet is refused before training; the
 engine keeps a DTensor parameter's local shard in its weight versions.
 
-The tolerance (docs/design/tensor-parallel.md, "Matching one device"): tensor parallelism changes only the order
+The tolerance (docs/design/tensor-parallel-shards.md, "Matching one device"): tensor parallelism changes only the order
 of sums (a row-parallel product adds two partial products, the norm of the clipped gradient adds shards), a few
 ulps per operation; AdamW's normalization ``m / (sqrt(v) + eps)`` turns them into up to about ``1e-3`` of one
 step (lr ``3e-3``) for an element whose gradient is near zero. After 3 steps the largest difference measured is
@@ -30,9 +30,9 @@ from pipeline_runs import (  # noqa: E402
 
 from lightning_async_pp import AsyncPipelineStrategy, consolidate  # noqa: E402
 from lightning_async_pp.models import Llama  # noqa: E402
-from lightning_async_pp.pipeline.checkpoint import ShardedSource, read_checksums, read_meta  # noqa: E402
+from lightning_async_pp.checkpoint import ShardedSource, read_checksums, read_meta  # noqa: E402
 from lightning_async_pp.pipeline.config import PipelineConfig  # noqa: E402
-from lightning_async_pp.pipeline.topology import PipelineTopology  # noqa: E402
+from lightning_async_pp.parallel.topology import PipelineTopology  # noqa: E402
 from lightning_async_pp.pipeline.versions import WeightVersions  # noqa: E402
 from lightning_async_pp.strategy import options  # noqa: E402
 
@@ -289,8 +289,8 @@ def test_the_data_parallel_buckets_hold_each_dtensor_parameters_local_shard_grad
     gradient is bucketed (taken from the local tensor, the buckets were empty and no replica reduced)."""
     from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
 
-    from lightning_async_pp.pipeline.data_parallel import GradientReducer
-    from lightning_async_pp.pipeline.tensor_parallel import local_tensor
+    from lightning_async_pp.parallel.data_parallel import GradientReducer
+    from lightning_async_pp.parallel.tensor_parallel import local_tensor
 
     layer = parallelize_module(torch.nn.Linear(4, 6), two_rank_mesh, ColwiseParallel())
     assert layer.weight.requires_grad and not local_tensor(layer.weight).requires_grad
@@ -307,7 +307,7 @@ def test_undoing_tensor_parallelism_leaves_a_plain_module_that_runs_without_the_
     turn the input into a DTensor, which a plain weight refuses)."""
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-    from lightning_async_pp.pipeline.tensor_parallel import undo_tensor_parallelism
+    from lightning_async_pp.parallel.tensor_parallel import undo_tensor_parallelism
 
     torch.manual_seed(0)
     plain = torch.nn.Sequential(torch.nn.Linear(4, 6, bias=False), torch.nn.Linear(6, 4, bias=False))
@@ -334,8 +334,8 @@ def test_undoing_tensor_parallelism_on_a_stage_without_the_tied_head_gives_the_r
     """Rank 0 of 2 stages with Llama's full plan: the tied head is another stage's, so its matrix (a vocabulary-
     sharded DTensor) is held aside while the head is remote. After the undo and the restore of the gathered state,
     the head's matrix is the embedding's plain one again, and the whole model loads the gathered state."""
-    from lightning_async_pp.pipeline.placement import layer_paths, remove_other_stages, restore_layers
-    from lightning_async_pp.pipeline.tensor_parallel import undo_tensor_parallelism
+    from lightning_async_pp.parallel.placement import layer_paths, remove_other_stages, restore_layers
+    from lightning_async_pp.parallel.tensor_parallel import undo_tensor_parallelism
 
     model = Llama("tiny", init_seed=0, max_seq_len=64)
     model.configure_model()
@@ -566,7 +566,7 @@ def test_a_two_by_two_checkpoint_resumes_exactly_on_two_by_two_on_two_stages_and
 
 # ---- the memory account ----------------------------------------------------------------------------------------
 def test_the_split_accounts_one_tensor_parallel_ranks_shards_and_leaves_the_layouts_hooks_in_place(two_rank_mesh):
-    from lightning_async_pp.pipeline.cost import MemoryModel, layer_costs, stage_peak
+    from lightning_async_pp.plan.balanced import MemoryModel, layer_costs, stage_peak
     from lightning_async_pp.strategy.optimizer_state import optimizer_state_per_layer
 
     import lightning as L
@@ -603,8 +603,8 @@ def test_the_split_accounts_one_tensor_parallel_ranks_shards_and_leaves_the_layo
 
 
 def test_the_split_report_names_the_layout():
-    from lightning_async_pp.pipeline.cost import SplitReport
-    from lightning_async_pp.pipeline.mesh import describe_layout
+    from lightning_async_pp.plan.balanced import SplitReport
+    from lightning_async_pp.parallel.mesh import describe_layout
 
     layout = describe_layout(2, 2)
     assert layout == "2 stages x 2 tensor-parallel ranks"
@@ -630,7 +630,7 @@ def test_only_sharded_parameters_count_on_every_tensor_parallel_rank_in_the_clip
     4-process test's clipped run stays within its tolerance without this rule)."""
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
-    from lightning_async_pp.pipeline.tensor_parallel import is_whole
+    from lightning_async_pp.parallel.tensor_parallel import is_whole
 
     assert is_whole(torch.zeros(3))
     assert is_whole(distribute_tensor(torch.zeros(4), two_rank_mesh, [Replicate()]))

@@ -4,7 +4,7 @@ from a save_pretrained folder; AdamW and Muon) and Qwen2 with transformers' own 
 ``configure_model``, train on 2 stages x 2 tensor-parallel ranks the one-device run's weights; a family without a
 plan (or not verified) is refused by name.
 
-The tolerances are tests/test_tensor_parallel.py's (docs/design/tensor-parallel.md, "Matching one device"): the
+The tolerances are tests/test_tensor_parallel.py's (docs/design/tensor-parallel-shards.md, "Matching one device"): the
 plan is the same column-/row-wise split of q, k, v, o and the MLP, so the same reorderings of sums (Muon's bound
 is wider: its Newton-Schulz runs in bfloat16).
 """
@@ -22,7 +22,8 @@ from pipeline_runs import (  # noqa: E402
     max_difference, run_here_on_one_device, script_ranks, whole_tensor_parallel_model)
 from test_tensor_parallel import MUON_TOL  # noqa: E402
 
-from lightning_async_pp.models.huggingface import as_pretrained_config, tensor_parallel_plan  # noqa: E402
+from lightning_async_pp.models.hf_config import as_pretrained_config  # noqa: E402
+from lightning_async_pp.models.huggingface import tensor_parallel_plan  # noqa: E402
 
 SCRIPT = Path(__file__).parent / "scripts" / "llama_fit.py"
 TOL = 5e-5
@@ -178,7 +179,7 @@ def test_a_sharded_layer_initialized_inside_whole_parameters_holds_its_slice_of_
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from lightning_async_pp.pipeline.tensor_parallel import whole_parameters
+    from lightning_async_pp.parallel.tensor_parallel import whole_parameters
 
     # Rank 1 of a fake 2-process group (torch's test backend: collectives do nothing; none is needed here).
     dist.init_process_group("fake", store=FakeStore(), rank=1, world_size=2)

@@ -20,7 +20,7 @@ from torch.distributed.tensor import DTensor, Partial
 from lightning_async_pp.models import packing
 from lightning_async_pp.module import PipelineModule
 from lightning_async_pp.optim.groups import decay_matrices_only
-from lightning_async_pp.pipeline.mesh import tensor_parallel_mesh
+from lightning_async_pp.parallel.mesh import tensor_parallel_mesh
 
 
 class CausalSelfAttention(nn.Module):
@@ -188,7 +188,7 @@ class GPT(PipelineModule):
                                                        RowwiseParallel, SequenceParallel, parallelize_module)
         from torch.distributed.tensor.placement_types import _StridedShard
 
-        from lightning_async_pp.pipeline.mesh import (check_tensor_parallel_divides, check_tensor_parallel_no_dropout,
+        from lightning_async_pp.parallel.mesh import (check_tensor_parallel_divides, check_tensor_parallel_no_dropout,
                                                       replica_processes)
 
         h, t = self.hparams, tp_mesh.size()

@@ -12,7 +12,7 @@ import contextlib
 from collections.abc import Iterator
 from typing import Any, Optional
 
-from lightning_async_pp.pipeline.placement import replace_meta_tensors
+from lightning_async_pp.parallel.placement import replace_meta_tensors
 
 #: Config fields shrunk in the tiny copy, by what they size (the names used across transformers' families).
 WIDTHS = ("hidden_size", "n_embd", "d_model", "embed_dim")

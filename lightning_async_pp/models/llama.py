@@ -29,8 +29,8 @@ from lightning_async_pp.models.moe import add_statistics, balancing_loss
 from lightning_async_pp.models.routed_experts import RoutedExperts, init_experts, take_statistics, with_statistics
 from lightning_async_pp.module import PipelineModule, layer_seed
 from lightning_async_pp.optim.groups import decay_matrices_only
-from lightning_async_pp.pipeline.expert_parallel import expert_parallel_mesh
-from lightning_async_pp.pipeline.mesh import tensor_parallel_mesh
+from lightning_async_pp.parallel.expert import expert_parallel_mesh
+from lightning_async_pp.parallel.mesh import tensor_parallel_mesh
 
 
 @dataclass(frozen=True)
@@ -317,7 +317,7 @@ class Llama(BuiltInInit, PipelineModule):
         from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
                                                        SequenceParallel, parallelize_module)
 
-        from lightning_async_pp.pipeline.mesh import check_tensor_parallel_divides, replica_processes
+        from lightning_async_pp.parallel.mesh import check_tensor_parallel_divides, replica_processes
 
         cfg = self.config
         if cfg.num_experts:

@@ -5,7 +5,7 @@ load-balancing loss carried to the loss as transformers' MoE families do (models
 
 On one device every expert runs here; under ``AsyncPipelineStrategy(expert_parallel_size=e)`` the model's
 ``configure_model`` keeps ``E / e`` of them (``LocalExperts.shard``) and tokens reach the others by all-to-all
-(``run_experts``, pipeline/expert_parallel.py). See docs/design/expert-parallel.md.
+(``run_experts``, parallel/expert.py). See docs/design/expert-parallel.md.
 """
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lightning_async_pp.models.moe import router_statistics
-from lightning_async_pp.pipeline.expert_parallel import LocalExperts, route, run_experts
+from lightning_async_pp.parallel.expert import LocalExperts, route, run_experts
 
 class Expert(nn.Module):
     """One expert: a SwiGLU MLP."""

@@ -13,9 +13,9 @@ from typing import Any, Optional, Union
 
 import torch
 
-from lightning_async_pp.pipeline.mesh import MeshLayout
-from lightning_async_pp.pipeline.partition import PARTITION_METHODS, PartitionSpec
+from lightning_async_pp.parallel.mesh import MeshLayout
 from lightning_async_pp.pipeline.schedule import MULTI_CHUNK_SCHEDULES, SCHEDULES, check_schedule
+from lightning_async_pp.plan.partition import PARTITION_METHODS, PartitionSpec
 
 DelaySpec = Union[int, Sequence[int], None]
 CheckpointingSpec = Union[bool, Sequence[int]]
@@ -37,7 +37,7 @@ class PipelineConfig:
     num_microbatches: Optional[int] = None
     data_parallel_size: int = 1
     tensor_parallel_size: int = 1  # each stage split over this many processes (DTensor tensor parallelism)
-    expert_parallel_size: int = 1  # each stage's experts split over this many of its ranks (pipeline/expert_parallel.py)
+    expert_parallel_size: int = 1  # each stage's experts split over this many of its ranks (parallel/expert.py)
     partition: PartitionSpec = "balanced"
     stage_memory_gib: Optional[float] = None  # partition="balanced": every stage's predicted peak at most this
     layer_cost: str = "flops"  # one of LAYER_COSTS
@@ -138,7 +138,7 @@ class PipelineConfig:
         if self.tensor_parallel_size > 1:
             self._refuse_with_tensor_parallelism()
         if self.expert_parallel_size > 1:
-            from lightning_async_pp.pipeline.expert_parallel import refuse_with_expert_parallelism
+            from lightning_async_pp.parallel.expert import refuse_with_expert_parallelism
 
             refuse_with_expert_parallelism(self)
 

@@ -27,14 +27,9 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.func import functional_call
 
-from lightning_async_pp.pipeline.comm import FailureBoard, StageLink
-from lightning_async_pp.pipeline.config import PipelineConfig
-from lightning_async_pp.pipeline.cost import (MemoryModel, SplitReport, layer_costs, report_for, split_and_run_ahead,
-                                              shared_parameters, stage_memory_bytes)
-from lightning_async_pp.pipeline.expert_parallel import ExpertGroups, start_alike
-from lightning_async_pp.pipeline.mesh import describe_layout
-from lightning_async_pp.pipeline.partition import partition_layers
-from lightning_async_pp.pipeline.placement import (
+from lightning_async_pp.parallel.expert import ExpertGroups, start_alike
+from lightning_async_pp.parallel.mesh import describe_layout
+from lightning_async_pp.parallel.placement import (
     Tie,
     check_parameters_covered,
     layer_paths,
@@ -43,13 +38,19 @@ from lightning_async_pp.pipeline.placement import (
     remove_other_stages,
     restore_layers,
 )
+from lightning_async_pp.parallel.tensor_parallel import is_whole, local_tensor
+from lightning_async_pp.parallel.topology import PipelineTopology
+from lightning_async_pp.pipeline.comm import FailureBoard, StageLink
+from lightning_async_pp.pipeline.config import PipelineConfig
 from lightning_async_pp.pipeline.randomness import ForwardRandomness
-from lightning_async_pp.pipeline.runtime import PipelineRuntime, Span, StepTimes
+from lightning_async_pp.pipeline.runtime import PipelineRuntime
 from lightning_async_pp.pipeline.stage import Stage
-from lightning_async_pp.pipeline.tensor_parallel import is_whole, local_tensor
-from lightning_async_pp.pipeline.timing import measure_layer_times
-from lightning_async_pp.pipeline.topology import PipelineTopology
 from lightning_async_pp.pipeline.versions import WeightVersions
+from lightning_async_pp.plan.balanced import (MemoryModel, SplitReport, layer_costs, report_for, shared_parameters,
+                                              split_and_run_ahead, stage_memory_bytes)
+from lightning_async_pp.plan.partition import partition_layers
+from lightning_async_pp.plan.timing import measure_layer_times
+from lightning_async_pp.trace import Span, StepTimes
 
 
 @dataclass(frozen=True)
@@ -163,8 +164,7 @@ class PipelineEngine:
         self.num_microbatches = config.microbatches_for(self.num_stages)
         self.tensor_parallel_size = config.tensor_parallel_size
         self.topology = (PipelineTopology(world_size, config.data_parallel_size, rank, config.tensor_parallel_size,
-                                          config.expert_parallel_size)
-                         if self.is_multiprocess else None)
+                                          config.expert_parallel_size) if self.is_multiprocess else None)
         config.check(world_size)
         # A previous engine on this model (an earlier trainer call) took other stages' layers out of the tree:
         # put them back, so the ties, names and groups below are derived from the same model on every process.
@@ -200,7 +200,7 @@ class PipelineEngine:
         delays = config.stage_delays(self.num_stages)
         self._tie_groups: list[tuple[Tie, Any]] = []
         self.pipeline_group: Any = None
-        self.experts: Optional[ExpertGroups] = None  # expert parallelism (pipeline/expert_parallel.py)
+        self.experts: Optional[ExpertGroups] = None  # expert parallelism (parallel/expert.py)
         self.board = FailureBoard(None)
         link, dp_group, loss_group = None, None, None
         if self.is_multiprocess:
@@ -301,7 +301,7 @@ class PipelineEngine:
 
     def _measured_times(self, sample_batch: Any, input_fn: Callable[[Any], Any],
                         loss_fn: Callable[[Any, Any], Tensor]) -> Optional[list[float]]:
-        """``layer_cost="measured"``: rank 0 times each layer on its device (pipeline/timing.py) and every process
+        """``layer_cost="measured"``: rank 0 times each layer on its device (plan/timing.py) and every process
         takes rank 0's times, so all choose one split (each timing its own would disagree by noise). ``None``
         (the FLOPs are used) where rank 0 could not time them or has no sample (``sample_batch`` None)."""
         times: Optional[list[float]] = None
@@ -552,7 +552,7 @@ class PipelineEngine:
         this for the same optimizers at the same step. Data-parallel replicas hold the same (averaged, whole)
         gradient: no reduction across them. Scaling is torch's ``clip_grads_with_norm_``. Under tensor parallelism
         every rank adds its shards' squares (a replicated parameter on tensor-parallel rank 0 only) and the sum
-        spans every stage's tensor-parallel ranks (docs/design/tensor-parallel.md, "Weights, gradients and
+        spans every stage's tensor-parallel ranks (docs/design/tensor-parallel-shards.md, "Weights, gradients and
         optimizer state per shard").
         """
         params = [p for p in params if p.grad is not None]
@@ -686,9 +686,8 @@ def check_names_and_shapes(expected: dict[str, tuple], found: dict[str, tuple], 
 def _sum_in_stage_order(t: Tensor, group: Any, size: int) -> Tensor:
     """The sum of ``t`` over ``group`` (a replica's processes, ranks ascending with the stage, then the
     tensor-parallel rank), added left to right in stage order as one device adds its stages' parts, so both give
-    the same bits. Two parts are
-    one addition, the same either way round: an all-reduce. More would be added in the backend's order: each
-    part is gathered and added here."""
+    the same bits. Two parts are one addition, the same either way round: an all-reduce. More would be added in the
+    backend's order: each part is gathered and added here."""
     if size == 2:
         dist.all_reduce(t, group=group)
         return t

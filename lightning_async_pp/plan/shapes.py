@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from lightning_async_pp.pipeline.cost import LayerCost
+from lightning_async_pp.plan.balanced import LayerCost
 
 
 @dataclass(frozen=True)
@@ -115,7 +115,7 @@ class Shape:
 
     def layer_costs(self, split_blocks: bool, tokens: int, value_bytes: int, param_bytes: int,
                     backward_ratio: float) -> list[LayerCost]:
-        """Each pipeline layer as ``pipeline.cost`` weighs it, for the balanced split and the memory table alike
+        """Each pipeline layer as ``plan.balanced`` weighs it, for the balanced split and the memory table alike
         (what the engine counts with ``FlopCounterMode`` on the built-in Llama; a test compares the FLOPs): FLOPs
         over ``tokens``, parameter bytes (and those in hidden matrices), the bytes its forward keeps
         (:meth:`layer_saved_bytes`), its input and output (one activation, ``tokens x hidden`` values, each: held

@@ -4,13 +4,13 @@ Lightning keeps doing what it does (launching processes, the loops, the optimize
 logging, checkpoints); this class only builds a :class:`PipelineEngine` in ``setup``, runs it from the module's
 steps, hands its batch gradient to Lightning's optimizer step, and saves its weight versions with checkpoints.
 The rest of the seam is delegated to the modules beside it: ``options.py`` (keyword arguments, refused settings),
-``batches.py`` (the training batches and the lookahead), ``data_rows.py``, ``failures.py``, ``processes.py``,
+``batches.py`` (the training batches and the lookahead), ``data_rows.py``, ``failures.py``, ``processes.py`` (the
+run's shape, the launcher, the process groups and the mesh),
 ``state.py`` (checkpoints, the gather after each call) and ``requeue.py``.
 How it meets Lightning is described in docs/design/lightning.md, "The Lightning seam".
 """
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
@@ -25,38 +25,34 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor
 
-from lightning_async_pp.lightning_callbacks import check_callbacks
+from lightning_async_pp import checkpoint as ckpt
 from lightning_async_pp.module import PipelineModule
 from lightning_async_pp.optim.checks import check_corrections, set_step_delay
 from lightning_async_pp.optim.empty import allowing_empty_parameter_lists
 from lightning_async_pp.optim.weight_prediction import prediction_scales
-from lightning_async_pp.pipeline import checkpoint as ckpt
-from lightning_async_pp.pipeline.comm import elastic_attempt_store
-from lightning_async_pp.pipeline.config import CheckpointingSpec, CompileSpec, DelaySpec, PipelineConfig
-from lightning_async_pp.pipeline.engine import PipelineEngine
-from lightning_async_pp.pipeline.partition import PartitionSpec
-from lightning_async_pp.strategy.optimizer_state import optimizer_state_per_layer
-from lightning_async_pp.pipeline.placement import (
+from lightning_async_pp.parallel.placement import (
     layer_paths,
-    meta_tensors_set_aside,
     parameters_on_meta,
     reassemble_layers,
     refusing_loads_onto_meta,
 )
-from lightning_async_pp.pipeline.mesh import build_device_mesh
-from lightning_async_pp.pipeline.sharding import local_optimizer, shard_optimizers
-from lightning_async_pp.pipeline.tensor_parallel import parameter_grad
-from lightning_async_pp.pipeline.topology import PipelineTopology
-from lightning_async_pp.strategy import _lightning, data_rows, options, processes
+from lightning_async_pp.parallel.tensor_parallel import meta_tensors_set_aside, parameter_grad
+from lightning_async_pp.parallel.zero import local_optimizer, shard_optimizers
+from lightning_async_pp.pipeline.config import CheckpointingSpec, CompileSpec, DelaySpec, PipelineConfig
+from lightning_async_pp.pipeline.engine import PipelineEngine
+from lightning_async_pp.plan.partition import PartitionSpec
+from lightning_async_pp.strategy import _lightning, data_rows, options
 from lightning_async_pp.strategy.batches import TrainingBatches
 from lightning_async_pp.strategy.experts import refuse_with_expert_parallelism_at_setup
 from lightning_async_pp.strategy.failures import FailureReporting, not_raised_over_a_failure
 from lightning_async_pp.strategy.lookahead import LookaheadLoader
+from lightning_async_pp.strategy.optimizer_state import optimizer_state_per_layer
+from lightning_async_pp.strategy.processes import ProcessLayout
 from lightning_async_pp.strategy.requeue import RequeueAtStepBoundary
 from lightning_async_pp.strategy.state import PipelineStateHooks, continued_state
 
 
-class AsyncPipelineStrategy(PipelineStateHooks, TrainingBatches, FailureReporting, DDPStrategy):
+class AsyncPipelineStrategy(PipelineStateHooks, TrainingBatches, FailureReporting, ProcessLayout, DDPStrategy):
     """Pipeline-parallel training of a :class:`~lightning_async_pp.PipelineModule`.
 
     Args:
@@ -207,116 +203,6 @@ class AsyncPipelineStrategy(PipelineStateHooks, TrainingBatches, FailureReportin
         self._reported: Optional[BaseException] = None  # the failure already reported to the other stages
         self._requeue: Optional[RequeueAtStepBoundary] = None
         self._device_mesh: Any = None  # tensor_parallel_size > 1: the mesh of data_parallel x pipeline x tensor_parallel
-
-    # ---- shape of the run -------------------------------------------------------------------------------------
-    @property
-    def schedule(self) -> str:
-        return self.config.schedule
-
-    @property
-    def data_parallel_size(self) -> int:
-        return self.config.data_parallel_size
-
-    @property
-    def world_size_total(self) -> int:
-        return max(1, self.num_nodes * self.num_processes)
-
-    @property
-    def is_multiprocess(self) -> bool:
-        return self.world_size_total > 1
-
-    @property
-    def root_device(self) -> torch.device:
-        assert self.parallel_devices is not None
-        # One process runs on its one device, as single-device Lightning does, even where the environment names
-        # another local rank (a one-device Trainer in a script that Lightning's launcher re-ran as rank 1).
-        return self.parallel_devices[self.local_rank if self.is_multiprocess else 0]
-
-    @property
-    def tensor_parallel_size(self) -> int:
-        return self.config.tensor_parallel_size
-
-    @property
-    def topology(self) -> PipelineTopology:
-        return PipelineTopology(self.world_size_total, self.data_parallel_size, self.global_rank,
-                                self.tensor_parallel_size, self.config.expert_parallel_size)
-
-    @property
-    def device_mesh(self) -> Any:
-        """With ``tensor_parallel_size > 1``: the ``DeviceMesh`` (dimensions ``"data_parallel"``, ``"pipeline"``,
-        ``"tensor_parallel"``; with ``expert_parallel_size > 1`` also ``"expert_parallel"`` and
-        ``"expert_data_parallel"``, pipeline/mesh.py) that ``configure_model`` reads as ``self.device_mesh``;
-        ``None`` otherwise."""
-        return self._device_mesh
-
-    @property
-    def num_stages(self) -> int:
-        return self.config.stages_for(self.world_size_total)
-
-    @property
-    def num_microbatches(self) -> int:
-        return self.config.microbatches_for(self.num_stages)
-
-    def stage_delays(self) -> list[int]:
-        """The delay (in updates) of each stage's gradients."""
-        return self.config.stage_delays(self.num_stages)
-
-    @property
-    def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        # All stages of one pipeline must see the same batch: shard by data-parallel rank only.
-        if not self.is_multiprocess:
-            return {"num_replicas": 1, "rank": 0}
-        topology = self.topology
-        return {"num_replicas": topology.data_parallel_size, "rank": topology.dp_rank}
-
-    # ---- launching and process groups -------------------------------------------------------------------------
-    def _configure_launcher(self) -> None:
-        self.config.check(self.world_size_total)  # before any process is started
-        if not self.is_multiprocess:
-            # One process needs no launcher, as single-device Lightning has none. DDP's would set LOCAL_RANK in
-            # the environment, and a later multi-process Trainer in the same script would then take its processes
-            # to be started externally and wait for ranks that nobody starts.
-            self._launcher = None
-            return
-        super()._configure_launcher()
-
-    def setup_environment(self) -> None:
-        trainer = self.lightning_module.trainer
-        if trainer.state.fn == TrainerFn.FITTING:
-            # Before the callbacks' own setup (weight averaging copies the model there) and any process group.
-            check_callbacks(trainer.callbacks, processes=self.world_size_total, num_stages=self.num_stages)
-        if self.is_multiprocess and self.root_device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
-            # Stages on one host share its cores: give each process its share instead of letting every process
-            # start a thread per core and oversubscribe them (torchrun does the same with OMP_NUM_THREADS=1).
-            torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, self.num_processes)))
-        if self.data_parallel_size == 1:
-            # One pipeline is not data parallel: keep the user's own sampler, as single-device Lightning does,
-            # instead of the shuffling DistributedSampler that Lightning injects for a DDP-derived strategy.
-            _lightning.keep_user_sampler(self.lightning_module.trainer)
-        super().setup_environment()
-
-    def setup_distributed(self) -> None:
-        if not self.is_multiprocess:
-            return  # one process needs no process group: every stage runs here
-        # DDP re-seeds every process here (reset_seed), after the model was built. Every stage runs the same
-        # script, so their RNGs already agree; keeping them as they are makes a seeded run draw (sampler
-        # permutations, dropout) as on one device.
-        states = processes.rng_states()
-        store = elastic_attempt_store(self._timeout)
-        if store is not None and not torch.distributed.is_initialized():
-            # Under torchrun: the process group on this restart attempt's own keys (comm.elastic_attempt_store);
-            # Lightning's setup then finds it initialized and goes on.
-            self.set_world_ranks()
-            torch.distributed.init_process_group(self._get_process_group_backend(), store=store, rank=self.global_rank,
-                                                 world_size=self.world_size, timeout=self._timeout)
-        super().setup_distributed()
-        processes.set_rng_states(states)
-        processes.destroy_process_groups_at_exit()
-        if self.tensor_parallel_size > 1 or self.config.expert_parallel_size > 1:
-            # Before configure_model, which applies the model's plan to the mesh's "tensor_parallel" dimension (and
-            # shards its experts over "expert_parallel").
-            self._device_mesh = build_device_mesh(self.topology.layout, self.root_device.type)
-            _lightning.set_device_mesh(self.lightning_module, self._device_mesh)
 
     # ---- building the engine ------------------------------------------------------------------------------------
     def _optimizer_state_for_split(self, trainer: Trainer, module: Any, previous: Optional[PipelineEngine]) -> dict:

@@ -8,7 +8,7 @@ from typing import Any
 from lightning.pytorch.trainer.states import TrainerFn
 
 from lightning_async_pp.pipeline.config import PipelineConfig
-from lightning_async_pp.pipeline.expert_parallel import LocalExperts
+from lightning_async_pp.parallel.expert import LocalExperts
 from lightning_async_pp.strategy.options import GATHERED
 
 

@@ -15,9 +15,9 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.distributed.tensor import DTensor
 
 from lightning_async_pp.module import PipelineModule
+from lightning_async_pp.parallel.mesh import check_tensor_parallel_no_dropout
+from lightning_async_pp.parallel.tensor_parallel import dropout_in_split_layers
 from lightning_async_pp.pipeline.config import PipelineConfig
-from lightning_async_pp.pipeline.mesh import check_tensor_parallel_no_dropout
-from lightning_async_pp.pipeline.tensor_parallel import dropout_in_split_layers
 
 #: Keyword arguments of Lightning's DDPStrategy that are meaningful here (the accelerator connector and users
 #: may pass them); anything else is refused instead of reaching DistributedDataParallel, which is not used.

@@ -1,5 +1,5 @@
 """The hooks of ``AsyncPipelineStrategy`` that move the model's state: checkpoints (saved and loaded through the
-layout-free dictionary of :mod:`.pipeline.checkpoint`) and the gather of the whole model into rank 0 after every
+layout-free dictionary of :mod:`lightning_async_pp.checkpoint`) and the gather of the whole model into rank 0 after every
 trainer call, and what a later call of the same Trainer continues from. A mixin, so that ``adapter.py`` keeps the
 run itself; see docs/design/checkpoints.md, "Checkpoints".
 """
@@ -19,11 +19,11 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 
+from lightning_async_pp import checkpoint as ckpt
 from lightning_async_pp.lightning_callbacks import check_resume
-from lightning_async_pp.pipeline import checkpoint as ckpt
+from lightning_async_pp.parallel.tensor_parallel import undo_tensor_parallelism, whole
 from lightning_async_pp.pipeline.engine import PipelineEngine, check_names_and_shapes
-from lightning_async_pp.pipeline.expert_parallel import expert_entries, expert_names, unshard_experts
-from lightning_async_pp.pipeline.tensor_parallel import undo_tensor_parallelism, whole
+from lightning_async_pp.parallel.expert import expert_entries, expert_names, unshard_experts
 from lightning_async_pp.strategy import _lightning
 from lightning_async_pp.strategy.options import GATHERED
 
@@ -32,7 +32,7 @@ class PipelineStateHooks:
     """Mixed into ``AsyncPipelineStrategy`` (before ``DDPStrategy``, whose hooks these replace)."""
 
     # ---- checkpoints ------------------------------------------------------------------------------------------
-    # Every stage contributes its own tensors, keyed by global names (pipeline/checkpoint.py); see docs/design/checkpoints.md,
+    # Every stage contributes its own tensors, keyed by global names (checkpoint/layouts.py); see docs/design/checkpoints.md,
     # "Checkpoints". Nothing is gathered for a sharded checkpoint; a single file is assembled on rank 0.
     @property
     def restore_checkpoint_after_setup(self) -> bool:

@@ -43,7 +43,7 @@ experts under their global names), misroute_experts (a control: each held expert
 experts away, so the tokens routed to it are computed by another), unaveraged_experts (a control: the expert
 gradients are not divided by the number of replicas), optimizer "sgd" (plain SGD at ``lr``), count_expert_reads
 (returns "expert_reads": the calls of run_experts during fit and the host reads, ``tolist``/``item``, issued by
-pipeline/expert_parallel.py's code, forward or backward).
+parallel/expert.py's code, forward or backward).
 """
 from __future__ import annotations
 
@@ -160,7 +160,7 @@ class LlamaMisroutedExperts(Llama):
 
         from lightning_async_pp.models.routed_experts import init_experts
         from lightning_async_pp.module import layer_seed
-        from lightning_async_pp.pipeline.expert_parallel import LocalExperts
+        from lightning_async_pp.parallel.expert import LocalExperts
 
         super().init_layer(index, layer)
         for experts in [m for m in layer.modules() if isinstance(m, LocalExperts)]:
@@ -340,7 +340,7 @@ def make_trainer(cfg: dict) -> L.Trainer:
         kwargs.update(tensor_parallel_size=cfg["tensor_parallel"], gather_final_weights=bool(cfg.get("gather")))
     if cfg.get("expert_parallel") and cfg.get("devices", 2) > 1:
         kwargs.update(expert_parallel_size=cfg["expert_parallel"], gather_final_weights=bool(cfg.get("gather")))
-    from lightning_async_pp.pipeline.expert_parallel import ExpertGradients
+    from lightning_async_pp.parallel.expert import ExpertGradients
 
     ExpertGradients.UNAVERAGED = bool(cfg.get("unaveraged_experts"))  # the control; each case sets its own
     for key in ("activation_checkpointing", "stage_memory_gib"):
@@ -387,7 +387,7 @@ def make_trainer(cfg: dict) -> L.Trainer:
 @contextmanager
 def counting_expert_reads(counts: dict[str, int]) -> Iterator[None]:
     """Within: ``counts["calls"]`` counts ``run_experts`` calls on real tensors, ``counts["reads"]`` the host reads (``tolist``,
-    ``item``) that pipeline/expert_parallel.py's own code issues (its forward and its all-to-all's backward)."""
+    ``item``) that parallel/expert.py's own code issues (its forward and its all-to-all's backward)."""
     from lightning_async_pp.models import routed_experts
     from lightning_async_pp.pipeline import expert_parallel
 

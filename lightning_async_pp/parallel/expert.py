@@ -28,7 +28,7 @@ from torch import Tensor, nn
 def refuse_with_expert_parallelism(config: Any) -> None:
     """The options ``expert_parallel_size > 1`` does not run (yet), refused from ``PipelineConfig`` before any
     process starts, each naming the option and what to use instead."""
-    from lightning_async_pp.pipeline.mesh import expert_size_message
+    from lightning_async_pp.parallel.mesh import expert_size_message
 
     e, r, t = config.expert_parallel_size, config.data_parallel_size, config.tensor_parallel_size
     if (r * t) % e != 0:
@@ -118,10 +118,10 @@ def expert_names(module: nn.Module) -> set[str]:
 
 
 def expert_entries(flat: dict[str, Any], names: set[str]) -> dict[str, Any]:
-    """The entries of a checkpoint's flat dictionary (pipeline/checkpoint.py) that belong to the parameters
+    """The entries of a checkpoint's flat dictionary (lightning_async_pp/checkpoint/) that belong to the parameters
     ``names`` (weights, stashed versions, optimizer state): what a replica other than the first writes, its own
     experts under their global names."""
-    from lightning_async_pp.pipeline.checkpoint import MODEL, OPTIM, STASH
+    from lightning_async_pp.checkpoint import MODEL, OPTIM, STASH
 
     def parameter(key: str) -> Optional[str]:
         if key.startswith(MODEL):
@@ -300,7 +300,7 @@ def start_alike(held: nn.Module, layout: Any, rank: int, dp_group: Any, groups: 
     """Replicas start from the first replica's weights and buffers, as DDP does (a model initialized differently
     per process, an unseeded run, would otherwise train different models); an expert from the first rank holding
     the same experts (over ``groups.copies_group``), since the replicas elsewhere in its expert group hold others."""
-    from lightning_async_pp.pipeline.tensor_parallel import local_tensor
+    from lightning_async_pp.parallel.tensor_parallel import local_tensor
 
     experts, copies_group = expert_parameters([held]), groups.copies_group if groups is not None else None
     first = layout.rank_of(0, layout.coordinates(rank)[1], layout.coordinates(rank)[2])

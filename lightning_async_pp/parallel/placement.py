@@ -232,39 +232,6 @@ def has_meta_tensors(module: nn.Module) -> bool:
     return any(t.is_meta for t in (*module.parameters(), *module.buffers()))
 
 
-@contextmanager
-def meta_tensors_set_aside(module: nn.Module) -> Iterator[None]:
-    """Within: each meta tensor of ``module`` is a placeholder of its shape holding no memory (a DTensor laid out as
-    it, for a DTensor), so that code moving the module (Lightning's teardown moves it to the CPU) runs after a setup
-    that failed before materializing; afterwards the meta tensors are back, for a later setup to materialize.
-    Parameters are swapped in place (``torch.utils.swap_tensors``), so each stays one object."""
-    from lightning_async_pp.pipeline.tensor_parallel import as_laid_out, dtensor_spec, local_tensor
-
-    def placeholder(t: torch.Tensor) -> torch.Tensor:
-        local = local_tensor(t)
-        return as_laid_out(torch.empty((), dtype=local.dtype).expand(local.shape), dtensor_spec(t))
-
-    params: dict[int, tuple[nn.Parameter, nn.Parameter]] = {}
-    buffers: list[tuple[nn.Module, str, torch.Tensor]] = []
-    for sub in module.modules():
-        for p in sub._parameters.values():
-            if p is not None and p.is_meta and id(p) not in params:
-                meta = nn.Parameter(placeholder(p), p.requires_grad)
-                torch.utils.swap_tensors(p, meta)  # p holds the placeholder, meta what p held
-                params[id(p)] = (p, meta)
-        for name, b in sub._buffers.items():
-            if b is not None and b.is_meta:
-                sub._buffers[name] = placeholder(b)
-                buffers.append((sub, name, b))
-    try:
-        yield
-    finally:
-        for p, meta in params.values():
-            torch.utils.swap_tensors(p, meta)
-        for sub, name, b in buffers:
-            sub._buffers[name] = b
-
-
 def replace_meta_tensors(module: nn.Module, make: Callable[[torch.Tensor], torch.Tensor]) -> None:
     """Replace every meta tensor of ``module`` by ``make(tensor)``. Parameters are swapped in place
     (``torch.utils.swap_tensors``), so a Parameter shared by several modules stays one object."""

@@ -4,8 +4,8 @@ Per layer: forward and backward FLOPs counted by ``torch.utils.flop_counter.Flop
 on fake tensors (``FakeTensorMode``: shapes only, no memory, nothing computed) for a sample microbatch, the loss counted with the last
 layer; the bytes of its parameters, of what its forward keeps for backward (the tensors autograd saves) and of its
 input and output. Per stage: its time is its layers' FLOPs (or, with ``layer_cost="measured"``, their seconds
-timed by pipeline/timing.py); its memory is the peak the planner's memory model
-(:func:`lightning_async_pp.pipeline.memory.stage_memory`) walks on the schedule's action order, fed the stage's
+timed by plan/timing.py); its memory is the peak the planner's memory model
+(:func:`lightning_async_pp.plan.memory.stage_memory`) walks on the schedule's action order, fed the stage's
 bytes (:func:`stage_peak`), the account the planner's memory table prints. The split (:func:`balanced_split`) is
 the contiguous one minimising the slowest stage's time with every stage's memory under a cap: an exact dynamic
 program over prefix sums. See docs/design/planner.md, "Balanced split".
@@ -27,8 +27,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils.flop_counter import FlopCounterMode
 
-from lightning_async_pp.pipeline.memory import PeakPoint, StageMemory, action_order, order_peak_points, stage_memory
-from lightning_async_pp.pipeline.tensor_parallel import layout_hooks_off, local_tensor
+from lightning_async_pp.parallel.tensor_parallel import layout_hooks_off, local_tensor
+from lightning_async_pp.plan.memory import PeakPoint, StageMemory, action_order, order_peak_points, stage_memory
 
 @dataclass(frozen=True)
 class LayerCost:
@@ -336,7 +336,7 @@ class MemoryModel:
 def stage_peak(costs: Sequence[LayerCost], start: int, stop: int, stage: int, model: MemoryModel,
                result: Any = None) -> StageMemory:
     """What ``stage`` holds at its peak, by what holds it, when it runs layers ``start:stop``: the planner's
-    memory model (:func:`~lightning_async_pp.pipeline.memory.stage_memory`) walked over ``result`` (a
+    memory model (:func:`~lightning_async_pp.plan.memory.stage_memory`) walked over ``result`` (a
     ``simulate`` result; default the schedule's action order, :meth:`MemoryModel.action_order`), fed
 
     - weights: the layers' parameters (and as many bytes of gradient per batch whose gradients exist);

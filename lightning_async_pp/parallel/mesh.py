@@ -2,7 +2,7 @@
 
 ``rank = (replica * stages + stage) * t + tp_rank``: the ``t`` tensor-parallel ranks of a stage are adjacent (one
 node, whose fast link carries the per-layer collectives), then a replica's stages, then the replicas. With ``t = 1``
-this is :class:`~lightning_async_pp.pipeline.topology.PipelineTopology`'s layout. The mesh dimensions are named as
+this is :class:`~lightning_async_pp.parallel.topology.PipelineTopology`'s layout. The mesh dimensions are named as
 under Lightning's ``ModelParallelStrategy`` (``"data_parallel"``, ``"tensor_parallel"``) plus ``"pipeline"``.
 See docs/design/tensor-parallel.md, "The mesh". The engine runs it (``tensor_parallel_size``) as "What runs" there says.
 Expert parallelism (``expert_parallel_size = e``) adds no process: a stage's experts are split over ``e`` consecutive

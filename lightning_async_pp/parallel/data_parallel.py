@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lightning_async_pp.pipeline.tensor_parallel import local_tensor
+from lightning_async_pp.parallel.tensor_parallel import local_tensor
 
 
 @dataclass
@@ -56,7 +56,7 @@ class GradientReducer:
 
     def __init__(self, params: Sequence[Tensor], group: Any, size: int, skip: Sequence[int] = ()) -> None:
         self.group, self.size = group, size
-        # Parameters whose gradients another rule reduces (experts split over replicas: pipeline/expert_parallel.py):
+        # Parameters whose gradients another rule reduces (experts split over replicas: parallel/expert.py):
         # never bucketed, their gradients passed through as they are.
         self.skip = frozenset(skip)
         self._build(params)
