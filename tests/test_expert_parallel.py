@@ -324,7 +324,7 @@ def test_an_expert_no_token_chose_gets_a_zero_gradient_as_on_one_device():
 
 
 def test_one_host_read_per_moe_layer_and_microbatch_none_in_backward(monkeypatch):
-    from lightning_async_pp.pipeline import expert_parallel
+    from lightning_async_pp.parallel import expert as expert_parallel
 
     model = Llama("tiny", num_experts=4, init_seed=0)
     model.configure_model()

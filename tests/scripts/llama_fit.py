@@ -389,7 +389,7 @@ def counting_expert_reads(counts: dict[str, int]) -> Iterator[None]:
     """Within: ``counts["calls"]`` counts ``run_experts`` calls on real tensors, ``counts["reads"]`` the host reads (``tolist``,
     ``item``) that parallel/expert.py's own code issues (its forward and its all-to-all's backward)."""
     from lightning_async_pp.models import routed_experts
-    from lightning_async_pp.pipeline import expert_parallel
+    from lightning_async_pp.parallel import expert as expert_parallel
 
     run_experts, reads = routed_experts.run_experts, {"tolist": torch.Tensor.tolist, "item": torch.Tensor.item}
 
