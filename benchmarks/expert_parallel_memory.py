@@ -11,9 +11,11 @@ parameters it holds (those of its stage's ``experts.*``, in bytes), every parame
 (``VmHWM`` on CPU, ``max_memory_allocated`` on CUDA), the same before the model got memory (the interpreter, torch
 and Lightning: equal in both runs, not the model's) and its median step time after the warm-up. On CPU the runs
 set glibc's ``MALLOC_MMAP_THRESHOLD_`` (128 KiB) so that the resident peak counts live memory, not blocks malloc
-kept after they were freed. The ratios are ``e = 2`` over ``e = 1`` in the same invocation.
+kept after they were freed. The ratios are ``e = 2`` over ``e = 1`` in the same invocation; ``--rounds N`` runs
+both N times in turn (each round starting with the other) and reports the median of each round's step ratio,
+which the machine's drift between rounds does not move.
 
-    .venv/bin/python benchmarks/expert_parallel_memory.py                     # CPU, gloo
+    .venv/bin/python benchmarks/expert_parallel_memory.py --rounds 3          # CPU, gloo
     .venv/bin/python benchmarks/expert_parallel_memory.py --accelerator cuda  # needs 4 GPUs (2 stages x 2 replicas)
 
 On this CPU the step time says nothing of speed on GPUs: the 4 processes share the machine's cores in both runs,
@@ -27,11 +29,12 @@ import json
 import os
 import statistics
 import sys
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository root: the benchmarks package
-from benchmarks.harness import (median_gap, one_thread_env, peak_rss_mib, resident_mib,  # noqa: E402
-                                run_ranks, step_recorder, write_json)
+from benchmarks.harness import (in_turn, load_line, median_gap, median_ratio, one_thread_env,  # noqa: E402
+                                peak_rss_mib, resident_mib, run_ranks, step_recorder, wall_time_line, write_json)
 
 one_thread_env()
 
@@ -105,8 +108,10 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=32)
     ap.add_argument("--batch", type=int, default=4, help="a replica's batch")
     ap.add_argument("--microbatches", type=int, default=2)
-    ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="runs of e = 1 and e = 2 in turn (the step ratio is each round's, their median reported)")
     ap.add_argument("--accelerator", default="cpu")
     ap.add_argument("--json")
     args = ap.parse_args()
@@ -115,7 +120,14 @@ def main() -> None:
         return
     base = {k: getattr(args, k) for k in ("hidden", "layers", "heads", "experts", "top_k", "expert_width", "seq",
                                           "batch", "microbatches", "steps", "warmup", "accelerator")}
-    runs = {e: run(dict(base, expert_parallel=e)) for e in (1, 2)}
+    started = time.perf_counter()
+    rounds: list[dict[int, list[dict]]] = []
+    for turn in range(args.rounds):  # e = 1 and e = 2 in turn, each round starting with the other
+        rounds.append({e: run(dict(base, expert_parallel=e)) for e in in_turn([1, 2], turn)})
+        step = {e: statistics.median(r["sec_per_step"] for r in rows) for e, rows in rounds[-1].items()}
+        print(f"round {turn}: step e = 2 / e = 1 {step[2] / step[1]:.2f} ({step[2]:.2f} s / {step[1]:.2f} s; load "
+              f"average {load_line()})", flush=True)
+    runs = {e: rounds[-1][e] for e in (1, 2)}
     mib = 2**20
     print(f"\n## Llama hidden {args.hidden}, {args.layers} layers of {args.experts} experts (top-{args.top_k}, width "
           f"{args.expert_width}), vocab 256, {STAGES} stages x {REPLICAS} replicas, 2bw + AdamW, a replica's batch "
@@ -131,11 +143,13 @@ def main() -> None:
     experts = {e: max(r["expert_bytes"] for r in rows) for e, rows in runs.items()}
     largest = {e: max(r["peak_bytes"] for r in rows) for e, rows in runs.items()}
     model = {e: max(r["peak_bytes"] - r["before_bytes"] for r in rows) for e, rows in runs.items()}
-    step = {e: statistics.median(r["sec_per_step"] for r in rows) for e, rows in runs.items()}
-    print(f"\ne = 2 / e = 1 (largest process): expert weights held {experts[2] / experts[1]:.2f}x, peak "
+    steps = {e: [statistics.median(r["sec_per_step"] for r in rnd[e]) for rnd in rounds] for e in (1, 2)}
+    print(f"\ne = 2 / e = 1 (largest process, last round): expert weights held {experts[2] / experts[1]:.2f}x, peak "
           f"{largest[2] / largest[1]:.2f}x, peak above the interpreter's {model[2] / model[1]:.2f}x; step (median "
-          f"over processes) {step[2]:.2f} s / {step[1]:.2f} s = {step[2] / step[1]:.2f}x")
-    write_json(args.json, {"config": base, "runs": runs})
+          f"over processes, median over {len(rounds)} rounds of each round's ratio) "
+          f"{median_ratio(steps[2], steps[1]):.2f}x")
+    print(wall_time_line(started))
+    write_json(args.json, {"config": base, "rounds": rounds})
 
 
 if __name__ == "__main__":
