@@ -113,7 +113,8 @@ def test_qwen3_30b_a3b_fits_80_gb_at_4_stages_only_with_its_experts_split():
                                   "2bw", "--data-parallel", "8", "--expert-parallel", "1", "8"])
     one, eight = (next(r for r in records if r["e"] == e) for e in (1, 8))
     states = {e: r["peak"].total - r["peak"].activations for e, r in ((1, one), (8, eight))}
-    assert not one["fits"] and 140e9 < states[1] < 170e9  # the issue's ~150 GB before activations
+    # the largest device (13 of the 48 blocks and the embedding) before activations: about 150 GB at 12 blocks
+    assert not one["fits"] and 140e9 < states[1] < 180e9
     assert eight["fits"] and states[8] < 35e9 and eight["peak"].total <= 76 * 2**30
     assert eight["devices"] == 32 and any(line.startswith("| 4 | 1 | 8 | 8 | 32 | 8 | 2bw |") for line in lines)
 
