@@ -134,3 +134,17 @@ def test_bad_expert_parallel_sizes_are_refused_naming_them(capsys, argv, message
     with pytest.raises(SystemExit):
         main(["--model", "llama-3-8b", "--stages", "2", "--expert-parallel", "2", "--data-parallel", "2"])
     assert "--expert-parallel needs a shape with routed experts" in capsys.readouterr().err
+
+
+def test_the_planning_guides_expert_parallel_table_is_what_its_command_prints():
+    import re
+    import shlex
+    from pathlib import Path
+
+    page = (Path(__file__).resolve().parents[1] / "docs" / "guide" / "planning.md").read_text()
+    section = page.split("## Mixture of experts", 1)[1].split("\n## ", 1)[0]
+    command = re.search(r"```bash\n(lightning-async-pp-plan .*?)\n```", section, re.S).group(1)
+    lines, _ = plan(parser().parse_args(shlex.split(command.replace("\\\n", " "))[1:]))
+    row = re.compile(r"\| \d+ \| \d+ \| \d+ \| \d+ \|")  # p, t, e, r: the expert-parallel table's rows alone
+    shown = [line for line in section.splitlines() if row.match(line)]
+    assert shown and shown == [line for line in lines if row.match(line)]
