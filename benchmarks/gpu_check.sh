@@ -45,6 +45,15 @@ checks() {
         echo "needs 4 GPUs (2 stages x 2 tensor-parallel ranks), found $ngpu: skipped"
     fi
 
+    section "expert parallelism e=2 against e=1 over NCCL (4+ GPUs): expert weights and peak CUDA memory per process, step time"
+    if [ "$ngpu" -ge 4 ]; then
+        # 2 stages x 2 replicas in both runs; 8 MoE layers of 16 experts 1408 wide (top-2): 1.1 B expert parameters
+        $PY benchmarks/expert_parallel_memory.py --accelerator cuda --hidden 2048 --layers 8 --heads 16 --experts 16 \
+            --top-k 2 --expert-width 1408 --seq 2048 --rounds 2 ${OUT:+--json "$OUT/expert_parallel_memory.json"} || status=1
+    else
+        echo "needs 4 GPUs (2 stages x 2 data-parallel replicas), found $ngpu: skipped"
+    fi
+
     section "throughput on CUDA: whole model vs the engine's 2 stages on one GPU; with 2+ GPUs the NCCL pairs"
     if $PY benchmarks/pipeline_throughput.py --help 2>/dev/null | grep -q -- "--accelerator"; then
         # Width 4096, m=4 and 8, 10 warm-up + 50 timed steps per run (the CUDA defaults): expected about a minute on one GPU.

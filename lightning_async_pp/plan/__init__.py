@@ -9,8 +9,8 @@ peak activations and weight copies per device. The costs come from one of:
 - ``--layers L --forward-s X [--backward-s Y]``: ``L`` identical layers, ``X`` seconds of forward per layer and
   microbatch (measured, e.g. from a ``PipelineMonitor`` trace); the layers are split as evenly as they go;
 - ``--stage-forward-s a b ... [--stage-backward-s ...]``: seconds per microbatch of each stage (fixes ``p``);
-- a model shape (``--model smollm-360m`` or ``llama-10b``, or ``--hidden --layers --heads --kv-heads
-  --intermediate --vocab --seq-len``): FLOPs per layer, an accelerator rate (``--tflops`` x ``--mfu``) and a
+- a model shape (``--model smollm-360m``, ``llama-10b`` or ``qwen3-30b-a3b``, or ``--hidden --layers --heads
+  --kv-heads --intermediate --vocab --seq-len``, with ``--experts --experts-per-token`` for routed experts): FLOPs per layer, an accelerator rate (``--tflops`` x ``--mfu``) and a
   link bandwidth (``--link-gbps``) give the times; blocks are split as the engine's ``partition="balanced"`` splits
   them (``plan.balanced.balanced_split``: the slowest stage least, every stage's memory under
   ``--stage-memory-gib``), and a *Split* table sets that split against ``"parameters"`` and ``"uniform"``.
@@ -32,7 +32,9 @@ The package, one concern per module. The command's (every name importable from `
 when it was one module): ``shapes.py`` (:class:`Shape`, :data:`MODELS`), ``costs.py`` (:class:`CostModel`:
 per-stage seconds, the balanced split, the data-parallel reduction; :func:`device_memory`), ``report.py``
 (:func:`plan`: the Markdown tables; the timelines as a trace or a PNG), ``tensor.py`` (``--tensor-parallel``:
-stages split over ``t`` devices, per-device costs and the layouts that fit), ``units.py`` (how the tables write
+stages split over ``t`` devices, per-device costs and the layouts that fit), ``experts.py`` (``--expert-parallel``:
+a routed-expert shape's experts split over ``e`` ranks of a stage, per-device costs, the all-to-alls and the
+(stages, tensor, expert, data) layouts that fit), ``units.py`` (how the tables write
 seconds and counts) and ``cli.py`` (:func:`parser`, :func:`main`). The split the engine runs with, shared with
 the command: ``partition.py`` (layers -> stage ranges by method), ``balanced.py`` (each layer's FLOPs and bytes,
 each stage's memory account, :func:`balanced_split`), ``timing.py`` (``layer_cost="measured"``: each layer timed

@@ -9,6 +9,7 @@ from typing import Optional, Sequence
 from lightning_async_pp.pipeline.schedule import PLANNER_SCHEDULES
 from lightning_async_pp.plan.balanced import OPTIMIZER_STATE_RULES
 from lightning_async_pp.plan.costs import DEFAULT_STAGES
+from lightning_async_pp.plan.experts import check_expert_args
 from lightning_async_pp.plan.report import plan
 from lightning_async_pp.plan.shapes import MODELS
 from lightning_async_pp.plan.tensor import check_tensor_parallel_args
@@ -51,6 +52,13 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--layers", type=_positive_int, help="layers (blocks of a shape, or identical layers with --forward-s)")
     for name in ("hidden", "heads", "kv-heads", "intermediate", "vocab", "seq-len"):
         s.add_argument(f"--{name}", type=_positive_int)
+    s.add_argument("--head-dim", type=_positive_int, help="width of an attention head (default hidden / heads)")
+    s.add_argument("--experts", type=_non_negative_int,
+                   help="routed experts per MLP (0: dense; a mixture of experts as Mixtral, Qwen2-MoE, Qwen3-MoE)")
+    s.add_argument("--experts-per-token", "--top-k", type=_positive_int, help="experts each token is routed to")
+    s.add_argument("--expert-intermediate", type=_positive_int, help="each expert's width (default --intermediate)")
+    s.add_argument("--shared-intermediate", type=_non_negative_int,
+                   help="a shared expert's width, with its sigmoid gate, as Qwen2-MoE's (default 0: none)")
     s.add_argument("--split-blocks", action="store_true",
                    help="attention and MLP as separate pipeline layers (twice the layers, for p above the block count)")
     s.add_argument("--microbatch-size", type=_positive_int, default=1, help="sequences per microbatch (default 1)")
@@ -90,6 +98,16 @@ def parser() -> argparse.ArgumentParser:
                    help="bus bandwidth of the tensor-parallel group's all-gathers and reduce-scatters, GB/s "
                         "(default 300: intra-node NVLink, somewhat below what NCCL's all-gather reaches on an H100 node)")
     t.add_argument("--tp-latency-s", type=_non_negative, default=10e-6, help="latency per ring step (default 10 µs)")
+    x = ap.add_argument_group("expert parallelism (a further table, for a shape with --experts)")
+    x.add_argument("--expert-parallel", "-e", nargs="+", type=_positive_int,
+                   help="ranks of a stage that split its experts (each dividing --data-parallel x the tensor-parallel "
+                        "size, and the experts): a table of each (pipeline, tensor, expert, data) layout's step, "
+                        "memory per device and whether it fits --device-memory-gib (default 1)")
+    x.add_argument("--ep-gbps", type=_positive, default=100.0,
+                   help="bandwidth at which a device's all-to-all sends what leaves it, GB/s (default 100: an "
+                        "assumption between an NVLink node, where NCCL's all-to-all reaches more, and expert groups "
+                        "across nodes with one 400 Gb/s NIC per GPU, at most 50)")
+    x.add_argument("--ep-latency-s", type=_non_negative, default=20e-6, help="latency of one all-to-all (default 20 µs)")
     t.add_argument("--device-memory-gib", type=_positive, default=76.0,
                    help="memory a device offers a stage, GiB (default 76: an 80 GB GPU less its CUDA context, "
                         "NCCL's buffers and fragmentation)")
@@ -103,6 +121,16 @@ def _positive_int(text: str) -> int:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
     return value
 
 
@@ -153,6 +181,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         args.stages = list(DEFAULT_STAGES)
     if args.tensor_parallel:
         check_tensor_parallel_args(ap, args)
+    check_expert_args(ap, args)
     try:
         lines, _ = plan(args)
     except ValueError as err:  # a cost simulate() rejects, named there

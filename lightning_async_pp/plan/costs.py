@@ -14,7 +14,7 @@ from lightning_async_pp.plan.balanced import (LayerCost, MemoryModel, balanced_s
                                               smallest_peak, split_and_run_ahead, stage_memory_bytes, stage_peak)
 from lightning_async_pp.plan.memory import StageMemory
 from lightning_async_pp.plan.partition import _balanced_counts
-from lightning_async_pp.plan.shapes import MODELS, Shape
+from lightning_async_pp.plan.shapes import Shape, missing_sizes, shape_from_args
 
 
 DEFAULT_STAGES = (2, 4, 8, 16, 32, 64)
@@ -54,17 +54,11 @@ class CostModel:
             self.layer_forward = [args.forward_s] * args.layers
             self.backward_ratio = (args.backward_s / args.forward_s) if args.backward_s is not None else args.backward_ratio
         else:
-            base = MODELS[args.model] if args.model else None
-            fields = {"hidden": args.hidden, "layers": args.layers, "heads": args.heads, "kv_heads": args.kv_heads,
-                      "intermediate": args.intermediate, "vocab": args.vocab, "seq_len": args.seq_len}
-            if base is None:
-                missing = [f"--{k.replace('_', '-')}" for k, v in fields.items() if v is None]
-                if missing:
-                    raise ValueError("give costs: --model NAME, or a shape (missing " + ", ".join(missing) +
-                                     "), or --layers with --forward-s, or --stage-forward-s")
-                self.shape = Shape(**fields)  # type: ignore[arg-type]
-            else:
-                self.shape = replace(base, **{k: v for k, v in fields.items() if v is not None})
+            missing = missing_sizes(args)
+            if missing:
+                raise ValueError("give costs: --model NAME, or a shape (missing " + ", ".join(missing) +
+                                 "), or --layers with --forward-s, or --stage-forward-s")
+            self.shape = shape_from_args(args)
             rate = args.tflops * 1e12 * args.mfu
             tokens = args.microbatch_size * self.shape.seq_len
             self.layer_forward = [f * tokens / rate for f in self.shape.pipeline_layers(args.split_blocks)]

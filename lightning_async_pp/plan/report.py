@@ -10,6 +10,7 @@ from typing import Optional
 from lightning_async_pp.pipeline.simulate import SimulationResult, simulate
 from lightning_async_pp.plan.balanced import OPTIMIZER_STATE_RULES
 from lightning_async_pp.plan.costs import CostModel, Costs, device_memory, tied_kwargs
+from lightning_async_pp.plan.experts import expert_parallel_section
 from lightning_async_pp.plan.memory import StageMemory
 from lightning_async_pp.plan.tensor import tensor_parallel_section
 from lightning_async_pp.plan.units import fmt_count, fmt_seconds
@@ -82,8 +83,12 @@ def plan(args: argparse.Namespace) -> tuple[list[str], list[dict]]:
     if model.shape is not None:
         sh = model.shape
         lines += [
-            f"Model: hidden {sh.hidden}, {sh.layers} blocks, {sh.heads} heads ({sh.kv_heads} key/value), intermediate "
-            f"{sh.intermediate}, vocabulary {sh.vocab}, sequence {sh.seq_len}: {fmt_count(sh.parameters())} "
+            f"Model: hidden {sh.hidden}, {sh.layers} blocks, {sh.heads} heads ({sh.kv_heads} key/value"
+            + (f", {sh.head_dim} wide" if sh.head_size else "") + "), "
+            + (f"{sh.experts} experts {sh.expert_width} wide, {sh.experts_per_token} per token"
+               + (f" and a shared expert {sh.shared_intermediate} wide" if sh.shared_intermediate else "")
+               if sh.experts else f"intermediate {sh.intermediate}")
+            + f", vocabulary {sh.vocab}, sequence {sh.seq_len}: {fmt_count(sh.parameters())} "
             f"parameters; {'attention and MLP as separate pipeline layers' if args.split_blocks else 'one pipeline layer per block'}.",
             f"Forward FLOPs per token: attention {sh.attention_flops() / 1e6:.1f} M + MLP {sh.mlp_flops() / 1e6:.1f} M "
             f"per block, head {sh.head_flops() / 1e6:.1f} M; backward = {args.backward_ratio:g} x forward.",
@@ -261,7 +266,11 @@ def plan(args: argparse.Namespace) -> tuple[list[str], list[dict]]:
         for s in schedules:
             head += [f"{s} after", f"{s} overlapped"] + (["2bw deferred"] if s == "2bw" else [])
         lines += ["| " + " | ".join(head) + " |", "|" + "---:|" * len(head)] + dp_lines
-    if getattr(args, "tensor_parallel", None) and model.shape is not None:
+    if model.shape is not None and model.shape.experts:  # its table covers --tensor-parallel too
+        ep_lines, ep_records = expert_parallel_section(args, model.shape, model.stages(args.stages))
+        lines += ep_lines
+        records.append({"expert_parallel": ep_records})
+    elif getattr(args, "tensor_parallel", None) and model.shape is not None:
         tp_lines, tp_records = tensor_parallel_section(args, model.shape, model.stages(args.stages))
         lines += tp_lines
         records.append({"tensor_parallel": tp_records})

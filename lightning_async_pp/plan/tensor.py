@@ -20,7 +20,7 @@ from typing import Optional
 from lightning_async_pp.parallel.mesh import check_tensor_parallel_divides
 from lightning_async_pp.pipeline.simulate import simulate
 from lightning_async_pp.plan.balanced import LayerCost, MemoryModel, split_and_run_ahead, stage_memory_bytes, stage_peak
-from lightning_async_pp.plan.shapes import Shape
+from lightning_async_pp.plan.shapes import Shape, shape_from_args
 from lightning_async_pp.plan.units import fmt_seconds
 
 #: Schedules the table covers: one chunk per device (interleaved and V schedules hold chunks the table does not split).
@@ -43,18 +43,20 @@ def tensor_parallel_layer_costs(shape: Shape, t: int, *, split_blocks: bool, tok
                                 param_bytes: int, backward_ratio: float) -> list[LayerCost]:
     """What one of a stage's ``t`` devices holds and computes per pipeline layer (module docstring); the terms are
     ``Shape.layer_saved_bytes``'s, each divided by ``t`` where the plan splits it."""
-    h, v, kv = shape.hidden, value_bytes, shape.kv_dim
+    h, v, kv, q = shape.hidden, value_bytes, shape.kv_dim, shape.q_dim
     # an RMSNorm: fp32 input, reciprocal RMS and its output split; the output gathered (whole) for the next matrix
     norm = tokens * (4 * h + 4 + v * h) / t + tokens * v * h
     rotary = 2 * v * shape.head_dim * shape.seq_len  # cos and sin per position: every rank, whole
-    attention = norm + tokens * (2 * v * h + 2 * v * kv + 4 * shape.heads) / t + rotary
+    qk = tokens * v * (q + kv) / t if shape.qk_norm else 0  # Qwen3's query and key norms' inputs, head-split
+    attention = norm + tokens * (2 * v * q + 2 * v * kv + 4 * shape.heads) / t + rotary + qk
     mlp = norm + tokens * 4 * v * shape.intermediate / t
     saved = shape._per_layer(attention, mlp, split_blocks)
     saved[0] += tokens * 8  # token ids, whole
     saved[-1] += norm + tokens * 4 * shape.vocab / t + tokens * 8  # final norm, split log-probabilities, labels
     # parameters: matrices split, norm weights whole
-    att_split, mlp_split = 2 * h * h + 2 * h * kv, 3 * h * shape.intermediate
-    params = shape._per_layer(att_split / t + h, mlp_split / t + h, split_blocks)
+    att_split, mlp_split = shape.attention_matrices(), 3 * h * shape.intermediate
+    att_whole = shape.attention_parameters() - att_split  # the norms, whole
+    params = shape._per_layer(att_split / t + att_whole, mlp_split / t + h, split_blocks)
     matrices = shape._per_layer(att_split / t, mlp_split / t, split_blocks)
     params[0] += shape.vocab * h / t
     params[-1] += shape.vocab * h / t + h
@@ -196,19 +198,12 @@ def tensor_parallel_section(args: argparse.Namespace, shape: Shape, stages: list
 
 def check_tensor_parallel_args(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """``--tensor-parallel`` needs a model shape, and each ``t`` must split it (argparse's error names why)."""
-    from dataclasses import replace
-
-    from lightning_async_pp.plan.shapes import MODELS
-
     if args.model is None and args.hidden is None:
         ap.error("--tensor-parallel needs a model shape (--model NAME, or --hidden --layers --heads ...): it splits "
                  "the shape's matrices")
-    base = MODELS.get(args.model) if args.model else None
-    fields = {"hidden": args.hidden, "layers": args.layers, "heads": args.heads, "kv_heads": args.kv_heads,
-              "intermediate": args.intermediate, "vocab": args.vocab, "seq_len": args.seq_len}
-    if base is None and any(v is None for v in fields.values()):
+    shape = shape_from_args(args)
+    if shape is None:
         return  # CostModel names the missing sizes
-    shape = replace(base, **{k: v for k, v in fields.items() if v is not None}) if base else Shape(**fields)  # type: ignore[arg-type]
     for t in args.tensor_parallel:
         try:
             check_tensor_parallel_shape(shape, t)
