@@ -6,10 +6,12 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Optional
 
+import torch
 from torch import Tensor, nn
 from torch.func import functional_call
 from torch.utils.checkpoint import checkpoint
 
+from lightning_async_pp.parallel.expert import LocalExperts
 from lightning_async_pp.parallel.tensor_parallel import as_laid_out, dtensor_spec
 from lightning_async_pp.pipeline.compiled import compile_layers
 from lightning_async_pp.pipeline.versions import WeightVersions
@@ -188,6 +190,10 @@ class StageView:
     # per parameter: this process counts its local tensor in a whole-model sum (not a tied copy another stage
     # owns, nor a whole parameter on tensor-parallel ranks but 0; a shard on every rank)
     counted: tuple[bool, ...] = ()
+    # per parameter: the factor on its squares in this process's share of a replica's figures, which the monitors
+    # average over the stage's replicas: e for an expert under expert parallelism (the replicas holding it are 1 / e
+    # of them, so the mean counts it once), else 1
+    scales: tuple[float, ...] = ()
 
     @property
     def params(self) -> list[nn.Parameter]:
@@ -268,3 +274,25 @@ class PipelineStats:
     @property
     def stash_nbytes(self) -> int:
         return sum(stage.versions.stash_nbytes() for stage in self._engine.stages)
+
+    def expert_layers(self) -> dict[str, int]:
+        """Every mixture-of-experts layer of the model, this process's or not: the global name of its
+        ``LocalExperts`` and its number of experts, in the model's order (the same on every process)."""
+        engine = self._engine
+        return {f"{path}.{name}" if name else path: m.num_experts for layer, path in zip(engine.layers, engine.paths)
+                for name, m in layer.named_modules() if isinstance(m, LocalExperts)}
+
+    def expert_tokens(self) -> dict[str, Tensor]:
+        """For each MoE layer this process runs (by :meth:`expert_layers`'s name): the token copies each of its
+        experts received in the trained microbatches so far (``(num_experts,)``, on the device; an expert held
+        elsewhere 0). Summed over every process, one device's counts: each token copy is counted where its expert
+        computes it; under tensor parallelism, whose ranks of a stage compute alike, on rank 0 only."""
+        engine, out = self._engine, {}
+        for i in engine.own_layer_indices():
+            for name, m in engine.layers[i].named_modules():
+                if isinstance(m, LocalExperts):
+                    held = m.received_tokens
+                    counted = held is not None and self.tensor_parallel_rank == 0
+                    out[f"{engine.paths[i]}.{name}" if name else engine.paths[i]] = (
+                        held.clone() if counted else torch.zeros(m.num_experts, dtype=torch.long, device=engine.device))
+        return out
