@@ -280,10 +280,13 @@ class PipelineEngine:
             # A whole (plain or replicated) parameter's gradient is whole and equal on every tensor-parallel rank:
             # counted on rank 0 only; a sharded parameter's local shard on every rank.
             self._counted_elsewhere |= {id(p) for p in self.params if is_whole(p)}
-        self._counted_elsewhere |= self.experts.ids if self.experts else set()  # counted over their group instead
-        names = self.global_names
+        # the monitors count an expert on the rank holding it, its squares scaled by e (StageView.scales)
+        shown_elsewhere, experts = set(self._counted_elsewhere), self.experts.ids if self.experts else set()
+        self._counted_elsewhere |= experts  # the clipping norm sums them over their group instead
+        names, e = self.global_names, self.config.expert_parallel_size
         self.stage_views = [StageView(st.index, st.versions.delay, tuple(names[id(p)] for p in st.params), st,
-                                      tuple(id(p) not in self._counted_elsewhere for p in st.params))
+                                      tuple(id(p) not in shown_elsewhere for p in st.params),
+                                      tuple(float(e) if id(p) in experts else 1.0 for p in st.params))
                             for st in self.stages]
         self.stats = PipelineStats(self)
         return self
