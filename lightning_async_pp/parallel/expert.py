@@ -232,7 +232,7 @@ class _CountOnBackward(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: Tensor, counts: Tensor, experts: "LocalExperts") -> Tensor:
         ctx.counts, ctx.experts = counts, experts
-        return x.view_as(x)
+        return x.clone()  # not a view: the caller may add to the block's output in place
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None]:
