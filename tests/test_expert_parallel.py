@@ -16,6 +16,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import torch
@@ -42,7 +43,8 @@ EXPERTS = {"num_experts": 4, "experts_per_token": 2, "expert_intermediate_size":
 BASE = {"tie": True, "steps": 3, "microbatches": 2, "partition": [3, 3], "data_parallel": 2, "batch": 4,
         "experts": EXPERTS, "expert_parallel": 2}
 CASES = {
-    "2bw": {**BASE, "schedule": "2bw", "count_expert_reads": True},
+    # with the monitors: ExpertMonitor's and StalenessMonitor's figures against one device's
+    "2bw": {**BASE, "schedule": "2bw", "count_expert_reads": True, "monitors": True},
     "1f1b_clipped": {**BASE, "schedule": "1f1b", "clip": 0.5},
     "1f1b_checkpointed": {**BASE, "schedule": "1f1b", "activation_checkpointing": True},
     "2bw_muon": {**BASE, "schedule": "2bw", "optimizer": "muon"},
@@ -82,9 +84,29 @@ def _experts_of(rank: dict, case: str) -> set[str]:
     return {n for n in rank["cases"][case]["stage_weights"] if ".experts." in n}
 
 
-def _reference(case: dict) -> dict[str, torch.Tensor]:
-    return run_here_on_one_device(llama_fit.run, {k: v for k, v in case.items()
-                                                  if k not in ("misroute_experts", "unaveraged_experts")})["state_dict"]
+def _reference(case: dict, whole: bool = False) -> dict[str, Any]:
+    """The one-device run's state dict (``whole``: all it returns)."""
+    result = run_here_on_one_device(llama_fit.run, {k: v for k, v in case.items()
+                                                    if k not in ("misroute_experts", "unaveraged_experts")})
+    return result if whole else result["state_dict"]
+
+
+def _check_monitors(rank0: dict, one: dict) -> dict[str, float]:
+    """Under e = 2 the monitors log one device's figures: each expert's tokens per step (an independent reference:
+    upstream's top-k choices counted on the step's batch), and the staleness figures, each expert counted once
+    (within a relative 1e-4: float32 weights that differ by the reduction order, far below the experts' share)."""
+    logged, reference = logged_experts(rank0), routed_tokens_per_step(CASES["2bw"], one)
+    assert logged_experts(one) == reference and logged.keys() == reference.keys()
+    # a token whose two best experts the runs' float32 rounding swaps moves one copy: at most one per layer and step
+    moved = max(sum(abs(logged[f"{layer}/tokens/expert{j}"][k] - reference[f"{layer}/tokens/expert{j}"][k])
+                    for j in range(4)) for layer in {t.rsplit("/", 2)[0] for t in reference} for k in range(3))
+    assert moved <= 2, moved
+    tags = sorted(t for t in one["logged"] if t.startswith("staleness/") and not t.endswith("delay"))
+    assert tags == sorted(t for t in rank0["logged"] if t.startswith("staleness/") and not t.endswith("delay"))
+    relative = max(abs(v - w) / abs(w) for t in tags for (_, v), (_, w) in zip(rank0["logged"][t], one["logged"][t])
+                   if w != 0)
+    assert relative < 1e-4, relative
+    return {"tokens_moved": moved, "staleness_relative": relative}
 
 
 #: The checkpoint cases: 16 rows, so a replica's epoch is 2 steps and the step-2 checkpoint is at an epoch's end
@@ -141,16 +163,18 @@ def test_two_stages_of_two_replicas_splitting_the_experts_train_the_moe_llama_as
     run_here_on_one_device(llama_fit.run, {**UNSPLIT, "steps": 2, "save_at": 2, "checkpoint_dir": str(tmp_path / "one")})
     cases = {**CASES, **_checkpoint_cases(tmp_path)}
     ranks = script_ranks(SCRIPT, {"devices": 4, "cases": cases}, tmp_path, ranks=4, timeout=600)
-    measured = {}
+    measured, one = {}, {}
     for name, case in CASES.items():
         if name in CONTROLS:
             continue
-        reference = _reference(case)
+        one[name] = _reference(case, whole=True)
+        reference = one[name]["state_dict"]
         tolerance = MUON_TOL if "muon" in name else SGD_TOL if "sgd" in name else TOL
         weights = ranks[0]["cases"][name]["state_dict"] if case.get("gather") else _whole_model(ranks, name)
         measured[name] = max_difference(weights, reference)
         assert measured[name] < tolerance, (name, measured[name])
     print("expert parallelism against one device:", measured)
+    print("the monitors against one device:", _check_monitors(ranks[0]["cases"]["2bw"], one["2bw"]))
     initial = run_here_on_one_device(llama_fit.run, {**CASES["2bw"], "steps": 0})["state_dict"]
     assert max_difference(_whole_model(ranks, "2bw"), initial) > 1e-3  # the steps did move the weights
     # The 4 ranks hold every expert once: each stage's two replicas hold disjoint halves of its blocks' experts,
@@ -174,6 +198,57 @@ def test_two_stages_of_two_replicas_splitting_the_experts_train_the_moe_llama_as
     assert max_difference(_whole_model(ranks, "misrouted"), _reference(CASES["misrouted"])) > 1e-2
     assert max_difference(_whole_model(ranks, "unaveraged_sgd"), _reference(CASES["unaveraged_sgd"])) > 100 * SGD_TOL
     print("checkpoints resumed, against the uninterrupted run:", _check_checkpoints(ranks, tmp_path))
+
+
+# ---- the experts' load in the logger -------------------------------------------------------------------------------
+def routed_tokens_per_step(case: dict, result: dict) -> dict[str, list[float]]:
+    """An independent reference for ExpertMonitor's figures: for each step ``k`` of a one-device run of ``case``,
+    batch ``k``'s rows through a plain forward of the model at the weights its gradient was taken at (``W_{k-d}``,
+    ``d`` the logged delay; the run's ``weights_per_step``), each MoE layer's choices counted as upstream routes:
+    the top ``k`` of the softmax of its router's logits. ``{tag: [count at step 0, 1, ...]}``."""
+    rows, batch = llama_fit.replica_batches(llama_fit.token_rows(case.get("samples", 32), case.get("seq", 16)),
+                                            case["data_parallel"], case["batch"], case.get("seed", 0))
+    model = Llama("tiny", vocab_size=256, tie_embeddings=True, max_seq_len=64, **case["experts"])
+    model.configure_model()
+    top_k, counts = case["experts"]["experts_per_token"], {}
+
+    def count(name: str):
+        def hook(module, inputs, logits):
+            chosen = torch.topk(torch.softmax(logits.float(), dim=-1), top_k, dim=-1).indices
+            counts[name] = torch.bincount(chosen.flatten(), minlength=logits.shape[-1])
+        return hook
+
+    for i, block in enumerate(model.blocks):
+        block.mlp.gate.register_forward_hook(count(f"blocks.{i}.mlp"))
+    delays = [int(d) for _, d in result["logged"]["staleness/delay"]]
+    out: dict[str, list[float]] = {}
+    for k, delay in enumerate(delays):
+        model.load_state_dict(result["weights_per_step"][k - delay], strict=False)  # the head is tied to embed
+        with torch.no_grad():
+            model.pipeline_forward(torch.stack(rows[k * batch : (k + 1) * batch]))
+        for name, c in counts.items():
+            for j, v in enumerate(c.tolist()):
+                out.setdefault(f"experts/{name}/tokens/expert{j}", []).append(float(v))
+    return out
+
+
+def logged_experts(result: dict) -> dict[str, list[float]]:
+    """ExpertMonitor's per-expert figures of a run, ``{tag: [value at step 0, 1, ...]}``."""
+    return {tag: [v for _, v in values] for tag, values in result["logged"].items() if "/tokens/" in tag}
+
+
+def test_the_expert_monitor_logs_the_tokens_upstreams_routing_gives_each_expert_in_each_step():
+    """On one device (2 stages, 2bw, activation checkpointing: the recomputed forwards count nothing), the tokens
+    each expert received per step are the counts of upstream's top-k choices on the step's batch at the weights its
+    gradient was taken at; the imbalance is the most over the mean."""
+    case = {**BASE, "schedule": "2bw", "monitors": True, "activation_checkpointing": True}
+    result = run_here_on_one_device(llama_fit.run, case)
+    logged, reference = logged_experts(result), routed_tokens_per_step(case, result)
+    assert logged == reference and len(reference) == 4 * 4  # 4 blocks x 4 experts
+    tokens = case["data_parallel"] * case["batch"] * 16 * EXPERTS["experts_per_token"]  # copies per step, every layer
+    assert all(sum(logged[f"experts/blocks.1.mlp/tokens/expert{j}"][k] for j in range(4)) == tokens for k in range(3))
+    step2 = [logged[f"experts/blocks.3.mlp/tokens/expert{j}"][2] for j in range(4)]
+    assert result["logged"]["experts/blocks.3.mlp/imbalance"][2][1] == pytest.approx(max(step2) / (sum(step2) / 4))
 
 
 # ---- the layout --------------------------------------------------------------------------------------------------

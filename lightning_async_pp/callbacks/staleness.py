@@ -32,8 +32,9 @@ from lightning_async_pp.optim.weight_prediction import WeightPrediction, predict
 from lightning_async_pp.parallel.tensor_parallel import local_tensor, whole_value
 from lightning_async_pp.pipeline.microbatch import split_microbatches
 
-# Squared norms: each process adds its part (its shards, each parameter counted once: StageView.counted), summed over
-# a stage's tensor-parallel ranks and averaged over its data-parallel replicas; the delay is the largest reported.
+# Squared norms: each process adds its part (its shards, each parameter counted once: StageView.counted; its experts
+# times e: StageView.scales), summed over a stage's tensor-parallel ranks and averaged over its data-parallel replicas;
+# the delay is the largest reported.
 _FIELDS = ("drift_sq", "weight_sq", "update_sq", "correction_sq", "compensation_sq", "stale_grad_sq")
 # Per parameter group (``staleness/<group>/<metric>``): the squared norms summed per stage (reduced like the stage
 # figures, square root taken after the sum over stages), and the figures that are not sums (largest reported).
@@ -67,7 +68,10 @@ class StalenessMonitor(Callback):
     Every figure is of whole tensors, each element counted once, so any layout logs one device's figures: a weight
     tied across stages (an embedding and its head) counts on the stage that owns it (the first, as on one device);
     under tensor parallelism each of a stage's ranks adds the squares of its own shards and a parameter every rank
-    holds whole counts once (the engine's ``StageView.counted``), and the stage's figures are summed over its ranks.
+    holds whole counts once (the engine's ``StageView.counted``), and the stage's figures are summed over its ranks;
+    under expert parallelism (``expert_parallel_size=e``) a rank adds its own experts' squares times ``e``
+    (``StageView.scales``): the replicas holding an expert are ``1 / e`` of the stage's, so the figures' mean over
+    the replicas counts every expert once.
 
     Per parameter group (``per_group=True``), under ``staleness/opt{i}/<group>/<metric>``: ``<group>`` is the
     group's ``name`` key if it has one (as Lightning's ``LearningRateMonitor`` names groups), else ``group{j}``;
@@ -186,10 +190,11 @@ class StalenessMonitor(Callback):
         if self._due:
             for stage in stats.stages:
                 stale = stage.version_for_batch(k)
-                counted = _counted(stage)
+                counted, scales = _counted(stage), _scales(stage)
                 self._pending[stage.index] = {
-                    "drift_sq": _sq_distance(_only(stage.version(k), counted), _only(stage.version(stale), counted)),
-                    "weight_sq": _sq_norm(_only(stage.version(k), counted)),
+                    "drift_sq": _sq_distance(_only(stage.version(k), counted), _only(stage.version(stale), counted),
+                                             _only(scales, counted)),
+                    "weight_sq": _sq_norm(_only(stage.version(k), counted), _only(scales, counted)),
                     "delay": float(k - stale),
                 }
         if self.probe_every is not None and (k + 1) % self.probe_every == 0:
@@ -227,7 +232,7 @@ class StalenessMonitor(Callback):
             compensation_sq, stale_grad_sq = [], []
             group_sq: dict[str, list[Tensor]] = defaultdict(list)  # per-group field -> squared norms
             group_max: dict[str, float] = {}
-            for p, w_k, counted in zip(stage.params, before, _counted(stage)):
+            for p, w_k, counted, scale in zip(stage.params, before, _counted(stage), _scales(stage)):
                 label, group, state_of = groups.get(p, (None, None, None))
                 metrics_of_group = self._group_metrics.get(label, ()) if label is not None else ()
                 # DelayCompensation's norms are of whole tensors (a DTensor's: replicated on every tensor-parallel
@@ -245,17 +250,18 @@ class StalenessMonitor(Callback):
                 change = _wide(w_k) - _wide(local_tensor(p).detach())  # W_k - W_{k+1}, one tensor at a time
                 if "prediction_norm" in metrics_of_group and id(p) in scales:
                     extrapolation = scales[id(p)] * stage.delay  # the next prediction adds s d (W_{k+1} - W_k)
-                    group_sq[_group_field(label, "prediction_sq")].append(_sq(change) * extrapolation**2)
+                    group_sq[_group_field(label, "prediction_sq")].append(_sq(change) * extrapolation**2 * scale)
                 state = corrected.get(p)
                 if state is not None and PREV_UPDATE in state:
                     u = _wide(local_tensor(state[PREV_UPDATE]))  # u_k
-                    update_sq.append(_sq(u))
-                    correction_sq.append(_sq(change - u))  # c (u_k - u_{k-1}) = (W_k - W_{k+1}) - u_k
+                    update_sq.append(_sq(u) * scale)
+                    correction_sq.append(_sq(change - u) * scale)  # c (u_k - u_{k-1}) = (W_k - W_{k+1}) - u_k
                     if "correction_norm" in metrics_of_group:
                         group_sq[_group_field(label, "correction_sq")].append(correction_sq[-1])
                 else:
-                    update_sq.append(_sq(change))
+                    update_sq.append(_sq(change) * scale)
                 if norms is not None and once:
+                    norms = (norms[0] * scale, norms[1] * scale)
                     compensation_sq.append(norms[0])
                     stale_grad_sq.append(norms[1])
                     if "compensation_ratio" in metrics_of_group:
@@ -522,8 +528,8 @@ def _total(squares: Sequence[Tensor]) -> float:
     return float(torch.stack(list(squares)).sum()) if squares else 0.0
 
 
-def _sq_norm(tensors: Sequence[Tensor]) -> float:
-    return _total([_sq(t) for t in tensors])
+def _sq_norm(tensors: Sequence[Tensor], scales: Optional[Sequence[float]] = None) -> float:
+    return _total([_sq(t) * s for t, s in zip(tensors, scales or (1.0,) * len(tensors))])
 
 
 def _counted(stage: Any) -> Sequence[bool]:
@@ -531,13 +537,18 @@ def _counted(stage: Any) -> Sequence[bool]:
     return stage.counted or (True,) * len(stage.params)
 
 
-def _only(tensors: Sequence[Tensor], counted: Sequence[bool]) -> list[Tensor]:
-    return [t for t, c in zip(tensors, counted) if c]
+def _scales(stage: Any) -> Sequence[float]:
+    """Per parameter of ``stage``, the factor on its squares (``StageView.scales``: an expert's, ``e``)."""
+    return stage.scales or (1.0,) * len(stage.params)
 
 
-def _sq_distance(a: Sequence[Tensor], b: Sequence[Tensor]) -> float:
+def _only(items: Sequence[Any], counted: Sequence[bool]) -> list[Any]:
+    return [t for t, c in zip(items, counted) if c]
+
+
+def _sq_distance(a: Sequence[Tensor], b: Sequence[Tensor], scales: Sequence[float]) -> float:
     # The same version (the same tensors) is exactly zero apart: no arithmetic, no rounding.
-    return _total([_sq(_wide(x) - _wide(y)) for x, y in zip(a, b) if x is not y])
+    return _total([_sq(_wide(x) - _wide(y)) * s for x, y, s in zip(a, b, scales) if x is not y])
 
 
 def _cosine(dot: float, a_sq: float, b_sq: float) -> float:

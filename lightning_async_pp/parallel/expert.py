@@ -78,6 +78,9 @@ class LocalExperts(nn.ModuleDict):
         self.num_experts = len(experts)
         self.first = 0  # the global index of the first expert held
         self.mesh: Any = None  # the expert group's 1-D DeviceMesh once sharded (None: every expert here)
+        # per expert of the layer, the token copies the held ones received in trained microbatches so far (the
+        # others' entries stay 0): the monitors' figures (callbacks/experts.py), counted by :class:`_CountOnBackward`
+        self.received_tokens: Optional[Tensor] = None
 
     @property
     def group_size(self) -> int:
@@ -198,7 +201,8 @@ def run_experts(x: Tensor, weights: Tensor, chosen: Tensor, experts: LocalExpert
     # rows per expert (bincount would read its input's maximum on the host first, on CUDA)
     counts = torch.zeros(num_experts, dtype=torch.long, device=x.device).index_add_(0, flat, torch.ones_like(flat))
     if e == 1:
-        return _combine(_apply(experts, rows, counts.tolist()), order, weights)  # the one host read
+        out = _combine(_apply(experts, rows, counts.tolist()), order, weights)  # the one host read
+        return _CountOnBackward.apply(out, counts, experts)
     group = experts.mesh.get_group()
     received = torch.empty_like(counts)
     dist.all_to_all_single(received, counts, group=group)  # (source, held expert): rows each source sends
@@ -213,7 +217,30 @@ def run_experts(x: Tensor, weights: Tensor, chosen: Tensor, experts: LocalExpert
     by_expert = torch.argsort(expert_of_row, stable=True)
     sizes = [sum(received_per[s * held + i] for s in range(e)) for i in range(held)]
     computed = _apply(experts, arrived[by_expert], sizes)
-    return _combine(_AllToAll.apply(computed[torch.argsort(by_expert)], send, recv, group), order, weights)
+    out = _combine(_AllToAll.apply(computed[torch.argsort(by_expert)], send, recv, group), order, weights)
+    mine = torch.zeros_like(counts)
+    mine[experts.first : experts.first + held] = received.view(e, held).sum(0)  # what the held experts received
+    return _CountOnBackward.apply(out, mine, experts)
+
+
+class _CountOnBackward(torch.autograd.Function):
+    """The identity, whose backward adds ``counts`` (per expert of the layer) to ``experts.received_tokens``: a
+    microbatch counts once it is trained, whatever ran forward (each forward node's backward runs once; a
+    forward without a backward counts nothing: evaluation, a cancelled lookahead, the recomputation of activation
+    checkpointing, whose nodes' backward never runs). On the device: no host read."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, counts: Tensor, experts: "LocalExperts") -> Tensor:
+        ctx.counts, ctx.experts = counts, experts
+        return x.clone()  # not a view: the caller may add to the block's output in place
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None]:
+        experts = ctx.experts
+        if experts.received_tokens is None or experts.received_tokens.device != ctx.counts.device:
+            experts.received_tokens = torch.zeros_like(ctx.counts)
+        experts.received_tokens.add_(ctx.counts)
+        return grad, None, None
 
 
 def _combine(out: Tensor, order: Tensor, weights: Tensor) -> Tensor:

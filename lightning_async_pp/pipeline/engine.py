@@ -19,7 +19,7 @@ import time
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any, Optional
 
 import torch
@@ -44,106 +44,13 @@ from lightning_async_pp.pipeline.comm import FailureBoard, StageLink
 from lightning_async_pp.pipeline.config import PipelineConfig
 from lightning_async_pp.pipeline.randomness import ForwardRandomness
 from lightning_async_pp.pipeline.runtime import PipelineRuntime
-from lightning_async_pp.pipeline.stage import Stage
+from lightning_async_pp.pipeline.stage import PipelineStats, Stage, StageView
 from lightning_async_pp.pipeline.versions import WeightVersions
 from lightning_async_pp.plan.balanced import (MemoryModel, SplitReport, layer_costs, report_for, shared_parameters,
                                               split_and_run_ahead, stage_memory_bytes)
 from lightning_async_pp.plan.partition import partition_layers
 from lightning_async_pp.plan.timing import measure_layer_times
-from lightning_async_pp.trace import Span, StepTimes
-
-
-@dataclass(frozen=True)
-class StageView:
-    """Read-only view of one stage this process runs."""
-
-    index: int
-    delay: int
-    param_names: tuple[str, ...]  # global names (in the model), in the order of ``params``
-    _stage: Stage
-    # per parameter: this process counts its local tensor in a whole-model sum (not a tied copy another stage
-    # owns, nor a whole parameter on tensor-parallel ranks but 0; a shard on every rank)
-    counted: tuple[bool, ...] = ()
-
-    @property
-    def params(self) -> list[nn.Parameter]:
-        return list(self._stage.params)
-
-    def version(self, j: int) -> list[Tensor]:
-        """The tensors of weight version ``W_j`` (one of those held)."""
-        return self._stage.versions.version(j)
-
-    def version_for_batch(self, k: int) -> int:
-        return self._stage.versions.version_for_batch(k)
-
-    @property
-    def predicts(self) -> bool:
-        """Weight prediction is on: older versions are the predictions delayed batches run on, and the
-        parameters are the only copy of the newest (an update overwrites it in place)."""
-        return self._stage.versions.predicts
-
-    def predicted_newest(self) -> list[Tensor]:
-        """Prediction on: what the batches due the newest version will run on."""
-        return self._stage.versions.predicted_newest()
-
-
-class PipelineStats:
-    """What callbacks may read about the running pipeline (never the engine's internals)."""
-
-    def __init__(self, engine: "PipelineEngine") -> None:
-        self._engine = engine
-
-    @property
-    def batch_index(self) -> int:
-        """k: updates applied so far; the parameters hold ``W_k``."""
-        return self._engine.runtime.batch_index
-
-    @property
-    def num_stages(self) -> int:
-        return self._engine.num_stages
-
-    @property
-    def num_microbatches(self) -> int:
-        return self._engine.num_microbatches
-
-    @property
-    def schedule(self) -> str:
-        return self._engine.config.schedule
-
-    @property
-    def tensor_parallel_size(self) -> int:
-        """``t``: the processes of one stage, each holding its shards of the stage's parameters (1 without)."""
-        return self._engine.tensor_parallel_size
-
-    @property
-    def tensor_parallel_rank(self) -> int:
-        return self._engine.topology.tp_rank if self._engine.topology is not None else 0
-
-    @property
-    def stages(self) -> list[StageView]:
-        """The stages this process runs (one across processes, all of them on one device)."""
-        return self._engine.stage_views
-
-    @property
-    def last_times(self) -> StepTimes:
-        return self._engine.runtime.last_times
-
-    def realized_delay(self) -> Optional[int]:
-        """The delay of the batch being trained (``batch_index``'s gradient): 0 for a synchronous one, less than the
-        configured delay for the first batches; ``None`` when this process's stages differ."""
-        k = self.batch_index
-        delays = {k - stage.version_for_batch(k) for stage in self.stages}
-        return delays.pop() if len(delays) == 1 else None
-
-    @property
-    def split(self) -> SplitReport:
-        """The layers per stage, each stage's predicted share of the compute and peak memory (docs/design/planner.md,
-        "Balanced split")."""
-        return self._engine.split
-
-    @property
-    def stash_nbytes(self) -> int:
-        return sum(stage.versions.stash_nbytes() for stage in self._engine.stages)
+from lightning_async_pp.trace import Span
 
 
 class PipelineEngine:
@@ -373,10 +280,13 @@ class PipelineEngine:
             # A whole (plain or replicated) parameter's gradient is whole and equal on every tensor-parallel rank:
             # counted on rank 0 only; a sharded parameter's local shard on every rank.
             self._counted_elsewhere |= {id(p) for p in self.params if is_whole(p)}
-        self._counted_elsewhere |= self.experts.ids if self.experts else set()  # counted over their group instead
-        names = self.global_names
+        # the monitors count an expert on the rank holding it, its squares scaled by e (StageView.scales)
+        shown_elsewhere, experts = set(self._counted_elsewhere), self.experts.ids if self.experts else set()
+        self._counted_elsewhere |= experts  # the clipping norm sums them over their group instead
+        names, e = self.global_names, self.config.expert_parallel_size
         self.stage_views = [StageView(st.index, st.versions.delay, tuple(names[id(p)] for p in st.params), st,
-                                      tuple(id(p) not in self._counted_elsewhere for p in st.params))
+                                      tuple(id(p) not in shown_elsewhere for p in st.params),
+                                      tuple(float(e) if id(p) in experts else 1.0 for p in st.params))
                             for st in self.stages]
         self.stats = PipelineStats(self)
         return self

@@ -1,16 +1,22 @@
-"""``Stage``: one pipeline stage's layers, run on the weight version each batch is due."""
+"""``Stage``: one pipeline stage's layers, run on the weight version each batch is due; and the read-only views of
+the stages and the running pipeline that callbacks read (``StageView``, ``PipelineStats``)."""
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, Optional
 
+import torch
 from torch import Tensor, nn
 from torch.func import functional_call
 from torch.utils.checkpoint import checkpoint
 
+from lightning_async_pp.parallel.expert import LocalExperts
 from lightning_async_pp.parallel.tensor_parallel import as_laid_out, dtensor_spec
 from lightning_async_pp.pipeline.compiled import compile_layers
 from lightning_async_pp.pipeline.versions import WeightVersions
+from lightning_async_pp.plan.balanced import SplitReport
+from lightning_async_pp.trace import StepTimes
 
 
 class StageLayers(nn.Module):
@@ -171,3 +177,122 @@ class Stage:
 def _run_layer(layer: nn.Module, names: list[str], x: Any, *tensors: Tensor) -> Any:
     """``layer(x)`` with its parameters replaced by ``tensors`` (one per name in ``names``)."""
     return functional_call(layer, dict(zip(names, tensors)), (x,))
+
+
+@dataclass(frozen=True)
+class StageView:
+    """Read-only view of one stage this process runs."""
+
+    index: int
+    delay: int
+    param_names: tuple[str, ...]  # global names (in the model), in the order of ``params``
+    _stage: Stage
+    # per parameter: this process counts its local tensor in a whole-model sum (not a tied copy another stage
+    # owns, nor a whole parameter on tensor-parallel ranks but 0; a shard on every rank)
+    counted: tuple[bool, ...] = ()
+    # per parameter: the factor on its squares in this process's share of a replica's figures, which the monitors
+    # average over the stage's replicas: e for an expert under expert parallelism (the replicas holding it are 1 / e
+    # of them, so the mean counts it once), else 1
+    scales: tuple[float, ...] = ()
+
+    @property
+    def params(self) -> list[nn.Parameter]:
+        return list(self._stage.params)
+
+    def version(self, j: int) -> list[Tensor]:
+        """The tensors of weight version ``W_j`` (one of those held)."""
+        return self._stage.versions.version(j)
+
+    def version_for_batch(self, k: int) -> int:
+        return self._stage.versions.version_for_batch(k)
+
+    @property
+    def predicts(self) -> bool:
+        """Weight prediction is on: older versions are the predictions delayed batches run on, and the
+        parameters are the only copy of the newest (an update overwrites it in place)."""
+        return self._stage.versions.predicts
+
+    def predicted_newest(self) -> list[Tensor]:
+        """Prediction on: what the batches due the newest version will run on."""
+        return self._stage.versions.predicted_newest()
+
+
+class PipelineStats:
+    """What callbacks may read about the running pipeline (never the engine's internals)."""
+
+    def __init__(self, engine: Any) -> None:  # the PipelineEngine it views
+        self._engine = engine
+
+    @property
+    def batch_index(self) -> int:
+        """k: updates applied so far; the parameters hold ``W_k``."""
+        return self._engine.runtime.batch_index
+
+    @property
+    def num_stages(self) -> int:
+        return self._engine.num_stages
+
+    @property
+    def num_microbatches(self) -> int:
+        return self._engine.num_microbatches
+
+    @property
+    def schedule(self) -> str:
+        return self._engine.config.schedule
+
+    @property
+    def tensor_parallel_size(self) -> int:
+        """``t``: the processes of one stage, each holding its shards of the stage's parameters (1 without)."""
+        return self._engine.tensor_parallel_size
+
+    @property
+    def tensor_parallel_rank(self) -> int:
+        return self._engine.topology.tp_rank if self._engine.topology is not None else 0
+
+    @property
+    def stages(self) -> list[StageView]:
+        """The stages this process runs (one across processes, all of them on one device)."""
+        return self._engine.stage_views
+
+    @property
+    def last_times(self) -> StepTimes:
+        return self._engine.runtime.last_times
+
+    def realized_delay(self) -> Optional[int]:
+        """The delay of the batch being trained (``batch_index``'s gradient): 0 for a synchronous one, less than the
+        configured delay for the first batches; ``None`` when this process's stages differ."""
+        k = self.batch_index
+        delays = {k - stage.version_for_batch(k) for stage in self.stages}
+        return delays.pop() if len(delays) == 1 else None
+
+    @property
+    def split(self) -> SplitReport:
+        """The layers per stage, each stage's predicted share of the compute and peak memory (docs/design/planner.md,
+        "Balanced split")."""
+        return self._engine.split
+
+    @property
+    def stash_nbytes(self) -> int:
+        return sum(stage.versions.stash_nbytes() for stage in self._engine.stages)
+
+    def expert_layers(self) -> dict[str, int]:
+        """Every mixture-of-experts layer of the model, this process's or not: the global name of its
+        ``LocalExperts`` and its number of experts, in the model's order (the same on every process)."""
+        engine = self._engine
+        return {f"{path}.{name}" if name else path: m.num_experts for layer, path in zip(engine.layers, engine.paths)
+                for name, m in layer.named_modules() if isinstance(m, LocalExperts)}
+
+    def expert_tokens(self) -> dict[str, Tensor]:
+        """For each MoE layer this process runs (by :meth:`expert_layers`'s name): the token copies each of its
+        experts received in the trained microbatches so far (``(num_experts,)``, on the device; an expert held
+        elsewhere 0). Summed over every process, one device's counts: each token copy is counted where its expert
+        computes it; under tensor parallelism, whose ranks of a stage compute alike, on rank 0 only."""
+        engine, out = self._engine, {}
+        for i in engine.own_layer_indices():
+            for name, m in engine.layers[i].named_modules():
+                if isinstance(m, LocalExperts):
+                    held = m.received_tokens
+                    counted = held is not None and self.tensor_parallel_rank == 0
+                    out[f"{engine.paths[i]}.{name}" if name else engine.paths[i]] = (
+                        held.clone() if counted else torch.zeros(m.num_experts, dtype=torch.long, device=engine.device))
+        return out

@@ -34,7 +34,8 @@ parameter is still on the meta device), resume_from (ckpt_path),
 resumable (a loader that resumes mid-epoch: tests/helpers.py ResumableLoader), gather (tensor_parallel with
 gather_final_weights=True: rank 0 returns the whole "state_dict"), eval_calls (after fit, each of "validate", "test",
 "predict" on a new Trainer; rank 0 returns their "eval" results), val_loss (returned when validation ran in fit),
-monitors (StalenessMonitor and PipelineMonitor logging every step into a ``callback_fit.MemoryLogger``: rank 0
+monitors (StalenessMonitor and PipelineMonitor, with experts ExpertMonitor too, logging every step into a
+``callback_fit.MemoryLogger``: rank 0
 returns what they logged as "logged", every rank its stage's whole weights before training and after each step as
 "weights_per_step"),
 experts (models.Llama's routed-expert keyword arguments: num_experts, experts_per_token, ...), expert_parallel
@@ -373,6 +374,10 @@ def make_trainer(cfg: dict) -> L.Trainer:
         from lightning_async_pp.callbacks import PipelineMonitor, StalenessMonitor
 
         callbacks += [StalenessMonitor(), PipelineMonitor(), WeightsPerStep()]
+        if cfg.get("experts"):
+            from lightning_async_pp.callbacks import ExpertMonitor
+
+            callbacks.append(ExpertMonitor())
         logger = MemoryLogger()
     val_every = cfg.get("val_every")
     trainer = L.Trainer(
@@ -474,7 +479,7 @@ def run(cfg: dict, devices: int) -> tuple[dict, Llama, L.Trainer]:
         result["weights_per_step"] = next(c for c in trainer.callbacks if isinstance(c, WeightsPerStep)).history
         if trainer.is_global_zero:
             result["logged"] = {n: v for n, v in trainer.logger.metrics.items()
-                                if n.startswith(("staleness/", "pipeline/"))}
+                                if n.startswith(("staleness/", "pipeline/", "experts/"))}
     samples = [c for c in trainer.callbacks if type(c).__name__ == "TextSamples"]
     if samples:
         result["texts"] = samples[0].history
