@@ -35,8 +35,15 @@ from lightning_async_pp.parallel.mesh import EXPERT_MESH_DIMS, MeshLayout  # noq
 SCRIPT = Path(__file__).parent / "scripts" / "llama_fit.py"
 TOL = 5e-5
 MUON_TOL = 2e-3
-HF_TOL = 1e-5
+#: The transformers families' bounds, from their noise references (one device at another microbatch count, without
+#: the router loss; docs/design/expert-parallel.md, "Matching one device"): AdamW 1.3e-6 to 1.8e-5 (OLMoE), Muon
+#: 3.6e-4 and 6.3e-4. Under Muon the embedding and head are AdamW's, whose normalization turns an element whose
+#: gradient is near 0 and changes sign with the noise into a step of up to lr (3e-3) either way: at most
+#: HF_MUON_FLIPS elements may lie past HF_MUON_TOL, none past HF_FLIP_TOL (3 such steps each way).
+HF_TOL = 5e-5
 HF_MUON_TOL = 2e-3
+HF_MUON_FLIPS = 2
+HF_FLIP_TOL = 2e-2
 SGD_TOL = 1e-6
 EXPERTS = {"num_experts": 4, "experts_per_token": 2, "expert_intermediate_size": 32}
 #: a replica's batch and microbatches; the one-device reference trains both replicas' batches as one batch of twice
@@ -198,8 +205,13 @@ def _check_transformers_families(ranks: list[dict], tmp_path: Path) -> dict[str,
     measured = {}
     for name, case in HF_CASES.items():
         reference = run_here_on_one_device(llama_fit.run, case)["state_dict"]
-        measured[name] = max_difference(_whole_model(ranks, name), reference)
-        assert measured[name] < (HF_MUON_TOL if "muon" in name else HF_TOL), (name, measured[name])
+        weights = _whole_model(ranks, name)
+        measured[name] = max_difference(weights, reference)
+        if "muon" in name:
+            beyond = sum(int(((weights[k] - reference[k]).abs() > HF_MUON_TOL).sum()) for k in weights)
+            assert beyond <= HF_MUON_FLIPS and measured[name] < HF_FLIP_TOL, (name, measured[name], beyond)
+        else:
+            assert measured[name] < HF_TOL, (name, measured[name])
         _held_once(ranks, name)
     initial = run_here_on_one_device(llama_fit.run, {**HF_CASES["hf_mixtral_2bw"], "steps": 0})["state_dict"]
     assert max_difference(_whole_model(ranks, "hf_mixtral_2bw"), initial) > 1e-3  # the steps moved the weights
