@@ -1,6 +1,7 @@
 """Expert parallelism (``expert_parallel_size``): 2 stages x 2 data-parallel replicas of a ``models.Llama`` with
-routed experts, each replica holding half of every stage's experts, train the one-device run's weights on both
-replicas' batches; the layout, the dispatch, the refusals and the host reads in one process.
+routed experts, and of transformers' Mixtral, Qwen3-MoE, Qwen2-MoE and OLMoE (4.x), each replica holding half of
+every stage's experts, train the one-device run's weights on both replicas' batches (one launch); the layout, the
+dispatch, the transformers blocks, the refusals and the host reads in one process.
 
 The tolerances (docs/design/expert-parallel.md, "Matching one device"): expert parallelism changes only the order
 of sums (an expert's rows from both replicas in one product, its gradient summed over them before the division by
