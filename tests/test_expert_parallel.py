@@ -97,6 +97,9 @@ HF_CASES = {
     "hf_qwen3_moe_1f1b_muon": {**HF_BASE, "hf_config": HF_MOE["qwen3_moe"], "schedule": "1f1b", "optimizer": "muon"},
     "hf_qwen2_moe_2bw": {**HF_BASE, "hf_config": HF_MOE["qwen2_moe"], "schedule": "2bw"},
     "hf_olmoe_1f1b": {**HF_BASE, "hf_config": HF_MOE["olmoe"], "schedule": "1f1b"},
+    # the control: each rank's experts hold each other's weights, so tokens are computed by another expert
+    "hf_misrouted": {**HF_BASE, "hf_config": HF_MOE["mixtral"], "schedule": "1f1b", "steps": 1,
+                     "misroute_experts": True},
 }
 
 
@@ -205,12 +208,14 @@ def _check_transformers_families(ranks: list[dict], tmp_path: Path) -> dict[str,
 
     measured = {}
     for name, case in HF_CASES.items():
-        reference = run_here_on_one_device(llama_fit.run, case)["state_dict"]
+        reference = _reference(case)
         weights = _whole_model(ranks, name)
         measured[name] = max_difference(weights, reference)
         if "muon" in name:
             beyond = sum(int(((weights[k] - reference[k]).abs() > HF_MUON_TOL).sum()) for k in weights)
             assert beyond <= HF_MUON_FLIPS and measured[name] < HF_FLIP_TOL, (name, measured[name], beyond)
+        elif name == "hf_misrouted":
+            assert measured[name] > 1e-2, measured[name]
         else:
             assert measured[name] < HF_TOL, (name, measured[name])
         _held_once(ranks, name)
@@ -237,7 +242,7 @@ def _check_transformers_families(ranks: list[dict], tmp_path: Path) -> dict[str,
 
 @pytest.mark.multiprocess
 @pytest.mark.slow
-@pytest.mark.timeout(1800)  # one launch of 29 runs (the transformers families among them), then their references
+@pytest.mark.timeout(1800)  # one launch of 30 runs (the transformers families among them), then their references
 def test_two_stages_of_two_replicas_splitting_the_experts_train_the_moe_models_as_one_device(tmp_path):
     # the one-device checkpoint that a case resumes into expert parallelism
     run_here_on_one_device(llama_fit.run, {**UNSPLIT, "steps": 2, "save_at": 2, "checkpoint_dir": str(tmp_path / "one")})
