@@ -1,6 +1,7 @@
 """Expert parallelism (``expert_parallel_size``): 2 stages x 2 data-parallel replicas of a ``models.Llama`` with
-routed experts, each replica holding half of every stage's experts, train the one-device run's weights on both
-replicas' batches; the layout, the dispatch, the refusals and the host reads in one process.
+routed experts, and of transformers' Mixtral, Qwen3-MoE, Qwen2-MoE and OLMoE (4.x), each replica holding half of
+every stage's experts, train the one-device run's weights on both replicas' batches (one launch); the layout, the
+dispatch, the transformers blocks, the refusals and the host reads in one process.
 
 The tolerances (docs/design/expert-parallel.md, "Matching one device"): expert parallelism changes only the order
 of sums (an expert's rows from both replicas in one product, its gradient summed over them before the division by
@@ -36,6 +37,15 @@ from lightning_async_pp.parallel.mesh import EXPERT_MESH_DIMS, MeshLayout  # noq
 SCRIPT = Path(__file__).parent / "scripts" / "llama_fit.py"
 TOL = 5e-5
 MUON_TOL = 2e-3
+#: The transformers families' bounds, from their noise references (one device at another microbatch count, without
+#: the router loss; docs/design/expert-parallel.md, "Matching one device"): AdamW 1.3e-6 to 1.8e-5 (OLMoE), Muon
+#: 3.6e-4 and 6.3e-4. Under Muon the embedding and head are AdamW's, whose normalization turns an element whose
+#: gradient is near 0 and changes sign with the noise into a step of up to lr (3e-3) either way: at most
+#: HF_MUON_FLIPS elements may lie past HF_MUON_TOL, none past HF_FLIP_TOL (3 such steps each way).
+HF_TOL = 5e-5
+HF_MUON_TOL = 2e-3
+HF_MUON_FLIPS = 2
+HF_FLIP_TOL = 2e-2
 SGD_TOL = 1e-6
 EXPERTS = {"num_experts": 4, "experts_per_token": 2, "expert_intermediate_size": 32}
 #: a replica's batch and microbatches; the one-device reference trains both replicas' batches as one batch of twice
@@ -66,6 +76,34 @@ CASES = {
 }
 CONTROLS = ("unaveraged_sgd", "misrouted")
 
+#: Tiny transformers MoE families (4 experts, top 2, router loss on), configs built here, nothing downloaded:
+#: HuggingFaceCausalLM through llama_fit's ``model="hf"`` (its tiny Llama's shape, 4 decoder layers, updated by these).
+HF_MOE = {
+    "mixtral": {"model_type": "mixtral", "intermediate_size": 32, "num_local_experts": 4, "num_experts_per_tok": 2,
+                "output_router_logits": True, "router_aux_loss_coef": 0.02, "sliding_window": None},
+    # norm_topk_prob off (upstream's default): the weights are the top-k probabilities as they are
+    "qwen3_moe": {"model_type": "qwen3_moe", "moe_intermediate_size": 32, "num_experts": 4, "num_experts_per_tok": 2,
+                  "head_dim": 8, "output_router_logits": True, "router_aux_loss_coef": 0.02},
+    "qwen2_moe": {"model_type": "qwen2_moe", "moe_intermediate_size": 32, "shared_expert_intermediate_size": 48,
+                  "num_experts": 4, "num_experts_per_tok": 2, "norm_topk_prob": True, "output_router_logits": True,
+                  "router_aux_loss_coef": 0.02},
+    "olmoe": {"model_type": "olmoe", "intermediate_size": 32, "num_experts": 4, "num_experts_per_tok": 2,
+              "output_router_logits": True, "router_aux_loss_coef": 0.02},
+}
+#: untied (each name on one stage); partition [3, 4]: embedding + layers 0, 1 | layers 2, 3 + norm + head
+HF_BASE = {**{k: v for k, v in BASE.items() if k != "experts"}, "model": "hf", "tie": False, "partition": [3, 4]}
+HF_CASES = {
+    "hf_mixtral_2bw": {**HF_BASE, "hf_config": HF_MOE["mixtral"], "schedule": "2bw"},
+    "hf_mixtral_1f1b_muon": {**HF_BASE, "hf_config": HF_MOE["mixtral"], "schedule": "1f1b", "optimizer": "muon"},
+    "hf_qwen3_moe_2bw": {**HF_BASE, "hf_config": HF_MOE["qwen3_moe"], "schedule": "2bw"},
+    "hf_qwen3_moe_1f1b_muon": {**HF_BASE, "hf_config": HF_MOE["qwen3_moe"], "schedule": "1f1b", "optimizer": "muon"},
+    "hf_qwen2_moe_2bw": {**HF_BASE, "hf_config": HF_MOE["qwen2_moe"], "schedule": "2bw"},
+    "hf_olmoe_1f1b": {**HF_BASE, "hf_config": HF_MOE["olmoe"], "schedule": "1f1b"},
+    # the control: each rank's experts hold each other's weights, so tokens are computed by another expert
+    "hf_misrouted": {**HF_BASE, "hf_config": HF_MOE["mixtral"], "schedule": "1f1b", "steps": 1,
+                     "misroute_experts": True},
+}
+
 
 def _whole_model(ranks: list[dict], case: str) -> dict[str, torch.Tensor]:
     """The 4 ranks' parameters by name (ranks 0, 1: stages 0, 1 of replica 0; ranks 2, 3: of replica 1); a name
@@ -76,7 +114,8 @@ def _whole_model(ranks: list[dict], case: str) -> dict[str, torch.Tensor]:
             if name in merged:
                 assert torch.equal(merged[name], value), (case, name, r)
             merged[name] = value
-    merged.setdefault("head.proj.weight", merged["embed.weight"])
+    if "embed.weight" in merged:  # models.Llama, tied
+        merged.setdefault("head.proj.weight", merged["embed.weight"])
     return merged
 
 
@@ -156,13 +195,81 @@ def _check_checkpoints(ranks: list[dict], tmp_path: Path) -> dict[str, float]:
     return measured
 
 
+#: The transformers checkpoint cases: Mixtral as hf_mixtral_2bw on 16 rows (see CKPT).
+HF_CKPT = {**HF_CASES["hf_mixtral_2bw"], "samples": 16}
+HF_UNSPLIT = {k: v for k, v in HF_CKPT.items() if k != "expert_parallel"}
+
+
+def _transformers_checkpoint_cases(tmp_path: Path) -> dict[str, dict]:
+    return {"hf_ckpt_full": HF_CKPT,
+            "hf_ckpt_saved": {**HF_CKPT, "steps": 2, "save_at": 2, "checkpoint_dir": str(tmp_path / "hf_sharded")},
+            "hf_ckpt_resumed_unsplit": {**HF_UNSPLIT, "resume_from": str(tmp_path / "hf_sharded" / "saved.ckpt")}}
+
+
+def _held_once(ranks: list[dict], case: str) -> None:
+    """The 4 ranks together hold every expert of the 4 MoE layers exactly once, under upstream's names with their
+    global index; replica 0 (ranks 0, 1) experts 0 and 1 of its stage's layers, replica 1 experts 2 and 3."""
+    held = [{n for n in rank["cases"][case]["stage_weights"] if ".experts." in n} for rank in ranks]
+    every = set().union(*held)
+    assert sum(map(len, held)) == len(every), case  # no expert weight on two ranks
+    slots = {(n.split(".")[2], n.split(".experts.")[1].split(".")[0]) for n in every}  # (layer, expert)
+    assert slots == {(str(k), str(j)) for k in range(4) for j in range(4)}, case
+    assert len(every) == 16 * len({n.split(".experts.")[1].split(".", 1)[1] for n in every}), case  # all matrices
+    assert all(n.split(".experts.")[1].split(".")[0] in ("0", "1") for n in held[0] | held[1]), case
+
+
+def _check_transformers_families(ranks: list[dict], tmp_path: Path) -> dict[str, float]:
+    """The transformers MoE families (Mixtral, Qwen3-MoE, Qwen2-MoE with its shared expert, OLMoE; router loss on)
+    split over 2 x 2 with expert_parallel_size=2 train one device's weights on both replicas' batches; each expert is
+    held once; a checkpoint resumes with e = 1 and on one device, and its Hugging Face export loads in transformers
+    and gives the upstream model's logits on the saved weights."""
+    from transformers import AutoModelForCausalLM
+
+    from lightning_async_pp.export import export_hf
+    from lightning_async_pp.models.hf_config import as_pretrained_config
+
+    measured = {}
+    for name, case in HF_CASES.items():
+        reference = _reference(case)
+        weights = _whole_model(ranks, name)
+        measured[name] = max_difference(weights, reference)
+        if "muon" in name:
+            beyond = sum(int(((weights[k] - reference[k]).abs() > HF_MUON_TOL).sum()) for k in weights)
+            assert beyond <= HF_MUON_FLIPS and measured[name] < HF_FLIP_TOL, (name, measured[name], beyond)
+        elif name == "hf_misrouted":
+            assert measured[name] > 1e-2, measured[name]
+        else:
+            assert measured[name] < HF_TOL, (name, measured[name])
+        _held_once(ranks, name)
+    initial = run_here_on_one_device(llama_fit.run, {**HF_CASES["hf_mixtral_2bw"], "steps": 0})["state_dict"]
+    assert max_difference(_whole_model(ranks, "hf_mixtral_2bw"), initial) > 1e-3  # the steps moved the weights
+    full, saved = _whole_model(ranks, "hf_ckpt_full"), _whole_model(ranks, "hf_ckpt_saved")
+    sharded = tmp_path / "hf_sharded" / "saved.ckpt"
+    one_device = run_here_on_one_device(llama_fit.run, {**HF_UNSPLIT, "resume_from": str(sharded),
+                                                        "replica_epoch": 1})["state_dict"]
+    measured["resumed_unsplit"] = max_difference(ranks[0]["cases"]["hf_ckpt_resumed_unsplit"]["state_dict"], full)
+    measured["resumed_one_device"] = max_difference(one_device, full)
+    assert measured["resumed_unsplit"] < HF_TOL and measured["resumed_one_device"] < HF_TOL, measured
+    # the export: every expert under upstream's name, the logits of upstream's model holding the saved weights
+    export_hf(sharded, tmp_path / "hf_export")
+    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "hf_export").eval()
+    upstream = AutoModelForCausalLM.from_config(as_pretrained_config({**llama_fit.HF_LLAMA, **HF_MOE["mixtral"],
+                                                                      "tie_word_embeddings": False})).eval()
+    upstream.load_state_dict(saved, strict=True)
+    tokens = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(exported(tokens).logits, upstream(tokens).logits)
+    return measured
+
+
 @pytest.mark.multiprocess
 @pytest.mark.slow
-def test_two_stages_of_two_replicas_splitting_the_experts_train_the_moe_llama_as_one_device(tmp_path):
+@pytest.mark.timeout(1800)  # one launch of 30 runs (the transformers families among them), then their references
+def test_two_stages_of_two_replicas_splitting_the_experts_train_the_moe_models_as_one_device(tmp_path):
     # the one-device checkpoint that a case resumes into expert parallelism
     run_here_on_one_device(llama_fit.run, {**UNSPLIT, "steps": 2, "save_at": 2, "checkpoint_dir": str(tmp_path / "one")})
-    cases = {**CASES, **_checkpoint_cases(tmp_path)}
-    ranks = script_ranks(SCRIPT, {"devices": 4, "cases": cases}, tmp_path, ranks=4, timeout=600)
+    cases = {**CASES, **_checkpoint_cases(tmp_path), **HF_CASES, **_transformers_checkpoint_cases(tmp_path)}
+    ranks = script_ranks(SCRIPT, {"devices": 4, "cases": cases}, tmp_path, ranks=4, timeout=1200)
     measured, one = {}, {}
     for name, case in CASES.items():
         if name in CONTROLS:
@@ -198,6 +305,7 @@ def test_two_stages_of_two_replicas_splitting_the_experts_train_the_moe_llama_as
     assert max_difference(_whole_model(ranks, "misrouted"), _reference(CASES["misrouted"])) > 1e-2
     assert max_difference(_whole_model(ranks, "unaveraged_sgd"), _reference(CASES["unaveraged_sgd"])) > 100 * SGD_TOL
     print("checkpoints resumed, against the uninterrupted run:", _check_checkpoints(ranks, tmp_path))
+    print("transformers families against one device, checkpoints resumed:", _check_transformers_families(ranks, tmp_path))
 
 
 # ---- the experts' load in the logger -------------------------------------------------------------------------------
@@ -460,3 +568,93 @@ def test_the_option_and_the_routed_experts_come_from_a_yaml_config(tmp_path, mon
     cli = AsyncPipelineCLI(args=["--config", str(config)], run=False)
     assert cli.trainer.strategy.config.expert_parallel_size == 2
     assert cli.model.config.num_experts == 4 and cli.model.config.experts_per_token == 2
+
+
+# ---- the transformers families -----------------------------------------------------------------------------------
+def _hf(family: str, **overrides):
+    from lightning_async_pp.models import HuggingFaceCausalLM
+
+    return HuggingFaceCausalLM({**llama_fit.HF_LLAMA, "num_hidden_layers": 2, **HF_MOE[family], **overrides},
+                               init_seed=0)
+
+
+def _fused_experts() -> bool:
+    import transformers
+
+    return int(transformers.__version__.split(".")[0]) >= 5
+
+
+@pytest.mark.hf
+@pytest.mark.parametrize("family", sorted(HF_MOE))
+def test_a_transformers_moe_block_routed_by_run_experts_computes_upstreams_block_bitwise(family):
+    """The block under expert parallelism (upstream's router and routing, the experts' rows by run_experts, Qwen2-MoE's
+    shared expert after them) gives upstream's block's output and router logits bitwise, for k = 2 and 3; its
+    state-dict names are upstream's. transformers 5 (fused 3-D experts) is refused by name."""
+    import copy
+
+    from lightning_async_pp.models.moe import routed_block, split_experts
+
+    model = _hf(family)
+    model.configure_model()
+    if _fused_experts():
+        with pytest.raises(ValueError, match=rf"splits transformers 4.x's per-expert modules; transformers 5.* holds "
+                                             rf"model_type '{family}''s experts fused in 3-D tensors"):
+            split_experts(list(model.model.layers), model.config, None)
+        return
+    layer = model.model.layers[0]
+    upstream = layer.block_sparse_moe if family == "mixtral" else layer.mlp
+    for k in (2, 3):
+        ours, theirs = routed_block(copy.deepcopy(upstream)), copy.deepcopy(upstream)
+        ours.top_k = theirs.top_k = k
+        x = torch.randn(3, 7, 32, generator=torch.Generator().manual_seed(k))
+        (out, logits), (expected, expected_logits) = ours(x), theirs(x)
+        assert torch.equal(out, expected) and torch.equal(logits, expected_logits), (family, k)
+        assert list(ours.state_dict()) == list(theirs.state_dict())
+
+
+@pytest.mark.hf
+@pytest.mark.parametrize("fake_world", [(0, 2), (1, 2)], indirect=True)
+def test_each_rank_keeps_its_half_of_a_transformers_models_experts_initialized_as_on_one_device(fake_world):
+    """Rank r of a 2-rank expert group keeps experts 2r, 2r + 1 of every MoE layer under upstream's names, with the
+    values upstream's init rule gives them on one device (the layer drawn in one device's order, a scratch expert
+    standing in for the others)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (1, 2, 1, 1), mesh_dim_names=EXPERT_MESH_DIMS)
+    for family in ("mixtral", "qwen2_moe"):
+        one, model = _hf(family), _hf(family)
+        one.configure_model()
+        model._device_mesh = mesh  # as the strategy sets it
+        if _fused_experts():
+            with pytest.raises(ValueError, match="fused in 3-D tensors"):
+                model.configure_model()
+            continue
+        model.configure_model()
+        whole, mine = dict(one.named_parameters()), dict(model.named_parameters())
+        assert {n.split(".experts.")[1].split(".")[0] for n in mine if ".experts." in n} == {
+            str(2 * fake_world), str(2 * fake_world + 1)}
+        assert len(whole) - len(mine) == 2 * 2 * 3  # 2 layers x 2 experts x 3 matrices not held
+        for name, p in mine.items():
+            assert torch.equal(p, whole[name]), (family, name)
+
+
+@pytest.mark.hf
+@pytest.mark.parametrize("fake_world", [(0, 2)], indirect=True)
+@pytest.mark.parametrize("config, match", [
+    ({"model_type": "llama"}, r"expert_parallel_size=2 splits the experts of model_type mixtral, qwen2_moe, "
+     r"qwen3_moe, olmoe, not 'llama'; use expert_parallel_size=1"),
+    ({**HF_MOE["mixtral"], "router_jitter_noise": 0.1}, r"router_jitter_noise=0.1 is not supported"),
+    ({**HF_MOE["mixtral"], "num_local_experts": 3}, r"expert_parallel_size=2 does not divide model_type 'mixtral''s "
+     r"num_experts=3: .* among \[1, 3\]"),
+])
+def test_transformers_models_expert_parallelism_cannot_split_are_refused_naming_them(fake_world, config, match):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from lightning_async_pp.models import HuggingFaceCausalLM
+
+    model = HuggingFaceCausalLM({**llama_fit.HF_LLAMA, "num_hidden_layers": 2, **config}, init_seed=0)
+    model._device_mesh = init_device_mesh("cpu", (1, 2, 1, 1), mesh_dim_names=EXPERT_MESH_DIMS)
+    if _fused_experts() and config.get("model_type") != "llama":
+        match = "fused in 3-D tensors"
+    with pytest.raises(ValueError, match=match):
+        model.configure_model()

@@ -13,8 +13,9 @@ engine materializes each process's stage) and initializes the materialized layer
 """
 from __future__ import annotations
 
+import copy
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, Optional
 
 import torch
@@ -25,12 +26,36 @@ from lightning_async_pp.models.meta_built import BuiltInInit
 from lightning_async_pp.models.pretrained import PretrainedTensors, load_layer, tensor_aliases, unused_keys
 from lightning_async_pp.module import PipelineModule, layer_seed
 from lightning_async_pp.optim.groups import decay_matrices_only
+from lightning_async_pp.parallel.expert import LocalExperts
 from lightning_async_pp.parallel.placement import layer_paths
 from lightning_async_pp.parallel.tensor_parallel import whole_parameters
 
 
 def missing_package(package: str, extra: str) -> ImportError:
     return ImportError(f"this model needs the {package!r} package: pip install 'lightning-async-pp[{extra}]'")
+
+
+def init_order(module: nn.Module, seen: Optional[set[int]] = None) -> Iterator[nn.Module]:
+    """``module.modules()`` in one device's order, where the experts a sharded ``LocalExperts`` does not hold
+    (expert parallelism: models/moe.py) are stood in for by a scratch copy of a held one, so that an init rule
+    drawing from one RNG module by module (transformers' ``_init_weights``) gives each held expert one device's
+    values; the scratch's are dropped."""
+    seen = set() if seen is None else seen
+    if id(module) in seen:
+        return
+    seen.add(id(module))
+    yield module
+    if isinstance(module, LocalExperts) and module.mesh is not None:
+        scratch: Optional[nn.Module] = None
+        for j in range(module.num_experts):
+            if str(j) in module:
+                yield from init_order(module[str(j)], seen)
+            else:
+                scratch = scratch if scratch is not None else copy.deepcopy(next(iter(module.values())))
+                yield from scratch.modules()
+        return
+    for child in module.children():
+        yield from init_order(child, seen)
 
 
 class AdoptedCausalLM(BuiltInInit, PipelineModule):
@@ -135,7 +160,7 @@ class AdoptedCausalLM(BuiltInInit, PipelineModule):
         devices = [p.device for p in layer.parameters() if p.device.type == "cuda"][:1]
         with torch.random.fork_rng(devices=devices):
             torch.manual_seed(layer_seed(index, self.init_seed))
-            for module in layer.modules():
+            for module in init_order(layer):
                 self.init_module(module)
         if self._pretrained_tensors is not None:  # init as usual, then the file's values (see docs/design/adapters.md)
             load_layer(layer, self._pretrained_paths[index], self._pretrained_tensors, self._pretrained_aliases,

@@ -33,8 +33,9 @@ from torch import Tensor, nn
 from lightning_async_pp.models import hf_outside, hf_probe, packing
 from lightning_async_pp.models.adopted import AdoptedCausalLM
 from lightning_async_pp.models.hf_config import as_pretrained_config, pretrained_config, read_by_the_code
-from lightning_async_pp.models.moe import RouterLoss, adds_router_loss, check_router_loss_supported
+from lightning_async_pp.models.moe import RouterLoss, adds_router_loss, check_router_loss_supported, split_experts
 from lightning_async_pp.models.pretrained import SafetensorsFolder
+from lightning_async_pp.parallel.expert import expert_parallel_mesh
 from lightning_async_pp.parallel.mesh import replica_processes, tensor_parallel_mesh
 
 #: What the adapter takes from the upstream model, as dotted paths of ``AutoModelForCausalLM.from_config(config)``.
@@ -434,6 +435,9 @@ class HuggingFaceCausalLM(AdoptedCausalLM):
             # Before any layer gets memory: refuses a family whose pipeline layers differ from the upstream forward.
             # The adapter itself, not a subclass: a subclass may take other constructor arguments.
             self._mask_as_upstream(hf_probe.check_exact(HuggingFaceCausalLM, self.config))
+        ep_mesh = expert_parallel_mesh(self.device_mesh)  # set by a strategy with expert parallelism
+        if ep_mesh is not None:  # before the layers get memory: each rank keeps E / e experts (models/moe.py)
+            split_experts(list(self.model.layers), self.config, ep_mesh)
         super().configure_model()
         if plan is not None:
             self.parallelize(tp_mesh, plan)

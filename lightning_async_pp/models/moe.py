@@ -1,5 +1,5 @@
-"""The load-balancing loss of transformers mixture-of-experts models (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE) under the
-pipeline.
+"""transformers mixture-of-experts models (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE) under the pipeline: the router's
+load-balancing loss, and their experts split over an expert group (:func:`split_experts`, at the end).
 
 Upstream (``load_balancing_loss_func`` in each family's modeling file) adds ``router_aux_loss_coef * aux`` to the
 training loss when the config has ``output_router_logits=True``, with
@@ -25,6 +25,7 @@ documents as a padded batch with their attention mask (which excludes the paddin
 """
 from __future__ import annotations
 
+import types
 from collections.abc import Mapping
 from typing import Any, Optional
 
@@ -33,6 +34,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lightning_async_pp.models import packing
+from lightning_async_pp.parallel.expert import LocalExperts, route, run_experts
 
 #: Families whose router logits the adapter reads, by ``model_type``: the MoE block's class (its output's element
 #: ``index`` is the router logits, ``(rows, E)``) when the model class does not name it in ``_can_record_outputs``
@@ -182,3 +184,74 @@ class RouterLoss:
         """The mean aux loss recorded since the last call (``None`` if this process computed no loss)."""
         logged, self._logged = self._logged, []
         return torch.stack(logged).mean() if logged else None
+
+
+# ---- expert parallelism (docs/design/expert-parallel.md, "transformers families") ------------------------------------
+#: Families whose MoE blocks split their experts over an expert group (``expert_parallel_size > 1``): transformers
+#: 4.x's blocks, a router ``gate`` (``nn.Linear``) and ``experts``, a ``ModuleList`` of per-expert MLPs, routed
+#: inline (softmax in float32, top-k, renormalized where Mixtral always and the others with ``norm_topk_prob``, cast
+#: to the hidden state's dtype), each expert's products index-added in ascending expert order; Qwen2-MoE adds its
+#: gated shared expert after them. Every other family is refused by name.
+EXPERT_PARALLEL_FAMILIES = tuple(ROUTER_OUTPUTS)
+
+
+def split_experts(blocks: list[nn.Module], config: Any, mesh: Any) -> int:
+    """Make every MoE block under ``blocks`` compute with :func:`run_experts` (:func:`routed_block`) and, where
+    ``mesh`` (the ``"expert_parallel"`` view; ``None``: keep every expert), keep this rank's ``E / e`` experts, each
+    under its global index (upstream's names: ``experts.5.w1.weight``), before any gets memory. Refuses, naming it, a
+    family other than :data:`EXPERT_PARALLEL_FAMILIES`, transformers 5.x's fused experts, a model without MoE
+    layers and router jitter. Returns the number of MoE blocks."""
+    import transformers
+
+    family, e = config.model_type, mesh.size() if mesh is not None else 1
+    if family not in EXPERT_PARALLEL_FAMILIES:
+        raise ValueError(f"HuggingFaceCausalLM: expert_parallel_size={e} splits the experts of model_type "
+                         f"{', '.join(EXPERT_PARALLEL_FAMILIES)}, not {family!r}; use expert_parallel_size=1")
+    block_class = ROUTER_OUTPUTS[family][0]
+    moes = [m for block in blocks for m in block.modules() if type(m).__name__ == block_class]
+    if not moes:
+        raise ValueError(f"HuggingFaceCausalLM: model_type {family!r} with this config has no MoE layer "
+                         f"({block_class}) to split over expert_parallel_size={e}; use expert_parallel_size=1")
+    if not isinstance(moes[0].experts, nn.ModuleList):
+        # transformers 5 holds a layer's experts fused in 3-D tensors (experts.gate_up_proj (E, 2 I, H)): one
+        # parameter per layer, which a rank cannot hold a share of under upstream's names
+        raise ValueError(f"HuggingFaceCausalLM: expert_parallel_size={e} splits transformers 4.x's per-expert "
+                         f"modules; transformers {transformers.__version__} holds model_type {family!r}'s experts "
+                         f"fused in 3-D tensors ({type(moes[0].experts).__name__}), not supported yet: use "
+                         f"transformers<5, or expert_parallel_size=1")
+    jitter = getattr(config, "router_jitter_noise", 0) or 0
+    if jitter > 0:  # random per call and per process: one device would draw other noise
+        raise ValueError(f"HuggingFaceCausalLM: expert_parallel_size={e} with router_jitter_noise={jitter} is not "
+                         f"supported (the noise is drawn per process); set router_jitter_noise=0")
+    for moe in moes:
+        routed_block(moe)
+        if mesh is not None:
+            moe.experts.shard(mesh, f"model_type {family!r}")
+    return len(moes)
+
+
+def routed_block(moe: nn.Module) -> nn.Module:
+    """``moe`` (a transformers 4.x sparse MoE block) with its experts in :class:`LocalExperts` (the names of the
+    ``ModuleList``) and its forward :func:`routed_forward`: upstream's routing on upstream's router, the experts'
+    rows by :func:`run_experts` (over the expert group once sharded), the same output ``(hidden, router_logits)``."""
+    if not isinstance(moe.experts, LocalExperts):
+        moe.experts = LocalExperts(list(moe.experts))
+        moe.forward = types.MethodType(routed_forward, moe)
+    return moe
+
+
+def routed_forward(self: nn.Module, hidden_states: Tensor) -> tuple[Tensor, Tensor]:
+    """The forward of a transformers 4.x sparse MoE block (Mixtral's, Qwen2-MoE's, Qwen3-MoE's, OLMoE's) with its
+    experts run by :func:`run_experts`: the same router, the same choices and weights, each token's products added
+    in ascending expert order as upstream's ``index_add_`` loop adds them; then Qwen2-MoE's shared expert."""
+    batch, length, hidden = hidden_states.shape
+    x = hidden_states.view(-1, hidden)
+    router_logits = self.gate(x)
+    normalize = getattr(self, "norm_topk_prob", True)  # Mixtral always renormalizes
+    weights, chosen = route(router_logits, self.top_k, normalize, x.dtype)
+    out = run_experts(x, weights, chosen, self.experts)
+    shared = getattr(self, "shared_expert", None)
+    if shared is not None:  # Qwen2-MoE
+        out = out + F.sigmoid(self.shared_expert_gate(x)) * shared(x)
+    return out.reshape(batch, length, hidden), router_logits
+

@@ -19,7 +19,8 @@ def refuse_with_expert_parallelism_at_setup(trainer: Any, module: Any, config: P
     refused = []
     if not any(isinstance(m, LocalExperts) for m in module.modules()):
         refused.append((f"the model {type(module).__name__}", "it holds no experts (no LocalExperts after "
-                        "configure_model); models.Llama(num_experts=...) has them, or use expert_parallel_size=1"))
+                        "configure_model); models.Llama(num_experts=...) and HuggingFaceCausalLM's Mixtral, Qwen2-MoE, "
+                        "Qwen3-MoE and OLMoE have them, or use expert_parallel_size=1"))
     if getattr(module, GATHERED, False):
         # rank 0's module holds every expert and stage, the other ranks their own: the processes disagree
         refused.append(("a trainer call on a model gathered by an earlier one (gather_final_weights=True)",

@@ -41,7 +41,8 @@ returns what they logged as "logged", every rank its stage's whole weights befor
 experts (models.Llama's routed-expert keyword arguments: num_experts, experts_per_token, ...), expert_parallel
 (expert_parallel_size; unless gather, not gathered: every rank returns its stage's parameters as "stage_weights", its
 experts under their global names), misroute_experts (a control: each held expert starts from the weights of the expert half the
-experts away, so the tokens routed to it are computed by another), unaveraged_experts (a control: the expert
+experts away, so the tokens routed to it are computed by another; with model "hf", the held experts' weights
+passed round among them), unaveraged_experts (a control: the expert
 gradients are not divided by the number of replicas), optimizer "sgd" (plain SGD at ``lr``), count_expert_reads
 (returns "expert_reads": the calls of run_experts during fit and the host reads, ``tolist``/``item``, issued by
 parallel/expert.py's code, forward or backward).
@@ -173,6 +174,23 @@ class LlamaMisroutedExperts(Llama):
                          0.02 / math.sqrt(2 * self.config.num_layers))
 
 
+class HFMisroutedExperts(HuggingFaceCausalLM):
+    """``LlamaMisroutedExperts`` of the transformers adapter: the experts this rank holds pass their initial weights
+    round among themselves (expert 2r takes 2r + 1's, and so on), so tokens are computed by another expert."""
+
+    def init_layer(self, index: int, layer: torch.nn.Module) -> None:
+        from lightning_async_pp.parallel.expert import LocalExperts
+
+        super().init_layer(index, layer)
+        with torch.no_grad():
+            for experts in [m for m in layer.modules() if isinstance(m, LocalExperts)]:
+                held = list(experts.values())
+                values = [[p.clone() for p in expert.parameters()] for expert in held]
+                for i, expert in enumerate(held):
+                    for p, v in zip(expert.parameters(), values[(i + 1) % len(held)]):
+                        p.copy_(v)
+
+
 class ResidualMLP(torch.nn.Module):
     def __init__(self, width: int) -> None:
         super().__init__()
@@ -280,7 +298,8 @@ def build(cfg: dict) -> tuple[Llama, DataLoader, L.Trainer]:
         config: Any = {**HF_LLAMA, **cfg.get("hf_config", {}), "tie_word_embeddings": tie}
         if cfg.get("pretrained"):  # a save_pretrained folder's config and weights
             config = None
-        model = (HFSwappedShards if cfg.get("swap_shards") else HuggingFaceCausalLM)(
+        model = (HFSwappedShards if cfg.get("swap_shards") else HFMisroutedExperts if cfg.get("misroute_experts")
+                 else HuggingFaceCausalLM)(
             config, lr=cfg.get("lr", 3e-3), init_seed=cfg.get("seed", 0), pretrained=cfg.get("pretrained"))
     else:
         kind = (LlamaGroupedByName if cfg.get("groups_by_name") else LlamaSwappedShards if cfg.get("swap_shards")
