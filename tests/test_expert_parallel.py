@@ -3,7 +3,7 @@ routed experts, and of transformers' Mixtral, Qwen3-MoE, Qwen2-MoE and OLMoE (4.
 every stage's experts, train the one-device run's weights on both replicas' batches (one launch); the layout, the
 dispatch, the transformers blocks, the refusals and the host reads in one process.
 
-The tolerances (docs/design/expert-parallel.md, "Matching one device"): expert parallelism changes only the order
+The tolerances (docs/design/expert-parallel-exact.md, "Matching one device"): expert parallelism changes only the order
 of sums (an expert's rows from both replicas in one product, its gradient summed over them before the division by
 the replicas), as another microbatch count does on one device. That noise reference, measured on the one-device run
 without the router loss (with it, each microbatch's balancing term is another objective): 3.2e-5 (2bw, 1f1b,
@@ -38,7 +38,7 @@ SCRIPT = Path(__file__).parent / "scripts" / "llama_fit.py"
 TOL = 5e-5
 MUON_TOL = 2e-3
 #: The transformers families' bounds, from their noise references (one device at another microbatch count, without
-#: the router loss; docs/design/expert-parallel.md, "Matching one device"): AdamW 1.3e-6 to 1.8e-5 (OLMoE), Muon
+#: the router loss; docs/design/expert-parallel-exact.md, "Matching one device"): AdamW 1.3e-6 to 1.8e-5 (OLMoE), Muon
 #: 3.6e-4 and 6.3e-4. Under Muon the embedding and head are AdamW's, whose normalization turns an element whose
 #: gradient is near 0 and changes sign with the noise into a step of up to lr (3e-3) either way: at most
 #: HF_MUON_FLIPS elements may lie past HF_MUON_TOL, none past HF_FLIP_TOL (3 such steps each way).
