@@ -33,7 +33,7 @@ from typing import Any, Callable, Optional, Union
 import torch
 from torch import Tensor, nn
 
-from lightning_async_pp.models import hf_outside, hf_probe, packing
+from lightning_async_pp.models import hf_outside, hf_probe, hf_tensor_parallel, hf_tensor_parallel_check, packing
 from lightning_async_pp.models.adopted import AdoptedCausalLM, missing_package
 from lightning_async_pp.models.pretrained import SafetensorsFolder
 from lightning_async_pp.models.moe import RouterLoss, adds_router_loss, check_router_loss_supported
@@ -546,17 +546,18 @@ class HuggingFaceCausalLM(AdoptedCausalLM):
         if plan is not None:
             self.parallelize(tp_mesh, plan)
 
-    def parallelize(self, tp_mesh: Any, plan: Mapping[str, Any]) -> None:
+    def parallelize(self, tp_mesh: Any, plan: hf_tensor_parallel.LayerPlan) -> None:
         """Apply the family's tensor-parallel plan (:func:`tensor_parallel_plan`) to every decoder layer over
         ``tp_mesh``, and split the embedding and the head over the vocabulary (docs/design/tensor-parallel.md,
         "Models with a plan"): the embedding's output all-reduced whole (transformers' plan takes and gives whole
         hidden states), the head's logits never gathered (the loss runs under ``loss_parallel``); a tied head keeps
-        the embedding's matrix, both split by rows. The norms stay whole on every rank."""
+        the embedding's matrix, both split by rows. The norms stay whole on every rank (those the plan's shards
+        feed, as Qwen3's q/k norms, with their gradient summed over the ranks)."""
         from torch.distributed.tensor import Replicate, Shard
         from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
         for block in self.model.layers:
-            parallelize_module(block, tp_mesh, dict(plan))
+            hf_tensor_parallel.parallelize_layer(block, tp_mesh, plan, f"model_type {self.config.model_type!r}")
         parallelize_module(self.model.embed_tokens, tp_mesh,
                            RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()))
         parallelize_module(self.lm_head, tp_mesh, ColwiseParallel(output_layouts=Shard(-1), use_local_output=False))
@@ -643,51 +644,18 @@ class HuggingFaceCausalLM(AdoptedCausalLM):
         return output if self._router_loss is None or output is None else self._router_loss.split(output)[0]
 
 
-#: Families whose plan from transformers is verified exact against one device (tests/test_tensor_parallel_models.py);
-#: their attention reshapes by ``-1`` heads, so each rank runs its ``heads / t`` query and key/value heads.
-TENSOR_PARALLEL_FAMILIES = ("llama", "qwen2")
-#: transformers' plan styles and torch's equivalents (``integrations/tensor_parallel.py`` in transformers): a
-#: column-wise matrix gives its output's shard, a row-wise one all-reduces partial products into the whole output.
-TENSOR_PARALLEL_STYLES = ("colwise", "rowwise")
-#: The plan's prefix of the decoder layers' entries (``config.base_model_tp_plan`` in transformers 4.5x and 5.x).
-LAYERS_PREFIX = "layers.*."
-
-
-def tensor_parallel_plan(config: Any, tensor_parallel_size: int) -> dict[str, Any]:
+def tensor_parallel_plan(config: Any, tensor_parallel_size: int) -> hf_tensor_parallel.LayerPlan:
     """The tensor-parallel plan of one decoder layer of ``config``'s family, from transformers' own
-    (``config.base_model_tp_plan``): ``{"self_attn.q_proj": ColwiseParallel(), ..., "mlp.down_proj":
-    RowwiseParallel()}``. Entries outside the decoder layers (the head's ``colwise_rep``) are not applied
-    (``HuggingFaceCausalLM.parallelize`` splits the embedding and the head over the vocabulary itself). Refused,
-    naming it: a family without a plan, one not verified exact (:data:`TENSOR_PARALLEL_FAMILIES`), a style other
-    than column- or row-wise, and a ``tensor_parallel_size`` that does not divide the vocabulary, the heads or the
-    MLP's width."""
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
-
-    from lightning_async_pp.pipeline.mesh import check_tensor_parallel_divides
-
-    family, t = config.model_type, tensor_parallel_size
-    upstream = getattr(config, "base_model_tp_plan", None) or {}
-    layers = {k[len(LAYERS_PREFIX):]: v for k, v in upstream.items() if k.startswith(LAYERS_PREFIX)}
-    if not layers:
-        raise ValueError(f"HuggingFaceCausalLM: model_type {family!r} has no tensor-parallel plan in transformers "
-                         f"(its config's base_model_tp_plan is empty), so tensor_parallel_size={t} is not supported "
-                         f"for it; use tensor_parallel_size=1, or a family with a plan: "
-                         f"{', '.join(TENSOR_PARALLEL_FAMILIES)}")
-    if family not in TENSOR_PARALLEL_FAMILIES:
-        raise ValueError(f"HuggingFaceCausalLM: tensor_parallel_size={t} is verified exact for model_type "
-                         f"{', '.join(TENSOR_PARALLEL_FAMILIES)} only, not {family!r} (transformers has a plan for it, "
-                         f"not yet tested against one device here); use tensor_parallel_size=1")
-    other = {k: v for k, v in layers.items() if v not in TENSOR_PARALLEL_STYLES}
-    if other:
-        raise ValueError(f"HuggingFaceCausalLM: model_type {family!r}'s tensor-parallel plan has styles "
-                         f"{other} that are not supported (only {', '.join(TENSOR_PARALLEL_STYLES)}); use "
-                         f"tensor_parallel_size=1")
-    check_tensor_parallel_divides(t, {"vocab_size": config.vocab_size, "num_attention_heads": config.num_attention_heads,
-                                      "num_key_value_heads": getattr(config, "num_key_value_heads", None),
-                                      "intermediate_size": getattr(config, "intermediate_size", None)},
-                                  f"model_type {family!r}")
-    styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
-    return {name: styles[style]() for name, style in layers.items()}
+    (``config.base_model_tp_plan``, :func:`hf_tensor_parallel.read_plan`), checked exact on a tiny copy of the config
+    split over simulated ranks (:func:`hf_tensor_parallel_check.check_tensor_parallel`, which also finds the
+    parameters whose gradient is summed over the ranks). Entries outside the decoder layers (the head's
+    ``colwise_rep``) are not applied: ``HuggingFaceCausalLM.parallelize`` splits the embedding and the head over the
+    vocabulary itself. Refused, naming the reason (:class:`hf_tensor_parallel.TensorParallelRefusal`): a family
+    without a plan, a style the adapter does not apply, a difference or failure on the tiny copy, and a
+    ``tensor_parallel_size`` that does not divide the vocabulary, the heads or the MLP's width."""
+    kinds = hf_tensor_parallel.read_plan(config, tensor_parallel_size)
+    summed = hf_tensor_parallel_check.check_tensor_parallel(HuggingFaceCausalLM, config, kinds)
+    return hf_tensor_parallel.LayerPlan(kinds, summed)
 
 
 def pretrained_config(folder: str, **overrides: Any) -> Any:

@@ -20,7 +20,8 @@ only_replica i, replica i's batches alone, what that replica would train without
 tensor_parallel (tensor_parallel_size; the weights are not gathered: every rank returns its stage's parameters
 whole as "stage_weights", each DTensor's shards gathered over its tensor-parallel group, and its own shards as
 "local_weights", and the shapes it sent or received across the stage boundary as "crossed"), swap_shards (a control: the model takes each sharded matrix's
-neighbouring tensor-parallel rank's slice at initialization), model ("hf": a tiny transformers Llama,
+neighbouring tensor-parallel rank's slice at initialization), unsummed (a control: the transformers plan's summed
+parameters, Qwen3's q/k norms, left plain), model ("hf": a tiny transformers Llama,
 ``HF_LLAMA`` updated by ``hf_config``, or the config and weights of the save_pretrained folder ``pretrained``,
 through models.HuggingFaceCausalLM; "own": ``OwnPlanLM``, a PipelineModule applying its own plan; "gpt":
 a tiny models.GPT, untied; else models.Llama), optimizer ("muon": optim.Muon over the named parameters,
@@ -127,6 +128,16 @@ class HFSwappedShards(HuggingFaceCausalLM):
     def init_layer(self, index: int, layer: torch.nn.Module) -> None:
         super().init_layer(index, layer)
         swap_shards(layer)
+
+
+class HFUnsummed(HuggingFaceCausalLM):
+    """A control: the plan's summed parameters (Qwen3's q/k norms) left plain, each rank stepping them with its
+    own heads' part of the gradient."""
+
+    def parallelize(self, tp_mesh: Any, plan: Any) -> None:
+        import dataclasses
+
+        super().parallelize(tp_mesh, dataclasses.replace(plan, summed=()))
 
 
 class GPTSwappedShards(GPT):
@@ -243,7 +254,8 @@ def build(cfg: dict) -> tuple[Llama, DataLoader, L.Trainer]:
         config: Any = {**HF_LLAMA, **cfg.get("hf_config", {}), "tie_word_embeddings": tie}
         if cfg.get("pretrained"):  # a save_pretrained folder's config and weights
             config = None
-        model = (HFSwappedShards if cfg.get("swap_shards") else HuggingFaceCausalLM)(
+        model = (HFSwappedShards if cfg.get("swap_shards") else HFUnsummed if cfg.get("unsummed")
+                 else HuggingFaceCausalLM)(
             config, lr=cfg.get("lr", 3e-3), init_seed=cfg.get("seed", 0), pretrained=cfg.get("pretrained"))
     else:
         model = (LlamaGroupedByName if cfg.get("groups_by_name") else LlamaSwappedShards if cfg.get("swap_shards") else Llama)(
