@@ -61,7 +61,13 @@ CASES = {
     # across processes a delay can only be the schedule's own (PipelineConfig.check): given, it changes nothing
     "2bw_delay_given": {**BASE, "schedule": "2bw", "strategy_kwargs": {"delay": 1}},
     "wrong_shard": {**BASE, "schedule": "1f1b", "steps": 1, "swap_shards": True},
+    # layer_cost="measured": stage 0's two ranks time the layers together; rank 1 sees the head 1000 times slower,
+    # rank 0 does not: the split must be the slowest rank's, the head alone on stage 1, on all four ranks
+    "2bw_measured": {**BASE, "schedule": "2bw", "partition": "balanced", "strategy_kwargs": {"layer_cost": "measured"},
+                     "skew_times": {"tp_rank": 1, "layer": -1, "factor": 1000.0}},
 }
+#: What the 2 x 2 runs of a case train on one device, where it differs from the case: the split they agreed on.
+ONE_DEVICE = {"2bw_measured": {**BASE, "schedule": "2bw", "partition": [5, 1]}}
 
 
 def _whole_model(ranks: list[dict], case: str) -> dict[str, torch.Tensor]:
@@ -74,7 +80,7 @@ _ONE_DEVICE: dict[str, dict] = {}
 def _one_device(name: str) -> dict:
     """The one-device run of ``CASES[name]`` (made once per session)."""
     if name not in _ONE_DEVICE:
-        _ONE_DEVICE[name] = run_here_on_one_device(llama_fit.run, CASES[name])
+        _ONE_DEVICE[name] = run_here_on_one_device(llama_fit.run, ONE_DEVICE.get(name, CASES[name]))
     return _ONE_DEVICE[name]
 
 
@@ -93,12 +99,13 @@ def _check_against_one_device(ranks: list[dict], name: str, case: dict) -> dict[
     weights = _whole_model(ranks, name)
     tolerance = MUON_TOL if "muon" in case.get("optimizer", "") else TOL
     assert max_difference(weights, reference) < tolerance, (name, max_difference(weights, reference))
-    assert max_difference(weights, run_here_on_one_device(llama_fit.run, {**case, "steps": 0})
+    assert max_difference(weights, run_here_on_one_device(llama_fit.run, {**ONE_DEVICE.get(name, case), "steps": 0})
                           ["state_dict"]) > 1e-3, name  # the steps did move the weights
     for r in (0, 2):
         mine, other = ranks[r]["cases"][name]["local_weights"], ranks[r + 1]["cases"][name]["local_weights"]
-        assert mine["blocks.1.attn.q_proj.weight" if r == 0 else "blocks.3.mlp.down_proj.weight"].shape in (
-            (32, 64), (64, 86))
+        sharded = "blocks.1.attn.q_proj.weight" if r == 0 else "blocks.3.mlp.down_proj.weight"
+        if sharded in mine:  # (the measured split's second stage holds the head alone)
+            assert mine[sharded].shape in ((32, 64), (64, 86)), (name, sharded)
         for n, value in mine.items():
             if value.shape == ranks[r]["cases"][name]["stage_weights"][n].shape:
                 assert torch.equal(value, other[n]), (name, n)
@@ -126,6 +133,18 @@ def test_two_stages_of_two_tensor_parallel_ranks_train_llama_as_one_device(two_b
     for r in range(4):
         for name in ("2bw_muon", "1f1b_error_feedback_muon"):
             assert ranks[r]["cases"][name]["muon_step_difference"] == 0.0, (r, name)
+    # layer_cost="measured": stage 0's ranks timed every layer, their times differ (rank 1's head 1000 times
+    # slower), and all four ranks split by the slowest rank's: the head alone on stage 1, a split rank 0's own
+    # times do not give; the weights are one device's on that split (checked above).
+    timed = [ranks[r]["cases"]["2bw_measured"]["own_times"] for r in range(4)]
+    assert [len(t) for t in timed] == [1, 1, 0, 0], timed  # stage 0's ranks time, once; stage 1's wait
+    assert timed[1][0][-1] > 100 * timed[0][0][-1] and len(timed[0][0]) == 6
+    for r in range(4):
+        assert ranks[r]["cases"]["2bw_measured"]["split"] == ("balanced", [5, 1]), r
+        assert ranks[r]["cases"]["2bw_measured"]["split_cost"] == "measured", r
+    from lightning_async_pp.pipeline.cost import balanced_split
+
+    assert balanced_split(timed[0][0], 2) != [5, 1]  # rank 0's own times split otherwise
     # The control: a rank that starts from its neighbour's shard is far outside the tolerance.
     wrong = _whole_model(ranks, "wrong_shard")
     assert max_difference(wrong, run_here_on_one_device(llama_fit.run, CASES["wrong_shard"])["state_dict"]) > 1e-2
@@ -364,7 +383,6 @@ def test_the_layout_puts_a_stages_tensor_parallel_ranks_side_by_side_and_pipelin
 
 @pytest.mark.parametrize("option, match", [
     ({"compile": True}, "compile=True is not supported"),
-    ({"layer_cost": "measured"}, "layer_cost='measured' is not supported"),
     ({"tensor_parallel_size": 0}, "tensor_parallel_size must be a positive integer, got 0"),
 ])
 def test_options_not_supported_with_tensor_parallelism_are_refused_naming_them(option, match):

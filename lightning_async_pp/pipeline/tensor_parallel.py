@@ -173,6 +173,16 @@ def undo_tensor_parallelism(modules: Iterable[nn.Module], device: torch.device) 
     return bool(replaced)
 
 
+def tensor_parallel_group(modules: Iterable[nn.Module]) -> Any:
+    """The process group of the mesh ``modules``' DTensor parameters are laid out on (this rank's tensor-parallel
+    group), or ``None`` when they have none."""
+    for module in modules:
+        for p in module.parameters():
+            if isinstance(p, DTensor):
+                return p.device_mesh.get_group()
+    return None
+
+
 def loss_context(tensor_parallel: bool) -> AbstractContextManager[Any]:
     """What the last stage's loss and its backward run in: ``loss_parallel()`` under tensor parallelism (a
     cross-entropy of logits split over the vocabulary reduces a max and a sum of exponentials over the shards

@@ -13,6 +13,8 @@ eval_batch (the batch size of the non-fit calls of a sequence, last batch ragged
 a sequence records the optimizer state per layer its split counted),
 activation_checkpointing, stage_memory_gib (strategy options as named), pool_buffers (receive buffers pooled as on
 CUDA: ``StageLink.REUSE_BUFFERS_ON_CPU``),
+skew_times ({"tp_rank", "layer", "factor"}: with layer_cost="measured", that tensor-parallel rank's timing of that
+layer multiplied by the factor; each rank returns what it timed as "own_times"),
 cases: {name: config}: several runs in one launch (``run_cases``), each result under its name.
 data_parallel (data_parallel_size r; ``batch`` and ``microbatches`` are a replica's: on one device each batch is the
 r replicas' batches one after another, of ``r x microbatches`` microbatches, the run r replicas make; with
@@ -346,16 +348,52 @@ def make_trainer(cfg: dict) -> L.Trainer:
     return trainer
 
 
+def skewed_times(skew: dict, tensor_parallel: int) -> Any:
+    """A context in which ``layer_cost="measured"``'s timing on tensor-parallel rank ``skew["tp_rank"]`` multiplies
+    layer ``skew["layer"]``'s time by ``skew["factor"]`` (the ranks' timings then differ); what each call timed, as
+    this rank returns it, is appended to the yielded list."""
+    import contextlib
+
+    import torch.distributed as dist
+
+    from lightning_async_pp.pipeline import timing
+
+    @contextlib.contextmanager
+    def patched() -> Any:
+        measure, seen = timing.measure_layer_times, []
+
+        def skewed(*args: Any, **kwargs: Any) -> list[float]:
+            times = measure(*args, **kwargs)
+            if dist.get_rank() % tensor_parallel == skew["tp_rank"]:
+                times[skew["layer"]] *= skew["factor"]
+            seen.append(list(times))
+            return times
+
+        timing.measure_layer_times = skewed
+        try:
+            yield seen
+        finally:
+            timing.measure_layer_times = measure
+
+    return patched()
+
+
 def run(cfg: dict, devices: int) -> tuple[dict, Llama, L.Trainer]:
     if cfg.get("sequence"):
         return run_sequence(cfg, devices)
+    if cfg.get("skew_times"):
+        with skewed_times(cfg["skew_times"], cfg.get("tensor_parallel", 1)) as seen:
+            result, model, trainer = run({**cfg, "skew_times": None}, devices)
+        result["own_times"] = seen
+        return result, model, trainer
     model, loader, trainer = build({**cfg, "devices": devices})
     # A resumable loader records its own position: validation reads another one.
     val_loader = eval_rows(cfg) if cfg.get("resumable") else loader
     trainer.fit(model, loader, val_loader if cfg.get("val_every") else None, ckpt_path=cfg.get("resume_from"))
     result: dict[str, Any] = {"rank": trainer.global_rank, "global_step": trainer.global_step,
                               "split": (trainer.strategy.engine.stats.split.method,
-                                        list(trainer.strategy.engine.stats.split.counts))}
+                                        list(trainer.strategy.engine.stats.split.counts)),
+                              "split_cost": trainer.strategy.engine.stats.split.cost}
     if "val_loss" in trainer.callback_metrics:
         result["val_loss"] = float(trainer.callback_metrics["val_loss"])
     if cfg.get("monitors"):  # what the monitors logged (rank 0's logger writes) and the weights they saw
