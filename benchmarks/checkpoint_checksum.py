@@ -48,7 +48,7 @@ def main() -> None:
     import torch
     import torch.distributed.checkpoint as dcp
 
-    from lightning_async_pp.pipeline import checkpoint as ckpt
+    from lightning_async_pp import checkpoint as ckpt
 
     warnings.filterwarnings("ignore")  # DCP's "no process group: one process" on every call
     count = max(1, args.mib // args.tensor_mib)

@@ -3,7 +3,7 @@ the gradient reduction's exposed time with and without overlap, against the plan
 
 Each configuration is one ``Trainer.fit`` over ``p * r`` processes (Lightning launches them; gloo on CPU, NCCL on
 CUDA) of ``--layers`` x ``Linear(--width, --width)`` under ``2bw`` with AdamW wrapped in ``ErrorFeedback``. Every
-process reports the bytes of optimizer state it holds (``pipeline.sharding.state_nbytes``), its peak memory (RSS
+process reports the bytes of optimizer state it holds (``parallel.zero.state_nbytes``), its peak memory (RSS
 on CPU, ``max_memory_allocated`` on CUDA) and, per step after the warm-up, the engine's ``StepTimes``
 (``dp_comm``, ``dp_comm_exposed``, compute). The overlap is switched with ``GradientReducer.OVERLAP``.
 
@@ -34,8 +34,8 @@ def worker(cfg: dict, out_dir: str) -> None:
 
     from lightning_async_pp import AsyncPipelineStrategy, PipelineModule
     from lightning_async_pp.optim import ErrorFeedback
-    from lightning_async_pp.pipeline.data_parallel import GradientReducer
-    from lightning_async_pp.pipeline.sharding import state_nbytes
+    from lightning_async_pp.parallel.data_parallel import GradientReducer
+    from lightning_async_pp.parallel.zero import state_nbytes
 
     GradientReducer.OVERLAP = cfg["overlap"]
     GradientReducer.BUCKET_BYTES = int(cfg["bucket_mb"] * 2**20)

@@ -24,7 +24,7 @@ version's bytes (``stats.stash_nbytes``) say what 2BW's second version costs.
 
 ``--memory`` runs each configuration under torch's profiler (``profile_memory``) instead, from ``Callback.setup``
 (before the stage is materialized) to the end of training: the CPU allocator's peak per process, against the
-planner's memory model (``pipeline.memory.stage_memory``) fed the parameters' bytes, the optimizer's state by its
+planner's memory model (``plan.memory.stage_memory``) fed the parameters' bytes, the optimizer's state by its
 rule, and what one microbatch through the process's layers and one optimizer step hold in a plain loop.
 """
 from __future__ import annotations
@@ -372,9 +372,9 @@ def memory_child(cfg: dict, out_dir: str) -> None:
 
 
 def memory_predict(pair: list[dict]) -> list[dict]:
-    """The memory model (``pipeline.memory.stage_memory``) for each rank, from the schedule's simulated timeline,
+    """The memory model (``plan.memory.stage_memory``) for each rank, from the schedule's simulated timeline,
     the parameters' bytes, the optimizer's rule and what the plain loop's microbatch and optimizer step held."""
-    from lightning_async_pp.pipeline.memory import stage_memory
+    from lightning_async_pp.plan.memory import stage_memory
     from lightning_async_pp.pipeline.simulate import simulate
 
     r0 = pair[0]
@@ -409,7 +409,7 @@ def memory_report(rows: list[dict], args: argparse.Namespace) -> str:
         f"CPU processes through Lightning\n",
         "Measured: the CPU allocator's peak over the whole fit (torch's profiler, `profile_memory`, from "
         "`Callback.setup`), and what holds memory after it (the stage's parameters, `stats.stash_nbytes`, the "
-        "optimizer's state tensors). Model: `pipeline.memory.stage_memory` from the simulated in-flight "
+        "optimizer's state tensors). Model: `plan.memory.stage_memory` from the simulated in-flight "
         "timeline, the parameters, the optimizer's rule (AdamW 2, Muon's matrices 1, ErrorFeedback +1 per "
         "parameter) and what one microbatch through the process's layers in a plain loop holds (what it keeps / its "
         "peak with the gradients there / its peak allocating them) and one optimizer step's transient peak. *gradients*, *activations*: what "

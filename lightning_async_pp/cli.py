@@ -219,11 +219,26 @@ def _union_reason(lines: list[str]) -> str:
 def _did_you_mean(option: str, class_path: str) -> str:
     try:
         module, name = class_path.rsplit(".", 1)
-        options = list(inspect.signature(getattr(importlib.import_module(module), name)).parameters)
+        cls = getattr(importlib.import_module(module), name)
+        options = list(inspect.signature(cls).parameters)
     except (ImportError, AttributeError, ValueError, TypeError):
         return ""
     close = difflib.get_close_matches(option, options, 1)
-    return f" (did you mean {close[0]!r}?)" if close else ""
+    if close or cls is not PipelineModule:
+        return f" (did you mean {close[0]!r}?)" if close else ""
+    # The model's class was not known where the option was read (it came before --model=<class> or the config's
+    # class_path): the close option among the package's models', and the order that takes it.
+    import lightning_async_pp.models as models
+
+    takes: dict[str, list[str]] = {}
+    for model in (models.Llama, models.GPT, models.HuggingFaceCausalLM, models.LitGPT):
+        for known in inspect.signature(model).parameters:
+            takes.setdefault(known, []).append(model.__name__)
+    close = difflib.get_close_matches(option, list(takes), 1)
+    meant = f"did you mean {close[0]!r}? " if close and close[0] != option else ""
+    owners = f"{close[0]!r} is an option of {', '.join(takes[close[0]])}; " if close else ""
+    return (f" ({meant}{owners}the model's options come after its class: --model=<class> or a --config with "
+            f"model: class_path, given first)")
 
 
 def own_refusal(err: BaseException) -> bool:
@@ -273,9 +288,12 @@ def main(args: ArgsType = None) -> None:
     except (ValueError, TypeError) as err:
         if not own_refusal(err):
             raise
-        print(f"lightning-async-pp: the run was stopped by a check ({type(err).__name__}; JSONARGPARSE_DEBUG=true "
-              f"shows the traceback)", file=sys.stderr)
-        print(f"error: {err}", file=sys.stderr, flush=True)
+        from lightning_async_pp.strategy.failures import printed_when_raised
+
+        if not printed_when_raised(err):  # a failing stage of several printed it, with its traceback, at once
+            print(f"lightning-async-pp: the run was stopped by a check ({type(err).__name__}; JSONARGPARSE_DEBUG="
+                  f"true shows the traceback)", file=sys.stderr)
+            print(f"error: {err}", file=sys.stderr, flush=True)
         sys.exit(1)
 
 

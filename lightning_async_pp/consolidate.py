@@ -21,7 +21,7 @@ import sys
 import textwrap
 from typing import Any, Optional, Sequence
 
-from lightning_async_pp.pipeline import checkpoint as _checkpoint
+from lightning_async_pp import checkpoint as _checkpoint
 
 
 def consolidate_checkpoint(src: str | os.PathLike, dst: str | os.PathLike) -> dict[str, Any]:

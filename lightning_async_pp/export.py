@@ -25,9 +25,9 @@ import torch
 from torch import Tensor
 
 from lightning_async_pp import export_tokenizer
+from lightning_async_pp import checkpoint as _checkpoint
 from lightning_async_pp.data.tokenized import TOKENIZER_FILE, TOKENIZER_FILES, prepared_tokenizer, tokenizer_files
 from lightning_async_pp.models.litgpt_model import LIT_MODEL
-from lightning_async_pp.pipeline import checkpoint as _checkpoint
 
 GENERATION_CONFIG = "generation_config.json"
 
@@ -64,7 +64,7 @@ def export_hf(src: str | os.PathLike, out: str | os.PathLike, tokenizer: Optiona
     tokens, and ``config.json``'s and ``generation_config.json``'s bos/eos/pad ids are those tokens' ids."""
     from transformers import AutoModelForCausalLM, GenerationConfig
 
-    from lightning_async_pp.models.huggingface import as_pretrained_config
+    from lightning_async_pp.models.hf_config import as_pretrained_config
 
     src, out = os.fspath(src), os.fspath(out)
     checkpoint, state = read_checkpoint(src)

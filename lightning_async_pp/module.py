@@ -8,8 +8,8 @@ import lightning as L
 import torch
 from torch import Tensor, nn
 
+from lightning_async_pp.parallel.tensor_parallel import whole_parameters
 from lightning_async_pp.pipeline.microbatch import batch_size_of
-from lightning_async_pp.pipeline.tensor_parallel import whole_parameters
 from lightning_async_pp.strategy._lightning import PassesFetchedBatches
 
 

@@ -9,6 +9,9 @@ spans. The planner (``lightning_async_pp.plan``) writes simulated timelines with
 :func:`schedule_figure` draws the same spans as a picture (``PipelineMonitor(schedule_image_every_n_steps=N)``
 logs it to TensorBoard).
 
+The runtime records its work as :class:`Span` objects and each step's wall time as :class:`StepTimes`, both
+defined here, so that their readers need not import the engine.
+
 This module imports no Lightning: the monitor (``callbacks/pipeline.py``) and the planner (``plan/report.py``) both use it.
 """
 from __future__ import annotations
@@ -22,6 +25,39 @@ from typing import Any, Optional, Sequence
 #: Trace categories, so that Perfetto can colour and filter by kind of work.
 CATEGORIES = {"forward": "compute", "backward": "compute", "recv": "communication", "send": "communication",
               "tied_sum": "communication", "optimizer": "optimizer", "idle": "idle"}
+
+
+# ---- what the runtime records: spans of work and where a step's time went ----------------------------------------
+@dataclass
+class Span:
+    """One timed piece of work on one stage, for the timeline trace."""
+
+    stage: int
+    name: str  # forward, backward, send, recv, tied_sum, optimizer, idle
+    start: float
+    end: float
+    args: dict = field(default_factory=dict)
+
+
+@dataclass
+class StepTimes:
+    """Where one process's wall time went during one training step, in seconds."""
+
+    total: float = 0.0  # from the start of the step's pipeline work to the end of its optimizer update
+    compute: float = 0.0  # forward and backward
+    comm_wait: float = 0.0  # blocked waiting for a neighbour's activation, gradient or loss
+    optimizer: float = 0.0  # the update (set by the caller that runs the optimizer)
+    dp_comm: float = 0.0  # the data-parallel gradient reduction, from its first bucket's start to the end of its wait
+    dp_comm_exposed: float = 0.0  # of that, the time blocked waiting for it (what the step's other work did not hide)
+    # Summing the gradient of a weight tied across processes (an embedding tied to the head): it waits for every
+    # stage of the tie to finish the step (docs/design/stages.md, "Tied weights").
+    tied_sum: float = 0.0
+
+    @property
+    def idle(self) -> float:
+        """Everything else: scheduling, Python overhead, data handling."""
+        return max(0.0, self.total - self.compute - self.comm_wait - self.optimizer - self.dp_comm_exposed
+                   - self.tied_sum)
 
 
 def clock_offset() -> float:
@@ -43,7 +79,7 @@ class ProcessSpans:
 
 
 def spans_of(executor_spans: Sequence[Any]) -> list[tuple[int, str, float, float, dict]]:
-    """The engine's ``Span`` objects as plain tuples (picklable without importing the engine)."""
+    """The runtime's :class:`Span` objects as plain tuples (picklable, whatever the spans' class)."""
     return [(s.stage, s.name, float(s.start), float(s.end), dict(s.args)) for s in executor_spans]
 
 

@@ -32,7 +32,7 @@ from pipeline_runs import max_difference, run_here_on_one_device, script_ranks  
 
 from lightning_async_pp.consolidate import consolidate_checkpoint  # noqa: E402
 from lightning_async_pp.models import HuggingFaceCausalLM, LitGPT  # noqa: E402
-from lightning_async_pp.pipeline.placement import materialize_layers  # noqa: E402
+from lightning_async_pp.parallel.placement import materialize_layers  # noqa: E402
 
 SCRIPT = Path(__file__).parent / "scripts" / "adapter_fit.py"
 TOL = 1e-5
@@ -572,7 +572,7 @@ def test_costing_on_another_device_leaves_the_shared_rotary_tables_as_they_were(
     """Issue 54, item 12: costing on fake tensors of another device (CUDA in a run; ``meta`` here) ran the hooks that
     move the shared rotary tables to the input's device, and they kept fake tensors: the next real forward raised."""
     from torch._subclasses.fake_tensor import FakeTensor
-    from lightning_async_pp.pipeline.cost import layer_costs
+    from lightning_async_pp.plan.balanced import layer_costs
 
     if adapter == "hf":
         model = built(HuggingFaceCausalLM(hf_config("llama-tied"), init_seed=3)).eval()

@@ -16,7 +16,7 @@ sys.path.insert(0, str(Path(__file__).parent / "scripts"))
 from faults_fit import run  # noqa: E402
 
 from lightning_async_pp import AsyncPipelineStrategy  # noqa: E402
-from lightning_async_pp.pipeline import checkpoint as ckpt  # noqa: E402
+from lightning_async_pp import checkpoint as ckpt  # noqa: E402
 
 ASYNC = {"async_checkpoint": True}
 

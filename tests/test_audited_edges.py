@@ -49,13 +49,14 @@ def test_two_optimizers_under_manual_optimization_both_update_as_in_plain_lightn
 
 
 def test_a_group_loaded_in_another_layout_keeps_its_own_param_names():
-    from lightning_async_pp.pipeline import checkpoint as ckpt
+    from lightning_async_pp import checkpoint as ckpt
+    from lightning_async_pp.checkpoint.layouts import _optimizer_by_name
 
     a, b = torch.nn.Parameter(torch.ones(2)), torch.nn.Parameter(torch.ones(3))
     saved = torch.optim.AdamW([("a", a), ("b", b)], lr=0.5)  # named parameters: the groups carry param_names
     (a.sum() + b.sum()).backward()
     saved.step()
-    flat = ckpt._optimizer_by_name(saved, {id(a): "a", id(b): "b"}, f"{ckpt.OPTIM}0/")
+    flat = _optimizer_by_name(saved, {id(a): "a", id(b): "b"}, f"{ckpt.OPTIM}0/")
     # Another layout: this process holds b alone.
     b2 = torch.nn.Parameter(torch.ones(3))
     loaded = torch.optim.AdamW([("b", b2)], lr=0.1)

@@ -16,10 +16,10 @@ from helpers import one_device_trainer
 from lightning_async_pp import AsyncPipelineStrategy, PipelineModule
 from lightning_async_pp.models import Llama
 from lightning_async_pp.pipeline.config import PipelineConfig
-from lightning_async_pp.pipeline.cost import (LayerCost, MemoryModel, balanced_split, layer_costs, split_and_run_ahead,
+from lightning_async_pp.plan.balanced import (LayerCost, MemoryModel, balanced_split, layer_costs, split_and_run_ahead,
                                               stage_memory_bytes, stage_peak)
-from lightning_async_pp.pipeline.memory import StageMemory
-from lightning_async_pp.pipeline.timing import measure_layer_times
+from lightning_async_pp.plan.memory import StageMemory
+from lightning_async_pp.plan.timing import measure_layer_times
 
 
 def brute_force(times, p, memory=None, cap=None):
@@ -165,8 +165,8 @@ def test_the_default_split_is_balanced_by_cost_and_reported_through_the_stats_vi
 def test_the_setup_report_names_its_memory_figure_a_predicted_peak_of_allocated_tensors_not_process_memory():
     # PipelineMonitor's pipeline/peak_memory_mb is the process's resident set size on CPU: the report must not
     # read as the same quantity.
-    from lightning_async_pp.pipeline.cost import SplitReport, format_bytes
-    from lightning_async_pp.pipeline.mesh import describe_layout
+    from lightning_async_pp.plan.balanced import SplitReport, format_bytes
+    from lightning_async_pp.parallel.mesh import describe_layout
 
     split = fit_and_split(Plain(example=torch.zeros(2, 8)))
     quantity = "predicted peak of allocated tensors per {} (weights, gradients, optimizer state, activations; not " \
@@ -325,7 +325,7 @@ def test_last_stage_run_ahead_must_be_none_true_or_false():
 def test_a_measured_split_is_timed_once_per_trainer_and_a_later_call_keeps_it(monkeypatch):
     """Issue 54, item 10: a validate after fit on the same Trainer timed the layers again; where noise changed the
     split, it ran on other stages than the fit (a KeyError on the stages' weights, or a silent change)."""
-    from lightning_async_pp.pipeline import timing as timing_module
+    from lightning_async_pp.plan import timing as timing_module
 
     timings = iter([[10.0, 1.0, 1.0, 1.0], [1.0, 1.0, 1.0, 10.0]])  # the second timing would split (3, 1)
     calls = []
@@ -503,7 +503,7 @@ def test_the_optimizer_state_is_counted_on_the_whole_model_after_a_multi_process
     """After a multi-process call each process's tree holds placeholders for other stages' layers (here: what rank
     1 of 2 keeps); the state was found on that tree, layers outside it counting 0, so the processes chose
     different splits under a cap. Counted on the whole model, every process sees a fresh model's numbers."""
-    from lightning_async_pp.pipeline.placement import layer_paths, remove_other_stages
+    from lightning_async_pp.parallel.placement import layer_paths, remove_other_stages
 
     model = Blocks(lambda named: torch.optim.AdamW([p for _, p in named], lr=1e-3))
     layers = model.pipeline_layers()
@@ -530,6 +530,27 @@ def test_a_weight_tied_within_a_stage_counts_its_optimizer_state_once():
     assert split.counts == sgd_split.counts == (2, 2)
     real = real_state_bytes(trainer)
     assert [a - b for a, b in zip(split.memory_bytes, sgd_split.memory_bytes)] == real, real
+
+
+def test_a_weight_tied_within_a_stage_counts_its_bytes_once_in_the_account_against_a_hand_count():
+    """Stage 0 holds two blocks sharing their first matrix (D x H): one tensor, one gradient, one pair of AdamW
+    moments (the account's rule without a cap). Counted by hand: D * H * 4 bytes less for each of the four than two
+    untied blocks; the account counted the shared matrix once per block holding it."""
+    from lightning_async_pp.plan.balanced import shared_parameters
+
+    tied = Blocks()
+    tied.blocks[1][0].weight = tied.blocks[0][0].weight
+    assert shared_parameters(tied.pipeline_layers()) == ((D * H * 4, (0, 1)),)
+    untied_split = block_trainer(Blocks()).strategy.engine.stats.split
+    tied_split = block_trainer(tied).strategy.engine.stats.split
+    assert tied_split.counts == untied_split.counts == (2, 2)
+    saved = [a - b for a, b in zip(untied_split.memory_bytes, tied_split.memory_bytes)]
+    assert saved == [4 * D * H * 4, 0], saved  # weights, gradient, two moments; stage 1 holds no tie
+    # the account's parts, by hand: two blocks of D*H + H + H*D + D parameters, the tied D*H once
+    costs = layer_costs(tied.pipeline_layers(), torch.zeros(B, D), lambda x: x, tied.pipeline_loss)
+    held = 2 * (D * H + H + H * D + D) - D * H
+    peak = stage_peak(costs, 0, 2, 0, MemoryModel("1f1b", 2, 2, param_shared=shared_parameters(tied.pipeline_layers())))
+    assert (peak.weights, peak.gradients, peak.optimizer_state) == (held * 4, held * 4, 2 * held * 4)
 
 
 class CountsConfigureOptimizers(Blocks):

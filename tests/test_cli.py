@@ -174,6 +174,25 @@ def test_the_console_script_ends_a_refused_configuration_with_its_one_line_reaso
     assert "Traceback" not in err and not any(line.startswith("usage:") for line in err)
 
 
+@pytest.mark.parametrize("option, reason", [
+    ("--model.skip_document_endz=true", "'skip_document_endz' is not one of its options (did you mean "
+     "'skip_document_ends'? 'skip_document_ends' is an option of Llama, GPT, HuggingFaceCausalLM; the model's options "
+     "come after its class"),
+    ("--model.skip_document_ends=true", "'skip_document_ends' is not one of its options ('skip_document_ends' is an "
+     "option of Llama, GPT, HuggingFaceCausalLM; the model's options come after its class"),
+])
+def test_a_model_option_read_before_the_models_class_is_refused_with_the_option_it_resembles_and_the_order(
+        tmp_path, monkeypatch, capsys, option, reason):
+    # Parsed only: the option, read before --config names the model's class, is checked against PipelineModule's
+    from lightning_async_pp.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as exited:
+        main(["fit", option, "--config", str(demo_config(tmp_path))])
+    assert exited.value.code == 2
+    assert reason in capsys.readouterr().err.strip().splitlines()[-1]
+
+
 def test_a_misspelt_data_key_in_a_config_file_is_refused_with_the_key_it_resembles(tmp_path, monkeypatch, capsys):
     from lightning_async_pp.cli import main
 
@@ -246,7 +265,7 @@ def test_data_help_lists_the_data_modules_options_beside_model_help(capsys):
 def test_a_value_the_library_refuses_once_the_run_started_ends_in_one_line_and_other_errors_keep_their_traceback(
         tmp_path, monkeypatch, capsys):
     from lightning_async_pp.cli import main
-    from lightning_async_pp.pipeline import checkpoint as ckpt
+    from lightning_async_pp import checkpoint as ckpt
 
     monkeypatch.chdir(tmp_path)
     damaged = tmp_path / "damaged.ckpt"  # a sharded checkpoint whose save never finished
@@ -293,3 +312,33 @@ def test_the_cli_builds_with_the_data_in_subclass_mode_or_no_data_module(tmp_pat
                            subclass_mode_data=True)
     assert isinstance(cli.datamodule, TextDataModule)
     assert AsyncPipelineCLI(args=model, run=False, datamodule_class=None).datamodule is None
+
+
+def test_a_refusal_a_failing_stage_printed_when_it_was_raised_is_not_repeated_by_the_console_script(
+        monkeypatch, capsys):
+    """Across processes the failing stage prints its error and traceback at once (strategy/failures.py); the
+    console script then exits with status 1 without printing it again."""
+    from types import SimpleNamespace
+
+    from lightning_async_pp import cli
+    from lightning_async_pp.pipeline.comm import FailureBoard
+    from lightning_async_pp.strategy import failures, options
+
+    monkeypatch.setattr(sys, "excepthook", sys.excepthook)  # the hook it installs stays in this test
+    monkeypatch.setattr(failures, "_HOOKED", [False])
+    with pytest.raises(TypeError) as refused:
+        options.refuse_unknown_keywords({"shedule": "2bw"})
+    stage = SimpleNamespace(_reported=None, is_multiprocess=True, engine=SimpleNamespace(board=FailureBoard(None)),
+                            topology=SimpleNamespace(stage=1), global_rank=1)
+    failures.FailureReporting._report_failure(stage, refused.value)
+    printed = capsys.readouterr().err
+    assert printed.startswith("lightning_async_pp: stage 1 (rank 1) failed:\nTraceback")
+    assert printed.count("unknown keyword") == 1
+
+    def failing_cli(args=None):
+        raise refused.value
+
+    monkeypatch.setattr(cli, "_ConsoleCLI", failing_cli)
+    with pytest.raises(SystemExit) as exited:
+        cli.main(["fit"])
+    assert exited.value.code == 1 and capsys.readouterr().err == ""

@@ -75,7 +75,7 @@ def test_two_processes_over_nccl_equal_one_cuda_device(tmp_path):
 def test_measured_layer_times_on_cuda_synchronize_and_leave_the_layers_and_the_cuda_random_state_untouched():
     """layer_cost="measured" on the device it will run on: a layer of about 190x the FLOPs of another takes longer (the
     timing waits for the device, not just the launch), and nothing of the model or the random state changes."""
-    from lightning_async_pp.pipeline.timing import measure_layer_times
+    from lightning_async_pp.plan.timing import measure_layer_times
 
     torch.manual_seed(0)
     layers = [torch.nn.Linear(256, 256), torch.nn.Sequential(torch.nn.Dropout(0.1), torch.nn.Linear(256, 16384),
@@ -101,7 +101,7 @@ def test_costing_on_cuda_leaves_the_hf_rotary_module_and_litgpts_rope_cache_on_t
     from transformers import AutoConfig
 
     from lightning_async_pp.models import HuggingFaceCausalLM
-    from lightning_async_pp.pipeline.cost import layer_costs
+    from lightning_async_pp.plan.balanced import layer_costs
 
     models = [HuggingFaceCausalLM(AutoConfig.for_model(
         model_type="llama", vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
@@ -142,7 +142,7 @@ def test_what_the_account_says_a_layer_keeps_is_what_the_cuda_allocator_holds_af
 
     from torch.utils.checkpoint import checkpoint
 
-    from lightning_async_pp.pipeline.cost import layer_costs
+    from lightning_async_pp.plan.balanced import layer_costs
 
     torch.manual_seed(0)
     b, d, h = 64, 512, 2048

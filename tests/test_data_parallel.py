@@ -19,9 +19,9 @@ from torch.utils.data import DataLoader, Subset
 
 from lightning_async_pp import AsyncPipelineStrategy
 from lightning_async_pp.optim import ErrorFeedback, Muon
-from lightning_async_pp.pipeline.checkpoint import consolidate
-from lightning_async_pp.pipeline.data_parallel import GradientReducer
-from lightning_async_pp.pipeline.sharding import rebuild
+from lightning_async_pp.checkpoint import consolidate
+from lightning_async_pp.parallel.data_parallel import GradientReducer
+from lightning_async_pp.parallel.zero import rebuild
 
 sys.path.insert(0, str(Path(__file__).parent / "scripts"))
 from branch_fit import BranchMLP, run as branch_run  # noqa: E402

@@ -8,7 +8,8 @@
 - the guide's Trainer examples (monitoring, the quick start's own model) run as shown on one device and on two
   processes (tests/scripts/guide_fit.py);
 - README.md is a front page: the two quick-start commands, links into the site that resolve; links between pages
-  reach a page and, with an anchor, one of its headings.
+  reach a page and, with an anchor, one of its headings;
+- every page is read in one sitting: at most 25 KB (the generated family table and the delay study's record aside).
 """
 from __future__ import annotations
 
@@ -258,3 +259,52 @@ def test_the_optimizer_and_strategy_fragments_of_the_guide_build_what_they_name(
         assert len(params) == len({id(p) for p in params}) and {id(p) for p in params} == {id(p) for p in model.parameters()}
     strategies = page_values("guide/gpus.md", {"AsyncPipelineStrategy": AsyncPipelineStrategy})
     assert [type(s) for s in strategies] == [AsyncPipelineStrategy] * 2
+
+
+def test_the_data_guides_tokenizer_training_runs_as_shown_and_the_data_reads_with_its_tokenizer(tmp_path, monkeypatch):
+    """docs/guide/data.md, "Train a tokenizer on your corpus": its Python blocks and its prepare command, run as
+    written on a small corpus of text files; the data module and the prepared folder hold that tokenizer's ids, each
+    document ended by its end-of-text token."""
+    import json
+
+    from tokenizers import Tokenizer
+
+    from lightning_async_pp.data import TextDataModule
+    from lightning_async_pp.data.prepare import main as prepare_main
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "corpus").mkdir()
+    words = "pipeline stage weight version gradient activation microbatch update delay bound".split()
+    for f in range(3):
+        (tmp_path / "corpus" / f"part{f}.txt").write_text(
+            "".join(" ".join(words[(f + i * j) % len(words)] for j in range(12)) + ".\n" for i in range(400)))
+    section = (DOCS / "guide" / "data.md").read_text().split("### Train a tokenizer on your corpus")[1].split("\n## ")[0]
+    namespace: dict = {}
+    for block in re.findall(r"```python\n(.*?)```", section, re.S):
+        exec(compile(block, "docs/guide/data.md", "exec"), namespace)
+    tokenizer = Tokenizer.from_file("my-tokenizer/tokenizer.json")
+    data, eos = namespace["data"], tokenizer.token_to_id("<|endoftext|>")
+    assert namespace["vocab_size"] == tokenizer.get_vocab_size(with_added_tokens=True) < 8192  # a small corpus
+    data.setup("fit")
+    assert data.document_end() == eos
+    batch = next(iter(data.train_dataloader()))
+    assert batch.shape == (data.batch_size, 257) and int(batch.max()) < namespace["vocab_size"]
+    text = tokenizer.decode(batch[0].tolist())
+    assert any(w in text for w in words)
+    (command,) = re.findall(r"```bash\n(python -m lightning_async_pp\.data\.prepare .*?)\n```", section)
+    prepare_main(shlex.split(command)[3:])
+    info = json.loads((tmp_path / "data" / "tokens" / "COMPLETE.json").read_text())
+    assert (info["eos_id"], info["vocab_size"]) == (eos, namespace["vocab_size"])
+    prepared = TextDataModule(data_path="data/tokens", block_size=256)  # it carries the tokenizer
+    assert (prepared.vocab_size, prepared.document_end()) == (namespace["vocab_size"], eos)
+
+
+#: Pages that are generated or hold a study's whole record: as long as what they record.
+LONG_PAGES = {"docs/models.md", "docs/delay-study.md"}
+
+
+def test_every_page_is_at_most_25_kb():
+    pages = [ROOT / "README.md", ROOT / "BENCHMARKS.md", *sorted(DOCS.rglob("*.md"))]
+    big = {str(p.relative_to(ROOT)): p.stat().st_size for p in pages
+           if str(p.relative_to(ROOT)) not in LONG_PAGES and p.stat().st_size > 25_000}
+    assert not big, f"pages past 25 KB (split a note by concern; superseded figures go to docs/benchmarks-archive.md): {big}"

@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from lightning_async_pp.pipeline.structure import Layout, flatten, normalize, unflatten
-from lightning_async_pp.pipeline.partition import partition_layers
+from lightning_async_pp.plan.partition import partition_layers
 from lightning_async_pp.pipeline.schedule import check_schedule, step_actions
 from lightning_async_pp.pipeline.versions import WeightVersions
 
@@ -243,7 +243,7 @@ def test_an_optimizer_over_a_wholly_frozen_stage_is_one_empty_group_that_trains_
 
 
 def test_a_loss_weight_that_is_not_a_count_is_refused_naming_the_hook():
-    from lightning_async_pp.pipeline.runtime import loss_shares
+    from lightning_async_pp.pipeline.microbatch import loss_shares
 
     assert loss_shares([2, 2, 2]) is None  # equal microbatches: each loss divided by m, as before the hook
     torch.testing.assert_close(loss_shares([torch.tensor(3), 1, 0]), torch.tensor([0.75, 0.25, 0.0], dtype=torch.float64))

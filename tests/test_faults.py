@@ -18,11 +18,13 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 
 sys.path.insert(0, str(Path(__file__).parent / "scripts"))
 from faults_fit import run  # noqa: E402
 
-from lightning_async_pp.pipeline import checkpoint as ckpt  # noqa: E402
+from lightning_async_pp import checkpoint as ckpt  # noqa: E402
+from lightning_async_pp.checkpoint import writing  # noqa: E402
 
 SCRIPT = Path(__file__).parent / "scripts" / "faults_fit.py"
 _RENDEZVOUS = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK", "LOCAL_WORLD_SIZE",
@@ -99,7 +101,7 @@ def test_where_the_filesystem_cannot_swap_a_kill_between_the_renames_loads_the_p
     result = run(dict(steps=5, checkpoint_dir=str(folder), save_top_k=-1, resume=str(folder / "last.ckpt")))[0]
     assert max_difference(result["state_dict"], uninterrupted) <= 1e-6
     # That save put the new last.ckpt in place (two renames here) and removed the .old.
-    monkeypatch.setattr(ckpt, "_exchange", lambda a, b: False)
+    monkeypatch.setattr(writing, "_exchange", lambda a, b: False)  # where put_in_place looks it up
     newer = tmp_path / "newer"
     shutil.copytree(folder / "last.ckpt", newer)
     ckpt.put_in_place(str(newer), str(folder / "last.ckpt"))
@@ -131,6 +133,14 @@ def test_last_as_a_link_to_a_sharded_checkpoint_directory_resumes_to_the_uninter
 # ---- a damaged checkpoint is refused, naming the file, what is wrong and the way out ----------------------------------
 class NotAWeight:
     """An object torch.load(weights_only=True) does not build."""
+
+
+def test_the_reason_a_checkpoint_is_unreadable_arrives_whole_however_long():
+    # A pickle naming a class of a long module path: the reason (and its way out) used to be cut at 200 characters
+    module, name = "a" * 150, "B" * 150
+    with pytest.raises(ValueError) as caught:
+        ckpt.read_settings(f"c{module}\n{name}\n.".encode(), "optimizer")
+    assert str(caught.value).endswith(f"name {module}.{name}, which is not loaded from a checkpoint")
 
 
 def damaged_copy(saved: Path, tmp_path: Path) -> tuple[Path, Path]:
@@ -240,9 +250,9 @@ def one_file_per_tensor(saved: Path, copy: Path) -> dict[str, str]:
     flat = source.read(source.shapes)
     copy.mkdir(parents=True)
     shutil.copy(saved / ckpt.META_FILE, copy / ckpt.META_FILE)
-    ckpt.dcp.save(flat, storage_writer=ckpt.ChecksummedWriter(str(copy), single_file_per_rank=False), no_dist=True)
+    dcp.save(flat, storage_writer=ckpt.ChecksummedWriter(str(copy), single_file_per_rank=False), no_dist=True)
     return {index.fqn: info.relative_path
-            for index, info in ckpt.dcp.FileSystemReader(str(copy)).read_metadata().storage_data.items()}
+            for index, info in dcp.FileSystemReader(str(copy)).read_metadata().storage_data.items()}
 
 
 @pytest.mark.multiprocess

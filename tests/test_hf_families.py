@@ -129,7 +129,7 @@ def test_every_family_is_exact_or_refused_at_build_never_different_or_crashing()
 
 def tensor_parallel_outcome(model_type: str) -> tuple[str, str]:
     """(outcome, reason) of ``tensor_parallel_size=2`` for a family exact on one device: the plan read from its
-    config and checked on a tiny copy split over two simulated ranks (``hf_tensor_parallel_check``)."""
+    config and checked on a tiny copy split over two simulated ranks (``hf_tensor_parallel.check_tensor_parallel``)."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         try:
@@ -177,7 +177,7 @@ def test_every_tensor_parallel_exact_family_runs_torchs_styles_of_its_plan_forwa
     from torch.distributed.tensor.parallel import loss_parallel
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from lightning_async_pp.pipeline.placement import replace_meta_tensors
+    from lightning_async_pp.parallel.placement import replace_meta_tensors
 
     exact = [family for family, (kind, _) in tensor_parallel_sweep().items() if kind == EXACT]
     failed = {}
@@ -217,10 +217,10 @@ def test_the_refusal_names_the_family_and_what_it_cannot_do():
 
 
 def test_every_familys_default_config_passes_the_key_check_and_a_misspelt_key_is_refused():
-    # The check (huggingface.check_config_keys) must not refuse a key a family knows: each family's own default
+    # The check (hf_config.check_config_keys) must not refuse a key a family knows: each family's own default
     # config, as a mapping with model_type (what YAML gives), builds the same config; with one key misspelt it is
     # refused, naming the key meant.
-    from lightning_async_pp.models.huggingface import as_pretrained_config
+    from lightning_async_pp.models.hf_config import as_pretrained_config
 
     checked = []
     with warnings.catch_warnings():
@@ -243,11 +243,23 @@ def test_every_familys_default_config_passes_the_key_check_and_a_misspelt_key_is
     assert len(checked) > 0.8 * len(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES), sorted(set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES) - set(checked))
 
 
+def test_an_unknown_model_type_is_refused_with_the_close_family_not_a_list_of_every_model_type():
+    from lightning_async_pp.models.hf_config import as_pretrained_config
+
+    with pytest.raises(ValueError) as caught:
+        HuggingFaceCausalLM({"model_type": "llamma", "hidden_size": 64})
+    message = str(caught.value)
+    assert "model_type 'llamma' is not one transformers knows; did you mean 'llama'" in message
+    assert len(message) < 400, message  # transformers' own lists its every model type (300 of them)
+    with pytest.raises(ValueError, match=r"model_type 'zzzz' is not one transformers knows; Its causal-LM families"):
+        as_pretrained_config({"model_type": "zzzz"})
+
+
 def test_a_family_whose_init_leaves_its_norms_to_their_constructors_is_exact_built_on_meta_as_under_the_strategy():
     # HunYuan's _init_weights sets only linear and embedding weights; its RMSNorm gains keep the constructor's ones.
     # Built on the meta device (the model's __init__, the strategy's configure_model) those values were lost: the
     # norms were uninitialized memory, and the build-time check refused the family under the strategy only.
-    from lightning_async_pp.pipeline.placement import materialize_layers, parameters_on_meta
+    from lightning_async_pp.parallel.placement import materialize_layers, parameters_on_meta
 
     if "hunyuan_v1_dense" not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
         pytest.skip("this transformers has no hunyuan_v1_dense")
@@ -265,6 +277,23 @@ def test_a_family_whose_init_leaves_its_norms_to_their_constructors_is_exact_bui
     batch = batch_of(config.vocab_size)
     with torch.no_grad():
         torch.testing.assert_close(ours.eval()(batch), upstream(batch[:, :-1]).logits, rtol=0, atol=TOL)
+
+
+@pytest.mark.parametrize("heads, kv_heads, tiny_heads, tiny_kv_heads", [
+    (3, 3, 3, 3),  # the issue's config: 3 key/value heads were cut to 2, which do not divide 3 query heads
+    (32, 32, 4, 4), (32, 8, 4, 2), (9, 3, 4, 2), (32, 1, 4, 1), (4, 2, 4, 2), (6, 4, 6, 4)])
+def test_the_tiny_copy_keeps_the_configs_kind_of_attention_and_a_config_transformers_runs_passes_the_check(
+        heads, kv_heads, tiny_heads, tiny_kv_heads):
+    """The probe's tiny copy shrinks the heads keeping multi-head, multi-query and grouped-query attention as they
+    are, and the width a multiple of the heads; a config whose key/value heads do not divide its heads (6 and 4)
+    keeps both, so the copy fails as the model would."""
+    config = AutoConfig.for_model("llama", hidden_size=16 * heads, num_attention_heads=heads,
+                                  num_key_value_heads=kv_heads, head_dim=16, intermediate_size=64, vocab_size=256)
+    tiny = tiny_config(config)
+    assert (tiny.num_attention_heads, tiny.num_key_value_heads) == (tiny_heads, tiny_kv_heads)
+    assert tiny.hidden_size % tiny.num_attention_heads == 0
+    if heads % kv_heads == 0:  # transformers runs it: the adapter passes its build-time check on the copy
+        HuggingFaceCausalLM(config).configure_model()
 
 
 @pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])

@@ -174,7 +174,7 @@ def test_the_slurm_requeue_handler_is_looked_up_on_the_signal_connector_after_th
 
 
 def test_the_hpc_checkpoint_path_counts_up_and_ignores_the_folder_of_partial_writes(tmp_path):
-    from lightning_async_pp.pipeline.checkpoint import PARTIAL_DIR
+    from lightning_async_pp.checkpoint import PARTIAL_DIR
 
     trainer = _trainer(default_root_dir=str(tmp_path))
     assert _lightning.hpc_save_path(trainer) == str(tmp_path / "hpc_ckpt_1.ckpt")

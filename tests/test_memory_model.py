@@ -1,8 +1,8 @@
-"""The planner's memory model (``pipeline.memory.stage_memory``) against peaks worked out by hand from each
+"""The planner's memory model (``plan.memory.stage_memory``) against peaks worked out by hand from each
 schedule's action order; ``benchmarks/realistic_llama.py --memory`` checks it against the allocator."""
 import pytest
 
-from lightning_async_pp.pipeline.memory import stage_memory
+from lightning_async_pp.plan.memory import stage_memory
 from lightning_async_pp.pipeline.simulate import simulate
 
 # Per microbatch: it keeps S for its backward; its backward peaks at W beside existing gradients, at W1 (which

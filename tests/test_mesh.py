@@ -1,4 +1,4 @@
-"""The data parallel x pipeline x tensor-parallel layout (pipeline/mesh.py): its arithmetic against a layout
+"""The data parallel x pipeline x tensor-parallel layout (parallel/mesh.py): its arithmetic against a layout
 written out by hand and against PipelineTopology, its refusals, and torch's DeviceMesh built from it on a fake
 process group of 8 ranks (one process; no communication)."""
 from __future__ import annotations
@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch.distributed as dist
 
-from lightning_async_pp.pipeline.mesh import MESH_DIMS, MeshLayout, build_device_mesh, check_tensor_parallel_divides
-from lightning_async_pp.pipeline.topology import PipelineTopology
+from lightning_async_pp.parallel.mesh import MESH_DIMS, MeshLayout, build_device_mesh, check_tensor_parallel_divides
+from lightning_async_pp.parallel.topology import PipelineTopology
 
 
 def test_tensor_parallel_ranks_of_a_stage_are_adjacent_then_stages_then_replicas():
@@ -49,8 +49,35 @@ def test_a_tensor_parallel_size_that_does_not_split_the_model_is_refused_naming_
     check_tensor_parallel_divides(4, {"num_heads": 32, "num_kv_heads": 8, "hidden_size": 4096, "bias": None})
     with pytest.raises(ValueError, match=r"tensor_parallel_size=4 is larger than stage 1's num_kv_heads=2.*\[1, 2\]"):
         check_tensor_parallel_divides(4, {"num_heads": 8, "num_kv_heads": 2}, where="stage 1")
-    with pytest.raises(ValueError, match=r"tensor_parallel_size=4 does not divide the model's hidden_size=6.*\[1, 2, 3, 6\]"):
+    # the sizes suggested split every size named, not only the one refused
+    with pytest.raises(ValueError, match=r"tensor_parallel_size=4 does not divide the model's hidden_size=6.*among "
+                                         r"\[1, 2\] \(the sizes that split num_heads, hidden_size\)"):
         check_tensor_parallel_divides(4, {"num_heads": 4, "hidden_size": 6})
+
+
+def test_the_tensor_parallel_sizes_suggested_for_a_model_also_divide_the_processes_of_a_pipeline_replica(fake_world):
+    """3 heads at tensor_parallel_size=2 on 4 processes: 3 splits the heads but not the 4 processes (it suggested
+    [1, 3]); on 6 processes it does."""
+    from lightning_async_pp.models import Llama
+    from lightning_async_pp.parallel.mesh import replica_processes
+    from lightning_async_pp.parallel.placement import parameters_on_meta
+
+    def refusal(world: int, data_parallel: int = 1) -> str:
+        fake_world(0, world_size=world)
+        model = Llama("tiny", vocab_size=264, hidden_size=48, num_heads=3, num_kv_heads=3, intermediate_size=96)
+        model._device_mesh = build_device_mesh(MeshLayout(world, data_parallel, tensor_parallel_size=2), "cpu")
+        assert replica_processes(model._device_mesh) == world // data_parallel
+        with parameters_on_meta(), pytest.raises(ValueError) as caught:
+            model.configure_model()
+        dist.destroy_process_group()
+        return str(caught.value)
+
+    assert ("tensor_parallel_size=2 does not divide Llama's num_heads=3: each tensor-parallel rank must hold an equal "
+            "share; use tensor_parallel_size=1 (the sizes that split num_heads, num_kv_heads, intermediate_size, "
+            "vocab_size and divide the 4 processes of a pipeline replica)") == refusal(4)
+    assert "use a tensor_parallel_size among [1, 3] (" in refusal(6) and "divide the 6 processes" in refusal(6)
+    assert "divide the 6 processes" in refusal(12, data_parallel=2)  # a replica's processes, not all
+    assert replica_processes(None) is None
 
 
 @pytest.fixture

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import re
 import time
 
 import lightning as L
@@ -12,7 +13,7 @@ from pipeline_runs import max_difference, multiprocess_weights, one_device_weigh
 from torch.utils.data import DataLoader, Subset
 
 from lightning_async_pp import AsyncPipelineStrategy
-from lightning_async_pp.pipeline.checkpoint import read_checksums, read_meta
+from lightning_async_pp.checkpoint import read_checksums, read_meta
 
 pytestmark = pytest.mark.multiprocess
 BASE = dict(microbatches=4, steps=6, batch=8)
@@ -153,17 +154,27 @@ def test_validation_between_2bw_steps_does_not_stall_the_lookahead(tmp_path):
 
 
 @pytest.mark.traffic_unchecked("a stage fails on purpose: no run ends cleanly")
-def test_a_stage_that_raises_stops_every_process_within_the_timeout(tmp_path):
-    cfg = dict(BASE, schedule="2bw", stages=2, steps=8, timeout=30, fail_at={"stage": 1, "step": 3})
+def test_a_stage_that_raises_stops_every_process_within_the_timeout_and_alone_prints_its_error(tmp_path):
+    cfg = dict(BASE, schedule="2bw", stages=3, steps=8, timeout=30, fail_at={"stage": 1, "step": 3})
     start = time.monotonic()
     proc = run_multiprocess(cfg, tmp_path, timeout=120)
     elapsed = time.monotonic() - start
     assert proc.returncode != 0
-    assert "injected failure at step 3" in proc.stderr
-    # the failure is reported naming the stage and rank (by the failing stage, and by rank 0 when Lightning's
-    # launcher has not already stopped it)
-    assert "stage 1 (rank 1) failed: RuntimeError: injected failure at step 3" in proc.stderr
     assert elapsed < 30 + 60  # the timeout plus start-up; in practice a few seconds after the failure
+    # The failing stage prints its error and traceback, once, naming itself; the traceback is the only one.
+    err = proc.stderr
+    assert err.count("injected failure at step 3") == 1 and err.count("Traceback (most recent call last)") == 1
+    assert "lightning_async_pp: stage 1 (rank 1) failed:\nTraceback" in err
+    # Every other stage says in one line that it stopped because of it, and nothing after that line: no
+    # traceback of the connection the failing process closed.
+    section = r"---- rank (\d) \(exit code -?\d+\) ----\n(.*?)(?=\n---- rank|\Z)"
+    sections = {int(m.group(1)): m.group(2) for m in re.finditer(section, err, re.S)}
+    assert sorted(sections) == [0, 1, 2], err
+    for rank in (0, 2):
+        line = (f"lightning_async_pp: stage {rank} (rank {rank}) stopped because stage 1 (rank 1) failed with "
+                f"RuntimeError (its error is printed by that process)")
+        assert sections[rank].rstrip().endswith(line) and sections[rank].count("\n[rank") == 0, sections[rank]
+    assert "Connection closed by peer" not in err and "PipelineFailure" not in err
 
 
 @pytest.mark.traffic_unchecked("the run is refused on purpose: no run ends cleanly")

@@ -30,3 +30,19 @@ def test_lightning_requirement_admits_no_release_that_runs_code_from_a_checkpoin
     assert lightning.specifier.contains("2.6.6") and lightning.specifier.contains("2.6.9")  # the fixed ones stay
     assert not lightning.specifier.contains("2.7.0")  # beyond the tested range of tests/test_lightning_private.py
     assert lightning.specifier.contains(version("lightning")), f"installed lightning {version('lightning')} not in {lightning}"
+
+
+def test_the_version_is_the_changelogs_newest_release_and_the_unreleased_section_stays_short():
+    import re
+
+    import lightning_async_pp
+
+    changelog = (PYPROJECT.parent / "CHANGELOG.md").read_text()
+    releases = re.findall(r"^## \[(\d+\.\d+\.\d+)\] - (\d{4}-\d{2}-\d{2})$", changelog, re.M)
+    assert releases, "CHANGELOG.md has no released version (`## [X.Y.Z] - YYYY-MM-DD`)"
+    newest = releases[0][0]
+    assert tomllib.loads(PYPROJECT.read_text())["project"]["version"] == newest == lightning_async_pp.__version__
+    keys = [tuple(map(int, v.split("."))) for v, _ in releases]
+    assert keys == sorted(keys, reverse=True) and [d for _, d in releases] == sorted((d for _, d in releases), reverse=True)
+    unreleased = changelog[changelog.index("## [Unreleased]"):changelog.index(f"## [{newest}]")]
+    assert len(unreleased.encode()) <= 25_000, "cut a release: the Unreleased section is past 25 KB (docs/contributing.md)"

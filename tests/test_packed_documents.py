@@ -533,6 +533,37 @@ def test_a_yaml_flag_turns_document_masks_on_for_the_clis_data_module(tmp_path, 
     assert cli.datamodule.document_mask and cli.model.hparams.skip_document_ends
     batch = rows(cli.datamodule, 1)[0]
     assert set(batch) == {"input_ids", "position_ids"}
+    # The example batch partition="balanced" costs the layers on is a packed batch too (it was token rows): the
+    # loaders' keys, dtypes and row length, each row one document.
+    example = cli.model.pipeline_sample()
+    assert set(example) == set(batch)
+    for key, value in batch.items():
+        assert (example[key].dtype, example[key].shape[1:]) == (value.dtype, value.shape[1:]), key
+    assert torch.equal(example["position_ids"], torch.arange(BLOCK + 1).expand_as(example["position_ids"]))
+
+
+def test_the_layers_are_costed_on_a_packed_example_batch_with_its_positions(tmp_path, small_files):
+    """TextDataModule(document_mask=True).example_batch(), costed on fake tensors: the positions reach the layers
+    (their values unknown there: each row one document, the FLOPs of plain rows), where reading them failed."""
+    from lightning_async_pp.plan.balanced import layer_costs
+
+    dm = TextDataModule(data_path=str(small_files), cache_dir=str(tmp_path / "c"), block_size=BLOCK, batch_size=4,
+                        document_mask=True)
+    example = dm.example_batch(2)
+    assert example["input_ids"].shape == example["position_ids"].shape == (2, BLOCK + 1)
+    assert isinstance(TextDataModule(block_size=BLOCK).example_batch(2), torch.Tensor)  # without: token rows
+    for model in (Llama(max_seq_len=BLOCK + 1), GPT(block_size=BLOCK + 1)):
+        model.configure_model()
+        layers = model.pipeline_layers()
+        seen = []
+        handle = layers[1].register_forward_pre_hook(lambda module, args: seen.append(args[0]))
+        try:
+            packed = layer_costs(layers, example, model.pipeline_input, model.pipeline_loss)
+            plain = layer_costs(layers, example["input_ids"], model.pipeline_input, model.pipeline_loss)
+        finally:
+            handle.remove()
+        assert set(seen[0]) == {"hidden", "position_ids"} and isinstance(seen[1], torch.Tensor)
+        assert [c.flops for c in packed] == [c.flops for c in plain], type(model).__name__
 
 
 def test_a_byte_folder_prepared_without_document_ends_is_refused_with_document_mask(tmp_path, small_files):
@@ -686,6 +717,42 @@ def test_skip_document_ends_without_document_mask_is_refused_before_training(tmp
     assert trainer.global_step == 0
     dm.check_model_documents(False)  # taken: nothing to skip
     TextDataModule(data_path=str(small_files), document_mask=True).check_model_documents(True)  # taken
+
+
+@pytest.mark.parametrize("family", ["gpt", "llama", pytest.param("hf", marks=pytest.mark.hf)])
+def test_skip_document_ends_on_a_users_own_token_rows_is_refused_at_the_first_batch_naming_the_option(family):
+    """Without the data module (which refuses its own token rows at setup) the rows reach the loss: they have no
+    documents, and the loss took every target without a word. Costing the layers on a row of tokens (as the data
+    module's example batch is, with document masks too) is not refused."""
+    import warnings
+
+    import lightning as L
+    from torch.utils.data import DataLoader
+
+    from lightning_async_pp import AsyncPipelineStrategy
+
+    if family == "hf":
+        from lightning_async_pp.models import HuggingFaceCausalLM
+
+        model = HuggingFaceCausalLM({"model_type": "llama", "vocab_size": VOCAB, "hidden_size": 16,
+                                     "intermediate_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2,
+                                     "num_key_value_heads": 1}, skip_document_ends=True)
+        who = "HuggingFaceCausalLM"
+    elif family == "gpt":
+        model, who = GPT(vocab_size=VOCAB, block_size=BLOCK, n_layer=1, n_head=2, n_embd=16, skip_document_ends=True), "GPT"
+    else:
+        model, who = Llama("tiny", vocab_size=VOCAB, num_layers=1, skip_document_ends=True), "Llama"
+    rows = torch.randint(0, VOCAB, (8, BLOCK + 1), generator=torch.Generator().manual_seed(0))
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=1, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False,
+                        strategy=AsyncPipelineStrategy(num_stages=2, num_microbatches=2))
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*could not cost the layers.*")
+        with pytest.raises(ValueError, match=rf"{who} has skip_document_ends=True but got a batch of token rows "
+                                             rf"\(torch.int64 \(4, {BLOCK + 1}\)\), which has no documents .* or set "
+                                             rf"skip_document_ends=False"):
+            trainer.fit(model, DataLoader(list(rows), batch_size=8))
+    assert trainer.global_step == 0
 
 
 def test_throughput_counts_a_packed_batchs_tokens_once_not_its_positions():

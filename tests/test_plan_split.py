@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from lightning_async_pp.models import Llama
-from lightning_async_pp.pipeline.cost import balanced_split, layer_costs
+from lightning_async_pp.plan.balanced import balanced_split, layer_costs
 from lightning_async_pp.plan import MODELS, parser, plan
 
 
@@ -132,6 +132,25 @@ def test_every_schedules_rows_are_under_the_memory_cap_or_marked_over_it():
     # the engine running gpipe would pick gpipe's split, not 2bw's
     record = run_plan(f"{argv} --stage-memory-gib {round((gpipe_peak + twobw_peak) / 2, 3)}")[1][0]
     assert record["schedule_splits"]["gpipe"] != record["schedule_splits"]["2bw"] or "gpipe" in record["over_cap"]
+
+
+@pytest.mark.parametrize("split_blocks", [False, True])
+def test_a_device_holding_both_ends_of_a_tied_model_counts_the_tied_matrix_once(split_blocks):
+    """One stage holds the tied embedding (first layer) and head (last layer): its weights are the model's parameter
+    count (the shape's own formula, which counts the tie once), not that plus the vocabulary matrix again."""
+    from dataclasses import replace
+
+    from lightning_async_pp.pipeline.simulate import simulate
+    from lightning_async_pp.plan import device_memory
+
+    shape = replace(MODELS["smollm-135m"], layers=4, seq_len=64)
+    layers = len(shape.pipeline_layers(split_blocks))
+    for tied, counts in ((True, [layers]), (False, [layers]), (True, [1, layers - 1])):
+        s = replace(shape, tied=tied)
+        result = simulate("1f1b", len(counts), 2, [1.0] * len(counts), [2.0] * len(counts))
+        peaks = device_memory(s, counts, result, tokens=64, value_bytes=2, param_bytes=4, split_blocks=split_blocks)
+        assert sum(p.weights for p in peaks) == 4 * (s.parameters() + (tied and len(counts) > 1) * s.vocab * s.hidden)
+        assert all(p.optimizer_state == 2 * p.weights for p in peaks)  # AdamW's two moments of what it holds
 
 
 def test_the_plan_names_a_small_models_parameter_count_in_millions():

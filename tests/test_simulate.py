@@ -314,7 +314,7 @@ def test_plan_from_a_model_shape_prints_each_devices_peak_memory_by_what_holds_i
     # The memory model (tests/test_memory_model.py) fed what device 0 holds, worked out here from the shape's
     # per-layer numbers (tests/test_adapters.py counts those against the layers), under Muon and with
     # ErrorFeedback's buffer (and its update's transient copy) per parameter.
-    from lightning_async_pp.pipeline.memory import stage_memory
+    from lightning_async_pp.plan.memory import stage_memory
 
     argv = ["--hidden", "64", "--layers", "4", "--heads", "4", "--kv-heads", "2", "--intermediate", "128",
             "--vocab", "256", "--seq-len", "32", "--microbatch-size", "3", "--stages", "2", "--microbatches", "2",

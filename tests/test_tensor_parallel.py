@@ -2,7 +2,7 @@
 ``models.Llama`` train the one-device run's weights; what is not supported yet is refused before training; the
 engine keeps a DTensor parameter's local shard in its weight versions.
 
-The tolerance (docs/design/tensor-parallel.md, "Matching one device"): tensor parallelism changes only the order
+The tolerance (docs/design/tensor-parallel-shards.md, "Matching one device"): tensor parallelism changes only the order
 of sums (a row-parallel product adds two partial products, the norm of the clipped gradient adds shards), a few
 ulps per operation; AdamW's normalization ``m / (sqrt(v) + eps)`` turns them into up to about ``1e-3`` of one
 step (lr ``3e-3``) for an element whose gradient is near zero. After 3 steps the largest difference measured is
@@ -30,9 +30,9 @@ from pipeline_runs import (  # noqa: E402
 
 from lightning_async_pp import AsyncPipelineStrategy, consolidate  # noqa: E402
 from lightning_async_pp.models import Llama  # noqa: E402
-from lightning_async_pp.pipeline.checkpoint import read_checksums  # noqa: E402
+from lightning_async_pp.checkpoint import ShardedSource, read_checksums, read_meta  # noqa: E402
 from lightning_async_pp.pipeline.config import PipelineConfig  # noqa: E402
-from lightning_async_pp.pipeline.topology import PipelineTopology  # noqa: E402
+from lightning_async_pp.parallel.topology import PipelineTopology  # noqa: E402
 from lightning_async_pp.pipeline.versions import WeightVersions  # noqa: E402
 from lightning_async_pp.strategy import options  # noqa: E402
 
@@ -142,7 +142,7 @@ def test_two_stages_of_two_tensor_parallel_ranks_train_llama_as_one_device(two_b
     for r in range(4):
         assert ranks[r]["cases"]["2bw_measured"]["split"] == ("balanced", [5, 1]), r
         assert ranks[r]["cases"]["2bw_measured"]["split_cost"] == "measured", r
-    from lightning_async_pp.pipeline.cost import balanced_split
+    from lightning_async_pp.plan.balanced import balanced_split
 
     assert balanced_split(timed[0][0], 2) != [5, 1]  # rank 0's own times split otherwise
     # The control: a rank that starts from its neighbour's shard is far outside the tolerance.
@@ -308,8 +308,8 @@ def test_the_data_parallel_buckets_hold_each_dtensor_parameters_local_shard_grad
     gradient is bucketed (taken from the local tensor, the buckets were empty and no replica reduced)."""
     from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
 
-    from lightning_async_pp.pipeline.data_parallel import GradientReducer
-    from lightning_async_pp.pipeline.tensor_parallel import local_tensor
+    from lightning_async_pp.parallel.data_parallel import GradientReducer
+    from lightning_async_pp.parallel.tensor_parallel import local_tensor
 
     layer = parallelize_module(torch.nn.Linear(4, 6), two_rank_mesh, ColwiseParallel())
     assert layer.weight.requires_grad and not local_tensor(layer.weight).requires_grad
@@ -326,7 +326,7 @@ def test_undoing_tensor_parallelism_leaves_a_plain_module_that_runs_without_the_
     turn the input into a DTensor, which a plain weight refuses)."""
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-    from lightning_async_pp.pipeline.tensor_parallel import undo_tensor_parallelism
+    from lightning_async_pp.parallel.tensor_parallel import undo_tensor_parallelism
 
     torch.manual_seed(0)
     plain = torch.nn.Sequential(torch.nn.Linear(4, 6, bias=False), torch.nn.Linear(6, 4, bias=False))
@@ -353,8 +353,8 @@ def test_undoing_tensor_parallelism_on_a_stage_without_the_tied_head_gives_the_r
     """Rank 0 of 2 stages with Llama's full plan: the tied head is another stage's, so its matrix (a vocabulary-
     sharded DTensor) is held aside while the head is remote. After the undo and the restore of the gathered state,
     the head's matrix is the embedding's plain one again, and the whole model loads the gathered state."""
-    from lightning_async_pp.pipeline.placement import layer_paths, remove_other_stages, restore_layers
-    from lightning_async_pp.pipeline.tensor_parallel import undo_tensor_parallelism
+    from lightning_async_pp.parallel.placement import layer_paths, remove_other_stages, restore_layers
+    from lightning_async_pp.parallel.tensor_parallel import undo_tensor_parallelism
 
     model = Llama("tiny", init_seed=0, max_seq_len=64)
     model.configure_model()
@@ -481,15 +481,20 @@ RESUME = {**BASE, "schedule": "2bw", "resumable": True, "val_batches": 1}
 def test_a_two_by_two_checkpoint_resumes_exactly_on_two_by_two_on_two_stages_and_on_one_device(tmp_path):
     """One launch of 2 stages x 2 tensor-parallel ranks: 3 steps uninterrupted (gathered into rank 0), 2 steps
     saved (sharded, with validation inside fit; and one file), the sharded save resumed to 3 steps on the same
-    layout, then validated, tested and predicted on, and the one file and a one-device checkpoint resumed too. The
-    checkpoints then resume on 2 stages x 1 rank (one launch of 2 processes) and on one device here, each to the
-    uninterrupted weights."""
+    layout, then validated, tested and predicted on, and the one file and a one-device checkpoint resumed too; a
+    save after fit (``trainer.save_checkpoint``, the weights gathered into rank 0 meanwhile) is the save at the
+    last step inside it and resumes too. The checkpoints then resume on 2 stages x 1 rank (one launch of 2
+    processes) and on one device here, each to the uninterrupted weights. First in the launch, a setup refused
+    there (packed rows from a data module) surfaces as itself, the model left on the meta device."""
     sharded, single, one_device = tmp_path / "sharded", tmp_path / "single", tmp_path / "one_device"
+    after = tmp_path / "after"
     (tmp_path / "tp").mkdir(), (tmp_path / "two").mkdir()
     # Saved on one device first, for the 2 x 2 run to resume from (DCP reads its whole tensors into shards).
     saved_on_one_device = run_here_on_one_device(
         llama_fit.run, {**RESUME, "steps": 2, "val_every": 1, "save_at": 2, "checkpoint_dir": str(one_device)})
     cases = {
+        # refused at setup (packed rows under tensor parallelism, from a data module declaring them), first
+        "refused_at_setup": {**BASE, "packed": True, "refused": True},
         "full": {**RESUME, "gather": True},
         "saved": {**RESUME, "steps": 2, "save_at": 2, "checkpoint_dir": str(sharded), "val_every": 1},
         "single": {**RESUME, "steps": 2, "save_at": 2, "checkpoint_dir": str(single),
@@ -498,6 +503,10 @@ def test_a_two_by_two_checkpoint_resumes_exactly_on_two_by_two_on_two_stages_and
                     "eval_calls": ["validate", "test", "predict"]},
         "resumed_from_one_file": {**RESUME, "resume_from": str(single / "saved.ckpt")},  # whole tensors sliced
         "resumed_from_one_device": {**RESUME, "resume_from": str(one_device / "saved.ckpt")},
+        # gathered into rank 0 after fit (the default), then saved: as the save inside fit at its last step
+        "saved_after_fit": {**RESUME, "steps": 2, "save_at": 2, "checkpoint_dir": str(after), "gather": True,
+                            "save_after": str(after / "after_fit.ckpt")},
+        "resumed_after_fit": {**RESUME, "resume_from": str(after / "after_fit.ckpt")},
         # DelayCompensation's weight history: the parameter's shards stacked along a new first dimension
         "dc_full": {**RESUME, "optimizer": "delay_compensation"},
         "dc_saved": {**RESUME, "optimizer": "delay_compensation", "steps": 2, "save_at": 2,
@@ -507,6 +516,15 @@ def test_a_two_by_two_checkpoint_resumes_exactly_on_two_by_two_on_two_stages_and
     ranks = script_ranks(SCRIPT, {"devices": 4, "cases": {n: {**c, "tensor_parallel": 2} for n, c in cases.items()}},
                          tmp_path / "tp", ranks=4, timeout=420)
     reference = run_here_on_one_device(llama_fit.run, {**RESUME, "eval_calls": ["validate", "test", "predict"]})
+    # The refusal is the error fit raised on every rank, before any batch: not the teardown's ("different
+    # slots", swapping a meta DTensor parameter for a plain placeholder) raised over it; the parameters are on the
+    # meta device again, as setup found them.
+    for r in range(4):
+        refused = ranks[r]["cases"]["refused_at_setup"]
+        assert refused["refused"].startswith("ValueError: Llama refuses the rows of RowsDataModule (block_size=16, "
+                                             "document_mask=True)"), refused["refused"]
+        assert "Change data.document_mask: false in the config" in refused["refused"]
+        assert refused["batches_started"] == 0 and refused["meta"]
     # The gather: rank 0's module holds the whole model, plain tensors, the one-device run's weights.
     full = ranks[0]["cases"]["full"]["state_dict"]
     assert not any(isinstance(v, DTensor) for v in full.values())
@@ -533,6 +551,19 @@ def test_a_two_by_two_checkpoint_resumes_exactly_on_two_by_two_on_two_stages_and
         assert not any(isinstance(v, DTensor) for v in state.values())
     assert ranks[0]["cases"]["saved"]["global_step"] == 2
 
+    # Saved after fit, from the gathered model's processes: tensor by tensor the save at the last step inside fit
+    # (weights, the stash, the optimizer's moments), the steps as the same run's; it consolidates and resumes.
+    inside, outside = (ShardedSource(str(after / name)) for name in ("saved.ckpt", "after_fit.ckpt"))
+    assert inside.shapes == outside.shapes and any(k.startswith("stash.") for k in inside.shapes)
+    tensors = [k for k, shape in inside.shapes.items() if shape is not None]
+    read_inside, read_outside = inside.read(tensors), outside.read(tensors)
+    assert all(torch.equal(read_inside[k], read_outside[k]) for k in tensors)
+    assert read_meta(str(after / "after_fit.ckpt"))["async_pipeline"]["num_updates"] == 2
+    consolidated_after = consolidate.consolidate_checkpoint(str(after / "after_fit.ckpt"), tmp_path / "after.ckpt")
+    gathered = ranks[0]["cases"]["saved_after_fit"]["state_dict"]  # rank 0's module after fit
+    assert all(torch.equal(consolidated_after["state_dict"][k], v) for k, v in gathered.items())
+    assert max_difference(_whole_model(ranks, "resumed_after_fit"), full) < 1e-6
+
     # Resumed on the same layout: the uninterrupted run's weights (same shards, same order of sums).
     assert max_difference(_whole_model(ranks, "resumed"), full) < 1e-6
     assert max_difference(_whole_model(ranks, "resumed_from_one_file"), full) < 1e-6
@@ -553,7 +584,7 @@ def test_a_two_by_two_checkpoint_resumes_exactly_on_two_by_two_on_two_stages_and
 
 # ---- the memory account ----------------------------------------------------------------------------------------
 def test_the_split_accounts_one_tensor_parallel_ranks_shards_and_leaves_the_layouts_hooks_in_place(two_rank_mesh):
-    from lightning_async_pp.pipeline.cost import MemoryModel, layer_costs, stage_peak
+    from lightning_async_pp.plan.balanced import MemoryModel, layer_costs, stage_peak
     from lightning_async_pp.strategy.optimizer_state import optimizer_state_per_layer
 
     import lightning as L
@@ -590,8 +621,8 @@ def test_the_split_accounts_one_tensor_parallel_ranks_shards_and_leaves_the_layo
 
 
 def test_the_split_report_names_the_layout():
-    from lightning_async_pp.pipeline.cost import SplitReport
-    from lightning_async_pp.pipeline.mesh import describe_layout
+    from lightning_async_pp.plan.balanced import SplitReport
+    from lightning_async_pp.parallel.mesh import describe_layout
 
     layout = describe_layout(2, 2)
     assert layout == "2 stages x 2 tensor-parallel ranks"
@@ -617,7 +648,7 @@ def test_only_sharded_parameters_count_on_every_tensor_parallel_rank_in_the_clip
     4-process test's clipped run stays within its tolerance without this rule)."""
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
-    from lightning_async_pp.pipeline.tensor_parallel import is_whole
+    from lightning_async_pp.parallel.tensor_parallel import is_whole
 
     assert is_whole(torch.zeros(3))
     assert is_whole(distribute_tensor(torch.zeros(4), two_rank_mesh, [Replicate()]))

@@ -4,7 +4,7 @@ from a save_pretrained folder; AdamW and Muon) and Qwen2 with transformers' own 
 ``configure_model``, train on 2 stages x 2 tensor-parallel ranks the one-device run's weights; a family without a
 plan (or not verified) is refused by name.
 
-The tolerances are tests/test_tensor_parallel.py's (docs/design/tensor-parallel.md, "Matching one device"): the
+The tolerances are tests/test_tensor_parallel.py's (docs/design/tensor-parallel-shards.md, "Matching one device"): the
 plan is the same column-/row-wise split of q, k, v, o and the MLP, so the same reorderings of sums (Muon's bound
 is wider: its Newton-Schulz runs in bfloat16).
 """
@@ -22,14 +22,15 @@ from pipeline_runs import (  # noqa: E402
     max_difference, run_here_on_one_device, script_ranks, whole_tensor_parallel_model)
 from test_tensor_parallel import MUON_TOL  # noqa: E402
 
-from lightning_async_pp.models.huggingface import as_pretrained_config, tensor_parallel_plan  # noqa: E402
+from lightning_async_pp.models.hf_config import as_pretrained_config  # noqa: E402
+from lightning_async_pp.models.huggingface import tensor_parallel_plan  # noqa: E402
 
 SCRIPT = Path(__file__).parent / "scripts" / "llama_fit.py"
 TOL = 5e-5
 QWEN3 = {"model_type": "qwen3", "head_dim": 8}  # the hidden size over the heads, as the other families' default
 #: Qwen3's bound: one element of layer 1's o matrix has a gradient near AdamW's eps, where the one-device run itself
 #: moves by 2.8e-5 when only its microbatch split changes; tensor parallelism moves it by 8.6e-5 (every other
-#: element of the model within 2.2e-5; docs/design/tensor-parallel.md, "Matching one device").
+#: element of the model within 2.2e-5; docs/design/tensor-parallel-families.md, "Tested").
 QWEN3_TOL = 2e-4
 HF = {"model": "hf", "tie": True, "steps": 3, "microbatches": 4, "partition": [3, 4]}  # embed + 2 | 2 + norm + head
 CASES = {
@@ -200,7 +201,7 @@ def test_the_transformers_plan_of_a_llama_layer_is_column_wise_q_k_v_gate_up_and
 def test_the_check_finds_qwen3s_per_head_norms_summed_over_the_ranks_and_nothing_summed_for_llama_or_mistral():
     # Qwen3's q_norm and k_norm act on each head of q and k: a rank's gradient of them is its heads' part.
     # transformers 4.x's plan does not name them (5.x: replicated_with_grad_allreduce); the check measures it.
-    from lightning_async_pp.pipeline.placement import parameters_on_meta
+    from lightning_async_pp.parallel.placement import parameters_on_meta
 
     with parameters_on_meta():  # as under the strategy's build: the check's models get memory all the same
         qwen3 = tensor_parallel_plan(as_pretrained_config({**llama_fit.HF_LLAMA, "model_type": "qwen3"}), 2)
@@ -238,7 +239,7 @@ def test_a_family_without_a_plan_the_adapter_applies_exactly_is_refused_with_the
 
 
 def test_a_parameter_outside_the_plan_is_whole_when_each_rank_has_its_gradient_summed_when_they_add_up_else_refused():
-    from lightning_async_pp.models import hf_tensor_parallel_check as check
+    from lightning_async_pp.models import hf_tensor_parallel as check
 
     g = torch.arange(4.0)
     whole = {"logits": torch.zeros(1), "loss": torch.zeros(()), "grads": {
@@ -266,7 +267,7 @@ def test_a_sharded_layer_initialized_inside_whole_parameters_holds_its_slice_of_
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from lightning_async_pp.pipeline.tensor_parallel import whole_parameters
+    from lightning_async_pp.parallel.tensor_parallel import whole_parameters
 
     # Rank 1 of a fake 2-process group (torch's test backend: collectives do nothing; none is needed here).
     dist.init_process_group("fake", store=FakeStore(), rank=1, world_size=2)
@@ -301,7 +302,8 @@ def test_gpts_plan_refuses_dropout_packed_batches_and_rows_it_cannot_split_and_s
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
     try:
         mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tensor_parallel",))
-        with pytest.raises(ValueError, match=r"GPT with tensor_parallel_size=2 takes dropout=0 only, got dropout=0.1"):
+        with pytest.raises(ValueError, match=r"GPT with tensor_parallel_size=2 takes no dropout, got dropout=0.1: .*"
+                                             r"set dropout=0, or use tensor_parallel_size=1"):
             GPT(n_layer=1, n_head=4, n_embd=32, dropout=0.1).parallelize(mesh)
         model = GPT(n_layer=1, n_head=4, n_embd=32, block_size=64)
         model.parallelize(mesh)
@@ -313,6 +315,83 @@ def test_gpts_plan_refuses_dropout_packed_batches_and_rows_it_cannot_split_and_s
         with pytest.raises(ValueError, match="packed batch .* only with tensor_parallel_size=1"):
             model.pipeline_input({"input_ids": torch.zeros(2, 17, dtype=torch.long),
                                   "position_ids": torch.zeros(2, 17, dtype=torch.long)})
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.hf  # make test also runs it on transformers 5.x (its attention reads the rate as 4.x's does)
+def test_a_transformers_models_attention_dropout_under_tensor_parallelism_is_refused_naming_the_key():
+    # Each rank would draw one device's mask for its own heads: another model trained (1.8e-2 off one device's
+    # weights after a few steps at attention_dropout=0.1, more than dropout's whole effect)
+    config = as_pretrained_config({**llama_fit.HF_LLAMA, "attention_dropout": 0.1})
+    with pytest.raises(ValueError, match=r"model_type 'llama' with tensor_parallel_size=2 takes no dropout, got "
+                                         r"attention_dropout=0.1: .* set attention_dropout=0, or use "
+                                         r"tensor_parallel_size=1"):
+        tensor_parallel_plan(config, 2)
+    tensor_parallel_plan(as_pretrained_config({**llama_fit.HF_LLAMA, "attention_dropout": 0.0}), 2)
+
+
+@pytest.mark.hf
+def test_heads_two_ranks_cannot_split_are_refused_by_the_plan_naming_them_before_the_build_time_check():
+    # 3 heads and 3 key/value heads: transformers runs it, and so does the adapter at t = 1; at t = 2 the reason is
+    # the heads, which the build-time check on a tiny copy used to hide behind its own failure
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from lightning_async_pp.models import HuggingFaceCausalLM
+    from lightning_async_pp.strategy import _lightning
+
+    config = {**llama_fit.HF_LLAMA, "hidden_size": 48, "num_attention_heads": 3, "num_key_value_heads": 3}
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tensor_parallel",))
+        model = HuggingFaceCausalLM(config)
+        _lightning.set_device_mesh(model, mesh)
+        with pytest.raises(ValueError, match=r"tensor_parallel_size=2 does not divide model_type 'llama''s "
+                                             r"num_attention_heads=3: .* use tensor_parallel_size=1"):
+            model.configure_model()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_dropout_in_a_layer_a_users_own_plan_splits_is_refused_at_setup_naming_the_module():
+    import torch.distributed as dist
+    from lightning.pytorch.trainer.states import TrainerFn
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+    from test_tensor_parallel import _trainer
+
+    from lightning_async_pp.pipeline.config import PipelineConfig
+    from lightning_async_pp.strategy import options
+
+    class DroppingBlock(llama_fit.ResidualMLP):
+        def __init__(self, width: int, p: float) -> None:
+            super().__init__(width)
+            self.drop = torch.nn.Dropout(p)
+
+    def model(p: float) -> llama_fit.OwnPlanLM:
+        lm = llama_fit.OwnPlanLM(layers=2)
+        lm.embed = torch.nn.Embedding(256, 32)
+        lm.blocks = torch.nn.ModuleList([llama_fit.ResidualMLP(32), DroppingBlock(32, p)])
+        lm.head = torch.nn.Linear(32, 256)
+        for block in lm.blocks:
+            parallelize_module(block, mesh, {"fc": ColwiseParallel(), "proj": RowwiseParallel()})
+        return lm
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tensor_parallel",))
+        config = PipelineConfig(tensor_parallel_size=2)
+        with pytest.raises(ValueError, match=r"the model OwnPlanLM with tensor_parallel_size=2 takes no dropout, got "
+                                             r"pipeline_layers\(\)\[2\]\.drop\.p=0\.1: .*set "
+                                             r"pipeline_layers\(\)\[2\]\.drop\.p=0, or use tensor_parallel_size=1"):
+            options.refuse_with_tensor_parallelism(_trainer(), model(0.1), config, True, previous_call=False)
+        options.refuse_with_tensor_parallelism(_trainer(), model(0.0), config, True, previous_call=False)
+        # evaluation draws no mask: a model trained with dropout elsewhere is evaluated under tensor parallelism
+        options.refuse_with_tensor_parallelism(_trainer(TrainerFn.VALIDATING), model(0.1), config, True,
+                                               previous_call=False)
     finally:
         dist.destroy_process_group()
 

@@ -165,7 +165,9 @@ def test_ids_are_stored_in_the_smallest_dtype_that_holds_the_vocabulary(tmp_path
     dm = TextDataModule(data_path=str(text), tokenizer=str(tok), cache_dir=str(tmp_path / "c"), val_fraction=0.0)
     train_dir, _ = dm.optimized_dirs()
     assert data_format(train_dir).endswith(f"tensor:{corpus_dtype_index(torch.uint16)}")
-    assert stored_ids(train_dir) == [(7 * i) % 400 + 2 for i in range(3000)] + [1]
+    train, _ = split_corpus([text], 0.0, None, dm.seed)  # pieces cut at word starts, each ended by EOS (id 1)
+    assert stored_ids(train_dir) == expected_word_ids(tok, documents_of(train))
+    assert sorted(stored_ids(train_dir)) == sorted([(7 * i) % 400 + 2 for i in range(3000)] + [1] * len(train))
 
 
 def test_two_builds_with_parallel_workers_give_identical_chunks(tmp_path, tokenizer):
@@ -210,9 +212,37 @@ def test_a_parquet_column_is_read_row_by_row(tmp_path, tokenizer):
     dm = TextDataModule(data_path=str(tmp_path / "rows.parquet"), tokenizer=str(tokenizer), text_field="body",
                         cache_dir=str(tmp_path / "c"), val_fraction=0.2)
     train_dir, val_dir = dm.optimized_dirs()
-    # One file: its tail is held out; together the splits are every row once, in order.
-    assert stored_ids(train_dir) + stored_ids(val_dir) == expected_ids(tokenizer, rows)
-    assert stored_ids(val_dir)
+    # Each piece is the rows whose proportional position falls in it: together the splits are every row once.
+    train, val = split_corpus([tmp_path / "rows.parquet"], 0.2, None, dm.seed)
+    size = (tmp_path / "rows.parquet").stat().st_size
+    rows_of = lambda segments: [r for _, a, b in segments for i, r in enumerate(rows) if a <= i * size / 50 < b]  # noqa: E731
+    assert stored_ids(train_dir) == expected_ids(tokenizer, rows_of(train))
+    assert stored_ids(val_dir) == expected_ids(tokenizer, rows_of(val)) and val
+    assert sorted(rows_of(train) + rows_of(val)) == sorted(rows)
+
+
+def test_a_parquet_file_is_cut_at_its_row_groups_and_a_training_piece_lies_in_one(tmp_path, tokenizer):
+    pq = pytest.importorskip("pyarrow.parquet")
+    import pyarrow as pa
+
+    from lightning_async_pp.data.split import parquet_metadata
+
+    rows = [SENTENCES[i % 5] + f" row {i}" for i in range(100)]
+    path = tmp_path / "groups.parquet"
+    pq.write_table(pa.table({"text": rows}), path, row_group_size=20)
+    assert parquet_metadata(str(path)).num_row_groups == 5
+    size = path.stat().st_size
+    group_starts = [g * 20 * size // 100 for g in range(5)]  # each group's first row's proportional byte
+    train, val = split_corpus([path], 0.2, None, 0)
+    assert {a for _, a, _ in (*train, *val)} >= set(group_starts)
+    group = lambda byte: max(g for g, s in enumerate(group_starts) if s <= byte)  # noqa: E731
+    assert all(group(a) == group(b - 1) for _, a, b in train)
+    dm = TextDataModule(data_path=str(path), tokenizer=str(tokenizer), cache_dir=str(tmp_path / "c"), val_fraction=0.2,
+                        seed=0)
+    train_dir, val_dir = dm.optimized_dirs()
+    rows_of = lambda segments: [r for _, a, b in segments for i, r in enumerate(rows) if a <= i * size / 100 < b]  # noqa: E731
+    assert stored_ids(train_dir) == expected_ids(tokenizer, rows_of(train))
+    assert stored_ids(val_dir) == expected_ids(tokenizer, rows_of(val))
 
 
 # ---- prepare ----------------------------------------------------------------------------------------------------
@@ -382,22 +412,23 @@ def test_prepare_holds_out_val_fraction_of_the_tokens_whatever_the_file_sizes_an
     from lightning_async_pp.data.prepare import prepare
 
     # One 128 KB file and two small ones (validation got 99% or 1% of the tokens by seed when it took whole files).
-    # Every line is 16 bytes and 3 tokens of a word-level tokenizer, so tokens are proportional to bytes.
+    # Every line is 15 bytes and 3 tokens of a word-level tokenizer, so tokens are proportional to bytes.
     tok = word_tokenizer(tmp_path / "words.json", words=1000)
     corpus = tmp_path / "corpus"
     corpus.mkdir()
     line = lambda i: f"w{100 + i % 900} w{100 + 7 * i % 900} w{100 + 13 * i % 900}\n"  # noqa: E731
-    for name, lines in (("big.txt", 2 ** 17 // 16), ("a.txt", 120), ("b.txt", 90)):
+    for name, lines in (("big.txt", 2 ** 17 // 15), ("a.txt", 120), ("b.txt", 90)):
         (corpus / name).write_text("".join(line(i) for i in range(lines)))
     files = sorted(corpus.glob("*.txt"))
-    total = sum(len(f.read_text().splitlines()) * 3 + 1 for f in files)  # 3 ids a line, an EOS a document
+    total = sum(f.stat().st_size for f in files)
     for seed in (0, 1, 2):
         out = prepare([corpus], tok, tmp_path / f"out{seed}", val_fraction=0.05, seed=seed, num_workers=1)
         info = json.loads((out / "COMPLETE.json").read_text())
-        # Validation holds floor(0.05 * bytes) bytes; a cut can split a word in two (one id more) or leave a piece
-        # part of a line (one id fewer) and each piece adds an EOS: at most 4 ids per file off 5% of the tokens.
-        assert abs(info["val_tokens"] - 0.05 * total) <= 4 * len(files)
         train, val = split_corpus(files, 0.05, None, seed)
+        # Pieces of whole lines: 3 ids a line and an EOS a piece; validation 5% of the bytes to within a piece.
+        held = sum(b - a for _, a, b in val)
+        assert info["val_tokens"] == 3 * held // 15 + len(val)
+        assert abs(held - 0.05 * total) <= max(b - a for _, a, b in (*train, *val))
         for segments, split in ((train, "train"), (val, "val")):
             assert chunk_ids(out / split, info["dtype"]) == expected_word_ids(tok, documents_of(segments))
     assert chunk_ids(out / "val", info["dtype"]) == stored_ids(str(out / "val"))  # the chunk reader reads litdata's
@@ -449,22 +480,22 @@ def expected_word_ids(tokenizer_file: Path, docs: list[str]) -> list[int]:
     return [i for doc in docs for i in tok.encode(doc, add_special_tokens=False).ids + [tok.token_to_id(EOS)]]
 
 
-def test_a_corpus_of_one_line_is_split_at_a_character_and_a_split_without_tokens_is_refused(tmp_path, tokenizer):
-    # text8-like: one line, no newline; multi-byte characters around the cut (validation is its last 20%).
-    text = " ".join(SENTENCES) * 6 + " héhé ñ" * 50
+def test_a_corpus_of_one_line_is_split_at_characters_and_one_record_cannot_be_split(tmp_path, tokenizer):
+    # text8-like: one line, no newline; cut at word starts, and at characters in the multi-byte part without spaces.
+    text = "".join(SENTENCES) * 40 + "héhéñ" * 1500
     (tmp_path / "one.txt").write_text(text)
     dm = TextDataModule(data_path=str(tmp_path / "one.txt"), tokenizer=str(tokenizer), cache_dir=str(tmp_path / "c"),
                         val_fraction=0.2)
     train_dir, val_dir = dm.optimized_dirs()
-    size = len(text.encode())
-    cut = size - int(0.2 * size)
-    head, tail = characters_starting_in(text, 0, cut), characters_starting_in(text, cut, size)
-    assert head + tail == text and tail  # a character the cut crosses is the head's
-    assert stored_ids(train_dir) == expected_ids(tokenizer, [head])
-    assert stored_ids(val_dir) == expected_ids(tokenizer, [tail])
-    # One record: no record starts in validation's bytes. Refused, not an empty split litdata fails on later.
+    train, val = split_corpus([tmp_path / "one.txt"], 0.2, None, dm.seed)
+    assert len(train) > 1 and val
+    pieces = {(a, b): characters_starting_in(text, a, b) for _, a, b in (*train, *val)}
+    assert "".join(pieces[k] for k in sorted(pieces)) == text  # a character a cut crosses is in one piece
+    assert stored_ids(train_dir) == expected_ids(tokenizer, [pieces[a, b] for _, a, b in train])
+    assert stored_ids(val_dir) == expected_ids(tokenizer, [pieces[a, b] for _, a, b in val])
+    # One record is one piece: nothing to hold out. Refused, not an empty split litdata fails on later.
     (tmp_path / "records" / "one.jsonl").parent.mkdir()
     (tmp_path / "records" / "one.jsonl").write_text(json.dumps({"text": text}) + "\n")
-    with pytest.raises(ValueError, match=r"the val split holds no tokens: its \d+ bytes .*one\.jsonl.*val_fraction"):
+    with pytest.raises(ValueError, match=r"val_fraction=0.2 holds out whole pieces.*one\.jsonl.*val_fraction=0"):
         TextDataModule(data_path=str(tmp_path / "records"), tokenizer=str(tokenizer), cache_dir=str(tmp_path / "c"),
                        val_fraction=0.2).optimized_dirs()

@@ -20,8 +20,8 @@ from torch import Tensor
 
 from lightning_async_pp.callbacks.figures import (StageFigures, log_to_loggers, logger_step, logging_step_due,
                                                    pipeline_strategy)
-from lightning_async_pp.trace import ProcessSpans, clock_offset, schedule_figure, spans_of, write_chrome_trace
 from lightning_async_pp.pipeline.microbatch import batch_size_of
+from lightning_async_pp.trace import ProcessSpans, clock_offset, schedule_figure, spans_of, write_chrome_trace
 
 log = logging.getLogger(__name__)
 

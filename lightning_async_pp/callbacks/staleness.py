@@ -29,8 +29,8 @@ from lightning_async_pp.optim.delay_compensation import DelayCompensation
 from lightning_async_pp.optim.error_feedback import PREV_UPDATE, ErrorFeedback
 from lightning_async_pp.optim.pipemare import PipeMareLR
 from lightning_async_pp.optim.weight_prediction import WeightPrediction, prediction_scales
+from lightning_async_pp.parallel.tensor_parallel import local_tensor, whole_value
 from lightning_async_pp.pipeline.microbatch import split_microbatches
-from lightning_async_pp.pipeline.tensor_parallel import local_tensor, whole_value
 
 # Squared norms: each process adds its part (its shards, each parameter counted once: StageView.counted), summed over
 # a stage's tensor-parallel ranks and averaged over its data-parallel replicas; the delay is the largest reported.

@@ -4,10 +4,9 @@ Tokens are bytes (vocabulary 256), so tokenizing is reading a file. The default 
 library's own sources (about 12 MB of ``.py`` files, ``pydoc_data/topics.py`` among them), found at run time
 through ``sysconfig``: every Python installation carries it, so the demo needs no download.
 
-A corpus is cut into *segments* ``(path, start, stop)``: byte ranges of files. The files are concatenated in a seeded
-shuffle and validation is the last ``val_fraction`` of those bytes (whole files, then the tail of one more): about
-that share of the tokens for any file sizes, and validation text never appears in training. Which files are text,
-in which encoding, and their content hashes: ``data/inputs.py``.
+A corpus is cut into *segments* ``(path, start, stop)``: byte ranges of files, validation a seeded choice of them
+from across the corpus and training the others in a seeded shuffle (``data/split.py``); the cache holds each split in
+that order. Which files are text, in which encoding, and their content hashes: ``data/inputs.py``.
 """
 from __future__ import annotations
 
@@ -31,9 +30,12 @@ import numpy as np
 import torch
 
 from lightning_async_pp.data.inputs import DEFAULT_ENCODING, content_sha256, is_utf8, is_utf8_family
-
-#: ``(path, start, stop)``: the bytes ``[start, stop)`` of a file.
-Segment = tuple[str, int, int]
+from lightning_async_pp.data.split import (  # noqa: F401  (the split's names, where they were before)
+    DEFAULT_VAL_FRACTION,
+    Segment,
+    check_val_fraction,
+    split_corpus,
+)
 
 VOCAB_SIZE = 256
 #: Bump when the on-disk layout or the tokenization changes, so old caches are not reused.
@@ -42,8 +44,6 @@ VOCAB_SIZE = 256
 _CACHE_FORMAT = 3
 _COMPLETE_MARKER = "COMPLETE.json"
 _SKIP_DIRS = {"site-packages", "dist-packages", "__pycache__", "test", "tests", "idle_test"}
-#: The share of the corpus held out for validation, for ``TextDataModule`` and ``prepare`` alike.
-DEFAULT_VAL_FRACTION = 0.01
 
 
 # ---- tokens ------------------------------------------------------------------------------------------------------
@@ -138,60 +138,7 @@ def text_files(path: Union[str, Path]) -> list[Path]:
     return sorted(files)
 
 
-# ---- splitting ---------------------------------------------------------------------------------------------------
-def check_val_fraction(val_fraction: float) -> float:
-    if not (isinstance(val_fraction, (int, float)) and 0.0 <= val_fraction < 1.0):
-        raise ValueError(f"val_fraction must be in [0, 1) (the share of the corpus held out for validation; default "
-                         f"{DEFAULT_VAL_FRACTION}), got {val_fraction!r}")
-    return float(val_fraction)
-
-
-def split_corpus(
-    files: Sequence[Union[str, Path]], val_fraction: float = DEFAULT_VAL_FRACTION, max_bytes: Optional[int] = None,
-    seed: int = 42,
-) -> tuple[list[Segment], list[Segment]]:
-    """Cut ``files`` into training and held-out validation segments, deterministically for a given ``seed``.
-
-    Files are concatenated in a seeded shuffle of their sorted order (so that a ``max_bytes`` cap still samples the
-    whole corpus; the cap truncates the last file taken). Validation is the last ``floor(val_fraction * total)``
-    bytes of that concatenation: whole files, and the tail of the file before them (a single file: its tail). So
-    it holds ``val_fraction`` of the bytes whatever the file sizes, and training is never empty.
-    """
-    check_val_fraction(val_fraction)
-    if max_bytes is not None and max_bytes <= 0:
-        raise ValueError(f"max_bytes must be positive, got {max_bytes}")
-    order = sorted(str(f) for f in files)
-    random.Random(seed).shuffle(order)
-
-    segments: list[Segment] = []
-    total = 0
-    for path in order:
-        size = os.path.getsize(path)
-        if max_bytes is not None:
-            size = min(size, max_bytes - total)
-        if size > 0:
-            segments.append((path, 0, size))
-            total += size
-        if max_bytes is not None and total >= max_bytes:
-            break
-    if not segments:
-        raise ValueError("The corpus is empty")
-
-    need = int(total * val_fraction)  # < total, as val_fraction < 1: training keeps at least a byte
-    val: list[Segment] = []
-    while need > 0:
-        path, start, stop = segments.pop()
-        if stop - start <= need:  # the whole file
-            val.append((path, start, stop))
-            need -= stop - start
-        else:  # its tail; the rest stays in training
-            segments.append((path, start, stop - need))
-            val.append((path, stop - need, stop))
-            need = 0
-    val.reverse()  # in the concatenation's order
-    return segments, val
-
-
+# ---- cache keys -------------------------------------------------------------------------------------------------
 def corpus_key(train: Sequence[Segment], val: Sequence[Segment], tokens: Optional[dict[str, Any]] = None,
                encoding: str = DEFAULT_ENCODING) -> str:
     """A short hash naming the cache of this exact split (paths, byte ranges, the files' contents and ``encoding``)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, Union
 from unittest import mock
 
 import lightning as L
@@ -21,18 +21,16 @@ from litdata.utilities.env import _DistributedEnv
 from litdata.utilities.train_test_split import train_test_split
 
 from lightning_async_pp.data.corpus import (
-    DEFAULT_VAL_FRACTION,
     VOCAB_SIZE,
     build_token_cache,
     byte_tokenizer,
     cache_info,
-    check_val_fraction,
     corpus_key,
-    split_corpus,
     stdlib_files,
     text_files,
 )
 from lightning_async_pp.data.inputs import DEFAULT_ENCODING, check_encoding, is_record_file, text_inputs
+from lightning_async_pp.data.split import DEFAULT_VAL_FRACTION, check_val_fraction, split_corpus
 from lightning_async_pp.data.tokenized import (
     TOKENIZER_DIR,
     build_tokenized_cache,
@@ -122,11 +120,14 @@ class TextDataModule(L.LightningDataModule):
         block_size: tokens the model sees per row; each row holds ``block_size + 1`` (inputs and shifted targets).
         batch_size: rows per batch (per data-parallel replica); every batch has exactly this many.
         num_workers: DataLoader worker processes.
-        val_fraction: share of the corpus held out for validation: the last ``val_fraction`` of its bytes in a
-            seeded shuffle of the files (whole files and the tail of one), so about that share of the tokens.
+        val_fraction: share of the corpus held out for validation: that share of its pieces (whole records; pieces
+            of at least 4 KiB of text), every ``1 / val_fraction``-th from a seeded start, so from across the corpus
+            and about that share of the tokens (``data/split.py``). A single litdata-optimized folder is split by
+            litdata's ``train_test_split`` instead.
         max_bytes: cap on the corpus size, for tests and quick runs.
         cache_dir: where tokenized corpora are kept, one subfolder per corpus hash.
-        seed: seeds the split, the shuffle and ``max_bytes``'s choice of files.
+        seed: seeds the split, the order the training pieces are written in, litdata's shuffle of the chunks and of
+            the rows within each (again every epoch) and ``max_bytes``'s choice of files.
         document_mask: yield packed batches ``{"input_ids": (B, T + 1), "position_ids": (B, T + 1)}`` whose
             positions restart at 0 after each document's end (the tokenizer's end-of-text id; for bytes a NUL byte
             written after each file or piece of one, in a cache of its own), so the models attend within documents
@@ -176,10 +177,18 @@ class TextDataModule(L.LightningDataModule):
         self.val_dataset: Optional[StreamingDataset] = None
 
     # ---- where the optimized data lives ------------------------------------------------------------------------
-    def example_batch(self, rows: int = 1) -> torch.Tensor:
-        """A batch of ``rows`` sequences shaped as this module's (token ids ``(rows, block_size + 1)``, all zero):
-        what ``partition="balanced"`` costs the layers on (the CLI sets it as the model's example batch)."""
-        return torch.zeros(rows, self.block_size + 1, dtype=torch.long)
+    def example_batch(self, rows: int = 1) -> Union[torch.Tensor, dict[str, torch.Tensor]]:
+        """A batch of ``rows`` sequences shaped as this module's: what ``partition="balanced"`` costs the layers on
+        (the CLI sets it as the model's example batch). Token ids ``(rows, block_size + 1)``, all zero; with
+        ``document_mask=True`` the packed batch its loaders yield, ``{"input_ids", "position_ids"}`` of that shape,
+        each row one document (positions ``0 .. block_size``): the costliest attention a row can have, and what
+        crosses a stage boundary beside the hidden state."""
+        from lightning_async_pp.models.packing import INPUT_IDS, POSITION_IDS
+
+        ids = torch.zeros(rows, self.block_size + 1, dtype=torch.long)
+        if not self.document_mask:
+            return ids
+        return {INPUT_IDS: ids, POSITION_IDS: torch.arange(self.block_size + 1).repeat(rows, 1)}
 
     def prepared_dirs(self) -> Optional[tuple[str, Optional[str]]]:
         """``(train_dir, val_dir)`` if ``data_path`` is litdata-optimized already (``val_dir`` ``None`` for a single

@@ -1,20 +1,21 @@
 """Corpora tokenized with a local Hugging Face tokenizer (``tokenizer.json``), through the byte corpus's machinery.
 
-The split is :func:`~lightning_async_pp.data.corpus.split_corpus`'s (segments are byte ranges of files, weighted
-by size), and the cache is built by the same ordered ``litdata.optimize`` (see docs/design/data.md, 'Data'). What
-changes is what a segment yields: the ids of its documents, each followed by the tokenizer's end-of-text id, in
-the smallest dtype that holds the vocabulary. A document is
+The split is :func:`~lightning_async_pp.data.split.split_corpus`'s (segments are pieces of files, cut at line
+starts and row groups), and the cache is built by the same ordered ``litdata.optimize`` (see docs/design/data.md,
+'Data'). What changes is what a segment yields: the ids of its documents, each followed by the tokenizer's
+end-of-text id, in the smallest dtype that holds the vocabulary. A document is
 
-- a text file's segment (a whole file, or the part of it a split or ``max_bytes`` cut: the characters that start
-  inside the segment's bytes, decoded in the corpus's ``encoding``; the text was checked to decode before);
+- a text file's segment (a piece of it, or the whole of a small file: the characters that start inside the
+  segment's bytes, decoded in the corpus's ``encoding``; the text was checked to decode before);
 - a record of a ``.jsonl`` file (its ``text_field``): the records whose line starts inside the segment's bytes;
 - a row of a ``.parquet`` file (its ``text_field`` column, read with pyarrow): the rows whose proportional
-  position ``row * file_size / num_rows`` falls inside the segment's bytes.
+  position ``row * file_size / num_rows`` falls inside the segment's bytes (only their row groups are read).
 
 Suffixes are matched in any case (``.JSONL``), see ``data/inputs.py``.
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import shutil
@@ -26,6 +27,7 @@ import torch
 
 from lightning_async_pp.data.corpus import Segment, build_token_cache, cache_info, corpus_key, segment_text
 from lightning_async_pp.data.inputs import DEFAULT_ENCODING, is_utf8, suffix
+from lightning_async_pp.data.split import parquet_metadata
 
 TOKENIZER_FILE = "tokenizer.json"
 #: The files a Hugging Face tokenizer folder may hold (what ``save_pretrained`` of a tokenizer writes): hashed,
@@ -167,18 +169,31 @@ def _jsonl_documents(path: str, start: int, stop: int, text_field: str, encoding
 
 
 def _parquet_documents(path: str, start: int, stop: int, text_field: str) -> Iterator[str]:
-    try:
-        import pyarrow.parquet as pq
-    except ImportError as err:
-        raise ImportError(f"reading {path} needs pyarrow: pip install pyarrow") from err
-    table = pq.read_table(path)
-    if text_field not in table.column_names:
-        raise ValueError(f"{path} has no column {text_field!r} (text_field); its columns: {table.column_names}")
-    size, rows = Path(path).stat().st_size, table.num_rows
+    meta = parquet_metadata(path)  # a clear error without pyarrow
+    names = meta.schema.to_arrow_schema().names
+    if text_field not in names:
+        raise ValueError(f"{path} has no column {text_field!r} (text_field); its columns: {names}")
+    size, rows = Path(path).stat().st_size, meta.num_rows
     first = -(-start * rows // size)  # the first row r with r * size / rows >= start
     last = -(-stop * rows // size)
-    for value in table.column(text_field).slice(first, max(0, last - first)).to_pylist():
-        yield _field({text_field: value}, text_field, path)
+    row = 0
+    for group in range(meta.num_row_groups):  # only the row groups the rows lie in are read
+        count = meta.row_group(group).num_rows
+        lo, hi = max(first, row), min(last, row + count)
+        if lo < hi:
+            column = _row_group_column(path, Path(path).stat().st_mtime_ns, group, text_field)
+            for value in column.slice(lo - row, hi - lo).to_pylist():
+                yield _field({text_field: value}, text_field, path)
+        row += count
+
+
+@functools.lru_cache(maxsize=2)
+def _row_group_column(path: str, stamp: int, group: int, text_field: str) -> Any:
+    """One row group's ``text_field`` column; the last ones read are kept, for the pieces of one row group a worker
+    reads in turn (the validation pieces, in the corpus's order)."""
+    import pyarrow.parquet as pq
+
+    return pq.ParquetFile(path).read_row_group(group, columns=[text_field]).column(text_field)
 
 
 def _field(record: Any, text_field: str, where: str) -> str:

@@ -25,8 +25,8 @@ from lightning_async_pp.models.meta_built import BuiltInInit
 from lightning_async_pp.models.pretrained import PretrainedTensors, load_layer, tensor_aliases, unused_keys
 from lightning_async_pp.module import PipelineModule, layer_seed
 from lightning_async_pp.optim.groups import decay_matrices_only
-from lightning_async_pp.pipeline.placement import layer_paths
-from lightning_async_pp.pipeline.tensor_parallel import whole_parameters
+from lightning_async_pp.parallel.placement import layer_paths
+from lightning_async_pp.parallel.tensor_parallel import whole_parameters
 
 
 def missing_package(package: str, extra: str) -> ImportError:

@@ -20,7 +20,7 @@ from torch.distributed.tensor import DTensor, Partial
 from lightning_async_pp.models import packing
 from lightning_async_pp.module import PipelineModule
 from lightning_async_pp.optim.groups import decay_matrices_only
-from lightning_async_pp.pipeline.mesh import tensor_parallel_mesh
+from lightning_async_pp.parallel.mesh import tensor_parallel_mesh
 
 
 class CausalSelfAttention(nn.Module):
@@ -188,13 +188,13 @@ class GPT(PipelineModule):
                                                        RowwiseParallel, SequenceParallel, parallelize_module)
         from torch.distributed.tensor.placement_types import _StridedShard
 
-        from lightning_async_pp.pipeline.mesh import check_tensor_parallel_divides
+        from lightning_async_pp.parallel.mesh import (check_tensor_parallel_divides, check_tensor_parallel_no_dropout,
+                                                      replica_processes)
 
         h, t = self.hparams, tp_mesh.size()
-        check_tensor_parallel_divides(t, {"n_head": h.n_head, "vocab_size": h.vocab_size}, "GPT")
-        if h.dropout:
-            raise ValueError(f"GPT with tensor_parallel_size={t} takes dropout=0 only, got dropout={h.dropout}: its "
-                             f"plan does not draw dropout masks per shard yet; use dropout=0 or tensor_parallel_size=1")
+        check_tensor_parallel_divides(t, {"n_head": h.n_head, "vocab_size": h.vocab_size}, "GPT",
+                                      replica_processes(self.device_mesh))
+        check_tensor_parallel_no_dropout(t, {"dropout": h.dropout}, "GPT")
         # The whole values, kept aside while the plan lays the parameters out on the meta device (no memory, no
         # communication; under the strategy's configure_model new parameters are registered there anyway).
         whole: dict[tuple[int, str], Tensor] = {}
@@ -258,7 +258,7 @@ class GPT(PipelineModule):
         return packing.document_loss(logits, batch, self.hparams.skip_document_ends)
 
     def pipeline_loss_weight(self, batch: Any) -> Any:
-        return packing.loss_weight(batch, self.hparams.skip_document_ends)  # kept targets, where some are skipped
+        return packing.loss_weight(batch, self.hparams.skip_document_ends, "GPT")  # kept targets, where skipped
 
     # ---- optimizer ---------------------------------------------------------------------------------------------
     def configure_optimizers(self) -> torch.optim.Optimizer:

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, Optional
 
-from lightning_async_pp.pipeline.placement import replace_meta_tensors
+from lightning_async_pp.parallel.placement import replace_meta_tensors
 
 #: Config fields shrunk in the tiny copy, by what they size (the names used across transformers' families).
 WIDTHS = ("hidden_size", "n_embd", "d_model", "embed_dim")
@@ -28,8 +28,9 @@ TINY = dict(width=32, layers=2, heads=4, kv_heads=2, ffn=64, head_dim=8, experts
 
 
 def tiny_config(config: Any, layers: int = TINY["layers"]) -> Any:
-    """A config of the same family and switches as ``config`` with small sizes: width 32, ``layers`` layers, 4 heads
-    (2 key/value heads if the family has them), head dim 8, FFN 64, 4 experts (2 per token), vocabulary 256,
+    """A config of the same family and switches as ``config`` with small sizes: width 32, ``layers`` layers, at most
+    4 heads with the config's kind of attention (multi-head, multi-query or groups of 2: :func:`_tiny_heads`; the
+    width 8 per head where there are fewer), head dim 8, FFN 64, 4 experts (2 per token), vocabulary 256,
     sliding windows of 8, per-frequency rope factors (longrope) for the head dim 8. Token ids outside the vocabulary become ``None``. Built with the config's class so that
     fields derived in its constructor (``layer_types``, ...) follow the new sizes."""
     fields = config.to_dict()
@@ -40,10 +41,11 @@ def tiny_config(config: Any, layers: int = TINY["layers"]) -> Any:
             if isinstance(fields.get(name), int) and not isinstance(fields.get(name), bool) and fields[name] > value:
                 tiny[name] = value
 
-    shrink(WIDTHS, TINY["width"])
+    heads = _tiny_heads(fields, tiny)
+    # The width as the tiny heads need it where the family derives its head dim from the width (and checks that
+    # the heads divide it): ``heads x`` the tiny head dim (32 for 4 heads).
+    shrink(WIDTHS, TINY["head_dim"] * heads if heads else TINY["width"])
     shrink(LAYERS, layers)
-    shrink(HEADS, TINY["heads"])
-    shrink(KV_HEADS, TINY["kv_heads"])
     shrink(FFN, TINY["ffn"])
     shrink(HEAD_DIMS, TINY["head_dim"])
     # Some families' defaults leave these to be derived (and do not derive them): set them as the sizes say.
@@ -53,7 +55,7 @@ def tiny_config(config: Any, layers: int = TINY["layers"]) -> Any:
         tiny["qk_head_dim"] = tiny.get("qk_nope_head_dim", fields.get("qk_nope_head_dim", 0)) + tiny.get(
             "qk_rope_head_dim", fields.get("qk_rope_head_dim", 0))
     if "num_key_value_heads" in fields and fields["num_key_value_heads"] is None:
-        tiny["num_key_value_heads"] = TINY["kv_heads"]
+        tiny["num_key_value_heads"] = TINY["kv_heads"] if not heads or heads % TINY["kv_heads"] == 0 else heads
     shrink(EXPERTS, TINY["experts"])
     shrink(("num_experts_per_tok", "moe_topk", "moe_k", "top_k"), TINY["experts_per_token"])
     shrink(("n_group", "topk_group", "n_shared_experts", "num_shared_experts"), 1)
@@ -86,6 +88,33 @@ def tiny_config(config: Any, layers: int = TINY["layers"]) -> Any:
     if attn is not None:
         made._attn_implementation = attn
     return made
+
+
+def _tiny_heads(fields: dict[str, Any], tiny: dict[str, Any]) -> Optional[int]:
+    """Shrinks the heads and key/value heads into ``tiny`` keeping the attention's kind: multi-head (as many
+    key/value heads as heads) stays multi-head, multi-query (one) multi-query, grouped-query (groups of several)
+    grouped-query; at most 4 heads, groups of 2. A config whose key/value heads do not divide its heads keeps both,
+    so the tiny copy fails as the model would. Returns the tiny copy's heads (``None``: the family names none)."""
+    def first(names: tuple[str, ...]) -> Optional[str]:
+        return next((n for n in names if isinstance(fields.get(n), int) and not isinstance(fields[n], bool)), None)
+
+    heads_name, kv_name = first(HEADS), first(KV_HEADS)
+    if heads_name is None:
+        return None
+    heads = fields[heads_name]
+    kv = fields[kv_name] if kv_name is not None else None
+    if kv is None or kv < 1 or heads % kv != 0:
+        new_heads, new_kv = (min(heads, TINY["heads"]), None) if kv is None else (heads, kv)
+    elif kv == heads or kv == 1:
+        new_heads = min(heads, TINY["heads"])
+        new_kv = new_heads if kv == heads else 1
+    else:  # groups of heads / kv > 1 query heads per key/value head
+        new_heads, new_kv = (heads, kv) if heads <= TINY["heads"] else (TINY["heads"], TINY["heads"] // 2)
+    if new_heads != heads:
+        tiny[heads_name] = new_heads
+    if kv_name is not None and new_kv is not None and new_kv != kv:
+        tiny[kv_name] = new_kv
+    return new_heads
 
 
 #: Rope parameter lists with one entry per rotary frequency (longrope: Phi-3 128k, Phi-3.5, Phi-4-mini).

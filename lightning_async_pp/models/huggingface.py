@@ -20,12 +20,9 @@ family is exact or refused before training (see docs/design/adapters.md, 'Adapte
 """
 from __future__ import annotations
 
-import difflib
 import functools
-import importlib
 import inspect
 import os
-import re
 import sys
 from collections.abc import Mapping
 from typing import Any, Callable, Optional, Union
@@ -33,122 +30,15 @@ from typing import Any, Callable, Optional, Union
 import torch
 from torch import Tensor, nn
 
-from lightning_async_pp.models import hf_outside, hf_probe, hf_tensor_parallel, hf_tensor_parallel_check, packing
-from lightning_async_pp.models.adopted import AdoptedCausalLM, missing_package
-from lightning_async_pp.models.pretrained import SafetensorsFolder
+from lightning_async_pp.models import hf_outside, hf_probe, hf_tensor_parallel, packing
+from lightning_async_pp.models.adopted import AdoptedCausalLM
+from lightning_async_pp.models.hf_config import as_pretrained_config, pretrained_config, read_by_the_code
 from lightning_async_pp.models.moe import RouterLoss, adds_router_loss, check_router_loss_supported
-from lightning_async_pp.pipeline.mesh import tensor_parallel_mesh
+from lightning_async_pp.models.pretrained import SafetensorsFolder
+from lightning_async_pp.parallel.mesh import replica_processes, tensor_parallel_mesh
 
 #: What the adapter takes from the upstream model, as dotted paths of ``AutoModelForCausalLM.from_config(config)``.
 LAYOUT = ("model.embed_tokens", "model.layers", "model.norm", "model.rotary_emb", "lm_head")
-
-
-def as_pretrained_config(config: Any) -> Any:
-    """A ``transformers.PretrainedConfig`` from one, or from a mapping with ``model_type`` (``AutoConfig.for_model``).
-
-    A mapping's keys are checked (:func:`check_config_keys`) unless it holds ``transformers_version``: a config
-    transformers wrote (``to_dict()``, as the checkpoint's hyperparameters hold it; a ``config.json``) is taken as
-    it is, extra keys included (SmolLM's ``config.json`` has keys no ``LlamaConfig`` names)."""
-    try:
-        from transformers import AutoConfig, PretrainedConfig
-    except ImportError as err:
-        raise missing_package("transformers", "hf") from err
-    if isinstance(config, PretrainedConfig):
-        return config
-    if isinstance(config, Mapping):
-        if "model_type" not in config:
-            raise ValueError(f"a HuggingFaceCausalLM config mapping needs a 'model_type' (e.g. llama, mistral, qwen2); got keys {sorted(config)}")
-        rest = {k: v for k, v in config.items() if k != "model_type"}
-        by_hand = "transformers_version" not in config  # one transformers wrote may hold extra keys
-        try:
-            made = AutoConfig.for_model(config["model_type"], **rest)
-        except Exception as err:  # a transformers that refuses unknown keys itself: still name the key meant
-            from transformers.models.auto.configuration_auto import CONFIG_MAPPING
-
-            if by_hand and config["model_type"] in CONFIG_MAPPING:
-                check_config_keys(CONFIG_MAPPING[config["model_type"]], rest, None, err)
-            raise
-        if by_hand:
-            check_config_keys(type(made), rest, made)
-        return made
-    raise TypeError(f"config must be a transformers.PretrainedConfig or a mapping with 'model_type', got {type(config).__name__}")
-
-
-#: Keys a config mapping may hold that the family's signature and defaults need not show: the rope settings,
-#: which transformers 4.x and 5.x spell differently and move between each other.
-ROPE_KEYS = ("rope_theta", "rope_scaling", "rope_parameters")
-
-
-def config_keys(config_class: type, common: bool = True) -> set[str]:
-    """The keys ``config_class`` names: its constructor's and its bases' (``PretrainedConfig``'s common ones unless
-    ``common=False``) and its ``attribute_map``'s."""
-    from transformers import PretrainedConfig
-
-    names: set[str] = set(getattr(config_class, "attribute_map", {}) or {})
-    variadic = (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
-    for klass in config_class.__mro__:
-        if not common and not (issubclass(klass, PretrainedConfig) and klass is not PretrainedConfig):
-            continue
-        init = klass.__dict__.get("__init__")
-        if init is None:
-            continue
-        try:
-            parameters = inspect.signature(init).parameters.values()
-        except (TypeError, ValueError):
-            continue
-        names.update(p.name for p in parameters if p.kind not in variadic and p.name != "self")
-    return names
-
-
-#: transformers' modules that read a family's config besides its own modeling module (rope parameters, masks).
-SHARED_READERS = ("transformers.modeling_rope_utils", "transformers.masking_utils")
-_ATTRIBUTE_READ = re.compile(r"\bconfig\.(\w+)|\b(?:get|has)attr\(\s*[\w.]*config\w*\s*,\s*[\"'](\w+)[\"']")
-
-
-@functools.lru_cache(maxsize=None)
-def read_by_the_code(config_class: type) -> frozenset[str]:
-    """The config attributes the family's modeling code (and :data:`SHARED_READERS`) reads, as
-    ``config.name`` or ``getattr(config, "name", ...)``: a family may use a key its config class does not name
-    (Qwen3-MoE's ``head_dim``, read with a default)."""
-    modules = [config_class.__module__.replace(".configuration_", ".modeling_"), *SHARED_READERS]
-    names: set[str] = set()
-    for name in modules:
-        try:
-            source = inspect.getsource(importlib.import_module(name))
-        except Exception:  # a family without such a module; a transformers without such a helper
-            continue
-        names.update(a or b for a, b in _ATTRIBUTE_READ.findall(source))
-    return frozenset(names)
-
-
-def check_config_keys(config_class: type, keys: Mapping[str, Any], made: Any, error: Optional[Exception] = None) -> None:
-    """Raises ``ValueError`` for a key of ``keys`` that the family of ``config_class`` does not know: transformers
-    keeps such a key in the config ``made`` from ``keys`` as an attribute nothing reads, so ``hiden_size: 256``
-    would train the family's default width without a word. A key is known if the config class names it
-    (:func:`config_keys`), its modeling code reads it (:func:`read_by_the_code`), its default config has it, it is a rope setting (:data:`ROPE_KEYS`), or the constructor
-    took it (it is not kept in ``made`` as given: ``torch_dtype``, ``attn_implementation``). ``made=None``: the
-    constructor failed with ``error``; the keys the class does not name that the error names are reported with it."""
-    known = config_keys(config_class) | read_by_the_code(config_class)
-    try:
-        default: Any = config_class()
-    except Exception:  # a family whose defaults do not build: its signature and attribute_map alone
-        default = None
-    unknown = [key for key in keys if key not in known and key not in ROPE_KEYS
-               and (default is None or not hasattr(default, key))
-               and (key in vars(made) if made is not None else key in str(error))]
-    if not unknown:
-        return
-    names = sorted(known | (set(default.to_dict()) if default is not None else set()))
-    hints = []
-    for key in unknown:
-        close = difflib.get_close_matches(key, names, n=3, cutoff=0.6)
-        hints.append(f"{key!r}" + (f" (did you mean {' or '.join(repr(c) for c in close)}?)" if close else ""))
-    consequence = (f"building it fails with {type(error).__name__}: {error}" if made is None else
-                   "transformers would keep it unused and build the family's default instead")
-    raise ValueError(
-        f"HuggingFaceCausalLM: the {getattr(config_class, 'model_type', '')!r} config ({config_class.__name__}) has "
-        f"no key {', '.join(hints)}; {consequence}. Its keys: {', '.join(sorted(config_keys(config_class, common=False)))}, "
-        f"and PretrainedConfig's common ones (tie_word_embeddings, bos_token_id, ...)") from error
 
 
 class DecoderLayerInputs:
@@ -536,12 +426,17 @@ class HuggingFaceCausalLM(AdoptedCausalLM):
     def configure_model(self) -> None:
         if self._layers is not None:  # Lightning calls this hook on every trainer entry point
             return
+        tp_mesh = tensor_parallel_mesh(self.device_mesh)  # set by a strategy with tensor parallelism
+        # First what the plan refuses by name (styles, sizes it does not divide, dropout), which the checks below
+        # would only see fail
+        kinds = (hf_tensor_parallel.read_plan(self.config, tp_mesh.size(), replica_processes(self.device_mesh),
+                                              read_by_the_code(type(self.config))) if tp_mesh is not None else None)
         if self.check_exact:
             # Before any layer gets memory: refuses a family whose pipeline layers differ from the upstream forward.
             # The adapter itself, not a subclass: a subclass may take other constructor arguments.
             self._mask_as_upstream(hf_probe.check_exact(HuggingFaceCausalLM, self.config))
-        tp_mesh = tensor_parallel_mesh(self.device_mesh)  # set by a strategy with tensor parallelism
-        plan = tensor_parallel_plan(self.config, tp_mesh.size()) if tp_mesh is not None else None
+        # Then whether the plan is exact: its layers split over simulated ranks against one device (on a tiny copy)
+        plan = tensor_parallel_plan(self.config, tp_mesh.size(), kinds=kinds) if tp_mesh is not None else None
         super().configure_model()
         if plan is not None:
             self.parallelize(tp_mesh, plan)
@@ -626,7 +521,7 @@ class HuggingFaceCausalLM(AdoptedCausalLM):
         return loss if self._router_loss is None else loss + self._router_loss.loss(statistics)
 
     def pipeline_loss_weight(self, batch: Any) -> Any:
-        return packing.loss_weight(batch, self.skip_document_ends)  # kept targets, where some are skipped
+        return packing.loss_weight(batch, self.skip_document_ends, type(self).__name__)  # kept targets, where skipped
 
     def pipeline_metric_names(self) -> tuple[str, ...]:
         return ("train_aux_loss",) if adds_router_loss(self.config) else ()
@@ -644,34 +539,22 @@ class HuggingFaceCausalLM(AdoptedCausalLM):
         return output if self._router_loss is None or output is None else self._router_loss.split(output)[0]
 
 
-def tensor_parallel_plan(config: Any, tensor_parallel_size: int) -> hf_tensor_parallel.LayerPlan:
+def tensor_parallel_plan(config: Any, tensor_parallel_size: int, processes: Optional[int] = None,
+                         kinds: Optional[dict[str, str]] = None) -> hf_tensor_parallel.LayerPlan:
     """The tensor-parallel plan of one decoder layer of ``config``'s family, from transformers' own
-    (``config.base_model_tp_plan``, :func:`hf_tensor_parallel.read_plan`), checked exact on a tiny copy of the config
-    split over simulated ranks (:func:`hf_tensor_parallel_check.check_tensor_parallel`, which also finds the
-    parameters whose gradient is summed over the ranks). Entries outside the decoder layers (the head's
-    ``colwise_rep``) are not applied: ``HuggingFaceCausalLM.parallelize`` splits the embedding and the head over the
-    vocabulary itself. Refused, naming the reason (:class:`hf_tensor_parallel.TensorParallelRefusal`): a family
-    without a plan, a style the adapter does not apply, a difference or failure on the tiny copy, and a
-    ``tensor_parallel_size`` that does not divide the vocabulary, the heads or the MLP's width."""
-    kinds = hf_tensor_parallel.read_plan(config, tensor_parallel_size)
-    summed = hf_tensor_parallel_check.check_tensor_parallel(HuggingFaceCausalLM, config, kinds)
+    (``config.base_model_tp_plan``; ``kinds``, when given, is what :func:`hf_tensor_parallel.read_plan` read of
+    it), checked exact on a tiny copy of the config split over simulated ranks
+    (:func:`hf_tensor_parallel.check_tensor_parallel`, which also finds the parameters whose gradient is
+    summed over the ranks). Entries outside the decoder layers (the head's ``colwise_rep``) are not applied:
+    ``HuggingFaceCausalLM.parallelize`` splits the embedding and the head over the vocabulary itself. Refused,
+    naming the reason (:class:`hf_tensor_parallel.TensorParallelRefusal`): a family without a plan, a style the
+    adapter does not apply, a difference or failure on the tiny copy, a ``tensor_parallel_size`` that does not
+    divide the vocabulary, the heads or the MLP's width (the sizes suggested instead also divide ``processes``, a
+    pipeline replica's, where known), and a dropout rate above 0."""
+    if kinds is None:
+        kinds = hf_tensor_parallel.read_plan(config, tensor_parallel_size, processes, read_by_the_code(type(config)))
+    summed = hf_tensor_parallel.check_tensor_parallel(HuggingFaceCausalLM, config, kinds)
     return hf_tensor_parallel.LayerPlan(kinds, summed)
-
-
-def pretrained_config(folder: str, **overrides: Any) -> Any:
-    """The config of a local ``save_pretrained`` folder (its ``config.json``), with ``overrides``."""
-    if not os.path.isfile(os.path.join(folder, "config.json")):
-        raise FileNotFoundError(f"pretrained={folder!r} is not a save_pretrained folder: it has no config.json "
-                                f"(a local folder is needed; nothing is downloaded)")
-    try:
-        from transformers import AutoConfig
-    except ImportError as err:
-        raise missing_package("transformers", "hf") from err
-    config, unused = AutoConfig.from_pretrained(folder, local_files_only=True, return_unused_kwargs=True, **overrides)
-    if unused:  # transformers ignores a key its config does not have: a typo would train another model silently
-        raise ValueError(f"the config overrides {sorted(unused)} are not fields of {type(config).__name__} (from "
-                         f"{folder!r}); its fields include {', '.join(sorted(config.to_dict())[:12])}, ...")
-    return config
 
 
 def _has_path(root: Any, path: str) -> bool:

@@ -27,7 +27,7 @@ from lightning_async_pp.models import packing
 from lightning_async_pp.models.meta_built import BuiltInInit
 from lightning_async_pp.module import PipelineModule, layer_seed
 from lightning_async_pp.optim.groups import decay_matrices_only
-from lightning_async_pp.pipeline.mesh import tensor_parallel_mesh
+from lightning_async_pp.parallel.mesh import tensor_parallel_mesh
 
 
 @dataclass(frozen=True)
@@ -276,12 +276,13 @@ class Llama(BuiltInInit, PipelineModule):
         from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
                                                        SequenceParallel, parallelize_module)
 
-        from lightning_async_pp.pipeline.mesh import check_tensor_parallel_divides
+        from lightning_async_pp.parallel.mesh import check_tensor_parallel_divides, replica_processes
 
         cfg = self.config
         check_tensor_parallel_divides(tp_mesh.size(), {"num_heads": cfg.num_heads, "num_kv_heads": cfg.num_kv_heads,
                                                        "intermediate_size": cfg.intermediate_size,
-                                                       "vocab_size": cfg.vocab_size}, "Llama")
+                                                       "vocab_size": cfg.vocab_size}, "Llama",
+                                      replica_processes(self.device_mesh))
         gather_sequence = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
         plan = {"attn_norm": SequenceParallel(), "attn": gather_sequence,
                 "attn.q_proj": ColwiseParallel(), "attn.k_proj": ColwiseParallel(), "attn.v_proj": ColwiseParallel(),
@@ -345,7 +346,7 @@ class Llama(BuiltInInit, PipelineModule):
         return packing.document_loss(logits, batch, self.hparams.skip_document_ends)
 
     def pipeline_loss_weight(self, batch: Any) -> Any:
-        return packing.loss_weight(batch, self.hparams.skip_document_ends)  # kept targets, where some are skipped
+        return packing.loss_weight(batch, self.hparams.skip_document_ends, "Llama")  # kept targets, where skipped
 
     # ---- optimizer ---------------------------------------------------------------------------------------------
     def configure_optimizers(self) -> torch.optim.Optimizer:

@@ -20,7 +20,7 @@ from typing import Any, TypeVar
 import torch
 from torch import nn
 
-from lightning_async_pp.pipeline.placement import parameters_on_meta, replace_meta_tensors
+from lightning_async_pp.parallel.placement import parameters_on_meta, replace_meta_tensors
 
 T = TypeVar("T")
 

@@ -142,9 +142,12 @@ class Documents:
         self._block_mask: Any = None
         self.spans: list[list[tuple[int, int]]] = []
         self.per_document = False
-        self.flex = self.device.type == "cuda" and _flex() is not None
+        shapes_only = _shapes_only(position_ids)
+        self.flex = self.device.type == "cuda" and not shapes_only and _flex() is not None
         if not self.flex:
-            starts = _document_starts(self._position_ids)
+            # Fake or meta positions (the balanced split costing the layers) have no values: each row one document,
+            # what one device's attention over the row costs at most (TextDataModule.example_batch's own rows).
+            starts = [[0]] * self.shape[0] if shapes_only else _document_starts(self._position_ids)
             length = self.shape[-1]
             for row in starts:
                 bounds = [*row, length]
@@ -176,6 +179,13 @@ class Documents:
     def skips_masked_blocks(self) -> bool:
         """Whether attention computes only each document's blocks (no (T, T) mask)."""
         return self.flex or self.per_document
+
+
+def _shapes_only(t: Tensor) -> bool:
+    """Whether ``t`` has a shape and no values to read (a fake tensor, or one on the meta device)."""
+    from torch._subclasses.fake_tensor import is_fake
+
+    return t.is_meta or is_fake(t)
 
 
 def _document_starts(position_ids: Tensor) -> list[list[int]]:
@@ -253,6 +263,19 @@ def document_targets(batch: Mapping[str, Tensor], skip_document_ends: bool) -> T
     return targets.masked_fill(batch[POSITION_IDS][:, 1:] == 0, IGNORE)
 
 
+def check_documents_to_skip(batch: Any, skip_document_ends: bool, who: str) -> None:
+    """Refuse ``skip_document_ends=True`` on a batch of token rows (a tensor, not a packed batch): it has no documents
+    whose ends could be skipped, and the loss would silently take every target (the data module refuses its own
+    token rows at setup; a user's own rows reach the loss). Asked by :func:`loss_weight`, which the pipeline calls
+    on each batch it trains or evaluates and not on the sample it costs the layers on (token rows whatever the
+    data: docs/design/planner.md)."""
+    if skip_document_ends and isinstance(batch, Tensor):
+        raise ValueError(f"{who} has skip_document_ends=True but got a batch of token rows ({batch.dtype} "
+                         f"{tuple(batch.shape)}), which has no documents whose ends could be skipped: give packed "
+                         f"batches {{{INPUT_IDS!r}, {POSITION_IDS!r}}} (positions restarting at each document: "
+                         f"data.TextDataModule(document_mask=True)), or set skip_document_ends=False")
+
+
 def document_loss(logits: Tensor, batch: Mapping[str, Tensor], skip_document_ends: bool) -> Tensor:
     """Cross-entropy (float32) of ``logits`` (B, T, V) against :func:`document_targets`, the mean over the kept
     targets; 0 (with a gradient of zeros) for a microbatch whose every target is skipped, where the mean would be
@@ -262,10 +285,12 @@ def document_loss(logits: Tensor, batch: Mapping[str, Tensor], skip_document_end
     return total / (targets != IGNORE).sum().clamp(min=1)
 
 
-def loss_weight(batch: Any, skip_document_ends: bool) -> Any:
+def loss_weight(batch: Any, skip_document_ends: bool, who: str = "the model") -> Any:
     """A microbatch's weight in its batch's mean loss (``PipelineModule.pipeline_loss_weight``): its rows, or with
     ``skip_document_ends`` on a packed batch its kept targets (a tensor: counted where the batch is), so that the batch
-    loss is the mean over the batch's kept targets whatever the microbatch count."""
+    loss is the mean over the batch's kept targets whatever the microbatch count. ``skip_document_ends`` on token
+    rows is refused, naming ``who`` (:func:`check_documents_to_skip`)."""
+    check_documents_to_skip(batch, skip_document_ends, who)
     if isinstance(batch, Tensor) or not skip_document_ends:
         return (batch if isinstance(batch, Tensor) else batch[INPUT_IDS]).shape[0]
     return (document_targets(batch, True) != IGNORE).sum()

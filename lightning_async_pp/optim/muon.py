@@ -201,13 +201,13 @@ def _has_dtensor(optimizer: Optimizer) -> bool:
 def _step_whole_matrices(muon: torch.optim.Muon) -> None:
     """``muon.step()`` for matrices split over tensor-parallel ranks (DTensor parameters): the momentum stays a
     local shard (its update is elementwise), the momentum-corrected update is gathered whole, orthogonalized by
-    torch's own Newton-Schulz as on one device, and each rank keeps its slice (docs/design/tensor-parallel.md,
+    torch's own Newton-Schulz as on one device, and each rank keeps its slice (docs/design/tensor-parallel-shards.md,
     "Muon on sharded matrices"). The steps are ``torch.optim.Muon``'s (``_single_tensor_muon``, torch 2.14) with
     the gather added; tests/test_tensor_parallel.py checks that plain parameters step exactly as ``torch.optim.Muon`` and that
     a sharded matrix's slice is bitwise the whole matrix's step."""
     from torch.optim._muon import _adjust_lr, _zeropower_via_newtonschulz
 
-    from lightning_async_pp.pipeline.tensor_parallel import laid_out_like, whole_value
+    from lightning_async_pp.parallel.tensor_parallel import laid_out_like, whole_value
 
     for group in muon.param_groups:
         lr = float(group["lr"])

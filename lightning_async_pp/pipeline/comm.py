@@ -32,7 +32,12 @@ _MAX_LEAVES = 1000
 
 
 class PipelineFailure(RuntimeError):
-    """Another stage failed or stopped answering; the message names it."""
+    """Another stage failed or stopped answering; the message names it. ``summary``: who failed and how, in a few
+    words, where the failing process prints its error itself (the others then say only that they stopped)."""
+
+    def __init__(self, message: str, summary: Optional[str] = None) -> None:
+        super().__init__(message)
+        self.summary = summary
 
 
 # What gloo and NCCL say when the process at the other end is gone: a survivor sees these, not its own failure.
@@ -49,15 +54,19 @@ class FailureBoard:
     """A key in the process group's store where the first failing stage writes what went wrong."""
 
     KEY = "lightning_async_pp/failure"
+    SUMMARY = KEY + "/summary"
 
     def __init__(self, store: Optional[dist.Store]) -> None:
         self.store = store
 
-    def report(self, message: str) -> None:
+    def report(self, message: str, summary: Optional[str] = None) -> None:
+        """Post ``message`` unless a failure was posted already; ``summary``: see :class:`PipelineFailure`."""
         if self.store is None:
             return
         try:
             if not self.store.check([self.KEY]):
+                if summary is not None:  # first: a reader that finds the message finds its summary
+                    self.store.set(self.SUMMARY, summary)
                 self.store.set(self.KEY, message)
         except Exception:  # the store may be gone already (its host died); nothing more to tell
             pass
@@ -70,7 +79,8 @@ class FailureBoard:
         except Exception:
             return
         if failed:
-            raise PipelineFailure(self.store.get(self.KEY).decode())
+            summary = self.store.get(self.SUMMARY).decode() if self.store.check([self.SUMMARY]) else None
+            raise PipelineFailure(self.store.get(self.KEY).decode(), summary)
 
     @classmethod
     def from_default_group(cls) -> "FailureBoard":

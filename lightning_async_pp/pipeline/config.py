@@ -13,9 +13,9 @@ from typing import Any, Optional, Union
 
 import torch
 
-from lightning_async_pp.pipeline.mesh import MeshLayout
-from lightning_async_pp.pipeline.partition import PARTITION_METHODS, PartitionSpec
+from lightning_async_pp.parallel.mesh import MeshLayout
 from lightning_async_pp.pipeline.schedule import MULTI_CHUNK_SCHEDULES, SCHEDULES, check_schedule
+from lightning_async_pp.plan.partition import PARTITION_METHODS, PartitionSpec
 
 DelaySpec = Union[int, Sequence[int], None]
 CheckpointingSpec = Union[bool, Sequence[int]]

@@ -27,13 +27,8 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.func import functional_call
 
-from lightning_async_pp.pipeline.comm import FailureBoard, StageLink
-from lightning_async_pp.pipeline.config import PipelineConfig
-from lightning_async_pp.pipeline.cost import (MemoryModel, SplitReport, layer_costs, report_for, split_and_run_ahead,
-                                              stage_memory_bytes)
-from lightning_async_pp.pipeline.mesh import describe_layout
-from lightning_async_pp.pipeline.partition import partition_layers
-from lightning_async_pp.pipeline.placement import (
+from lightning_async_pp.parallel.mesh import describe_layout
+from lightning_async_pp.parallel.placement import (
     Tie,
     check_parameters_covered,
     layer_paths,
@@ -42,13 +37,19 @@ from lightning_async_pp.pipeline.placement import (
     remove_other_stages,
     restore_layers,
 )
+from lightning_async_pp.parallel.tensor_parallel import is_whole, local_tensor
+from lightning_async_pp.parallel.topology import PipelineTopology
+from lightning_async_pp.pipeline.comm import FailureBoard, StageLink
+from lightning_async_pp.pipeline.config import PipelineConfig
 from lightning_async_pp.pipeline.randomness import ForwardRandomness
-from lightning_async_pp.pipeline.runtime import PipelineRuntime, Span, StepTimes
+from lightning_async_pp.pipeline.runtime import PipelineRuntime
 from lightning_async_pp.pipeline.stage import Stage
-from lightning_async_pp.pipeline.tensor_parallel import is_whole, local_tensor
-from lightning_async_pp.pipeline.timing import agreed_layer_times
-from lightning_async_pp.pipeline.topology import PipelineTopology
 from lightning_async_pp.pipeline.versions import WeightVersions
+from lightning_async_pp.plan.balanced import (MemoryModel, SplitReport, layer_costs, report_for, shared_parameters,
+                                              split_and_run_ahead, stage_memory_bytes)
+from lightning_async_pp.plan.partition import partition_layers
+from lightning_async_pp.plan.timing import agreed_layer_times
+from lightning_async_pp.trace import Span, StepTimes
 
 
 @dataclass(frozen=True)
@@ -251,7 +252,7 @@ class PipelineEngine:
         # One device models the p devices its stages stand for, so it picks the split p processes pick.
         model = MemoryModel(config.schedule, p, self.num_microbatches, config.data_parallel_size, config.shard_optimizer,
                             run_ahead=config.last_stage_run_ahead is not False, state_bytes=self.optimizer_state_bytes,
-                            state_shared=self.optimizer_state_shared)
+                            state_shared=self.optimizer_state_shared, param_shared=shared_parameters(self.layers))
         costs, measured = None, None
         if sample_batch is not None:
             try:
@@ -299,7 +300,7 @@ class PipelineEngine:
     def _measured_times(self, sample_batch: Any, input_fn: Callable[[Any], Any],
                         loss_fn: Callable[[Any, Any], Tensor]) -> Optional[list[float]]:
         """``layer_cost="measured"``: rank 0's layer times (under tensor parallelism its tensor-parallel group's,
-        each layer's slowest) on every process, so all choose one split (pipeline/timing.py). ``None`` (the FLOPs
+        each layer's slowest) on every process, so all choose one split (plan/timing.py). ``None`` (the FLOPs
         are used) where they could not be timed or there is no sample (``sample_batch`` None)."""
         return agreed_layer_times(self.layers, sample_batch, input_fn, loss_fn, self.device, rank=self.rank,
                                   multiprocess=self.is_multiprocess, context=self._compute_context,
@@ -541,7 +542,7 @@ class PipelineEngine:
         this for the same optimizers at the same step. Data-parallel replicas hold the same (averaged, whole)
         gradient: no reduction across them. Scaling is torch's ``clip_grads_with_norm_``. Under tensor parallelism
         every rank adds its shards' squares (a replicated parameter on tensor-parallel rank 0 only) and the sum
-        spans every stage's tensor-parallel ranks (docs/design/tensor-parallel.md, "Weights, gradients and
+        spans every stage's tensor-parallel ranks (docs/design/tensor-parallel-shards.md, "Weights, gradients and
         optimizer state per shard").
         """
         params = [p for p in params if p.grad is not None]

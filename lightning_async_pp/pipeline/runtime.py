@@ -17,106 +17,33 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from lightning_async_pp.parallel.data_parallel import GradientReducer
+from lightning_async_pp.parallel.tensor_parallel import loss_context, whole_value
 from lightning_async_pp.pipeline.backward import PendingWeightGradient, backward_input, backward_weight
 from lightning_async_pp.pipeline.comm import StageLink
-from lightning_async_pp.pipeline.data_parallel import GradientReducer
 from lightning_async_pp.pipeline.messages import Message, evaluation_programs, step_programs
-from lightning_async_pp.pipeline.microbatch import batch_size_of, fingerprint, split_microbatches, split_ragged, tensors_of
+from lightning_async_pp.pipeline.microbatch import (batch_size_of, concatenate, fingerprint, loss_shares, scalar_loss,
+                                                    shape_signature, split_microbatches, split_ragged, weight_shares)
 from lightning_async_pp.pipeline.randomness import EVAL, ForwardRandomness
 from lightning_async_pp.pipeline.schedule import Action, step_actions
 from lightning_async_pp.pipeline.stage import Stage
 from lightning_async_pp.pipeline.structure import as_received, flatten, input_gradient, unflatten
-from lightning_async_pp.pipeline.tensor_parallel import loss_context, whole_value
+from lightning_async_pp.trace import Span, StepTimes
 
 InputFn = Callable[[Any], Any]
 LossFn = Callable[[Any, Any], Tensor]
 WeightFn = Callable[[Any], Any]  # a microbatch -> its weight in the batch's mean loss (a number or a scalar tensor)
 
 
-@dataclass
-class Span:
-    """One timed piece of work on one stage, for the timeline trace."""
-
-    stage: int
-    name: str  # forward, backward, send, recv, tied_sum, optimizer, idle
-    start: float
-    end: float
-    args: dict = field(default_factory=dict)
-
-
-@dataclass
-class StepTimes:
-    """Where one process's wall time went during one training step, in seconds."""
-
-    total: float = 0.0  # from the start of the step's pipeline work to the end of its optimizer update
-    compute: float = 0.0  # forward and backward
-    comm_wait: float = 0.0  # blocked waiting for a neighbour's activation, gradient or loss
-    optimizer: float = 0.0  # the update (set by the caller that runs the optimizer)
-    dp_comm: float = 0.0  # the data-parallel gradient reduction, from its first bucket's start to the end of its wait
-    dp_comm_exposed: float = 0.0  # of that, the time blocked waiting for it (what the step's other work did not hide)
-    # Summing the gradient of a weight tied across processes (an embedding tied to the head): it waits for every
-    # stage of the tie to finish the step (docs/design/stages.md, "Tied weights").
-    tied_sum: float = 0.0
-
-    @property
-    def idle(self) -> float:
-        """Everything else: scheduling, Python overhead, data handling."""
-        return max(0.0, self.total - self.compute - self.comm_wait - self.optimizer - self.dp_comm_exposed
-                   - self.tied_sum)
-
-
 class BatchMismatch(RuntimeError):
     """Two stages of one pipeline were given different batches."""
 
-
-def loss_shares(weights: Sequence[Any]) -> Optional[Tensor]:
-    """Each microbatch's share of its batch's mean loss, from its weight (``pipeline_loss_weight``): ``w_j / sum w``
-    (float64, on the weights' device: no host read), or ``None`` where the weights are equal numbers: the mean of the
-    microbatch means, each divided by ``m`` as gradient accumulation does."""
-    if all(isinstance(w, (int, float)) and not isinstance(w, bool) for w in weights) and len(set(weights)) == 1:
-        check_loss_weights(weights)
-        return None
-    return weight_shares(weights)
-
-
-def check_loss_weights(weights: Sequence[Any]) -> None:
-    """Refuse a weight that is neither a number >= 0 nor a one-element tensor, naming the hook (a tensor's sign is
-    not read: that would wait for the device)."""
-    for w in weights:
-        count = isinstance(w, (int, float)) and not isinstance(w, bool) and w >= 0
-        if not (count or isinstance(w, Tensor) and w.numel() == 1):
-            raise TypeError(f"pipeline_loss_weight must return a number >= 0 or a one-element tensor (the microbatch's "
-                            f"weight in its batch's mean loss, such as its count of targets); got {w!r}")
-
-
-def weight_shares(weights: Sequence[Any]) -> Tensor:
-    """``w_j / sum w`` as a float64 vector on the weights' device, whatever the weights' scale (fractions too); all
-    shares 0 where the weights add up to 0 (every target of the batch skipped), not NaN."""
-    check_loss_weights(weights)
-    values = [torch.as_tensor(w, dtype=torch.float64).detach().reshape(()) for w in weights]
-    device = next((v.device for v in values if v.device.type != "cpu"), values[0].device)
-    stacked = torch.stack([v.to(device) for v in values])
-    total = stacked.sum()
-    return stacked / torch.where(total > 0, total, torch.ones_like(total))
-
-
-def scalar_loss(loss: Any) -> Tensor:
-    if isinstance(loss, Tensor):
-        loss = whole_value(loss)  # a DTensor loss (tensor parallelism): its value, replicated on every rank
-    if not isinstance(loss, Tensor) or loss.numel() != 1:
-        shape = tuple(loss.shape) if isinstance(loss, Tensor) else type(loss).__name__
-        raise ValueError(
-            f"pipeline_loss must return a scalar tensor (the mean loss of the microbatch), got shape {shape}; "
-            f"reduce it, e.g. with .mean()"
-        )
-    return loss.reshape(())
 
 
 class PipelineRuntime:
@@ -726,19 +653,3 @@ class PipelineRuntime:
             link.complete_sends()
         return result
 
-
-def shape_signature(value: Any) -> tuple:
-    """The shapes and dtypes of ``value``'s tensors: what both sides of a boundary know of a microbatch, and all a
-    stage's output layout depends on."""
-    return tuple((tuple(t.shape), str(t.dtype)) for t in tensors_of(value))
-
-
-def concatenate(outputs: list[Any]) -> Any:
-    """Microbatch outputs joined along dim 0, leaf by leaf (any nesting)."""
-    if len(outputs) == 1:
-        return outputs[0]
-    flat = [flatten(o, "the last layer's output") for o in outputs]
-    spec = flat[0][1]
-    leaves = [torch.cat([f[0][i] for f in flat]) if flat[0][0][i].dim() > 0 else flat[0][0][i]
-              for i in range(len(flat[0][0]))]
-    return unflatten(leaves, spec)

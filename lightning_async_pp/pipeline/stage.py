@@ -8,8 +8,8 @@ from torch import Tensor, nn
 from torch.func import functional_call
 from torch.utils.checkpoint import checkpoint
 
+from lightning_async_pp.parallel.tensor_parallel import as_laid_out, dtensor_spec
 from lightning_async_pp.pipeline.compiled import compile_layers
-from lightning_async_pp.pipeline.tensor_parallel import as_laid_out, dtensor_spec
 from lightning_async_pp.pipeline.versions import WeightVersions
 
 

@@ -20,7 +20,7 @@ from typing import Any, Optional
 import torch
 from torch import Tensor, nn
 
-from lightning_async_pp.pipeline.tensor_parallel import local_tensor, point_at
+from lightning_async_pp.parallel.tensor_parallel import local_tensor, point_at
 
 
 class WeightVersions:

@@ -6,8 +6,8 @@ import argparse
 import math
 from typing import Optional, Sequence
 
-from lightning_async_pp.pipeline.cost import OPTIMIZER_STATE_RULES
 from lightning_async_pp.pipeline.schedule import PLANNER_SCHEDULES
+from lightning_async_pp.plan.balanced import OPTIMIZER_STATE_RULES
 from lightning_async_pp.plan.costs import DEFAULT_STAGES
 from lightning_async_pp.plan.report import plan
 from lightning_async_pp.plan.shapes import MODELS

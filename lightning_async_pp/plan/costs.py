@@ -8,12 +8,12 @@ import argparse
 from dataclasses import dataclass, field, replace
 from typing import Optional, Sequence
 
-from lightning_async_pp.pipeline.cost import (LayerCost, MemoryModel, balanced_split, optimizer_state,
-                                              smallest_peak, split_and_run_ahead, stage_memory_bytes, stage_peak)
-from lightning_async_pp.pipeline.memory import StageMemory
-from lightning_async_pp.pipeline.partition import _balanced_counts
 from lightning_async_pp.pipeline.schedule import check_schedule, chunks_per_device, device_of
 from lightning_async_pp.pipeline.simulate import SimulationResult
+from lightning_async_pp.plan.balanced import (LayerCost, MemoryModel, balanced_split, held_once, optimizer_state,
+                                              smallest_peak, split_and_run_ahead, stage_memory_bytes, stage_peak)
+from lightning_async_pp.plan.memory import StageMemory
+from lightning_async_pp.plan.partition import _balanced_counts
 from lightning_async_pp.plan.shapes import MODELS, Shape
 
 
@@ -93,9 +93,10 @@ class CostModel:
             raise ValueError("--data-parallel needs each stage's reduction time: give --dp-reduce-s, or a model shape "
                              "(whose gradient bytes per stage the plan computes)")
         per_layer = self.shape.layer_parameters(args.split_blocks)
+        shared = self.shape.shared_parameters(args.split_blocks)  # a stage holding both ends reduces the tie once
         nbytes, start = [], 0
         for c in counts:
-            nbytes.append(sum(per_layer[start : start + c]) * args.grad_bytes)
+            nbytes.append(held_once(per_layer, start, start + c, shared) * args.grad_bytes)
             start += c
         gbps = args.dp_gbps if args.dp_gbps is not None else args.link_gbps
         ring = lambda b: 2 * (r - 1) / r * b / (gbps * 1e9) + 2 * (r - 1) * args.dp_latency_s  # noqa: E731
@@ -103,10 +104,12 @@ class CostModel:
 
     def memory_model(self, p: int, m: int, schedule: str) -> MemoryModel:
         """What the balanced split's memory cap is checked against for ``schedule``: the memory table's account
-        (``pipeline.cost.stage_peak``) under that schedule's action order, as the engine running it checks it."""
+        (``plan.balanced.stage_peak``) under that schedule's action order, as the engine running it checks it."""
         args = self.args
+        shared = () if self.shape is None else self.shape.shared_parameters(args.split_blocks, args.param_bytes)
         return MemoryModel(schedule, p, m, args.data_parallel, args.shard_optimizer, optimizer=args.optimizer,
-                           correction_buffers=args.correction_buffers, virtual_stages=args.virtual_stages)
+                           correction_buffers=args.correction_buffers, virtual_stages=args.virtual_stages,
+                           param_shared=shared)
 
     def run_ahead(self, p: int, m: int) -> bool:
         """Whether 2bw's last stage runs the next batch's first microbatch before its update (a second gradient):
@@ -156,7 +159,7 @@ class CostModel:
         return balanced_split(self.layer_forward, p, memory=fn, memory_cap=least), least_model.run_ahead, least
 
     def split(self, p: int, m: int, method: str = "balanced", schedule: str = "2bw") -> list[int]:
-        """Layers per stage by ``method``: ``balanced`` (``pipeline.cost.balanced_split``: the slowest stage's
+        """Layers per stage by ``method``: ``balanced`` (``plan.balanced.balanced_split``: the slowest stage's
         forward and backward least, every device's memory under ``schedule`` under ``--stage-memory-gib``, as the
         engine running ``schedule`` splits), ``parameters`` or ``uniform``."""
         n = len(self.layer_forward)
@@ -207,7 +210,7 @@ def device_memory(shape: Shape, counts: list[int], result: SimulationResult, *, 
                   param_bytes: int, optimizer: str = "adamw", correction_buffers: float = 0.0,
                   split_blocks: bool = False, data_parallel: int = 1, shard_optimizer: bool = False,
                   run_ahead: bool = True) -> list[StageMemory]:
-    """Each device's peak by :func:`~lightning_async_pp.pipeline.memory.stage_memory`, the shape's pipeline layers
+    """Each device's peak by :func:`~lightning_async_pp.plan.memory.stage_memory`, the shape's pipeline layers
     split by ``counts`` (a chunked schedule's device holds the same share in chunks), microbatches of ``tokens``.
     With ``data_parallel > 1`` the engine does not run 2BW's next batch ahead of the update (one gradient, not
     two; docs/design/data-parallel.md, "Data parallelism"), and ``shard_optimizer`` (ZeRO-1) splits the optimizer state and the
@@ -216,10 +219,11 @@ def device_memory(shape: Shape, counts: list[int], result: SimulationResult, *, 
     if sum(counts) != len(layers):
         raise ValueError(f"counts {counts} split {sum(counts)} layers; the shape has {len(layers)}")
     model = MemoryModel(result.schedule, len(counts), result.num_microbatches, data_parallel, shard_optimizer,
-                        run_ahead=run_ahead, optimizer=optimizer, correction_buffers=correction_buffers)
+                        run_ahead=run_ahead, optimizer=optimizer, correction_buffers=correction_buffers,
+                        param_shared=shape.shared_parameters(split_blocks, param_bytes))
     out, start = [], 0
     for device, count in enumerate(counts):
-        # the account the balanced split checks its cap against (pipeline.cost.stage_peak), on this timeline
+        # the account the balanced split checks its cap against (plan.balanced.stage_peak), on this timeline
         out.append(stage_peak(layers, start, start + count, device, model, result=result))
         start += count
     return out
@@ -227,5 +231,5 @@ def device_memory(shape: Shape, counts: list[int], result: SimulationResult, *, 
 
 def optimizer_state_bytes(optimizer: str, params: Sequence[int], matrices: Sequence[int], param_bytes: int) -> int:
     """Bytes of ``optimizer``'s state over layers of ``params`` parameters, ``matrices`` of them in hidden matrices
-    (``pipeline.cost.optimizer_state``, :data:`OPTIMIZER_STATE_RULES`)."""
+    (``plan.balanced.optimizer_state``, :data:`OPTIMIZER_STATE_RULES`)."""
     return optimizer_state(optimizer, sum(params) * param_bytes, sum(matrices) * param_bytes)

@@ -7,27 +7,12 @@ import argparse
 from pathlib import Path
 from typing import Optional
 
-from lightning_async_pp.pipeline.cost import OPTIMIZER_STATE_RULES
-from lightning_async_pp.pipeline.memory import StageMemory
 from lightning_async_pp.pipeline.simulate import SimulationResult, simulate
+from lightning_async_pp.plan.balanced import OPTIMIZER_STATE_RULES
 from lightning_async_pp.plan.costs import CostModel, Costs, device_memory, tied_kwargs
+from lightning_async_pp.plan.memory import StageMemory
 from lightning_async_pp.plan.tensor import tensor_parallel_section
-
-
-def fmt_seconds(s: float) -> str:
-    if s >= 1.0:
-        return f"{s:.3g} s"
-    if s >= 1e-3:
-        return f"{s * 1e3:.3g} ms"
-    return f"{s * 1e6:.3g} µs"
-
-
-def fmt_count(n: float) -> str:
-    """A parameter count in the unit that shows it: 10.31 B, 134.5 M, 7.2 K (not 0.00 B for a small model)."""
-    for scale, unit, digits in ((1e9, "B", 2), (1e6, "M", 1), (1e3, "K", 1)):
-        if n >= scale:
-            return f"{n / scale:.{digits}f} {unit}"
-    return f"{n:.0f}"
+from lightning_async_pp.plan.units import fmt_count, fmt_seconds
 
 
 def label(schedule: str, args: argparse.Namespace) -> str:
@@ -241,7 +226,7 @@ def plan(args: argparse.Namespace) -> tuple[list[str], list[dict]]:
                   "|---:|---:|---|---|---|---:|---:|", *split_lines]
     if memory_lines:
         lines += ["", "## Memory per device (peak, GiB)", "",
-                  f"The device with the largest peak, by what holds it (`pipeline.memory.stage_memory` over the "
+                  f"The device with the largest peak, by what holds it (`plan.memory.stage_memory` over the "
                   f"simulated timeline): parameters and gradients at {args.param_bytes} bytes each, "
                   f"the optimizer's state as {args.optimizer} keeps it ({OPTIMIZER_STATE_RULES[args.optimizer]}), "
                   f"{args.correction_buffers:g} correction buffers per parameter (ErrorFeedback 1) and as many "

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from lightning_async_pp.pipeline.cost import LayerCost
+from lightning_async_pp.plan.balanced import LayerCost
 
 
 @dataclass(frozen=True)
@@ -53,6 +53,16 @@ class Shape:
         params[0] += self.vocab * h
         params[-1] += self.vocab * h + h
         return params
+
+    def shared_parameters(self, split_blocks: bool, param_bytes: int = 1,
+                          tensor_parallel_size: int = 1) -> tuple[tuple[int, tuple[int, ...]], ...]:
+        """The tied embedding and head (``tied``), which the first and the last pipeline layer both count
+        (:meth:`layer_parameters`): its bytes (one tensor-parallel rank's share) and those layers, so that a stage
+        holding both counts it once (``MemoryModel.param_shared``)."""
+        last = len(self.pipeline_layers(split_blocks)) - 1
+        if not self.tied or last == 0:
+            return ()
+        return ((round(self.vocab * self.hidden / tensor_parallel_size * param_bytes), (0, last)),)
 
     def layer_matrix_parameters(self, split_blocks: bool) -> list[int]:
         """Of :meth:`layer_parameters`, those in the blocks' hidden matrices (the projections: what Muon
@@ -105,7 +115,7 @@ class Shape:
 
     def layer_costs(self, split_blocks: bool, tokens: int, value_bytes: int, param_bytes: int,
                     backward_ratio: float) -> list[LayerCost]:
-        """Each pipeline layer as ``pipeline.cost`` weighs it, for the balanced split and the memory table alike
+        """Each pipeline layer as ``plan.balanced`` weighs it, for the balanced split and the memory table alike
         (what the engine counts with ``FlopCounterMode`` on the built-in Llama; a test compares the FLOPs): FLOPs
         over ``tokens``, parameter bytes (and those in hidden matrices), the bytes its forward keeps
         (:meth:`layer_saved_bytes`), its input and output (one activation, ``tokens x hidden`` values, each: held

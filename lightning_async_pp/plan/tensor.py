@@ -17,10 +17,11 @@ from __future__ import annotations
 import argparse
 from typing import Optional
 
-from lightning_async_pp.pipeline.cost import LayerCost, MemoryModel, split_and_run_ahead, stage_memory_bytes, stage_peak
-from lightning_async_pp.pipeline.mesh import check_tensor_parallel_divides
+from lightning_async_pp.parallel.mesh import check_tensor_parallel_divides
 from lightning_async_pp.pipeline.simulate import simulate
+from lightning_async_pp.plan.balanced import LayerCost, MemoryModel, split_and_run_ahead, stage_memory_bytes, stage_peak
 from lightning_async_pp.plan.shapes import Shape
+from lightning_async_pp.plan.units import fmt_seconds
 
 #: Schedules the table covers: one chunk per device (interleaved and V schedules hold chunks the table does not split).
 TP_SCHEDULES = ("2bw", "1f1b", "gpipe", "zb_h1")
@@ -112,7 +113,8 @@ def tensor_parallel_rows(args: argparse.Namespace, shape: Shape, stages: list[in
                 continue
             for m in args.microbatches:
                 for s in schedules:
-                    record = _row(args, s, p, m, t, costs, forward, backward, comm_s, cap)
+                    record = _row(args, s, p, m, t, costs, forward, backward, comm_s, cap,
+                                  shape.shared_parameters(args.split_blocks, args.param_bytes, t))
                     if record is None:
                         continue
                     record["collectives_per_block_s"] = block_coll
@@ -122,9 +124,9 @@ def tensor_parallel_rows(args: argparse.Namespace, shape: Shape, stages: list[in
 
 
 def _row(args: argparse.Namespace, s: str, p: int, m: int, t: int, costs: list[LayerCost], forward: list[float],
-         backward: list[float], comm_s: float, cap: float) -> Optional[dict]:
+         backward: list[float], comm_s: float, cap: float, shared: tuple = ()) -> Optional[dict]:
     model = MemoryModel(s, p, m, args.data_parallel, args.shard_optimizer, optimizer=args.optimizer,
-                        correction_buffers=args.correction_buffers)
+                        correction_buffers=args.correction_buffers, param_shared=shared)
     times = [f + b for f, b in zip(forward, backward)]
     memory = lambda i, j, st, mm: stage_memory_bytes(costs, i, j, st, mm)  # noqa: E731
     try:
@@ -155,8 +157,6 @@ def _row(args: argparse.Namespace, s: str, p: int, m: int, t: int, costs: list[L
 
 
 def _format(r: dict, tokens: int, args: argparse.Namespace) -> str:
-    from lightning_async_pp.plan.report import fmt_seconds
-
     counts = r["layers_per_stage"]
     split = str(counts[0]) if len(set(counts)) == 1 else f"{min(counts)}-{max(counts)}"
     per_device = r["m"] * tokens * args.data_parallel / r["step_time_s"] / r["devices"]

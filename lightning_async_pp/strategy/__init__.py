@@ -3,7 +3,8 @@
 ``AsyncPipelineStrategy`` (``adapter.py``) is the thin adapter Lightning talks to; it delegates each concern to a
 module of its own here: ``options.py`` (its keyword arguments and what it refuses at setup), ``batches.py`` (the
 training batches: the lookahead loader of ``lookahead.py``, the transfer hooks, the shared sampler seed),
-``failures.py`` (a failed stage reported to the others, SIGTERM), ``processes.py`` (process groups and RNG
+``data_rows.py`` (the data module's rows checked against the model at setup), ``failures.py`` (a failed
+stage reported to the others and what each process prints, SIGTERM), ``processes.py`` (process groups and RNG
 state across the launch), ``state.py`` (checkpoints and the gather after each call) and ``requeue.py`` (SLURM's
 auto-requeue at a step boundary). ``_lightning.py`` is the one module that touches Lightning's private parts.
 See docs/design/lightning.md, "The Lightning seam".

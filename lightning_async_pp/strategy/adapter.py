@@ -4,13 +4,13 @@ Lightning keeps doing what it does (launching processes, the loops, the optimize
 logging, checkpoints); this class only builds a :class:`PipelineEngine` in ``setup``, runs it from the module's
 steps, hands its batch gradient to Lightning's optimizer step, and saves its weight versions with checkpoints.
 The rest of the seam is delegated to the modules beside it: ``options.py`` (keyword arguments, refused settings),
-``batches.py`` (the training batches and the lookahead), ``failures.py``, ``processes.py``, ``state.py``
-(checkpoints, the gather after each call) and ``requeue.py``.
+``batches.py`` (the training batches and the lookahead), ``data_rows.py``, ``failures.py``, ``processes.py`` (the
+run's shape, the launcher, the process groups and the mesh),
+``state.py`` (checkpoints, the gather after each call) and ``requeue.py``.
 How it meets Lightning is described in docs/design/lightning.md, "The Lightning seam".
 """
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
@@ -25,37 +25,33 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor
 
-from lightning_async_pp.lightning_callbacks import check_callbacks
+from lightning_async_pp import checkpoint as ckpt
 from lightning_async_pp.module import PipelineModule
 from lightning_async_pp.optim.checks import check_corrections, set_step_delay
 from lightning_async_pp.optim.empty import allowing_empty_parameter_lists
 from lightning_async_pp.optim.weight_prediction import prediction_scales
-from lightning_async_pp.pipeline import checkpoint as ckpt
-from lightning_async_pp.pipeline.comm import elastic_attempt_store
-from lightning_async_pp.pipeline.config import CheckpointingSpec, CompileSpec, DelaySpec, PipelineConfig
-from lightning_async_pp.pipeline.engine import PipelineEngine
-from lightning_async_pp.pipeline.partition import PartitionSpec
-from lightning_async_pp.strategy.optimizer_state import optimizer_state_per_layer
-from lightning_async_pp.pipeline.placement import (
+from lightning_async_pp.parallel.placement import (
     layer_paths,
     parameters_on_meta,
     reassemble_layers,
     refusing_loads_onto_meta,
-    replace_meta_tensors,
 )
-from lightning_async_pp.pipeline.mesh import build_device_mesh
-from lightning_async_pp.pipeline.sharding import local_optimizer, shard_optimizers
-from lightning_async_pp.pipeline.tensor_parallel import parameter_grad
-from lightning_async_pp.pipeline.topology import PipelineTopology
-from lightning_async_pp.strategy import _lightning, options, processes
+from lightning_async_pp.parallel.tensor_parallel import meta_tensors_set_aside, parameter_grad
+from lightning_async_pp.parallel.zero import local_optimizer, shard_optimizers
+from lightning_async_pp.pipeline.config import CheckpointingSpec, CompileSpec, DelaySpec, PipelineConfig
+from lightning_async_pp.pipeline.engine import PipelineEngine
+from lightning_async_pp.plan.partition import PartitionSpec
+from lightning_async_pp.strategy import _lightning, data_rows, options
 from lightning_async_pp.strategy.batches import TrainingBatches
-from lightning_async_pp.strategy.failures import FailureReporting
+from lightning_async_pp.strategy.failures import FailureReporting, not_raised_over_a_failure
 from lightning_async_pp.strategy.lookahead import LookaheadLoader
+from lightning_async_pp.strategy.optimizer_state import optimizer_state_per_layer
+from lightning_async_pp.strategy.processes import ProcessLayout
 from lightning_async_pp.strategy.requeue import RequeueAtStepBoundary
 from lightning_async_pp.strategy.state import PipelineStateHooks, continued_state
 
 
-class AsyncPipelineStrategy(PipelineStateHooks, TrainingBatches, FailureReporting, DDPStrategy):
+class AsyncPipelineStrategy(PipelineStateHooks, TrainingBatches, FailureReporting, ProcessLayout, DDPStrategy):
     """Pipeline-parallel training of a :class:`~lightning_async_pp.PipelineModule`.
 
     Args:
@@ -188,7 +184,7 @@ class AsyncPipelineStrategy(PipelineStateHooks, TrainingBatches, FailureReportin
         self.gather_final_weights = gather_final_weights
         self._pending_save: Optional[ckpt.PendingSave] = None  # an async_checkpoint save still being written
         self._in_trainer_call = False  # between setup and teardown, where teardown awaits a background save
-        self._gathered_tensor_parallel = False  # rank 0 holds the whole model after a tensor-parallel call's gather
+        self._stage_state: Optional[dict] = None  # rank 0's tensor-parallel stage, kept when the gather replaced it
         self._checkpoint_group: Any = None  # async saves' own gloo group: their collectives run in a background thread
         self._source: Optional[ckpt.TensorSource] = None  # the checkpoint being restored, between its two loads
         self._tensors: dict[str, Any] = {}
@@ -199,113 +195,6 @@ class AsyncPipelineStrategy(PipelineStateHooks, TrainingBatches, FailureReportin
         self._reported: Optional[BaseException] = None  # the failure already reported to the other stages
         self._requeue: Optional[RequeueAtStepBoundary] = None
         self._device_mesh: Any = None  # tensor_parallel_size > 1: the mesh of data_parallel x pipeline x tensor_parallel
-
-    # ---- shape of the run -------------------------------------------------------------------------------------
-    @property
-    def schedule(self) -> str:
-        return self.config.schedule
-
-    @property
-    def data_parallel_size(self) -> int:
-        return self.config.data_parallel_size
-
-    @property
-    def world_size_total(self) -> int:
-        return max(1, self.num_nodes * self.num_processes)
-
-    @property
-    def is_multiprocess(self) -> bool:
-        return self.world_size_total > 1
-
-    @property
-    def root_device(self) -> torch.device:
-        assert self.parallel_devices is not None
-        # One process runs on its one device, as single-device Lightning does, even where the environment names
-        # another local rank (a one-device Trainer in a script that Lightning's launcher re-ran as rank 1).
-        return self.parallel_devices[self.local_rank if self.is_multiprocess else 0]
-
-    @property
-    def tensor_parallel_size(self) -> int:
-        return self.config.tensor_parallel_size
-
-    @property
-    def topology(self) -> PipelineTopology:
-        return PipelineTopology(self.world_size_total, self.data_parallel_size, self.global_rank,
-                                self.tensor_parallel_size)
-
-    @property
-    def device_mesh(self) -> Any:
-        """With ``tensor_parallel_size > 1``: the ``DeviceMesh`` (dimensions ``"data_parallel"``, ``"pipeline"``,
-        ``"tensor_parallel"``) that ``configure_model`` reads as ``self.device_mesh``; ``None`` otherwise."""
-        return self._device_mesh
-
-    @property
-    def num_stages(self) -> int:
-        return self.config.stages_for(self.world_size_total)
-
-    @property
-    def num_microbatches(self) -> int:
-        return self.config.microbatches_for(self.num_stages)
-
-    def stage_delays(self) -> list[int]:
-        """The delay (in updates) of each stage's gradients."""
-        return self.config.stage_delays(self.num_stages)
-
-    @property
-    def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        # All stages of one pipeline must see the same batch: shard by data-parallel rank only.
-        if not self.is_multiprocess:
-            return {"num_replicas": 1, "rank": 0}
-        topology = self.topology
-        return {"num_replicas": topology.data_parallel_size, "rank": topology.dp_rank}
-
-    # ---- launching and process groups -------------------------------------------------------------------------
-    def _configure_launcher(self) -> None:
-        self.config.check(self.world_size_total)  # before any process is started
-        if not self.is_multiprocess:
-            # One process needs no launcher, as single-device Lightning has none. DDP's would set LOCAL_RANK in
-            # the environment, and a later multi-process Trainer in the same script would then take its processes
-            # to be started externally and wait for ranks that nobody starts.
-            self._launcher = None
-            return
-        super()._configure_launcher()
-
-    def setup_environment(self) -> None:
-        trainer = self.lightning_module.trainer
-        if trainer.state.fn == TrainerFn.FITTING:
-            # Before the callbacks' own setup (weight averaging copies the model there) and any process group.
-            check_callbacks(trainer.callbacks, processes=self.world_size_total, num_stages=self.num_stages)
-        if self.is_multiprocess and self.root_device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
-            # Stages on one host share its cores: give each process its share instead of letting every process
-            # start a thread per core and oversubscribe them (torchrun does the same with OMP_NUM_THREADS=1).
-            torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, self.num_processes)))
-        if self.data_parallel_size == 1:
-            # One pipeline is not data parallel: keep the user's own sampler, as single-device Lightning does,
-            # instead of the shuffling DistributedSampler that Lightning injects for a DDP-derived strategy.
-            _lightning.keep_user_sampler(self.lightning_module.trainer)
-        super().setup_environment()
-
-    def setup_distributed(self) -> None:
-        if not self.is_multiprocess:
-            return  # one process needs no process group: every stage runs here
-        # DDP re-seeds every process here (reset_seed), after the model was built. Every stage runs the same
-        # script, so their RNGs already agree; keeping them as they are makes a seeded run draw (sampler
-        # permutations, dropout) as on one device.
-        states = processes.rng_states()
-        store = elastic_attempt_store(self._timeout)
-        if store is not None and not torch.distributed.is_initialized():
-            # Under torchrun: the process group on this restart attempt's own keys (comm.elastic_attempt_store);
-            # Lightning's setup then finds it initialized and goes on.
-            self.set_world_ranks()
-            torch.distributed.init_process_group(self._get_process_group_backend(), store=store, rank=self.global_rank,
-                                                 world_size=self.world_size, timeout=self._timeout)
-        super().setup_distributed()
-        processes.set_rng_states(states)
-        processes.destroy_process_groups_at_exit()
-        if self.tensor_parallel_size > 1:
-            # Before configure_model, which applies the model's plan to the mesh's "tensor_parallel" dimension.
-            self._device_mesh = build_device_mesh(self.topology.layout, self.root_device.type)
-            _lightning.set_device_mesh(self.lightning_module, self._device_mesh)
 
     # ---- building the engine ------------------------------------------------------------------------------------
     def _optimizer_state_for_split(self, trainer: Trainer, module: Any, previous: Optional[PipelineEngine]) -> dict:
@@ -336,6 +225,7 @@ class AsyncPipelineStrategy(PipelineStateHooks, TrainingBatches, FailureReportin
         options.refuse_unsupported(trainer, self.precision_plugin, self.config)
         options.refuse_with_tensor_parallelism(trainer, module, self.config, self.gather_final_weights,
                                                previous_call=self.engine is not None)
+        data_rows.check_rows(trainer.datamodule, module)  # rows the model refuses: before costing or building
         self.model = self.precision_plugin.convert_module(self.model)
         # The full layer list is remembered on the module: after a multi-process call, other stages' layers are
         # placeholders in rank 0's tree (unless gathered back), and a later call must still find the originals.
@@ -488,16 +378,15 @@ class AsyncPipelineStrategy(PipelineStateHooks, TrainingBatches, FailureReportin
         module = self.lightning_module
         if isinstance(module, PipelineModule):
             module._pipeline_executor = None
-        if module is not None:
-            # A setup that failed before materializing leaves meta tensors, which Lightning's move to the CPU
-            # cannot copy: give them a placeholder of their shape (no memory) so the original error surfaces.
-            replace_meta_tensors(module, lambda t: torch.empty((), dtype=t.dtype).expand(t.shape))
         self._train_loader = None
         self._lookahead = None
         self.precision_plugin.__dict__.pop("clip_grad_by_norm", None)  # the plugin's own method again
         self._requeue = None
-        self.finish_pending_save()
-        super().teardown()
+        # A setup that failed before materializing leaves meta tensors, which Lightning's move to the CPU cannot
+        # copy: set aside meanwhile. Whatever fails here is not raised over the call's own failure.
+        with not_raised_over_a_failure(module), meta_tensors_set_aside(module) if module else nullcontext():
+            self.finish_pending_save()
+            super().teardown()
 
 
 StrategyRegistry.register(

@@ -15,15 +15,15 @@ from typing import Any, NamedTuple, Optional
 import torch
 from torch import Tensor, nn
 
-from lightning_async_pp.pipeline.placement import parameters_swapped
-from lightning_async_pp.pipeline.tensor_parallel import local_tensor
+from lightning_async_pp.parallel.placement import parameters_swapped
+from lightning_async_pp.parallel.tensor_parallel import local_tensor
 from lightning_async_pp.strategy import _lightning
 
 
 class LayerOptimizerState(NamedTuple):
     """What the configured optimizer keeps, per layer (``per_layer``: a parameter several layers hold counted in
     each) and, for each parameter several layers hold (a tied weight), its bytes and those layers (``shared``): a
-    stage holding two of them keeps the state once (:class:`~lightning_async_pp.pipeline.cost.MemoryModel`)."""
+    stage holding two of them keeps the state once (:class:`~lightning_async_pp.plan.balanced.MemoryModel`)."""
 
     per_layer: tuple[int, ...]
     shared: tuple[tuple[int, tuple[int, ...]], ...] = ()

@@ -15,6 +15,8 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.distributed.tensor import DTensor
 
 from lightning_async_pp.module import PipelineModule
+from lightning_async_pp.parallel.mesh import check_tensor_parallel_no_dropout
+from lightning_async_pp.parallel.tensor_parallel import dropout_in_split_layers
 from lightning_async_pp.pipeline.config import PipelineConfig
 
 #: Keyword arguments of Lightning's DDPStrategy that are meaningful here (the accelerator connector and users
@@ -100,14 +102,18 @@ def refuse_with_tensor_parallelism(trainer: Any, module: Any, config: PipelineCo
 
     t = config.tensor_parallel_size
     refused = []
+    split = any(isinstance(p, DTensor) for p in module.parameters())  # the plan applied (in configure_model)
     # Llama and the transformers adapter apply their plan in configure_model (under the strategy it ran before
     # setup); any other module (models.GPT included) must have applied its own: a DTensor parameter shows a plan.
-    if not (isinstance(module, (Llama, HuggingFaceCausalLM)) or any(isinstance(p, DTensor) for p in module.parameters())):
+    if not (isinstance(module, (Llama, HuggingFaceCausalLM)) or split):
         refused.append((f"the model {type(module).__name__}", "it applies no tensor-parallel plan (it has no DTensor "
                         "parameter after configure_model); models.Llama, models.GPT and models.HuggingFaceCausalLM "
                         "come with one, your own PipelineModule applies its own in configure_model over "
                         "self.device_mesh['tensor_parallel'] (docs/guide/models.md, 'Tensor parallelism in your own "
                         "model'); or use tensor_parallel_size=1"))
+    if split and trainer.state.fn == TrainerFn.FITTING:  # dropout in a layer the plan splits (evaluation draws none)
+        check_tensor_parallel_no_dropout(t, dropout_in_split_layers(module.pipeline_layers()),
+                                         f"the model {type(module).__name__}")
     if previous_call:
         refused.append(("a second trainer call on the same Trainer", "use a new Trainer"))
     if getattr(module, GATHERED, False):

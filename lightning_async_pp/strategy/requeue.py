@@ -18,8 +18,8 @@ from typing import Any, Optional
 
 from lightning.fabric.plugins.environments import SLURMEnvironment
 
-from lightning_async_pp.strategy import _lightning
 from lightning_async_pp.pipeline.comm import StepAgreement
+from lightning_async_pp.strategy import _lightning
 
 log = logging.getLogger(__name__)
 

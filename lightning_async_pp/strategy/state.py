@@ -1,5 +1,5 @@
 """The hooks of ``AsyncPipelineStrategy`` that move the model's state: checkpoints (saved and loaded through the
-layout-free dictionary of :mod:`.pipeline.checkpoint`) and the gather of the whole model into rank 0 after every
+layout-free dictionary of :mod:`lightning_async_pp.checkpoint`) and the gather of the whole model into rank 0 after every
 trainer call, and what a later call of the same Trainer continues from. A mixin, so that ``adapter.py`` keeps the
 run itself; see docs/design/checkpoints.md, "Checkpoints".
 """
@@ -17,11 +17,12 @@ from lightning.fabric.utilities.optimizer import _optimizer_to_device
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
+from torch.distributed.tensor import DTensor
 
+from lightning_async_pp import checkpoint as ckpt
 from lightning_async_pp.lightning_callbacks import check_resume
-from lightning_async_pp.pipeline import checkpoint as ckpt
+from lightning_async_pp.parallel.tensor_parallel import undo_tensor_parallelism, whole
 from lightning_async_pp.pipeline.engine import PipelineEngine, check_names_and_shapes
-from lightning_async_pp.pipeline.tensor_parallel import undo_tensor_parallelism, whole
 from lightning_async_pp.strategy import _lightning
 from lightning_async_pp.strategy.options import GATHERED
 
@@ -30,7 +31,7 @@ class PipelineStateHooks:
     """Mixed into ``AsyncPipelineStrategy`` (before ``DDPStrategy``, whose hooks these replace)."""
 
     # ---- checkpoints ------------------------------------------------------------------------------------------
-    # Every stage contributes its own tensors, keyed by global names (pipeline/checkpoint.py); see docs/design/checkpoints.md,
+    # Every stage contributes its own tensors, keyed by global names (checkpoint/layouts.py); see docs/design/checkpoints.md,
     # "Checkpoints". Nothing is gathered for a sharded checkpoint; a single file is assembled on rank 0.
     @property
     def restore_checkpoint_after_setup(self) -> bool:
@@ -40,6 +41,8 @@ class PipelineStateHooks:
     def lightning_module_state_dict(self) -> dict[str, Any]:
         # This stage's part (save_checkpoint assembles the rest), with buffers as the trained batches left them:
         # the lookahead's forwards of the next batch may have updated running statistics already.
+        if self._stage_state is not None:
+            return self._stage_state  # rank 0's stage as it was before the gather made its module a whole one
         trained = self.engine.trained_buffers() if self.engine is not None else {}
         return {k: trained.get(id(v), v).detach() for k, v in self.lightning_module.state_dict(keep_vars=True).items()}
 
@@ -56,10 +59,6 @@ class PipelineStateHooks:
                 return
             raise RuntimeError("AsyncPipelineStrategy can save a checkpoint only once its setup has run (inside a "
                                "trainer call, or after one)")
-        if self._gathered_tensor_parallel:
-            raise RuntimeError("this Trainer's tensor-parallel stages were gathered into rank 0's module after its "
-                               "call (gather_final_weights=True), so they no longer hold their shards: save during "
-                               "the call (ModelCheckpoint), or pass gather_final_weights=False to save after it")
         path = os.fspath(filepath)
         own = self.not_a_replica
         module_state = checkpoint.pop("state_dict")
@@ -246,10 +245,14 @@ class PipelineStateHooks:
         assert self.engine is not None
         merged = self._merged_module_state()
         if self.tensor_parallel_size > 1:  # on every rank: a later call on this model is refused on all alike
-            self._gathered_tensor_parallel = True
             object.__setattr__(self.lightning_module, GATHERED, True)
         if self.is_global_zero:
             if self.tensor_parallel_size > 1:
+                # A save after the call (trainer.save_checkpoint after fit) takes rank 0's stage as the other
+                # ranks take theirs: its shards, which the engine and the optimizer keep (the buffers copied,
+                # since loading the gathered state writes into them).
+                self._stage_state = {k: v if isinstance(v, DTensor) else v.clone()
+                                     for k, v in self.lightning_module_state_dict().items()}
                 # Rank 0's module becomes a plain one-device model of whole tensors
                 # (docs/design/tensor-parallel.md, "What runs").
                 module = self.lightning_module

@@ -47,9 +47,9 @@ ISO_OPTIMIZERS = ("adamw", "muon")
 ISO_SCALES = (1.5, 2.0)
 TAIL_FRACTIONS = (0.2, 0.1)
 BASE_STEPS, LONG_STEPS = 300, 2000
-#: BENCHMARKS.md, "Run A (full table)": 2bw (Lightning) / 1f1b (Lightning) samples/s, p=2 stages on 2 CPU cores.
+#: docs/benchmarks-archive.md, "Run A (full table)": 2bw (Lightning) / 1f1b (Lightning) samples/s, p=2 stages on 2 CPU cores.
 THROUGHPUT_RATIOS = {"m=4": 9579 / 7513, "m=8": 9090 / 7721}
-#: BENCHMARKS.md, "Against torch's zero-bubble and interleaved schedules", quiet medians of 3 ``make bench`` runs:
+#: docs/benchmarks-archive.md, "Against torch's zero-bubble and interleaved schedules", quiet medians of 3 ``make bench`` runs:
 #: 2bw (Lightning) / torch's fastest synchronous schedule of each run, p=2 stages on 2 CPU cores.
 FASTEST_SYNC_RATIOS = {"m=4": 1.15, "m=8": 1.19}
 

@@ -26,7 +26,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from helpers import ResumableLoader, make_dataset, script_main  # noqa: E402
 
 from lightning_async_pp import AsyncPipelineStrategy, PipelineModule  # noqa: E402
-from lightning_async_pp.pipeline.data_parallel import GradientReducer  # noqa: E402
+from lightning_async_pp.parallel.data_parallel import GradientReducer  # noqa: E402
 
 SAMPLES = 48
 

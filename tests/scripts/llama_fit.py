@@ -29,7 +29,10 @@ through models.HuggingFaceCausalLM; "own": ``OwnPlanLM``, a PipelineModule apply
 a tiny models.GPT, untied; else models.Llama), optimizer ("muon": optim.Muon over the named parameters,
 "error_feedback_muon": the same inside ErrorFeedback; "delay_compensation", "weight_prediction", "async_nesterov":
 that correction over the model's AdamW groups; default the model's AdamW),
-checkpoint_dir + save_at (a ModelCheckpoint writing checkpoint_dir/saved.ckpt at that step), resume_from (ckpt_path),
+checkpoint_dir + save_at (a ModelCheckpoint writing checkpoint_dir/saved.ckpt at that step), save_after (a path:
+``trainer.save_checkpoint`` there after fit), refused (a setup refused on purpose: the rows given through a
+data module declaring them, ``RowsDataModule``; returns what fit raised, the batches started and whether every
+parameter is still on the meta device), resume_from (ckpt_path),
 resumable (a loader that resumes mid-epoch: tests/helpers.py ResumableLoader), gather (tensor_parallel with
 gather_final_weights=True: rank 0 returns the whole "state_dict"), eval_calls (after fit, each of "validate", "test",
 "predict" on a new Trainer; rank 0 returns their "eval" results), val_loss (returned when validation ran in fit),
@@ -356,7 +359,7 @@ def skewed_times(skew: dict, tensor_parallel: int) -> Any:
 
     import torch.distributed as dist
 
-    from lightning_async_pp.pipeline import timing
+    from lightning_async_pp.plan import timing
 
     @contextlib.contextmanager
     def patched() -> Any:
@@ -378,6 +381,39 @@ def skewed_times(skew: dict, tensor_parallel: int) -> Any:
     return patched()
 
 
+class RowsDataModule(L.LightningDataModule):
+    """The rows of ``loader`` from a data module declaring them as ``data.TextDataModule`` does: ``block_size``
+    tokens per row (and its target), ``document_mask`` for packed rows."""
+
+    def __init__(self, loader: DataLoader, block_size: int, document_mask: bool) -> None:
+        super().__init__()
+        self.loader, self.block_size, self.document_mask = loader, block_size, document_mask
+
+    def train_dataloader(self) -> DataLoader:
+        return self.loader
+
+
+class BatchesStarted(L.Callback):
+    def __init__(self) -> None:
+        self.count = 0
+
+    def on_train_batch_start(self, *args: Any) -> None:
+        self.count += 1
+
+
+def refused_setup(cfg: dict, model: Llama, loader: DataLoader, trainer: L.Trainer) -> dict:
+    """``cfg["refused"]``: fit on the rows as a data module; what fit raised (the user's error), how many batches
+    started, and whether every parameter is on the meta device again after the teardown."""
+    started = BatchesStarted()
+    trainer.callbacks.append(started)
+    try:
+        trainer.fit(model, datamodule=RowsDataModule(loader, cfg.get("seq", 16), bool(cfg.get("packed"))))
+    except Exception as err:
+        return {"refused": f"{type(err).__name__}: {err}", "batches_started": started.count,
+                "meta": all(p.is_meta for p in model.parameters())}
+    raise AssertionError("the setup was not refused")
+
+
 def run(cfg: dict, devices: int) -> tuple[dict, Llama, L.Trainer]:
     if cfg.get("sequence"):
         return run_sequence(cfg, devices)
@@ -387,9 +423,13 @@ def run(cfg: dict, devices: int) -> tuple[dict, Llama, L.Trainer]:
         result["own_times"] = seen
         return result, model, trainer
     model, loader, trainer = build({**cfg, "devices": devices})
+    if cfg.get("refused"):
+        return refused_setup(cfg, model, loader, trainer), model, trainer
     # A resumable loader records its own position: validation reads another one.
     val_loader = eval_rows(cfg) if cfg.get("resumable") else loader
     trainer.fit(model, loader, val_loader if cfg.get("val_every") else None, ckpt_path=cfg.get("resume_from"))
+    if cfg.get("save_after"):
+        trainer.save_checkpoint(cfg["save_after"])  # after fit, as Lightning users habitually save
     result: dict[str, Any] = {"rank": trainer.global_rank, "global_step": trainer.global_step,
                               "split": (trainer.strategy.engine.stats.split.method,
                                         list(trainer.strategy.engine.stats.split.counts)),

@@ -95,7 +95,7 @@ def main() -> None:
         with open(f"host_reads_{trainer.global_rank}.json", "w") as f:  # in the test's tmp_path (the cwd)
             json.dump(host_reads, f)
     if cfg.get("report_optimizer_state"):
-        from lightning_async_pp.pipeline.sharding import state_nbytes
+        from lightning_async_pp.parallel.zero import state_nbytes
 
         with open(f"optimizer_state_{trainer.global_rank}.txt", "w") as f:  # in the test's tmp_path (the cwd)
             f.write(str(sum(state_nbytes(o) for o in trainer.strategy.optimizers)))

@@ -2,7 +2,7 @@
 
 ``rank = (replica * stages + stage) * t + tp_rank``: the ``t`` tensor-parallel ranks of a stage are adjacent (one
 node, whose fast link carries the per-layer collectives), then a replica's stages, then the replicas. With ``t = 1``
-this is :class:`~lightning_async_pp.pipeline.topology.PipelineTopology`'s layout. The mesh dimensions are named as
+this is :class:`~lightning_async_pp.parallel.topology.PipelineTopology`'s layout. The mesh dimensions are named as
 under Lightning's ``ModelParallelStrategy`` (``"data_parallel"``, ``"tensor_parallel"``) plus ``"pipeline"``.
 See docs/design/tensor-parallel.md, "The mesh". The engine runs it (``tensor_parallel_size``) as "What runs" there says.
 """
@@ -109,22 +109,55 @@ def tensor_parallel_mesh(mesh: Any) -> Any:
     return tp_mesh if tp_mesh.size() > 1 else None
 
 
+def replica_processes(mesh: Any) -> Optional[int]:
+    """The processes of one data-parallel replica in a model's ``device_mesh`` under this package's strategy
+    (pipeline stages x tensor-parallel ranks): every ``tensor_parallel_size`` the layout can take divides it.
+    ``None`` for another mesh (Lightning's ``ModelParallelStrategy``, whose sizes are both the user's)."""
+    if mesh is None or "pipeline" not in (mesh.mesh_dim_names or ()):
+        return None
+    return mesh["pipeline"].size() * mesh["tensor_parallel"].size()
+
+
 def check_tensor_parallel_divides(tensor_parallel_size: int, sizes: Mapping[str, Optional[int]],
-                                  where: str = "the model") -> None:
+                                  where: str = "the model", processes: Optional[int] = None) -> None:
     """Refuse a ``tensor_parallel_size`` that does not evenly split each of ``sizes`` (``{"num_heads": 32,
-    "num_kv_heads": 8, ...}``; ``None`` values are skipped), naming the size and the values that would work."""
+    "num_kv_heads": 8, ...}``; ``None`` values are skipped), naming the size and the values that would work: those
+    that split every one of ``sizes`` and divide ``processes`` (a pipeline replica's, :func:`replica_processes`),
+    where it is known."""
     _positive("tensor_parallel_size", tensor_parallel_size)
     t = tensor_parallel_size
+    known = [size for size in sizes.values() if size is not None]
     for name, size in sizes.items():
         if size is None:
             continue
         if size < t or size % t != 0:
-            valid = [d for d in range(1, size + 1) if size % d == 0 and d <= 64]
+            valid = [d for d in range(1, min(known) + 1) if d <= 64 and all(s % d == 0 for s in known)
+                     and (processes is None or processes % d == 0)]
             reason = "is larger than" if t > size else "does not divide"
+            among = f"tensor_parallel_size={valid[0]}" if len(valid) == 1 else f"a tensor_parallel_size among {valid}"
+            split = ", ".join(n for n, v in sizes.items() if v is not None)
+            also = f" and divide the {processes} processes of a pipeline replica" if processes is not None else ""
             raise ValueError(
                 f"tensor_parallel_size={t} {reason} {where}'s {name}={size}: each tensor-parallel rank must hold "
-                f"an equal share; use a tensor_parallel_size among {valid}"
+                f"an equal share; use {among} (the sizes that split {split}{also})"
             )
+
+
+def check_tensor_parallel_no_dropout(tensor_parallel_size: int, probabilities: Mapping[str, Any],
+                                     where: str = "the model") -> None:
+    """Refuse dropout under tensor parallelism: any of ``probabilities`` (``{"attention_dropout": 0.1}``, or a
+    module's path and its ``p``) above 0 with ``tensor_parallel_size > 1``, naming it and what would run. Every rank
+    of a stage draws from one stream (pipeline/randomness.py), so each would drop the same positions of its own
+    shard (its heads, its columns), not its slice of one device's mask: another model would be trained."""
+    drawn = {name: p for name, p in probabilities.items()
+             if isinstance(p, (int, float)) and not isinstance(p, bool) and p > 0}
+    if tensor_parallel_size == 1 or not drawn:
+        return
+    given = ", ".join(f"{name}={p}" for name, p in drawn.items())
+    zeros = ", ".join(f"{name}=0" for name in drawn)
+    raise ValueError(f"{where} with tensor_parallel_size={tensor_parallel_size} takes no dropout, got {given}: "
+                     f"every tensor-parallel rank would draw the same mask for its own shard, not its slice of one "
+                     f"device's mask; set {zeros}, or use tensor_parallel_size=1")
 
 
 def build_device_mesh(layout: MeshLayout, device_type: str) -> Any:

@@ -24,7 +24,7 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
-from lightning_async_pp.pipeline.tensor_parallel import local_tensor
+from lightning_async_pp.parallel.tensor_parallel import local_tensor
 
 
 class StageShardedOptimizer(ZeroRedundancyOptimizer):

@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lightning_async_pp.pipeline.tensor_parallel import local_tensor
+from lightning_async_pp.parallel.tensor_parallel import local_tensor
 
 
 @dataclass

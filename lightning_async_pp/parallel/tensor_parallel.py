@@ -1,6 +1,6 @@
 """DTensor parameters in the engine: what the engine keeps per parameter is the parameter's **local tensor**
 (this tensor-parallel rank's shard), and these helpers are the only place that tells a DTensor parameter from a
-plain one. See docs/design/tensor-parallel.md, "Weights, gradients and optimizer state per shard".
+plain one. See docs/design/tensor-parallel-shards.md, "Weights, gradients and optimizer state per shard".
 """
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import torch
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from lightning_async_pp.pipeline.placement import parameters_swapped
+from lightning_async_pp.parallel.placement import parameters_swapped
 
 #: What a DTensor parameter's leaf is wrapped with for the forward: (mesh, placements, global shape, stride).
 DTensorSpec = tuple[Any, tuple[Any, ...], Any, tuple[int, ...]]
@@ -28,6 +28,25 @@ def is_whole(p: Tensor) -> bool:
     """Whether ``p`` holds its whole value on this process: a plain tensor, or a DTensor replicated on every mesh
     dimension (a sequence-parallel norm's weight), whose gradient is then whole and equal on every rank."""
     return not isinstance(p, DTensor) or all(pl.is_replicate() for pl in p.placements)
+
+
+def dropout_in_split_layers(layers: Sequence[nn.Module]) -> dict[str, float]:
+    """In each layer a tensor-parallel plan splits (one holding a parameter that is not whole, :func:`is_whole`),
+    every dropout that draws: a dropout module's ``p``, or a float attribute named ``*dropout*`` (the probability a
+    module hands its attention function), above 0; keyed ``"pipeline_layers()[i].path.p"`` (for
+    :func:`~lightning_async_pp.parallel.mesh.check_tensor_parallel_no_dropout`)."""
+    found: dict[str, float] = {}
+    for index, layer in enumerate(layers):
+        if all(is_whole(p) for p in layer.parameters()):
+            continue
+        for path, module in layer.named_modules():
+            where = f"pipeline_layers()[{index}]" + (f".{path}" if path else "")
+            if isinstance(module, nn.modules.dropout._DropoutNd) and module.p > 0:
+                found[f"{where}.p"] = module.p
+            for name, value in vars(module).items():
+                if "dropout" in name and isinstance(value, float) and value > 0:
+                    found[f"{where}.{name}"] = value
+    return found
 
 
 def point_at(p: Tensor, storage: Tensor) -> None:
@@ -214,3 +233,33 @@ def layout_hooks_off(layers: Sequence[nn.Module]) -> Iterator[None]:
             hooks.clear()
             hooks.update(before)
 
+
+@contextmanager
+def meta_tensors_set_aside(module: nn.Module) -> Iterator[None]:
+    """Within: each meta tensor of ``module`` is a placeholder of its shape holding no memory (a DTensor laid out as
+    it, for a DTensor), so that code moving the module (Lightning's teardown moves it to the CPU) runs after a setup
+    that failed before materializing; afterwards the meta tensors are back, for a later setup to materialize.
+    Parameters are swapped in place (``torch.utils.swap_tensors``), so each stays one object."""
+    def placeholder(t: torch.Tensor) -> torch.Tensor:
+        local = local_tensor(t)
+        return as_laid_out(torch.empty((), dtype=local.dtype).expand(local.shape), dtensor_spec(t))
+
+    params: dict[int, tuple[nn.Parameter, nn.Parameter]] = {}
+    buffers: list[tuple[nn.Module, str, torch.Tensor]] = []
+    for sub in module.modules():
+        for p in sub._parameters.values():
+            if p is not None and p.is_meta and id(p) not in params:
+                meta = nn.Parameter(placeholder(p), p.requires_grad)
+                torch.utils.swap_tensors(p, meta)  # p holds the placeholder, meta what p held
+                params[id(p)] = (p, meta)
+        for name, b in sub._buffers.items():
+            if b is not None and b.is_meta:
+                sub._buffers[name] = placeholder(b)
+                buffers.append((sub, name, b))
+    try:
+        yield
+    finally:
+        for p, meta in params.values():
+            torch.utils.swap_tensors(p, meta)
+        for sub, name, b in buffers:
+            sub._buffers[name] = b

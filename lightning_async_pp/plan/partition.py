@@ -1,4 +1,4 @@
-"""Assigning layers to pipeline stages: by measured cost (``"balanced"``, pipeline/cost.py), by parameter count,
+"""Assigning layers to pipeline stages: by measured cost (``"balanced"``, plan/balanced.py), by parameter count,
 uniformly, or by an explicit list."""
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ def partition_layers(layers: Sequence[nn.Module], num_stages: int, method: Parti
 
     ``method`` is ``"parameters"`` (balance parameter counts), ``"uniform"`` (balance layer counts), a list of
     layer counts per stage, or ``"balanced"``, whose counts the caller computed from the layers' costs
-    (:func:`lightning_async_pp.pipeline.cost.balanced_split`) and passes as ``balanced``.
+    (:func:`lightning_async_pp.plan.balanced.balanced_split`) and passes as ``balanced``.
     """
     n = len(layers)
     if num_stages < 1:

@@ -1,6 +1,6 @@
 """Each pipeline layer's forward and backward timed on the device it will run on (``layer_cost="measured"``).
 
-FLOPs (pipeline/cost.py) leave out what does not multiply: memory-bound work, per-call overhead, kernels slower
+FLOPs (plan/balanced.py) leave out what does not multiply: memory-bound work, per-call overhead, kernels slower
 than their count. Timing sees all of it. One layer at a time gets real tensors on the device, runs one sample
 microbatch forward and backward (the loss with the last layer) a few times, and is dropped before the next: never
 more than one layer's parameters and one microbatch's activations in memory. The layers themselves are not touched:
@@ -24,9 +24,9 @@ from torch.func import functional_call
 from torch.utils._pytree import tree_map
 from torch.utils.checkpoint import checkpoint
 
-from lightning_async_pp.pipeline.cost import as_stage_input, float_leaves, left_as_they_were
-from lightning_async_pp.pipeline.tensor_parallel import (as_laid_out, dtensor_spec, local_tensor, loss_context,
+from lightning_async_pp.parallel.tensor_parallel import (as_laid_out, dtensor_spec, local_tensor, loss_context,
                                                           tensor_parallel_group)
+from lightning_async_pp.plan.balanced import as_stage_input, float_leaves, left_as_they_were
 
 
 def _stand_in(t: Tensor, device: torch.device, copy: bool = False) -> Tensor:

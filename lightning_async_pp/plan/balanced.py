@@ -4,8 +4,8 @@ Per layer: forward and backward FLOPs counted by ``torch.utils.flop_counter.Flop
 on fake tensors (``FakeTensorMode``: shapes only, no memory, nothing computed) for a sample microbatch, the loss counted with the last
 layer; the bytes of its parameters, of what its forward keeps for backward (the tensors autograd saves) and of its
 input and output. Per stage: its time is its layers' FLOPs (or, with ``layer_cost="measured"``, their seconds
-timed by pipeline/timing.py); its memory is the peak the planner's memory model
-(:func:`lightning_async_pp.pipeline.memory.stage_memory`) walks on the schedule's action order, fed the stage's
+timed by plan/timing.py); its memory is the peak the planner's memory model
+(:func:`lightning_async_pp.plan.memory.stage_memory`) walks on the schedule's action order, fed the stage's
 bytes (:func:`stage_peak`), the account the planner's memory table prints. The split (:func:`balanced_split`) is
 the contiguous one minimising the slowest stage's time with every stage's memory under a cap: an exact dynamic
 program over prefix sums. See docs/design/planner.md, "Balanced split".
@@ -27,8 +27,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils.flop_counter import FlopCounterMode
 
-from lightning_async_pp.pipeline.memory import PeakPoint, StageMemory, action_order, order_peak_points, stage_memory
-from lightning_async_pp.pipeline.tensor_parallel import layout_hooks_off, local_tensor
+from lightning_async_pp.parallel.tensor_parallel import layout_hooks_off, local_tensor
+from lightning_async_pp.plan.memory import PeakPoint, StageMemory, action_order, order_peak_points, stage_memory
 
 @dataclass(frozen=True)
 class LayerCost:
@@ -308,6 +308,9 @@ class MemoryModel:
     # Of ``state_bytes``, each parameter several layers hold (a tied weight): its bytes and those layers. Counted in
     # each of them above; a stage holding several keeps it once.
     state_shared: tuple[tuple[int, tuple[int, ...]], ...] = ()
+    # Likewise of the layers' ``param_bytes`` (:func:`shared_parameters`): a stage holding several of its layers
+    # holds the tensor, its gradient and what follows from its bytes once
+    param_shared: tuple[tuple[int, tuple[int, ...]], ...] = ()
 
     def runs_ahead(self, stage: int) -> bool:
         """Whether ``stage`` runs the next batch's first backward before this batch's update (two gradients):
@@ -333,7 +336,7 @@ class MemoryModel:
 def stage_peak(costs: Sequence[LayerCost], start: int, stop: int, stage: int, model: MemoryModel,
                result: Any = None) -> StageMemory:
     """What ``stage`` holds at its peak, by what holds it, when it runs layers ``start:stop``: the planner's
-    memory model (:func:`~lightning_async_pp.pipeline.memory.stage_memory`) walked over ``result`` (a
+    memory model (:func:`~lightning_async_pp.plan.memory.stage_memory`) walked over ``result`` (a
     ``simulate`` result; default the schedule's action order, :meth:`MemoryModel.action_order`), fed
 
     - weights: the layers' parameters (and as many bytes of gradient per batch whose gradients exist);
@@ -354,15 +357,13 @@ def stage_peak(costs: Sequence[LayerCost], start: int, stop: int, stage: int, mo
         raise ValueError(f"stage {stage} holds no layers ({start}:{stop})")
     p = model.num_stages
     shards = model.data_parallel_size if model.shard_optimizer and model.data_parallel_size > 1 else 1
-    weights = sum(c.param_bytes for c in layers)
+    weights = held_once([c.param_bytes for c in costs], start, stop, model.param_shared)
     kept = (sum(c.activation_bytes for c in layers) + (layers[0].input_bytes if stage > 0 else 0)
             + (layers[-1].output_bytes if stage < p - 1 else 0))
     working = kept + max(c.transient_bytes for c in layers)
     correction = round(model.correction_buffers * weights / shards)
     if model.state_bytes is not None:
-        state = sum(model.state_bytes[start:stop]) - sum(
-            nbytes * (held - 1) for nbytes, holders in model.state_shared
-            if (held := sum(start <= i < stop for i in holders)) > 1)
+        state = held_once(model.state_bytes, start, stop, model.state_shared)
     else:
         state = optimizer_state(model.optimizer, weights, sum(c.matrix_param_bytes for c in layers))
     state //= shards
@@ -373,6 +374,24 @@ def stage_peak(costs: Sequence[LayerCost], start: int, stop: int, stage: int, mo
                         run_ahead=model.run_ahead and model.data_parallel_size == 1,
                         points=model.peak_points(stage) if result is None else None)
     return peak
+
+
+def held_once(per_layer: Sequence[int], start: int, stop: int,
+              shared: Collection[tuple[int, Sequence[int]]]) -> int:
+    """The bytes of layers ``start:stop`` (``per_layer``), each tensor several of them hold (``shared``: its bytes and
+    the layers holding it, counted in each) once."""
+    return sum(per_layer[start:stop]) - sum(nbytes * (held - 1) for nbytes, holders in shared
+                                            if (held := sum(start <= i < stop for i in holders)) > 1)
+
+
+def shared_parameters(layers: Sequence[nn.Module]) -> tuple[tuple[int, tuple[int, ...]], ...]:
+    """Each parameter several of ``layers`` hold (a tied embedding and head): its bytes (this rank's shard) and the
+    layers holding it, for :attr:`MemoryModel.param_shared`."""
+    holders: dict[int, tuple[int, list[int]]] = {}
+    for index, layer in enumerate(layers):
+        for p in {id(p): p for p in layer.parameters()}.values():
+            holders.setdefault(id(p), (local_tensor(p).numel() * p.element_size(), []))[1].append(index)
+    return tuple((nbytes, tuple(held)) for nbytes, held in holders.values() if len(held) > 1)
 
 
 def stage_memory_bytes(costs: Sequence[LayerCost], start: int, stop: int, stage: int, model: MemoryModel) -> float:

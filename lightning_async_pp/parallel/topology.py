@@ -1,6 +1,6 @@
 """Which rank is which stage (and tensor-parallel rank) of which pipeline, and the process groups that follow.
 
-The layout is :class:`~lightning_async_pp.pipeline.mesh.MeshLayout`'s: ``rank = (replica * stages + stage) * t +
+The layout is :class:`~lightning_async_pp.parallel.mesh.MeshLayout`'s: ``rank = (replica * stages + stage) * t +
 tp_rank``, the ``t`` tensor-parallel ranks of a stage adjacent. With ``t = 1`` rank ``r`` is stage ``r % p`` of
 replica ``r // p``. A pipeline is the ranks with one replica and one tensor-parallel rank: each rank's
 point-to-point peers are the same tensor-parallel rank of the neighbouring stages.
@@ -12,7 +12,7 @@ from typing import Any, Optional
 
 import torch.distributed as dist
 
-from lightning_async_pp.pipeline.mesh import MeshLayout
+from lightning_async_pp.parallel.mesh import MeshLayout
 
 
 @dataclass(frozen=True)
