@@ -61,13 +61,17 @@ CASES = {
     # across processes a delay can only be the schedule's own (PipelineConfig.check): given, it changes nothing
     "2bw_delay_given": {**BASE, "schedule": "2bw", "strategy_kwargs": {"delay": 1}},
     "wrong_shard": {**BASE, "schedule": "1f1b", "steps": 1, "swap_shards": True},
+    # compiled layers over DTensor shards (a backend counting its graphs); the first forward compiles on 4
+    # processes sharing the CPU, past the default pipeline_timeout on a loaded machine
+    "2bw_compiled": {**BASE, "schedule": "2bw", "compile_counted": True, "timeout": 600.0},
     # layer_cost="measured": stage 0's two ranks time the layers together; rank 1 sees the head 1000 times slower,
     # rank 0 does not: the split must be the slowest rank's, the head alone on stage 1, on all four ranks
     "2bw_measured": {**BASE, "schedule": "2bw", "partition": "balanced", "strategy_kwargs": {"layer_cost": "measured"},
                      "skew_times": {"tp_rank": 1, "layer": -1, "factor": 1000.0}},
 }
-#: What the 2 x 2 runs of a case train on one device, where it differs from the case: the split they agreed on.
-ONE_DEVICE = {"2bw_measured": {**BASE, "schedule": "2bw", "partition": [5, 1]}}
+#: What the 2 x 2 runs of a case train on one device, where it differs from the case: the split they agreed on;
+#: compiled layers against eager ones.
+ONE_DEVICE = {"2bw_measured": {**BASE, "schedule": "2bw", "partition": [5, 1]}, "2bw_compiled": CASES["2bw"]}
 
 
 def _whole_model(ranks: list[dict], case: str) -> dict[str, torch.Tensor]:
@@ -145,6 +149,12 @@ def test_two_stages_of_two_tensor_parallel_ranks_train_llama_as_one_device(two_b
     from lightning_async_pp.plan.balanced import balanced_split
 
     assert balanced_split(timed[0][0], 2) != [5, 1]  # rank 0's own times split otherwise
+    # Compiled layers: each rank compiled its layers' graphs in the first batch and nothing after (2bw reads the
+    # stashed version from the second batch on, each batch through 4 microbatches); the weights are eager one
+    # device's (checked above).
+    for r in range(4):
+        counts = ranks[r]["cases"]["2bw_compiled"]["graphs_per_batch"]
+        assert len(counts) == 3 and counts[0] > 0 and counts == [counts[0]] * 3, (r, counts)
     # The control: a rank that starts from its neighbour's shard is far outside the tolerance.
     wrong = _whole_model(ranks, "wrong_shard")
     assert max_difference(wrong, run_here_on_one_device(llama_fit.run, CASES["wrong_shard"])["state_dict"]) > 1e-2
@@ -382,7 +392,6 @@ def test_the_layout_puts_a_stages_tensor_parallel_ranks_side_by_side_and_pipelin
 
 
 @pytest.mark.parametrize("option, match", [
-    ({"compile": True}, "compile=True is not supported"),
     ({"tensor_parallel_size": 0}, "tensor_parallel_size must be a positive integer, got 0"),
 ])
 def test_options_not_supported_with_tensor_parallelism_are_refused_naming_them(option, match):

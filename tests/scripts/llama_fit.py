@@ -13,6 +13,8 @@ eval_batch (the batch size of the non-fit calls of a sequence, last batch ragged
 a sequence records the optimizer state per layer its split counted),
 activation_checkpointing, stage_memory_gib (strategy options as named), pool_buffers (receive buffers pooled as on
 CUDA: ``StageLink.REUSE_BUFFERS_ON_CPU``),
+compile_counted (compiled layers through a backend counting its graphs, aot_eager's: each rank returns the count
+after each training batch as "graphs_per_batch"),
 skew_times ({"tp_rank", "layer", "factor"}: with layer_cost="measured", that tensor-parallel rank's timing of that
 layer multiplied by the factor; each rank returns what it timed as "own_times"),
 cases: {name: config}: several runs in one launch (``run_cases``), each result under its name.
@@ -201,6 +203,22 @@ class OwnPlanLM(PipelineModule):
         return torch.optim.AdamW(self.parameters(), lr=self.hparams.lr)
 
 
+class GraphsPerBatch(L.Callback):
+    """A ``torch.compile`` backend (``backend``) that counts the graphs it compiles and runs them through
+    ``aot_eager`` (AOTAutograd's forward and backward graphs, eager kernels), and the count after each training
+    batch (``after_batch``)."""
+
+    def __init__(self) -> None:
+        self.graphs, self.after_batch = 0, []
+
+    def backend(self, gm: Any, example_inputs: list) -> Any:
+        self.graphs += 1
+        return torch._dynamo.lookup_backend("aot_eager")(gm, example_inputs)
+
+    def on_train_batch_end(self, *args: Any) -> None:
+        self.after_batch.append(self.graphs)
+
+
 class WeightsPerStep(L.Callback):
     """Keeps this rank's stage's parameters whole (a DTensor's shards gathered over its tensor-parallel group) as
     training starts and after every step: ``history[k]`` is ``W_k`` by parameter name."""
@@ -317,9 +335,13 @@ def make_trainer(cfg: dict) -> L.Trainer:
 
     StageLink.REUSE_BUFFERS_ON_CPU = bool(cfg.get("pool_buffers"))  # what CUDA does; each case sets its own
     kwargs.update(cfg.get("strategy_kwargs", {}))
+    graphs = None
+    if cfg.get("compile_counted"):  # compiled layers through a backend that counts the graphs it is given
+        graphs = GraphsPerBatch()
+        kwargs["compile"] = {"backend": graphs.backend}
     strategy = AsyncPipelineStrategy(schedule=cfg.get("schedule", "2bw"), num_microbatches=microbatches,
                                      pipeline_timeout=cfg.get("timeout", 60.0), **kwargs)
-    callbacks: list[Any] = []
+    callbacks: list[Any] = [graphs] if graphs is not None else []
     if cfg.get("save_at"):
         from lightning.pytorch.callbacks import ModelCheckpoint
 
@@ -436,6 +458,9 @@ def run(cfg: dict, devices: int) -> tuple[dict, Llama, L.Trainer]:
                               "split_cost": trainer.strategy.engine.stats.split.cost}
     if "val_loss" in trainer.callback_metrics:
         result["val_loss"] = float(trainer.callback_metrics["val_loss"])
+    counted = [c for c in trainer.callbacks if isinstance(c, GraphsPerBatch)]
+    if counted:
+        result["graphs_per_batch"] = counted[0].after_batch
     if cfg.get("monitors"):  # what the monitors logged (rank 0's logger writes) and the weights they saw
         result["weights_per_step"] = next(c for c in trainer.callbacks if isinstance(c, WeightsPerStep)).history
         if trainer.is_global_zero:
