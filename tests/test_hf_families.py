@@ -29,7 +29,7 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_N
 
 from lightning_async_pp.models import HuggingFaceCausalLM  # noqa: E402
 from lightning_async_pp.models.hf_probe import tiny_config  # noqa: E402
-from lightning_async_pp.models.hf_tensor_parallel import TensorParallelRefusal  # noqa: E402
+from lightning_async_pp.models.hf_config import TensorParallelRefusal  # noqa: E402
 from lightning_async_pp.models.huggingface import tensor_parallel_plan  # noqa: E402
 
 TOL = 1e-5
@@ -129,7 +129,7 @@ def test_every_family_is_exact_or_refused_at_build_never_different_or_crashing()
 
 def tensor_parallel_outcome(model_type: str) -> tuple[str, str]:
     """(outcome, reason) of ``tensor_parallel_size=2`` for a family exact on one device: the plan read from its
-    config and checked on a tiny copy split over two simulated ranks (``hf_tensor_parallel.check_tensor_parallel``)."""
+    config and checked on a tiny copy split over two simulated ranks (``hf_probe.check_tensor_parallel``)."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         try:

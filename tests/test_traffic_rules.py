@@ -125,6 +125,21 @@ def test_collectives_issued_in_different_orders_are_a_violation(tmp_path):
                for v in found), found
 
 
+def test_an_uneven_all_to_all_passes_where_the_splits_pair_up_and_is_a_violation_where_they_do_not(tmp_path):
+    """The experts' all-to-all: each member sends its own number of rows (dim 0 differs), split per receiver; what
+    rank i sends to rank j must be what j expects from i."""
+    def exchange(directory: Path, expected_from_0: int) -> list[str]:
+        a, b = Rank(0, 2), Rank(1, 2)
+        # rank 0 sends 1 row to itself, 2 to rank 1; rank 1 sends 4 to rank 0, none to itself ([output, input] splits)
+        a._op("coll", "all_to_all_single", shape=(3, 8), splits=[[1, 4], [1, 2]])
+        b._op("coll", "all_to_all_single", shape=(4, 8), splits=[[expected_from_0, 0], [4, 0]])
+        return violations(directory, a, b)
+
+    assert exchange(tmp_path / "paired", 2) == []
+    found = exchange(tmp_path / "unpaired", 1)
+    assert any("rank 0 sends 2 rows to rank 1, which expects 1" in v for v in found), found
+
+
 def ring(tmp_path: Path, wait: str | None) -> list[str]:
     """Rank r receives from r-1 and sends to r+1 (3 ranks); ``wait``: waits on (or reads) the receive first."""
     ranks = [Rank(r, 3) for r in range(3)]

@@ -36,7 +36,8 @@ For each job whose ranks all exited cleanly:
    ignored by NCCL), with equal shape and dtype, and with equal tags (else gloo paired other messages than NCCL
    would); no message is left unmatched.
 2. **Collective order.** Every member of a group issues the same collectives (kind, shape, dtype, root) in the
-   same order.
+   same order. An ``all_to_all_single`` with split sizes (uneven: the experts' tokens) may differ in its first
+   dimension between members; what member ``i`` sends to member ``j`` must be what ``j`` receives from ``i``.
 3. **No deadlock** when every rank's ops run in issue order, in two stream models: one CUDA stream per
    (group, pair of ranks) for point-to-point plus one per group for collectives (NCCL without ``device_id``),
    and one stream per group for everything (NCCL with ``device_id``, as Lightning's ``DDPStrategy`` passes on
@@ -357,6 +358,8 @@ class _Recorder:
             extra = {}
             if root_arg is not None:
                 extra["root"] = self._global(a.get("group"), a.get(root_arg), a.get(group_root_arg))
+            if name == "all_to_all_single" and (a.get("input_split_sizes") or a.get("output_split_sizes")):
+                extra["splits"] = [list(a.get("output_split_sizes") or []), list(a.get("input_split_sizes") or [])]
             op_id = self._op("coll", group, a[tensor_arg] if tensor_arg else None, call=name, **extra)
             result = self._call_nested(original, *args, **kwargs)
             if a.get("async_op"):
@@ -558,6 +561,7 @@ class Op:
     thread: str = "main"
     caller: str = "?"
     waits_before: int = 0  # waits its thread issued before it
+    splits: Optional[list] = None  # an all_to_all_single's [output split sizes, input split sizes]
 
     def describe(self) -> str:
         what = f"rank {self.rank} op {self.id} {self.call}"
@@ -631,7 +635,7 @@ def read_process(path: Path) -> Optional[Process]:
             thread = e.get("th", "main")
             proc.ops.append(Op(proc.rank, e["id"], e["k"], e.get("call", e["k"]), e["g"], e.get("peer"), e.get("tag"),
                                e.get("shape"), e.get("dtype"), e.get("root"), e.get("u"), thread, e.get("at", "?"),
-                               len(proc.waits[thread])))
+                               len(proc.waits[thread]), e.get("splits")))
         elif kind in ("wait", "read"):
             proc.waits[e.get("th", "main")].extend(e["ops"])
             if kind == "read":
@@ -664,7 +668,28 @@ def load(directory: str | os.PathLike) -> list[Job]:
 # The rules
 # ---------------------------------------------------------------------------------------------------------------
 def _signature(op: Op) -> tuple:
+    if op.splits is not None and op.shape:  # uneven all-to-all: each member's own number of rows
+        return (op.call, op.shape[1:], op.dtype, op.root)
     return (op.call, op.shape, op.dtype, op.root)
+
+
+def _split_mismatch(ops: list[Op], ranks: list[int]) -> Optional[str]:
+    """For one uneven ``all_to_all_single`` (``ops``: each member's, in group order): what member ``i`` sends to
+    member ``j`` must be what ``j`` expects from ``i`` (else NCCL moves other bytes than gloo)."""
+    n = len(ops)
+    for i, a in enumerate(ops):
+        for j, b in enumerate(ops):
+            sends = _splits(a, 1, n)[j]
+            expects = _splits(b, 0, n)[i]
+            if sends != expects:
+                return (f"rank {ranks[i]} sends {sends} rows to rank {ranks[j]}, which expects {expects}: "
+                        f"{a.describe()}; {b.describe()}")
+    return None
+
+
+def _splits(op: Op, which: int, n: int) -> list[int]:
+    given = (op.splits or [[], []])[which]
+    return list(given) if given else [(op.shape or [0])[0] // n] * n
 
 
 def _pairs(job: Job, prefix: bool = False) -> tuple[dict[tuple, Optional[tuple]], list[str]]:
@@ -743,6 +768,13 @@ def _collectives(job: Job, prefix: bool = False) -> tuple[dict[tuple, tuple], di
                     violations.append(
                         f"group {group}: rank {first} issues {len(a)} collectives, rank {r} {len(b)}; the first "
                         f"without a counterpart: {longer[min(len(a), len(b))].describe()}")
+        uneven = [k for k, op in enumerate(by_rank.get(first, [])) if op.splits is not None]
+        for k in uneven:
+            ops = [by_rank[r][k] for r in ranks if k < len(by_rank.get(r, []))]
+            problem = _split_mismatch(ops, ranks) if len(ops) == len(ranks) else None
+            if problem is not None:
+                violations.append(f"all_to_all_single {k} of group {group}: {problem}")
+                break
     return instance, needed, violations
 
 

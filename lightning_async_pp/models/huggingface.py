@@ -30,7 +30,7 @@ from typing import Any, Callable, Optional, Union
 import torch
 from torch import Tensor, nn
 
-from lightning_async_pp.models import hf_outside, hf_probe, hf_tensor_parallel, packing
+from lightning_async_pp.models import hf_config, hf_outside, hf_probe, packing
 from lightning_async_pp.models.adopted import AdoptedCausalLM
 from lightning_async_pp.models.hf_config import as_pretrained_config, pretrained_config, read_by_the_code
 from lightning_async_pp.models.moe import RouterLoss, adds_router_loss, check_router_loss_supported
@@ -429,7 +429,7 @@ class HuggingFaceCausalLM(AdoptedCausalLM):
         tp_mesh = tensor_parallel_mesh(self.device_mesh)  # set by a strategy with tensor parallelism
         # First what the plan refuses by name (styles, sizes it does not divide, dropout), which the checks below
         # would only see fail
-        kinds = (hf_tensor_parallel.read_plan(self.config, tp_mesh.size(), replica_processes(self.device_mesh),
+        kinds = (hf_config.read_plan(self.config, tp_mesh.size(), replica_processes(self.device_mesh),
                                               read_by_the_code(type(self.config))) if tp_mesh is not None else None)
         if self.check_exact:
             # Before any layer gets memory: refuses a family whose pipeline layers differ from the upstream forward.
@@ -441,7 +441,7 @@ class HuggingFaceCausalLM(AdoptedCausalLM):
         if plan is not None:
             self.parallelize(tp_mesh, plan)
 
-    def parallelize(self, tp_mesh: Any, plan: hf_tensor_parallel.LayerPlan) -> None:
+    def parallelize(self, tp_mesh: Any, plan: hf_config.LayerPlan) -> None:
         """Apply the family's tensor-parallel plan (:func:`tensor_parallel_plan`) to every decoder layer over
         ``tp_mesh``, and split the embedding and the head over the vocabulary (docs/design/tensor-parallel.md,
         "Models with a plan"): the embedding's output all-reduced whole (transformers' plan takes and gives whole
@@ -452,7 +452,7 @@ class HuggingFaceCausalLM(AdoptedCausalLM):
         from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
         for block in self.model.layers:
-            hf_tensor_parallel.parallelize_layer(block, tp_mesh, plan, f"model_type {self.config.model_type!r}")
+            hf_config.parallelize_layer(block, tp_mesh, plan, f"model_type {self.config.model_type!r}")
         parallelize_module(self.model.embed_tokens, tp_mesh,
                            RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()))
         parallelize_module(self.lm_head, tp_mesh, ColwiseParallel(output_layouts=Shard(-1), use_local_output=False))
@@ -540,21 +540,21 @@ class HuggingFaceCausalLM(AdoptedCausalLM):
 
 
 def tensor_parallel_plan(config: Any, tensor_parallel_size: int, processes: Optional[int] = None,
-                         kinds: Optional[dict[str, str]] = None) -> hf_tensor_parallel.LayerPlan:
+                         kinds: Optional[dict[str, str]] = None) -> hf_config.LayerPlan:
     """The tensor-parallel plan of one decoder layer of ``config``'s family, from transformers' own
-    (``config.base_model_tp_plan``; ``kinds``, when given, is what :func:`hf_tensor_parallel.read_plan` read of
+    (``config.base_model_tp_plan``; ``kinds``, when given, is what :func:`hf_config.read_plan` read of
     it), checked exact on a tiny copy of the config split over simulated ranks
-    (:func:`hf_tensor_parallel.check_tensor_parallel`, which also finds the parameters whose gradient is
+    (:func:`hf_probe.check_tensor_parallel`, which also finds the parameters whose gradient is
     summed over the ranks). Entries outside the decoder layers (the head's ``colwise_rep``) are not applied:
     ``HuggingFaceCausalLM.parallelize`` splits the embedding and the head over the vocabulary itself. Refused,
-    naming the reason (:class:`hf_tensor_parallel.TensorParallelRefusal`): a family without a plan, a style the
+    naming the reason (:class:`hf_config.TensorParallelRefusal`): a family without a plan, a style the
     adapter does not apply, a difference or failure on the tiny copy, a ``tensor_parallel_size`` that does not
     divide the vocabulary, the heads or the MLP's width (the sizes suggested instead also divide ``processes``, a
     pipeline replica's, where known), and a dropout rate above 0."""
     if kinds is None:
-        kinds = hf_tensor_parallel.read_plan(config, tensor_parallel_size, processes, read_by_the_code(type(config)))
-    summed = hf_tensor_parallel.check_tensor_parallel(HuggingFaceCausalLM, config, kinds)
-    return hf_tensor_parallel.LayerPlan(kinds, summed)
+        kinds = hf_config.read_plan(config, tensor_parallel_size, processes, read_by_the_code(type(config)))
+    summed = hf_probe.check_tensor_parallel(HuggingFaceCausalLM, config, kinds)
+    return hf_config.LayerPlan(kinds, summed)
 
 
 def _has_path(root: Any, path: str) -> bool:

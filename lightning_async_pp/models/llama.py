@@ -25,8 +25,11 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from lightning_async_pp.models import packing
 from lightning_async_pp.models.meta_built import BuiltInInit
+from lightning_async_pp.models.moe import add_statistics, balancing_loss
+from lightning_async_pp.models.routed_experts import RoutedExperts, init_experts, take_statistics, with_statistics
 from lightning_async_pp.module import PipelineModule, layer_seed
 from lightning_async_pp.optim.groups import decay_matrices_only
+from lightning_async_pp.parallel.expert import expert_parallel_mesh
 from lightning_async_pp.parallel.mesh import tensor_parallel_mesh
 
 
@@ -44,6 +47,10 @@ class LlamaConfig:
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
     tie_embeddings: bool = True
+    num_experts: int = 0  # > 0: every block's MLP is that many routed experts (models/routed_experts.py)
+    experts_per_token: int = 2
+    expert_intermediate_size: Optional[int] = None  # each expert's width; default intermediate_size
+    router_aux_loss_coef: float = 0.01  # the load-balancing loss's weight (0: none)
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "intermediate_size", "max_seq_len"):
@@ -55,6 +62,13 @@ class LlamaConfig:
             raise ValueError(f"num_heads ({self.num_heads}) must be divisible by num_kv_heads ({self.num_kv_heads})")
         if self.head_dim % 2 != 0:
             raise ValueError(f"the head dimension ({self.head_dim}) must be even for rotary embeddings")
+        if self.num_experts < 0 or (self.num_experts and not 1 <= self.experts_per_token <= self.num_experts):
+            raise ValueError(f"num_experts must be >= 0 (0: dense MLPs) and experts_per_token between 1 and "
+                             f"num_experts, got num_experts={self.num_experts}, experts_per_token={self.experts_per_token}")
+        if self.expert_intermediate_size is not None and self.expert_intermediate_size < 1:
+            raise ValueError(f"expert_intermediate_size must be positive, got {self.expert_intermediate_size}")
+        if self.router_aux_loss_coef < 0:
+            raise ValueError(f"router_aux_loss_coef must be >= 0, got {self.router_aux_loss_coef}")
 
     @property
     def head_dim(self) -> int:
@@ -143,22 +157,32 @@ class SwiGLU(nn.Module):
 
 
 class Block(nn.Module):
-    """Pre-RMSNorm decoder block: x + attn(norm(x)), then + mlp(norm(x))."""
+    """Pre-RMSNorm decoder block: x + attn(norm(x)), then + mlp(norm(x)). With ``num_experts`` the MLP is routed
+    experts, and the router statistics of the balancing loss ride beside the hidden state: ``(x, statistics)``."""
 
     def __init__(self, cfg: LlamaConfig) -> None:
         super().__init__()
         self.attn_norm = nn.RMSNorm(cfg.hidden_size, eps=cfg.norm_eps)
         self.attn = Attention(cfg)
         self.mlp_norm = nn.RMSNorm(cfg.hidden_size, eps=cfg.norm_eps)
-        self.mlp = SwiGLU(cfg)
+        self.mlp: nn.Module = SwiGLU(cfg) if not cfg.num_experts else RoutedExperts(
+            cfg.hidden_size, cfg.expert_intermediate_size or cfg.intermediate_size, cfg.num_experts,
+            cfg.experts_per_token, statistics=cfg.router_aux_loss_coef > 0)
+
+    def _mlp(self, x: Tensor, carried: Optional[dict[str, Tensor]]) -> tuple[Tensor, Optional[dict[str, Tensor]]]:
+        out = self.mlp(x)
+        return (out[0], add_statistics(carried, out[1])) if isinstance(out, tuple) else (out, carried)
 
     def forward(self, x: Any) -> Any:
+        x, carried = take_statistics(x)
         if isinstance(x, Mapping):  # a packed microbatch: the hidden state with its positions
             h, pos = x[packing.HIDDEN], x[packing.POSITION_IDS]
             h = h + self.attn(self.attn_norm(h), pos)
-            return {packing.HIDDEN: h + self.mlp(self.mlp_norm(h)), packing.POSITION_IDS: pos}
+            m, carried = self._mlp(self.mlp_norm(h), carried)
+            return with_statistics({packing.HIDDEN: h + m, packing.POSITION_IDS: pos}, carried)
         x = x + self.attn(self.attn_norm(x))
-        return x + self.mlp(self.mlp_norm(x))
+        m, carried = self._mlp(self.mlp_norm(x), carried)
+        return with_statistics(x + m, carried)
 
 
 class TokenEmbedding(nn.Embedding):
@@ -179,10 +203,11 @@ class Head(nn.Module):
         self.norm = nn.RMSNorm(cfg.hidden_size, eps=cfg.norm_eps)
         self.proj = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
 
-    def forward(self, x: Any) -> Tensor:
+    def forward(self, x: Any) -> Any:
+        x, statistics = take_statistics(x)  # routed experts' statistics go on to the loss
         if isinstance(x, Mapping):
             x = x[packing.HIDDEN]
-        return self.proj(self.norm(x))
+        return with_statistics(self.proj(self.norm(x)), statistics)
 
 
 class Llama(BuiltInInit, PipelineModule):
@@ -201,6 +226,12 @@ class Llama(BuiltInInit, PipelineModule):
             device.
         skip_document_ends: with packed batches (``{"input_ids", "position_ids"}``, ``data.TextDataModule(
             document_mask=True)``), the loss skips each document's last target: the next document's first token.
+        num_experts: ``> 0`` makes every block's MLP a mixture of that many SwiGLU experts (Mixtral's and
+            Qwen3-MoE's block: a router, dropless top-``experts_per_token`` routing over softmax probabilities,
+            renormalized), each ``expert_intermediate_size`` wide (default ``intermediate_size``); the loss adds
+            ``router_aux_loss_coef`` times transformers' load-balancing loss per microbatch (0: none), logged as
+            ``train_aux_loss``. Under ``AsyncPipelineStrategy(expert_parallel_size=e)`` each rank of an expert
+            group holds ``num_experts / e`` of them (docs/design/expert-parallel.md).
 
     A batch may also be packed, ``{"input_ids": (B, T + 1), "position_ids": (B, T + 1)}``: positions restart at
     each document, and each token attends only to the earlier tokens of its own document (``models/packing.py``).
@@ -224,6 +255,10 @@ class Llama(BuiltInInit, PipelineModule):
         weight_decay: float = 0.1,
         init_seed: Optional[int] = None,
         skip_document_ends: bool = False,
+        num_experts: int = 0,
+        experts_per_token: int = 2,
+        expert_intermediate_size: Optional[int] = None,
+        router_aux_loss_coef: float = 0.01,
     ) -> None:
         super().__init__()
         if size not in PRESETS:
@@ -236,8 +271,10 @@ class Llama(BuiltInInit, PipelineModule):
         shape = {**PRESETS[size], **{k: v for k, v in overrides.items() if v is not None}}
         self.config = LlamaConfig(
             vocab_size=vocab_size, max_seq_len=max_seq_len, rope_theta=rope_theta, norm_eps=norm_eps,
-            tie_embeddings=tie_embeddings, **shape,
+            tie_embeddings=tie_embeddings, num_experts=num_experts, experts_per_token=experts_per_token,
+            expert_intermediate_size=expert_intermediate_size, router_aux_loss_coef=router_aux_loss_coef, **shape,
         )
+        self._aux_logged: list[Tensor] = []  # the balancing loss of each training microbatch, for the logger
         self._configured = False
         self._tensor_parallel_size = 1  # parallelize() sets it
         self._build_on_meta(self._build_layers)  # parameters on the meta device until configure_model()
@@ -263,6 +300,10 @@ class Llama(BuiltInInit, PipelineModule):
         tp_mesh = tensor_parallel_mesh(self.device_mesh)  # set by a strategy with tensor parallelism
         if tp_mesh is not None:
             self.parallelize(tp_mesh)
+        ep_mesh = expert_parallel_mesh(self.device_mesh)  # set by a strategy with expert parallelism
+        if ep_mesh is not None and self.config.num_experts:
+            for block in self.blocks:  # before init_weights gives them memory: each rank keeps E / e experts
+                block.mlp.experts.shard(ep_mesh, "Llama")
 
     def parallelize(self, tp_mesh: Any) -> None:
         """Apply the tensor-parallel plan over ``tp_mesh`` (docs/design/tensor-parallel.md, "Tensor parallelism"),
@@ -279,6 +320,9 @@ class Llama(BuiltInInit, PipelineModule):
         from lightning_async_pp.parallel.mesh import check_tensor_parallel_divides, replica_processes
 
         cfg = self.config
+        if cfg.num_experts:
+            raise ValueError(f"tensor parallelism of routed experts is not supported yet (num_experts="
+                             f"{cfg.num_experts}, tensor_parallel_size={tp_mesh.size()}); use tensor_parallel_size=1")
         check_tensor_parallel_divides(tp_mesh.size(), {"num_heads": cfg.num_heads, "num_kv_heads": cfg.num_kv_heads,
                                                        "intermediate_size": cfg.intermediate_size,
                                                        "vocab_size": cfg.vocab_size}, "Llama",
@@ -312,8 +356,11 @@ class Llama(BuiltInInit, PipelineModule):
         variance does not grow with depth. A tied head's matrix belongs to the embedding (layer 0)."""
         generator = torch.Generator().manual_seed(layer_seed(index, self.hparams.init_seed))
         residual_std = 0.02 / math.sqrt(2 * self.config.num_layers)
+        # each expert from a generator of its own: its weights whatever experts this process holds
+        experts = init_experts(layer, layer_seed(index, self.hparams.init_seed), 0.02, residual_std)
         for name, p in layer.named_parameters():
-            if p.is_meta or (layer is self.head and self.config.tie_embeddings and name == "proj.weight"):
+            if p.is_meta or id(p) in experts or (layer is self.head and self.config.tie_embeddings
+                                                 and name == "proj.weight"):
                 continue
             if p.dim() == 1:  # RMSNorm gain
                 p.fill_(1.0)
@@ -340,10 +387,33 @@ class Llama(BuiltInInit, PipelineModule):
         sample = super().pipeline_sample()
         return sample if sample is not None else packing.token_row(min(self.config.max_seq_len, 256))
 
-    def pipeline_loss(self, logits: Tensor, batch: Any) -> Tensor:
+    def pipeline_loss(self, output: Any, batch: Any) -> Tensor:
+        logits, statistics = take_statistics(output)
         if isinstance(batch, Tensor):
-            return F.cross_entropy(logits.flatten(0, 1).float(), batch[:, 1:].flatten())
-        return packing.document_loss(logits, batch, self.hparams.skip_document_ends)
+            loss = F.cross_entropy(logits.flatten(0, 1).float(), batch[:, 1:].flatten())
+        else:
+            loss = packing.document_loss(logits, batch, self.hparams.skip_document_ends)
+        if statistics is None:
+            return loss
+        aux = balancing_loss(statistics)  # transformers' load_balancing_loss_func over this microbatch's tokens
+        if torch.is_grad_enabled():
+            self._aux_logged.append(aux.detach())
+        return loss + self.config.router_aux_loss_coef * aux
+
+    def pipeline_metric_names(self) -> tuple[str, ...]:
+        return ("train_aux_loss",) if self.config.num_experts and self.config.router_aux_loss_coef > 0 else ()
+
+    def pipeline_metrics(self) -> dict[str, Tensor]:
+        if not self.pipeline_metric_names():
+            return {}
+        logged, self._aux_logged = self._aux_logged, []
+        if not logged:
+            raise RuntimeError("pipeline_metrics() was called before any training pipeline_loss() of the batch")
+        return {"train_aux_loss": torch.stack(logged).mean()}
+
+    def predict_step(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> Any:
+        output = super().predict_step(batch, batch_idx, dataloader_idx)
+        return output if output is None else take_statistics(output)[0]
 
     def pipeline_loss_weight(self, batch: Any) -> Any:
         return packing.loss_weight(batch, self.hparams.skip_document_ends, "Llama")  # kept targets, where skipped

@@ -64,7 +64,8 @@ def router_statistics(router_logits: Tensor, top_k: int, num_experts: int) -> di
     """One layer's share of the sufficient statistics of upstream's balancing loss (see the module docstring)."""
     probs = F.softmax(router_logits.float(), dim=-1)
     _, chosen = torch.topk(probs, top_k, dim=-1)
-    counts = F.one_hot(chosen, num_experts).sum(dim=0).float()  # (top_k, E): rows whose rank-j choice is e
+    # (top_k, E): rows whose rank-j choice is e; counted in place (a one-hot would be rows x top_k x E)
+    counts = probs.new_zeros(top_k, num_experts).scatter_add_(1, chosen.T, probs.new_ones(top_k, chosen.shape[0]))
     return {"expert_counts": counts, "expert_prob_sums": probs.sum(dim=0)}
 
 

@@ -15,10 +15,10 @@ The pipeline's own dimension (stages, the schedule, the messages between them) i
 
 A new dimension is a new module here that takes its process groups from the mesh (a named dimension of
 ``mesh.py``'s layout) and touches the engine only through the hooks the existing ones use (the gradient hand-over,
-the optimizer, the checkpoint's global names). Expert parallelism goes here as ``expert_parallel.py``: the ``e``
-ranks of an expert group drawn from one stage's data-parallel x tensor-parallel ranks (``e`` divides their
-product, no extra processes), each holding whole experts of the stage's MoE layers, checkpointed by the experts'
-global indices (the MoE models' routing statistics are in ``models/moe.py``).
+the optimizer, the checkpoint's global names), as ``expert.py`` does: expert parallelism, the ``e`` ranks of an
+expert group drawn from one stage's data-parallel ranks (``e`` divides their number, no extra processes), each
+holding whole experts of the stage's MoE layers under their global indices, tokens exchanged by all-to-all
+(docs/design/expert-parallel.md).
 
 Nothing here imports Lightning or the engine's runtime (tests/test_layout.py).
 """

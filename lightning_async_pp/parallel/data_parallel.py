@@ -54,8 +54,11 @@ class GradientReducer:
     BUCKET_BYTES = 25 * 2**20  # as DistributedDataParallel's default bucket_cap_mb
     OVERLAP = True
 
-    def __init__(self, params: Sequence[Tensor], group: Any, size: int) -> None:
+    def __init__(self, params: Sequence[Tensor], group: Any, size: int, skip: Sequence[int] = ()) -> None:
         self.group, self.size = group, size
+        # Parameters whose gradients another rule reduces (experts split over replicas: parallel/expert.py):
+        # never bucketed, their gradients passed through as they are.
+        self.skip = frozenset(skip)
         self._build(params)
         self._used_work: Any = None
         self._leaves: list[Tensor] = []
@@ -74,7 +77,7 @@ class GradientReducer:
         params = [local_tensor(p) for p in params]
         self.buckets: list[_Bucket] = []
         # Buckets in reverse parameter order, as DDP: a stage's last layers get their gradients first in backward.
-        order = [i for i in reversed(range(len(params))) if self.trainable[i]]
+        order = [i for i in reversed(range(len(params))) if self.trainable[i] and i not in self.skip]
         current: list[int] = []
         for i in order:
             if current and (params[i].dtype != params[current[0]].dtype or params[i].device != params[current[0]].device
@@ -205,4 +208,4 @@ class GradientReducer:
         self.total_s = end - (self.started if self.started is not None else start)
         self._leaves = []
         # A leaf's .grad is its bucket view, also where this replica added nothing (zero before the all-reduce).
-        return [g if i in self._bucket_of and i in used else None for i, g in enumerate(gradients)]
+        return [g if i in self.skip or (i in self._bucket_of and i in used) else None for i, g in enumerate(gradients)]

@@ -5,6 +5,8 @@ node, whose fast link carries the per-layer collectives), then a replica's stage
 this is :class:`~lightning_async_pp.parallel.topology.PipelineTopology`'s layout. The mesh dimensions are named as
 under Lightning's ``ModelParallelStrategy`` (``"data_parallel"``, ``"tensor_parallel"``) plus ``"pipeline"``.
 See docs/design/tensor-parallel.md, "The mesh". The engine runs it (``tensor_parallel_size``) as "What runs" there says.
+Expert parallelism (``expert_parallel_size = e``) adds no process: a stage's experts are split over ``e`` consecutive
+replicas of it, an expert group (docs/design/expert-parallel.md, "The layout").
 """
 from __future__ import annotations
 
@@ -14,6 +16,10 @@ from typing import Any, Optional
 
 #: The mesh's dimension names, outermost first (the order of :func:`build_device_mesh`'s shape).
 MESH_DIMS = ("data_parallel", "pipeline", "tensor_parallel")
+#: With ``expert_parallel_size > 1`` the data-parallel dimension is two: which copy of the stage's experts a replica
+#: holds them with (``"expert_data_parallel"``: the ranks holding the same experts, whose expert gradients add up),
+#: and its place in an expert group (``"expert_parallel"``); ``"data_parallel"`` is their flattening.
+EXPERT_MESH_DIMS = ("expert_data_parallel", "expert_parallel", "pipeline", "tensor_parallel")
 
 
 def _positive(name: str, value: Any) -> None:
@@ -39,11 +45,16 @@ class MeshLayout:
     world_size: int
     data_parallel_size: int = 1
     tensor_parallel_size: int = 1
+    expert_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         _positive("world_size", self.world_size)
         _positive("data_parallel_size", self.data_parallel_size)
         _positive("tensor_parallel_size", self.tensor_parallel_size)
+        _positive("expert_parallel_size", self.expert_parallel_size)
+        if self.data_parallel_size * self.tensor_parallel_size % self.expert_parallel_size != 0:
+            raise ValueError(expert_size_message(self.expert_parallel_size, self.data_parallel_size,
+                                                 self.tensor_parallel_size))
         r, t = self.data_parallel_size, self.tensor_parallel_size
         if self.world_size % (r * t) != 0:
             multiples = ", ".join(str(r * t * k) for k in range(1, 4))
@@ -62,8 +73,12 @@ class MeshLayout:
         return self.world_size // (self.data_parallel_size * self.tensor_parallel_size)
 
     @property
-    def shape(self) -> tuple[int, int, int]:
-        """The mesh's shape, in :data:`MESH_DIMS` order."""
+    def shape(self) -> tuple[int, ...]:
+        """The mesh's shape, in :data:`MESH_DIMS` order (:data:`EXPERT_MESH_DIMS` where expert groups are cut
+        from the replicas alone)."""
+        e = self.expert_parallel_size
+        if e > 1 and self.data_parallel_size % e == 0:
+            return (self.data_parallel_size // e, e, self.num_stages, self.tensor_parallel_size)
         return (self.data_parallel_size, self.num_stages, self.tensor_parallel_size)
 
     def rank_of(self, replica: int, stage: int, tp_rank: int) -> int:
@@ -97,6 +112,37 @@ class MeshLayout:
         reduction's group)."""
         _, stage, tp_rank = self.coordinates(rank)
         return [self.rank_of(d, stage, tp_rank) for d in range(self.data_parallel_size)]
+
+    def stage_ranks(self, rank: int) -> list[int]:
+        """Every rank of ``rank``'s stage, replica by replica, the tensor-parallel rank innermost: the ranks that
+        expert groups are cut from."""
+        _, stage, _ = self.coordinates(rank)
+        return [self.rank_of(d, stage, i) for d in range(self.data_parallel_size)
+                for i in range(self.tensor_parallel_size)]
+
+    def expert_parallel_ranks(self, rank: int) -> list[int]:
+        """``rank``'s expert group: ``expert_parallel_size`` consecutive ranks of :meth:`stage_ranks` (with
+        ``tensor_parallel_size = 1``, consecutive replicas, as Megatron and torchtitan take them), which split the
+        stage's experts between them; ``rank`` among them."""
+        ranks, e = self.stage_ranks(rank), self.expert_parallel_size
+        first = ranks.index(rank) // e * e
+        return ranks[first : first + e]
+
+    def expert_data_parallel_ranks(self, rank: int) -> list[int]:
+        """The ranks of ``rank``'s stage that hold the same experts as ``rank`` (the same place in each expert group):
+        the copies whose expert gradients are summed; ``[rank]`` alone where one group spans the stage."""
+        ranks, e = self.stage_ranks(rank), self.expert_parallel_size
+        return ranks[ranks.index(rank) % e :: e]
+
+
+def expert_size_message(expert_parallel_size: int, data_parallel_size: int, tensor_parallel_size: int) -> str:
+    """Why ``expert_parallel_size`` does not fit the ranks of a stage, naming the numbers and the sizes that do."""
+    e, r, t = expert_parallel_size, data_parallel_size, tensor_parallel_size
+    n = r * t
+    valid = [d for d in range(1, n + 1) if n % d == 0]
+    return (f"expert_parallel_size={e} does not divide the {n} ranks of a stage (data_parallel_size={r} x "
+            f"tensor_parallel_size={t}), from which each expert group of {e} ranks is cut; use an "
+            f"expert_parallel_size among {valid}")
 
 
 def tensor_parallel_mesh(mesh: Any) -> Any:
@@ -162,7 +208,8 @@ def check_tensor_parallel_no_dropout(tensor_parallel_size: int, probabilities: M
 
 def build_device_mesh(layout: MeshLayout, device_type: str) -> Any:
     """The ``DeviceMesh`` of ``layout`` over the default process group (collective: every rank calls it), with
-    dimensions :data:`MESH_DIMS`. Its row-major order is :class:`MeshLayout`'s, which is checked."""
+    dimensions :data:`MESH_DIMS`; with ``expert_parallel_size > 1``, :data:`EXPERT_MESH_DIMS`, whose first two
+    flattened are ``"data_parallel"``. Its row-major order is :class:`MeshLayout`'s, which is checked."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -171,12 +218,25 @@ def build_device_mesh(layout: MeshLayout, device_type: str) -> Any:
     if dist.get_world_size() != layout.world_size:
         raise ValueError(f"the layout is for {layout.world_size} process(es), the process group has "
                          f"{dist.get_world_size()}")
-    mesh = init_device_mesh(device_type, layout.shape, mesh_dim_names=MESH_DIMS)
     rank = dist.get_rank()
     expected = {"data_parallel": layout.data_parallel_ranks(rank), "pipeline": layout.pipeline_ranks(rank),
                 "tensor_parallel": layout.tensor_parallel_ranks(rank)}
+    if layout.expert_parallel_size > 1:
+        if layout.tensor_parallel_size > 1 or layout.data_parallel_size % layout.expert_parallel_size:
+            raise ValueError("expert parallelism with tensor_parallel_size > 1 has no device mesh yet "
+                             f"(tensor_parallel_size={layout.tensor_parallel_size}); use tensor_parallel_size=1")
+        # The replicas as (copy, place in the expert group); "data_parallel" the two flattened, as torchtitan cuts
+        # its expert view out of the data-parallel ranks.
+        mesh = init_device_mesh(device_type, layout.shape, mesh_dim_names=EXPERT_MESH_DIMS)
+        flat = mesh["expert_data_parallel", "expert_parallel"]._flatten("data_parallel")  # torch-private
+        views = {"data_parallel": flat}  # held here: torch warns when a flattened dimension is sliced from the root
+        expected.update(expert_parallel=layout.expert_parallel_ranks(rank),
+                        expert_data_parallel=layout.expert_data_parallel_ranks(rank))
+    else:
+        mesh = init_device_mesh(device_type, layout.shape, mesh_dim_names=MESH_DIMS)
+        views = {}
     for name, ranks in expected.items():
-        found = mesh[name].mesh.flatten().tolist()
+        found = (views[name] if name in views else mesh[name]).mesh.flatten().tolist()
         if found != ranks:  # torch's mesh order changed: the groups would not be the layout's
             raise RuntimeError(f"DeviceMesh dimension {name!r} of rank {rank} holds ranks {found}, the layout "
                                f"expects {ranks}")

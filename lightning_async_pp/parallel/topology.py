@@ -21,10 +21,11 @@ class PipelineTopology:
     data_parallel_size: int
     rank: int
     tensor_parallel_size: int = 1
+    expert_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "layout", MeshLayout(self.world_size, self.data_parallel_size,
-                                                      self.tensor_parallel_size))  # refuses sizes that do not divide
+                                                      self.tensor_parallel_size, self.expert_parallel_size))  # refuses sizes that do not divide
 
     @property
     def num_stages(self) -> int:

@@ -37,6 +37,7 @@ class PipelineConfig:
     num_microbatches: Optional[int] = None
     data_parallel_size: int = 1
     tensor_parallel_size: int = 1  # each stage split over this many processes (DTensor tensor parallelism)
+    expert_parallel_size: int = 1  # each stage's experts split over this many of its ranks (parallel/expert.py)
     partition: PartitionSpec = "balanced"
     stage_memory_gib: Optional[float] = None  # partition="balanced": every stage's predicted peak at most this
     layer_cost: str = "flops"  # one of LAYER_COSTS
@@ -70,6 +71,8 @@ class PipelineConfig:
             raise ValueError(f"data_parallel_size must be a positive integer, got {self.data_parallel_size!r}")
         if not _is_int(self.tensor_parallel_size) or self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be a positive integer, got {self.tensor_parallel_size!r}")
+        if not _is_int(self.expert_parallel_size) or self.expert_parallel_size < 1:
+            raise ValueError(f"expert_parallel_size must be a positive integer, got {self.expert_parallel_size!r}")
         if self.num_microbatches is not None and (not _is_int(self.num_microbatches) or self.num_microbatches < 1):
             raise ValueError(f"num_microbatches must be a positive integer, got {self.num_microbatches!r}")
         if not _is_int(self.sync_steps) or self.sync_steps < 0:
@@ -134,6 +137,10 @@ class PipelineConfig:
         self._check_compile()
         if self.tensor_parallel_size > 1:
             self._refuse_with_tensor_parallelism()
+        if self.expert_parallel_size > 1:
+            from lightning_async_pp.parallel.expert import refuse_with_expert_parallelism
+
+            refuse_with_expert_parallelism(self)
 
     def _refuse_with_tensor_parallelism(self) -> None:
         """The options not supported with ``tensor_parallel_size > 1`` yet (docs/design/tensor-parallel.md, "What
@@ -200,7 +207,8 @@ class PipelineConfig:
         """Pipeline stages for ``world_size`` processes (on one process: ``num_stages`` or the delay list's length)."""
         if world_size > 1:
             # refuses a world that data_parallel_size x tensor_parallel_size does not divide, naming the numbers
-            return MeshLayout(world_size, self.data_parallel_size, self.tensor_parallel_size).num_stages
+            return MeshLayout(world_size, self.data_parallel_size, self.tensor_parallel_size,
+                              self.expert_parallel_size).num_stages
         if self.num_stages is not None:
             return self.num_stages
         return len(self.delay) if isinstance(self.delay, (list, tuple)) else 1

@@ -27,6 +27,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.func import functional_call
 
+from lightning_async_pp.parallel.expert import ExpertGroups, start_alike
 from lightning_async_pp.parallel.mesh import describe_layout
 from lightning_async_pp.parallel.placement import (
     Tie,
@@ -162,8 +163,8 @@ class PipelineEngine:
         self.num_stages = config.stages_for(world_size)
         self.num_microbatches = config.microbatches_for(self.num_stages)
         self.tensor_parallel_size = config.tensor_parallel_size
-        self.topology = (PipelineTopology(world_size, config.data_parallel_size, rank, config.tensor_parallel_size)
-                         if self.is_multiprocess else None)
+        self.topology = (PipelineTopology(world_size, config.data_parallel_size, rank, config.tensor_parallel_size,
+                                          config.expert_parallel_size) if self.is_multiprocess else None)
         config.check(world_size)
         # A previous engine on this model (an earlier trainer call) took other stages' layers out of the tree:
         # put them back, so the ties, names and groups below are derived from the same model on every process.
@@ -199,6 +200,7 @@ class PipelineEngine:
         delays = config.stage_delays(self.num_stages)
         self._tie_groups: list[tuple[Tie, Any]] = []
         self.pipeline_group: Any = None
+        self.experts: Optional[ExpertGroups] = None  # expert parallelism (parallel/expert.py)
         self.board = FailureBoard(None)
         link, dp_group, loss_group = None, None, None
         if self.is_multiprocess:
@@ -321,13 +323,9 @@ class PipelineEngine:
         for tie, group in self._tie_groups:
             assert topology is not None
             dist.broadcast(local_tensor(tie.param).data, src=topology.rank_of(tie.owner), group=group)
-        if self._dp_group is not None:
-            # Replicas start from the first replica's weights and buffers, as DDP does: a model initialized
-            # differently per process (an unseeded run) would otherwise train r different models.
+        if self._dp_group is not None:  # replicas start from the same weights and buffers, as DDP does
             assert topology is not None
-            held = nn.ModuleList([self.layers[i] for i in own])
-            for t in [*held.parameters(), *held.buffers()]:
-                dist.broadcast(local_tensor(t).data, src=topology.rank_of(topology.stage, 0), group=self._dp_group)
+            start_alike(nn.ModuleList([self.layers[i] for i in own]), topology.layout, self.rank, self._dp_group, self.experts)
 
     @contextmanager
     def whole_model(self) -> Iterator[None]:
@@ -354,7 +352,7 @@ class PipelineEngine:
             dp_group=self._dp_group, dp_size=self.config.data_parallel_size, check_batches=self.config.check_batches,
             loss_group=self._loss_group, metric_names=self._metric_names, metrics_fn=self._metrics_fn,
             randomness=self.randomness, last_ahead=self.split.run_ahead is not False,
-            tensor_parallel=self.tensor_parallel_size > 1,
+            tensor_parallel=self.tensor_parallel_size > 1, expert_gradients=self.experts and self.experts.gradients(self.stages),
         )
         # Where each tied parameter sits among this process's gradients, and the parameters another stage counts
         # in a global norm (a tied one only on the stage that owns it): fixed once the stages exist.
@@ -365,6 +363,7 @@ class PipelineEngine:
             # A whole (plain or replicated) parameter's gradient is whole and equal on every tensor-parallel rank:
             # counted on rank 0 only; a sharded parameter's local shard on every rank.
             self._counted_elsewhere |= {id(p) for p in self.params if is_whole(p)}
+        self._counted_elsewhere |= self.experts.ids if self.experts else set()  # counted over their group instead
         names = self.global_names
         self.stage_views = [StageView(st.index, st.versions.delay, tuple(names[id(p)] for p in st.params), st,
                                       tuple(id(p) not in self._counted_elsewhere for p in st.params))
@@ -398,6 +397,7 @@ class PipelineEngine:
             group = dist.new_group([topology.rank_of(s, d, i) for s in range(topology.num_stages) for i in range(t)])
             if d == topology.dp_rank:
                 self.pipeline_group = group
+        self.experts = ExpertGroups(topology.layout, self.rank) if topology.layout.expert_parallel_size > 1 else None
         # A tie per replica and tensor-parallel rank: rank i of each stage holds the same shard of the tied tensor.
         for tie in self.ties:
             for d in range(topology.data_parallel_size):
@@ -555,6 +555,7 @@ class PipelineEngine:
                 by_stage.setdefault(stage_of.get(id(p), 0), []).append(local_tensor(p.grad))
         sums = [torch.stack([torch.linalg.vector_norm(g.detach(), dtype=torch.float32) ** 2 for g in grads]).sum()
                 for _, grads in sorted(by_stage.items())]
+        sums += [self.experts.square_sum(params, device)] if self.experts else []  # each expert once, over its group
         sq = functools.reduce(operator.add, sums) if sums else torch.zeros((), device=device)
         if self.pipeline_group is not None:
             sq = _sum_in_stage_order(sq, self.pipeline_group, self.num_stages * self.tensor_parallel_size)
@@ -675,9 +676,8 @@ def check_names_and_shapes(expected: dict[str, tuple], found: dict[str, tuple], 
 def _sum_in_stage_order(t: Tensor, group: Any, size: int) -> Tensor:
     """The sum of ``t`` over ``group`` (a replica's processes, ranks ascending with the stage, then the
     tensor-parallel rank), added left to right in stage order as one device adds its stages' parts, so both give
-    the same bits. Two parts are
-    one addition, the same either way round: an all-reduce. More would be added in the backend's order: each
-    part is gathered and added here."""
+    the same bits. Two parts are one addition, the same either way round: an all-reduce. More would be added in the
+    backend's order: each part is gathered and added here."""
     if size == 2:
         dist.all_reduce(t, group=group)
         return t

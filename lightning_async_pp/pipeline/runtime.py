@@ -77,6 +77,7 @@ class PipelineRuntime:
         randomness: Optional[ForwardRandomness] = None,
         last_ahead: bool = True,
         tensor_parallel: bool = False,
+        expert_gradients: Any = None,
     ) -> None:
         self.stages = list(stages)
         # The last stage's loss and its backward run under loss_parallel() (logits split over the vocabulary)
@@ -98,7 +99,9 @@ class PipelineRuntime:
         self.dp_group, self.dp_size = dp_group, dp_size
         self.loss_group = loss_group if loss_group is not None else dp_group
         # Data parallel: one stage per process; its gradient accumulates in the reducer's buckets.
-        self.reducer = GradientReducer(self.params, dp_group, dp_size) if dp_size > 1 else None
+        # Expert parallelism: the experts' gradients have their own rule (parallel/expert.py), not the buckets'.
+        self.experts, skip = expert_gradients, expert_gradients.indices if expert_gradients is not None else ()
+        self.reducer = GradientReducer(self.params, dp_group, dp_size, skip=skip) if dp_size > 1 else None
         # Under the lookahead the last stage also runs the next batch's first forward and backward before its
         # update (schedule.step_actions, ``last_ahead``), so a weight tied to the first stage does not keep it
         # idle. Not with data parallelism: the reducer's buckets hold one batch's gradient at a time.
@@ -258,10 +261,12 @@ class PipelineRuntime:
         self.gradients = self._take_gradients(k)
         if self.reducer is not None:
             self.reducer.launch_rest()
+            if self.experts is not None:
+                self.experts.launch(self.gradients)
             dist.all_reduce(loss, group=self.loss_group)  # its own group: not queued behind the gradient buckets
             loss /= self.dp_size
             if not self.reducer.OVERLAP:
-                self.gradients = self.reducer.finish(self.gradients)
+                self.finish_reduction()
         self.last_metrics = {name: value.to(torch.float32) for name, value in zip(self.metric_names, loss[1:])}
         loss = loss[0]
         self.last_times = StepTimes(
@@ -339,7 +344,7 @@ class PipelineRuntime:
 
     @property
     def reduction_pending(self) -> bool:
-        return self.reducer is not None and self.reducer.pending
+        return self.reducer is not None and (self.reducer.pending or self.experts is not None and self.experts.pending)
 
     def finish_reduction(self) -> None:
         """Wait for the data-parallel reduction of the last step's gradient (launched during its last backward)."""
@@ -347,6 +352,8 @@ class PipelineRuntime:
             return
         assert self.reducer is not None
         self.gradients = self.reducer.finish(self.gradients)
+        if self.experts is not None:
+            self.gradients = self.experts.finish(self.gradients)
         self.last_times.dp_comm, self.last_times.dp_comm_exposed = self.reducer.total_s, self.reducer.exposed_s
         self.last_times.total += self.reducer.exposed_s
 

@@ -43,6 +43,7 @@ from lightning_async_pp.pipeline.engine import PipelineEngine
 from lightning_async_pp.plan.partition import PartitionSpec
 from lightning_async_pp.strategy import _lightning, data_rows, options
 from lightning_async_pp.strategy.batches import TrainingBatches
+from lightning_async_pp.strategy.experts import refuse_with_expert_parallelism_at_setup
 from lightning_async_pp.strategy.failures import FailureReporting, not_raised_over_a_failure
 from lightning_async_pp.strategy.lookahead import LookaheadLoader
 from lightning_async_pp.strategy.optimizer_state import optimizer_state_per_layer
@@ -70,6 +71,12 @@ class AsyncPipelineStrategy(PipelineStateHooks, TrainingBatches, FailureReportin
             ``torch.optim.AdamW`` or ``optim.Muon`` (alone or in ``ErrorFeedback``) under ``2bw``, ``1f1b`` and
             ``gpipe``; checkpoints, evaluation and the gather run;
             everything else is refused with it (docs/design/tensor-parallel.md, "What runs").
+        expert_parallel_size: ranks of a stage that split its mixture-of-experts layers' experts (default 1): each
+            of ``expert_parallel_size`` consecutive data-parallel replicas holds ``num_experts / expert_parallel_size``
+            whole experts of each MoE layer, tokens reach them by all-to-all; no extra processes. Must divide
+            ``data_parallel_size x tensor_parallel_size`` and each MoE layer's number of experts. The model shards
+            its experts in ``configure_model`` over ``self.device_mesh["expert_parallel"]`` (``models.Llama`` with
+            ``num_experts``). See docs/design/expert-parallel.md.
         partition: ``"balanced"`` (default: the contiguous split whose slowest stage is fastest, each layer's
             forward and backward FLOPs counted on fake tensors for the model's example batch, every stage's
             predicted memory under ``stage_memory_gib``; without an example batch, parameter counts, with a
@@ -81,8 +88,9 @@ class AsyncPipelineStrategy(PipelineStateHooks, TrainingBatches, FailureReportin
             (default: forward and backward FLOPs counted on fake tensors, nothing run) or ``"measured"`` (rank 0
             times each layer's forward and backward on its device, one layer in memory at a time, and every
             process takes its times; under tensor parallelism rank 0's stage's ranks time them together, their
-            collectives included, each layer's time the slowest rank's; memory-bound work and overheads that FLOPs miss are counted; noise can choose
-            another split in another run: copy the printed one into ``partition`` to reproduce a run). See
+            collectives included, each layer's time the slowest rank's; memory-bound work and overheads that FLOPs
+            miss are counted; noise can choose another split in another run: copy the printed one into
+            ``partition`` to reproduce a run). See
             docs/design/planner.md, 'Balanced split'.
         last_stage_run_ahead: 2bw's last stage runs the next batch's first microbatch before its update (a second
             gradient there); None: on unless ``stage_memory_gib`` leaves room for one gradient only; True; False
@@ -139,6 +147,7 @@ class AsyncPipelineStrategy(PipelineStateHooks, TrainingBatches, FailureReportin
         data_parallel_size: int = 1,
         partition: PartitionSpec = "balanced",
         tensor_parallel_size: int = 1,
+        expert_parallel_size: int = 1,
         delay: DelaySpec = None,
         sync_steps: int = 0,
         num_stages: Optional[int] = None,
@@ -168,7 +177,8 @@ class AsyncPipelineStrategy(PipelineStateHooks, TrainingBatches, FailureReportin
         options.refuse_unknown_keywords(unknown)
         self.config = PipelineConfig(
             schedule=schedule, num_microbatches=num_microbatches, data_parallel_size=data_parallel_size,
-            tensor_parallel_size=tensor_parallel_size, partition=partition, delay=delay, sync_steps=sync_steps, sync_from_step=sync_from_step,
+            tensor_parallel_size=tensor_parallel_size, expert_parallel_size=expert_parallel_size, partition=partition,
+            delay=delay, sync_steps=sync_steps, sync_from_step=sync_from_step,
             num_stages=num_stages,
             pipeline_timeout=pipeline_timeout, check_batches=check_batches,
             activation_checkpointing=activation_checkpointing, shard_optimizer=shard_optimizer,
@@ -225,6 +235,7 @@ class AsyncPipelineStrategy(PipelineStateHooks, TrainingBatches, FailureReportin
         options.refuse_unsupported(trainer, self.precision_plugin, self.config)
         options.refuse_with_tensor_parallelism(trainer, module, self.config, self.gather_final_weights,
                                                previous_call=self.engine is not None)
+        refuse_with_expert_parallelism_at_setup(trainer, module, self.config)
         data_rows.check_rows(trainer.datamodule, module)  # rows the model refuses: before costing or building
         self.model = self.precision_plugin.convert_module(self.model)
         # The full layer list is remembered on the module: after a multi-process call, other stages' layers are

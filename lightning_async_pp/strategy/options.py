@@ -23,7 +23,8 @@ from lightning_async_pp.pipeline.config import PipelineConfig
 #: may pass them); anything else is refused instead of reaching DistributedDataParallel, which is not used.
 LIGHTNING_KWARGS = ("accelerator", "parallel_devices", "cluster_environment", "checkpoint_io", "precision_plugin",
                     "process_group_backend", "timeout", "start_method")
-OWN_KWARGS = ("schedule", "num_microbatches", "data_parallel_size", "tensor_parallel_size", "partition", "delay",
+OWN_KWARGS = ("schedule", "num_microbatches", "data_parallel_size", "tensor_parallel_size", "expert_parallel_size",
+              "partition", "delay",
               "sync_steps", "num_stages",
               "gather_final_weights", "pipeline_timeout", "check_batches", "save_distributed_checkpoint",
               "activation_checkpointing", "sync_from_step", "shard_optimizer", "async_checkpoint",

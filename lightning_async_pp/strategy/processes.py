@@ -90,12 +90,14 @@ class ProcessLayout:
     @property
     def topology(self) -> PipelineTopology:
         return PipelineTopology(self.world_size_total, self.data_parallel_size, self.global_rank,
-                                self.tensor_parallel_size)
+                                self.tensor_parallel_size, self.config.expert_parallel_size)
 
     @property
     def device_mesh(self) -> Any:
         """With ``tensor_parallel_size > 1``: the ``DeviceMesh`` (dimensions ``"data_parallel"``, ``"pipeline"``,
-        ``"tensor_parallel"``) that ``configure_model`` reads as ``self.device_mesh``; ``None`` otherwise."""
+        ``"tensor_parallel"``; with ``expert_parallel_size > 1`` also ``"expert_parallel"`` and
+        ``"expert_data_parallel"``, parallel/mesh.py) that ``configure_model`` reads as ``self.device_mesh``;
+        ``None`` otherwise."""
         return self._device_mesh
 
     @property
@@ -161,7 +163,8 @@ class ProcessLayout:
         super().setup_distributed()
         set_rng_states(states)
         destroy_process_groups_at_exit()
-        if self.tensor_parallel_size > 1:
-            # Before configure_model, which applies the model's plan to the mesh's "tensor_parallel" dimension.
+        if self.tensor_parallel_size > 1 or self.config.expert_parallel_size > 1:
+            # Before configure_model, which applies the model's plan to the mesh's "tensor_parallel" dimension (and
+            # shards its experts over "expert_parallel").
             self._device_mesh = build_device_mesh(self.topology.layout, self.root_device.type)
             _lightning.set_device_mesh(self.lightning_module, self._device_mesh)

@@ -23,6 +23,7 @@ from lightning_async_pp import checkpoint as ckpt
 from lightning_async_pp.lightning_callbacks import check_resume
 from lightning_async_pp.parallel.tensor_parallel import undo_tensor_parallelism, whole
 from lightning_async_pp.pipeline.engine import PipelineEngine, check_names_and_shapes
+from lightning_async_pp.parallel.expert import expert_entries, expert_names, unshard_experts
 from lightning_async_pp.strategy import _lightning
 from lightning_async_pp.strategy.options import GATHERED
 
@@ -65,6 +66,9 @@ class PipelineStateHooks:
         sharded = ckpt.owned_parameters(self.optimizers, self.engine.global_names) is not None
         # Replicas hold the same weights; with a sharded optimizer each one adds the state it holds.
         flat = ckpt.engine_tensors(self.engine, module_state, self.optimizers, weights=own) if own or sharded else {}
+        if not own and self.config.expert_parallel_size > 1:  # the other replicas hold other experts: theirs too
+            flat = expert_entries(ckpt.engine_tensors(self.engine, module_state, self.optimizers),
+                                  {self.engine.global_names[i] for i in self.engine.experts.ids})
         meta = ckpt.checkpoint_meta(self.engine, self.schedule, self.data_parallel_size)
         self.finish_pending_save()  # one save in flight at a time, in order
         if self.config.save_distributed_checkpoint:
@@ -234,6 +238,9 @@ class PipelineStateHooks:
         if self.tensor_parallel_size > 1:
             state = whole(state)  # collective over each stage's tensor-parallel ranks, replicas included
         own = self.not_a_replica and (self.tensor_parallel_size == 1 or self.topology.tp_rank == 0)
+        if not own and self.config.expert_parallel_size > 1:  # the other replicas hold other experts: theirs too
+            names = expert_names(module)
+            state, own = {k: v for k, v in state.items() if k in names}, True
         parts = self._gather_to_zero(_cpu(state) if own else {})
         merged: dict[str, Tensor] = {}
         for part in parts or []:
@@ -244,19 +251,23 @@ class PipelineStateHooks:
         """Put every stage's layers and weights into rank 0's module (the others keep their own stage)."""
         assert self.engine is not None
         merged = self._merged_module_state()
-        if self.tensor_parallel_size > 1:  # on every rank: a later call on this model is refused on all alike
+        if self.tensor_parallel_size > 1 or self.config.expert_parallel_size > 1:
+            # on every rank: a later call on this model is refused on all alike
             object.__setattr__(self.lightning_module, GATHERED, True)
         if self.is_global_zero:
-            if self.tensor_parallel_size > 1:
+            if self.tensor_parallel_size > 1 or self.config.expert_parallel_size > 1:
                 # A save after the call (trainer.save_checkpoint after fit) takes rank 0's stage as the other
-                # ranks take theirs: its shards, which the engine and the optimizer keep (the buffers copied,
-                # since loading the gathered state writes into them).
+                # ranks take theirs: its shards and its experts, which the engine and the optimizer keep (the
+                # buffers copied, since loading the gathered state writes into them).
                 self._stage_state = {k: v if isinstance(v, DTensor) else v.clone()
                                      for k, v in self.lightning_module_state_dict().items()}
+            if self.tensor_parallel_size > 1:
                 # Rank 0's module becomes a plain one-device model of whole tensors
                 # (docs/design/tensor-parallel.md, "What runs").
                 module = self.lightning_module
                 undo_tensor_parallelism([module, *module._pipeline_all_layers], self.root_device)
+            if self.config.expert_parallel_size > 1:  # every expert in rank 0's module, computed there alone
+                unshard_experts([self.lightning_module, *self.lightning_module._pipeline_all_layers])
             self.engine.restore_all_layers(merged, self.root_device)
             self.lightning_module.load_state_dict(merged)
 

@@ -20,7 +20,8 @@ layer multiplied by the factor; each rank returns what it timed as "own_times"),
 cases: {name: config}: several runs in one launch (``run_cases``), each result under its name.
 data_parallel (data_parallel_size r; ``batch`` and ``microbatches`` are a replica's: on one device each batch is the
 r replicas' batches one after another, of ``r x microbatches`` microbatches, the run r replicas make; with
-only_replica i, replica i's batches alone, what that replica would train without the reduction),
+only_replica i, replica i's batches alone, what that replica would train without the reduction; replica_epoch:
+the replicas' batches of that epoch, as their samplers shuffle it),
 tensor_parallel (tensor_parallel_size; the weights are not gathered: every rank returns its stage's parameters
 whole as "stage_weights", each DTensor's shards gathered over its tensor-parallel group, and its own shards as
 "local_weights", and the shapes it sent or received across the stage boundary as "crossed"), swap_shards (a control: the model takes each sharded matrix's
@@ -40,12 +41,21 @@ gather_final_weights=True: rank 0 returns the whole "state_dict"), eval_calls (a
 "predict" on a new Trainer; rank 0 returns their "eval" results), val_loss (returned when validation ran in fit),
 monitors (StalenessMonitor and PipelineMonitor logging every step into a ``callback_fit.MemoryLogger``: rank 0
 returns what they logged as "logged", every rank its stage's whole weights before training and after each step as
-"weights_per_step").
+"weights_per_step"),
+experts (models.Llama's routed-expert keyword arguments: num_experts, experts_per_token, ...), expert_parallel
+(expert_parallel_size; unless gather, not gathered: every rank returns its stage's parameters as "stage_weights", its
+experts under their global names), misroute_experts (a control: each held expert starts from the weights of the expert half the
+experts away, so the tokens routed to it are computed by another), unaveraged_experts (a control: the expert
+gradients are not divided by the number of replicas), optimizer "sgd" (plain SGD at ``lr``), count_expert_reads
+(returns "expert_reads": the calls of run_experts during fit and the host reads, ``tolist``/``item``, issued by
+parallel/expert.py's code, forward or backward).
 """
 from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
 from typing import Any
 
 import lightning as L
@@ -156,6 +166,27 @@ class GPTSwappedShards(GPT):
             swap_shards(layer)
 
 
+class LlamaMisroutedExperts(Llama):
+    """The expert-parallel control: each held expert starts from the initial weights of the expert ``E / 2`` away,
+    so the tokens the router sends to an expert are computed by another one."""
+
+    def init_layer(self, index: int, layer: torch.nn.Module) -> None:
+        import math
+
+        from lightning_async_pp.models.routed_experts import init_experts
+        from lightning_async_pp.module import layer_seed
+        from lightning_async_pp.parallel.expert import LocalExperts
+
+        super().init_layer(index, layer)
+        for experts in [m for m in layer.modules() if isinstance(m, LocalExperts)]:
+            moved = LocalExperts([])
+            half = experts.num_experts // 2
+            for key, expert in experts.items():
+                moved[str((int(key) + half) % experts.num_experts)] = expert
+            init_experts(moved, layer_seed(index, self.hparams.init_seed), 0.02,
+                         0.02 / math.sqrt(2 * self.config.num_layers))
+
+
 class ResidualMLP(torch.nn.Module):
     def __init__(self, width: int) -> None:
         super().__init__()
@@ -244,6 +275,8 @@ def chosen_optimizer(model: Llama, kind: str) -> torch.optim.Optimizer:
     from lightning_async_pp.optim.groups import decay_matrices_only
 
     make = partial(Muon, lr=model.hparams.lr, weight_decay=0.1)
+    if kind == "sgd":
+        return torch.optim.SGD(model.parameters(), lr=model.hparams.lr)
     if kind == "muon":
         return make(model.named_parameters())
     if kind == "error_feedback_muon":
@@ -281,9 +314,11 @@ def build(cfg: dict) -> tuple[Llama, DataLoader, L.Trainer]:
                  else HuggingFaceCausalLM)(
             config, lr=cfg.get("lr", 3e-3), init_seed=cfg.get("seed", 0), pretrained=cfg.get("pretrained"))
     else:
-        model = (LlamaGroupedByName if cfg.get("groups_by_name") else LlamaSwappedShards if cfg.get("swap_shards") else Llama)(
-            "tiny", vocab_size=cfg.get("vocab", 256), tie_embeddings=tie, max_seq_len=cfg.get("max_seq_len", 64),
-            lr=cfg.get("lr", 3e-3), skip_document_ends=bool(cfg.get("packed")), **kwargs)
+        kind = (LlamaGroupedByName if cfg.get("groups_by_name") else LlamaSwappedShards if cfg.get("swap_shards")
+                else LlamaMisroutedExperts if cfg.get("misroute_experts") else Llama)
+        model = kind("tiny", vocab_size=cfg.get("vocab", 256), tie_embeddings=tie, max_seq_len=cfg.get("max_seq_len", 64),
+                     lr=cfg.get("lr", 3e-3), skip_document_ends=bool(cfg.get("packed")), **cfg.get("experts", {}),
+                     **kwargs)
     if cfg.get("optimizer"):
         model.configure_optimizers = lambda: chosen_optimizer(model, cfg["optimizer"])  # type: ignore[method-assign]
     rows: Any = token_rows(cfg.get("samples", 32), cfg.get("seq", 16))
@@ -291,7 +326,8 @@ def build(cfg: dict) -> tuple[Llama, DataLoader, L.Trainer]:
         rows = packed_rows(rows)
     batch = cfg.get("batch", 8)
     if cfg.get("data_parallel", 1) > 1 and cfg.get("devices", 2) == 1:
-        rows, batch = replica_batches(rows, cfg["data_parallel"], batch, cfg.get("seed", 0), cfg.get("only_replica"))
+        rows, batch = replica_batches(rows, cfg["data_parallel"], batch, cfg.get("seed", 0), cfg.get("only_replica"),
+                                      cfg.get("replica_epoch", 0))
     if cfg.get("resumable"):
         from helpers import ResumableLoader
 
@@ -301,14 +337,20 @@ def build(cfg: dict) -> tuple[Llama, DataLoader, L.Trainer]:
     return model, loader, make_trainer(cfg)
 
 
-def replica_batches(rows: list, replicas: int, batch: int, seed: int, only: Any = None) -> tuple[list, int]:
+def replica_batches(rows: list, replicas: int, batch: int, seed: int, only: Any = None,
+                    epoch: int = 0) -> tuple[list, int]:
     """The rows and batch size with which one device trains what ``replicas`` data-parallel replicas of ``batch``
-    rows each train in the first epoch: each replica reads the rows of its ``DistributedSampler`` (Lightning's for
-    training: shuffled with the run's seed, rank = the replica); step k's batch is every replica's batch k,
-    replica 0's first (or replica ``only``'s alone)."""
+    rows each train in epoch ``epoch`` (default the first): each replica reads the rows of its
+    ``DistributedSampler`` (Lightning's for training: shuffled with the run's seed and the epoch, rank = the
+    replica); step k's batch is every replica's batch k, replica 0's first (or replica ``only``'s alone)."""
     from torch.utils.data import DistributedSampler
 
-    shards = [[rows[i] for i in DistributedSampler(rows, replicas, r, shuffle=True, seed=seed)] for r in range(replicas)]
+    def sampler(r: int) -> DistributedSampler:
+        s = DistributedSampler(rows, replicas, r, shuffle=True, seed=seed)
+        s.set_epoch(epoch)
+        return s
+
+    shards = [[rows[i] for i in sampler(r)] for r in range(replicas)]
     if only is not None:
         return shards[only], batch
     return [row for k in range(len(shards[0]) // batch) for shard in shards
@@ -328,6 +370,11 @@ def make_trainer(cfg: dict) -> L.Trainer:
         kwargs["data_parallel_size"] = cfg["data_parallel"]
     if cfg.get("tensor_parallel"):
         kwargs.update(tensor_parallel_size=cfg["tensor_parallel"], gather_final_weights=bool(cfg.get("gather")))
+    if cfg.get("expert_parallel") and cfg.get("devices", 2) > 1:
+        kwargs.update(expert_parallel_size=cfg["expert_parallel"], gather_final_weights=bool(cfg.get("gather")))
+    from lightning_async_pp.parallel.expert import ExpertGradients
+
+    ExpertGradients.UNAVERAGED = bool(cfg.get("unaveraged_experts"))  # the control; each case sets its own
     for key in ("activation_checkpointing", "stage_memory_gib"):
         if cfg.get(key) is not None:
             kwargs[key] = cfg[key]
@@ -403,6 +450,39 @@ def skewed_times(skew: dict, tensor_parallel: int) -> Any:
     return patched()
 
 
+@contextmanager
+def counting_expert_reads(counts: dict[str, int]) -> Iterator[None]:
+    """Within: ``counts["calls"]`` counts ``run_experts`` calls on real tensors, ``counts["reads"]`` the host reads (``tolist``,
+    ``item``) that parallel/expert.py's own code issues (its forward and its all-to-all's backward)."""
+    from lightning_async_pp.models import routed_experts
+    from lightning_async_pp.parallel import expert as expert_parallel
+
+    run_experts, reads = routed_experts.run_experts, {"tolist": torch.Tensor.tolist, "item": torch.Tensor.item}
+
+    def counted_run(x: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        from torch._subclasses.fake_tensor import FakeTensor
+
+        counts["calls"] += not isinstance(x, FakeTensor)  # the split's cost model runs the layers on fake tensors
+        return run_experts(x, *args, **kwargs)
+
+    def counted(original: Any) -> Any:
+        def read(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            if sys._getframe(1).f_code.co_filename == expert_parallel.__file__:
+                counts["reads"] += 1
+            return original(tensor, *args, **kwargs)
+        return read
+
+    routed_experts.run_experts = counted_run
+    for name, original in reads.items():
+        setattr(torch.Tensor, name, counted(original))
+    try:
+        yield
+    finally:
+        routed_experts.run_experts = run_experts
+        for name, original in reads.items():
+            setattr(torch.Tensor, name, original)
+
+
 class RowsDataModule(L.LightningDataModule):
     """The rows of ``loader`` from a data module declaring them as ``data.TextDataModule`` does: ``block_size``
     tokens per row (and its target), ``document_mask`` for packed rows."""
@@ -449,7 +529,9 @@ def run(cfg: dict, devices: int) -> tuple[dict, Llama, L.Trainer]:
         return refused_setup(cfg, model, loader, trainer), model, trainer
     # A resumable loader records its own position: validation reads another one.
     val_loader = eval_rows(cfg) if cfg.get("resumable") else loader
-    trainer.fit(model, loader, val_loader if cfg.get("val_every") else None, ckpt_path=cfg.get("resume_from"))
+    expert_reads = {"calls": 0, "reads": 0}
+    with counting_expert_reads(expert_reads) if cfg.get("count_expert_reads") else nullcontext():
+        trainer.fit(model, loader, val_loader if cfg.get("val_every") else None, ckpt_path=cfg.get("resume_from"))
     if cfg.get("save_after"):
         trainer.save_checkpoint(cfg["save_after"])  # after fit, as Lightning users habitually save
     result: dict[str, Any] = {"rank": trainer.global_rank, "global_step": trainer.global_step,
@@ -461,6 +543,10 @@ def run(cfg: dict, devices: int) -> tuple[dict, Llama, L.Trainer]:
     counted = [c for c in trainer.callbacks if isinstance(c, GraphsPerBatch)]
     if counted:
         result["graphs_per_batch"] = counted[0].after_batch
+
+
+    if cfg.get("count_expert_reads"):
+        result["expert_reads"] = expert_reads
     if cfg.get("monitors"):  # what the monitors logged (rank 0's logger writes) and the weights they saw
         result["weights_per_step"] = next(c for c in trainer.callbacks if isinstance(c, WeightsPerStep)).history
         if trainer.is_global_zero:
@@ -469,7 +555,9 @@ def run(cfg: dict, devices: int) -> tuple[dict, Llama, L.Trainer]:
     samples = [c for c in trainer.callbacks if type(c).__name__ == "TextSamples"]
     if samples:
         result["texts"] = samples[0].history
-    if cfg.get("tensor_parallel") and devices > 1 and not cfg.get("gather"):
+    if cfg.get("expert_parallel") and devices > 1 and not cfg.get("gather"):
+        result.update(stage_weights(model))
+    elif cfg.get("tensor_parallel") and devices > 1 and not cfg.get("gather"):
         result.update(stage_weights(model))
         link = trainer.strategy.engine._link  # what crossed the stage boundary: this rank's shapes
         layout = link.out_layout or link.in_layout  # none on one stage
@@ -478,6 +566,12 @@ def run(cfg: dict, devices: int) -> tuple[dict, Llama, L.Trainer]:
             result["muon_step_difference"] = muon_step_against_whole(model)
     elif trainer.is_global_zero:
         result["state_dict"] = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
+        if cfg.get("expert_parallel") and devices > 1:  # the gathered model computes alone (no expert group)
+            from lightning_async_pp.models.routed_experts import take_statistics
+
+            with torch.no_grad():
+                logits, _ = take_statistics(model.pipeline_forward(next(iter(loader))))
+            result["runs_alone"] = bool(torch.isfinite(logits).all())
     if cfg.get("eval_calls"):
         result["eval"] = evaluate(model, eval_rows(cfg), cfg, devices)
     return result, model, trainer
