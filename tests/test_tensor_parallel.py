@@ -258,6 +258,9 @@ DP_CASES = {
     "2bw": {**DP_BASE, "schedule": "2bw"},
     "1f1b_clipped": {**DP_BASE, "schedule": "1f1b", "clip": 0.5},
     "2bw_zero": {**DP_BASE, "schedule": "2bw"},  # launched with shard_optimizer=True (ZeRO-1 over the replicas)
+    # packed rows with tensor and data parallelism and ZeRO-1 at once (the loss over every target: a replica's mean
+    # over its kept targets is not the whole batch's where the replicas keep different counts)
+    "2bw_zero_packed": {**DP_BASE, "schedule": "2bw", "packed": True, "skip_ends": False},
 }
 
 
@@ -265,7 +268,8 @@ DP_CASES = {
 @pytest.mark.slow
 def test_two_replicas_of_two_stages_of_two_tensor_parallel_ranks_train_llama_as_one_device_on_both_batches(tmp_path):
     launch = {n: {**c, "tensor_parallel": 2} for n, c in DP_CASES.items()}
-    launch["2bw_zero"]["strategy_kwargs"] = {"shard_optimizer": True}
+    for name in ("2bw_zero", "2bw_zero_packed"):
+        launch[name]["strategy_kwargs"] = {"shard_optimizer": True}
     ranks = script_ranks(SCRIPT, {"devices": 8, "cases": launch}, tmp_path, ranks=8, timeout=600)
     for name, case in DP_CASES.items():
         replicas = [_whole_model(ranks[4 * d : 4 * d + 4], name) for d in range(2)]  # replica d: ranks 4d..4d+3
@@ -279,6 +283,9 @@ def test_two_replicas_of_two_stages_of_two_tensor_parallel_ranks_train_llama_as_
     # The control: what replica 0 trains on its own batches alone (no reduction) is far outside the tolerance.
     alone = run_here_on_one_device(llama_fit.run, {**DP_CASES["2bw"], "only_replica": 0})["state_dict"]
     assert max_difference(_whole_model(ranks, "2bw"), alone) > 1e-2
+    # Packed rows' documents were kept apart: one device on the same tokens, documents not separated, is far off.
+    unseparated = run_here_on_one_device(llama_fit.run, {**DP_CASES["2bw_zero_packed"], "packed": False})
+    assert max_difference(_whole_model(ranks, "2bw_zero_packed"), unseparated["state_dict"]) > 20 * TOL
 
 
 # ---- the engine's local shards ---------------------------------------------------------------------------------
@@ -494,7 +501,8 @@ def test_a_two_by_two_checkpoint_resumes_exactly_on_two_by_two_on_two_stages_and
     save after fit (``trainer.save_checkpoint``, the weights gathered into rank 0 meanwhile) is the save at the
     last step inside it and resumes too. The checkpoints then resume on 2 stages x 1 rank (one launch of 2
     processes) and on one device here, each to the uninterrupted weights. First in the launch, a setup refused
-    there (packed rows from a data module) surfaces as itself, the model left on the meta device."""
+    there (packed rows from a data module, of a length the sequence split cannot take) surfaces as itself, the model
+    left on the meta device."""
     sharded, single, one_device = tmp_path / "sharded", tmp_path / "single", tmp_path / "one_device"
     after = tmp_path / "after"
     (tmp_path / "tp").mkdir(), (tmp_path / "two").mkdir()
@@ -502,8 +510,9 @@ def test_a_two_by_two_checkpoint_resumes_exactly_on_two_by_two_on_two_stages_and
     saved_on_one_device = run_here_on_one_device(
         llama_fit.run, {**RESUME, "steps": 2, "val_every": 1, "save_at": 2, "checkpoint_dir": str(one_device)})
     cases = {
-        # refused at setup (packed rows under tensor parallelism, from a data module declaring them), first
-        "refused_at_setup": {**BASE, "packed": True, "refused": True},
+        # refused at setup (packed rows of 15 tokens, which 2 ranks cannot split, from a data module declaring
+        # them), first
+        "refused_at_setup": {**BASE, "packed": True, "seq": 15, "refused": True},
         "full": {**RESUME, "gather": True},
         "saved": {**RESUME, "steps": 2, "save_at": 2, "checkpoint_dir": str(sharded), "val_every": 1},
         "single": {**RESUME, "steps": 2, "save_at": 2, "checkpoint_dir": str(single),
@@ -530,9 +539,9 @@ def test_a_two_by_two_checkpoint_resumes_exactly_on_two_by_two_on_two_stages_and
     # meta device again, as setup found them.
     for r in range(4):
         refused = ranks[r]["cases"]["refused_at_setup"]
-        assert refused["refused"].startswith("ValueError: Llama refuses the rows of RowsDataModule (block_size=16, "
+        assert refused["refused"].startswith("ValueError: Llama refuses the rows of RowsDataModule (block_size=15, "
                                              "document_mask=True)"), refused["refused"]
-        assert "Change data.document_mask: false in the config" in refused["refused"]
+        assert "Change data.block_size (now 15) in the config" in refused["refused"]
         assert refused["batches_started"] == 0 and refused["meta"]
     # The gather: rank 0's module holds the whole model, plain tensors, the one-device run's weights.
     full = ranks[0]["cases"]["full"]["state_dict"]
@@ -639,16 +648,19 @@ def test_the_split_report_names_the_layout():
     assert SplitReport("explicit", (3, 3), (), (), layout=layout).describe().startswith(f"{layout}, partition=")
 
 
-def test_llama_under_sequence_parallelism_refuses_rows_it_cannot_split_and_packed_batches(two_rank_mesh):
+def test_llama_under_sequence_parallelism_refuses_rows_it_cannot_split_packed_or_not(two_rank_mesh):
     model = Llama("tiny", init_seed=0, max_seq_len=64)
     model.configure_model()
     model.parallelize(two_rank_mesh)
     assert model.pipeline_input(torch.zeros(2, 17, dtype=torch.long)).shape == (2, 16)
     with pytest.raises(ValueError, match=r"splits each row's 15 input tokens .* divisible by 2"):
         model.pipeline_input(torch.zeros(2, 16, dtype=torch.long))
-    with pytest.raises(ValueError, match="packed batch .* only with tensor_parallel_size=1"):
-        model.pipeline_input({"input_ids": torch.zeros(2, 17, dtype=torch.long),
-                              "position_ids": torch.zeros(2, 17, dtype=torch.long)})
+    packed = model.pipeline_input({"input_ids": torch.zeros(2, 17, dtype=torch.long),
+                                   "position_ids": torch.zeros(2, 17, dtype=torch.long)})
+    assert packed["input_ids"].shape == packed["position_ids"].shape == (2, 16)
+    with pytest.raises(ValueError, match=r"splits each row's 15 input tokens .* divisible by 2"):
+        model.pipeline_input({"input_ids": torch.zeros(2, 16, dtype=torch.long),
+                              "position_ids": torch.zeros(2, 16, dtype=torch.long)})
 
 
 def test_only_sharded_parameters_count_on_every_tensor_parallel_rank_in_the_clipping_norm(two_rank_mesh):

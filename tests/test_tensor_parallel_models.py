@@ -49,6 +49,11 @@ CASES = {
     "mistral_2bw": {**HF, "schedule": "2bw", "hf_config": {"model_type": "mistral"}},
     "phi3_2bw": {**HF, "schedule": "2bw", "hf_config": {"model_type": "phi3", "pad_token_id": None}},
     "own_2bw": {"model": "own", "steps": 3, "microbatches": 4, "partition": [3, 3], "schedule": "2bw"},
+    # packed rows (documents of 1..7 tokens): each rank attends over the whole row with its own heads, document by
+    # document, the positions crossing the stage boundary whole beside each rank's sequence shard (models.Llama)
+    "llama_packed_2bw": {"tie": True, "steps": 3, "microbatches": 4, "partition": [3, 3], "schedule": "2bw",
+                         "packed": True},
+    "hf_packed_1f1b": {**HF, "schedule": "1f1b", "packed": True},
 }
 GPT = {"model": "gpt", "steps": 3, "microbatches": 4, "partition": [3, 3],  # embedding + 2 blocks | 2 + head
        "resumable": True}
@@ -57,6 +62,7 @@ GPT_CASES = {
     "gpt_resumed": {**GPT, "schedule": "2bw", "steps": 4},  # from gpt_2bw's checkpoint
     "gpt_1f1b_gathered": {**GPT, "schedule": "1f1b", "gather": True},  # rank 0's module made whole again
     "gpt_wrong_shard": {**GPT, "schedule": "1f1b", "steps": 1, "swap_shards": True},
+    "gpt_packed_2bw": {**GPT, "schedule": "2bw", "packed": True, "resumable": False},
 }
 
 
@@ -111,6 +117,7 @@ def test_two_stages_of_two_tensor_parallel_ranks_train_a_tied_transformers_llama
     assert max_difference(qwen2, run_here_on_one_device(llama_fit.run, CASES["qwen2_2bw"])["state_dict"]) < TOL
     assert ranks[0]["cases"]["qwen2_2bw"]["local_weights"]["model.layers.0.self_attn.k_proj.bias"].shape == (8,)
     _check_more_families(ranks)
+    _check_packed(ranks)
     # A user's own module and plan (llama_fit.OwnPlanLM): fc column-wise, proj row-wise, initialized as one device.
     own = {**ranks[0]["cases"]["own_2bw"]["stage_weights"], **ranks[2]["cases"]["own_2bw"]["stage_weights"]}
     assert max_difference(own, run_here_on_one_device(llama_fit.run, CASES["own_2bw"])["state_dict"]) < TOL
@@ -142,6 +149,25 @@ def _check_more_families(ranks: list[dict]) -> None:
         assert phi3[f"model.layers.{r}.mlp.down_proj.weight"].shape == (32, 32)  # half of its 64 columns
     reference = run_here_on_one_device(llama_fit.run, CASES["qwen3_unsummed"])["state_dict"]
     assert max_difference(_whole_model(ranks, "qwen3_unsummed"), reference) > 10 * QWEN3_TOL
+
+
+def _check_packed(ranks: list[dict]) -> None:
+    """Packed rows of models.Llama, a transformers Llama and models.GPT train one device's weights on the same
+    packed rows (whose attention is each document alone: tests/test_packed_documents.py); the control, one device on
+    the same tokens with the documents not separated, lies far outside the bound."""
+    llama_tie, hf_tie = ("head.proj.weight", "embed.weight"), ("lm_head.weight", "model.embed_tokens.weight")
+    runs = {"llama_packed_2bw": (CASES, whole_tensor_parallel_model(ranks, "llama_packed_2bw", tie=llama_tie)),
+            "hf_packed_1f1b": (CASES, _whole_model(ranks, "hf_packed_1f1b")),
+            "gpt_packed_2bw": (GPT_CASES, {**ranks[0]["cases"]["gpt_packed_2bw"]["stage_weights"],
+                                           **ranks[2]["cases"]["gpt_packed_2bw"]["stage_weights"]})}
+    for name, (cases, weights) in runs.items():
+        reference = run_here_on_one_device(llama_fit.run, cases[name])["state_dict"]
+        assert set(weights) == set(reference), name
+        assert max_difference(weights, reference) < TOL, (name, max_difference(weights, reference))
+        unseparated = run_here_on_one_device(llama_fit.run, {**cases[name], "packed": False})["state_dict"]
+        assert max_difference(weights, unseparated) > 20 * TOL, (name, max_difference(weights, unseparated))
+    # each rank sends its half of the sequence and the row's positions whole
+    assert sorted(ranks[0]["cases"]["llama_packed_2bw"]["crossed"]) == [[2, 8, 64], [2, 16]]
 
 
 def _check_gpt(ranks: list[dict], saved: Path, tmp_path: Path) -> None:
@@ -291,7 +317,7 @@ def test_a_sharded_layer_initialized_inside_whole_parameters_holds_its_slice_of_
         dist.destroy_process_group()
 
 
-def test_gpts_plan_refuses_dropout_packed_batches_and_rows_it_cannot_split_and_splits_qkv_by_heads():
+def test_gpts_plan_refuses_dropout_and_rows_it_cannot_split_packed_or_not_and_splits_qkv_by_heads():
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.placement_types import _StridedShard
@@ -312,9 +338,13 @@ def test_gpts_plan_refuses_dropout_packed_batches_and_rows_it_cannot_split_and_s
         assert model.pipeline_input(torch.zeros(2, 17, dtype=torch.long)).shape == (2, 16)
         with pytest.raises(ValueError, match=r"splits each row's 15 input tokens .* divisible by 2"):
             model.pipeline_input(torch.zeros(2, 16, dtype=torch.long))
-        with pytest.raises(ValueError, match="packed batch .* only with tensor_parallel_size=1"):
-            model.pipeline_input({"input_ids": torch.zeros(2, 17, dtype=torch.long),
-                                  "position_ids": torch.zeros(2, 17, dtype=torch.long)})
+        # a packed batch: its rows split alike, its positions kept whole (the attention finds every document)
+        packed = model.pipeline_input({"input_ids": torch.zeros(2, 17, dtype=torch.long),
+                                       "position_ids": torch.zeros(2, 17, dtype=torch.long)})
+        assert packed["input_ids"].shape == packed["position_ids"].shape == (2, 16)
+        with pytest.raises(ValueError, match=r"splits each row's 15 input tokens .* divisible by 2"):
+            model.pipeline_input({"input_ids": torch.zeros(2, 16, dtype=torch.long),
+                                  "position_ids": torch.zeros(2, 16, dtype=torch.long)})
     finally:
         dist.destroy_process_group()
 
@@ -397,12 +427,11 @@ def test_dropout_in_a_layer_a_users_own_plan_splits_is_refused_at_setup_naming_t
 
 
 @pytest.mark.hf
-def test_a_transformers_model_split_over_the_vocabulary_refuses_packed_batches():
+def test_a_transformers_model_split_over_the_vocabulary_takes_packed_batches():
     from lightning_async_pp.models import HuggingFaceCausalLM
 
     model = HuggingFaceCausalLM(llama_fit.HF_LLAMA)
-    model._tensor_parallel_size = 2  # what parallelize() sets
-    with pytest.raises(ValueError, match=r"takes a packed batch .* only with tensor_parallel_size=1, got "
-                                         r"tensor_parallel_size=2"):
-        model.pipeline_input({"input_ids": torch.zeros(2, 17, dtype=torch.long),
-                              "position_ids": torch.zeros(2, 17, dtype=torch.long)})
+    model._tensor_parallel_size = 2  # what parallelize() sets; no sequence split: any length
+    packed = model.pipeline_input({"input_ids": torch.zeros(2, 16, dtype=torch.long),
+                                   "position_ids": torch.zeros(2, 16, dtype=torch.long)})
+    assert packed["input_ids"].shape == packed["position_ids"].shape == (2, 15)

@@ -36,6 +36,7 @@ from lightning_async_pp.models.hf_config import as_pretrained_config, pretrained
 from lightning_async_pp.models.moe import RouterLoss, adds_router_loss, check_router_loss_supported
 from lightning_async_pp.models.pretrained import SafetensorsFolder
 from lightning_async_pp.parallel.mesh import replica_processes, tensor_parallel_mesh
+from lightning_async_pp.parallel.tensor_parallel import layout_hooks_on_entries
 
 #: What the adapter takes from the upstream model, as dotted paths of ``AutoModelForCausalLM.from_config(config)``.
 LAYOUT = ("model.embed_tokens", "model.layers", "model.norm", "model.rotary_emb", "lm_head")
@@ -455,6 +456,8 @@ class HuggingFaceCausalLM(AdoptedCausalLM):
             hf_config.parallelize_layer(block, tp_mesh, plan, f"model_type {self.config.model_type!r}")
         parallelize_module(self.model.embed_tokens, tp_mesh,
                            RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()))
+        # a packed microbatch: the plan's output hook acts on the hidden state PackedEnds puts beside the positions
+        layout_hooks_on_entries(self.model.embed_tokens, None, packing.HIDDEN)
         parallelize_module(self.lm_head, tp_mesh, ColwiseParallel(output_layouts=Shard(-1), use_local_output=False))
         if self.config.tie_word_embeddings:  # each module got its own DTensor of the one matrix: one again
             self.lm_head.weight = self.model.embed_tokens.weight
@@ -486,10 +489,6 @@ class HuggingFaceCausalLM(AdoptedCausalLM):
 
     # ---- packed batches (models/packing.py) ------------------------------------------------------------------
     def pipeline_input(self, batch: Any) -> Any:
-        if isinstance(batch, Mapping) and self._tensor_parallel_size > 1:  # the embedding's hooks take tensors
-            raise ValueError(f"HuggingFaceCausalLM takes a packed batch (a mapping of {', '.join(sorted(batch))}) only "
-                             f"with tensor_parallel_size=1, got tensor_parallel_size={self._tensor_parallel_size}; "
-                             f"pass rows of token ids (a LongTensor (batch, seq + 1))")
         if not isinstance(batch, Mapping) or not (packing.POSITION_IDS in batch or set(batch) == {packing.INPUT_IDS}):
             x = super().pipeline_input(batch)  # token rows, or a refusal naming the batch form taken (padding)
         else:  # a packed batch, or a refusal naming what it lacks

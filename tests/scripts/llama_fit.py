@@ -8,7 +8,8 @@ samples, batch, seq,
 val_every + val_batches (validation during fit), text_samples (TextSamples keyword arguments),
 log_dir (a TensorBoardLogger there), timeout, clip (Trainer's gradient_clip_val), strategy_kwargs (more
 AsyncPipelineStrategy arguments),
-packed (rows as packed batches {"input_ids", "position_ids"} of documents 1..7 tokens long, ``skip_document_ends``),
+packed (rows as packed batches {"input_ids", "position_ids"} of documents 1..7 tokens long, ``skip_document_ends``
+unless skip_ends is False),
 eval_batch (the batch size of the non-fit calls of a sequence, last batch ragged), record_state_bytes (each call of
 a sequence records the optimizer state per layer its split counted),
 activation_checkpointing, stage_memory_gib (strategy options as named), pool_buffers (receive buffers pooled as on
@@ -317,7 +318,8 @@ def build(cfg: dict) -> tuple[Llama, DataLoader, L.Trainer]:
         kind = (LlamaGroupedByName if cfg.get("groups_by_name") else LlamaSwappedShards if cfg.get("swap_shards")
                 else LlamaMisroutedExperts if cfg.get("misroute_experts") else Llama)
         model = kind("tiny", vocab_size=cfg.get("vocab", 256), tie_embeddings=tie, max_seq_len=cfg.get("max_seq_len", 64),
-                     lr=cfg.get("lr", 3e-3), skip_document_ends=bool(cfg.get("packed")), **cfg.get("experts", {}),
+                     lr=cfg.get("lr", 3e-3), skip_document_ends=bool(cfg.get("packed")) and cfg.get("skip_ends", True),
+                     **cfg.get("experts", {}),
                      **kwargs)
     if cfg.get("optimizer"):
         model.configure_optimizers = lambda: chosen_optimizer(model, cfg["optimizer"])  # type: ignore[method-assign]
