@@ -325,7 +325,7 @@ def test_last_stage_run_ahead_must_be_none_true_or_false():
 def test_a_measured_split_is_timed_once_per_trainer_and_a_later_call_keeps_it(monkeypatch):
     """Issue 54, item 10: a validate after fit on the same Trainer timed the layers again; where noise changed the
     split, it ran on other stages than the fit (a KeyError on the stages' weights, or a silent change)."""
-    from lightning_async_pp.pipeline import engine as engine_module
+    from lightning_async_pp.plan import timing as timing_module
 
     timings = iter([[10.0, 1.0, 1.0, 1.0], [1.0, 1.0, 1.0, 10.0]])  # the second timing would split (3, 1)
     calls = []
@@ -334,7 +334,7 @@ def test_a_measured_split_is_timed_once_per_trainer_and_a_later_call_keeps_it(mo
         calls.append(len(layers))
         return next(timings)
 
-    monkeypatch.setattr(engine_module, "measure_layer_times", noisy)
+    monkeypatch.setattr(timing_module, "measure_layer_times", noisy)
     data = torch.utils.data.DataLoader(torch.randn(8, 8), batch_size=4)
     trainer = one_device_trainer(AsyncPipelineStrategy("1f1b", num_microbatches=2, num_stages=2,
                                                        layer_cost="measured"), steps=1)

@@ -90,17 +90,15 @@ def tensor_parallel_llama(mesh) -> Llama:
     return model
 
 
-def test_packed_rows_and_rows_the_sequence_split_cannot_take_are_refused_under_tensor_parallelism_naming_the_key(
+def test_rows_the_sequence_split_cannot_take_packed_or_not_are_refused_under_tensor_parallelism_naming_the_key(
         two_rank_mesh):
     model = tensor_parallel_llama(two_rank_mesh)
     check_rows(TokenRows(block_size=16), model)  # token rows of an even length: taken
-    with pytest.raises(ValueError, match=r"Llama refuses the rows of TokenRows \(block_size=16, document_mask=True\)"
-                                         r", found at setup before training: Llama takes a packed batch .* only with "
-                                         r"tensor_parallel_size=1.* Change data\.document_mask: false in the config"):
-        check_rows(TokenRows(block_size=16, document_mask=True), model)
-    with pytest.raises(ValueError, match=r"splits each row's 15 input tokens over the tensor-parallel ranks.* Change "
-                                         r"data\.block_size \(now 15\) in the config"):
-        check_rows(TokenRows(block_size=15), model)
+    check_rows(TokenRows(block_size=16, document_mask=True), model)  # packed ones too
+    for document_mask in (False, True):
+        with pytest.raises(ValueError, match=r"splits each row's 15 input tokens over the tensor-parallel ranks.* "
+                                             r"Change data\.block_size \(now 15\) in the config"):
+            check_rows(TokenRows(block_size=15, document_mask=document_mask), model)
 
 
 def test_meta_tensors_are_set_aside_while_the_module_moves_and_back_afterwards_dtensors_included(two_rank_mesh):

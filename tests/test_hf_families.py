@@ -29,6 +29,8 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_N
 
 from lightning_async_pp.models import HuggingFaceCausalLM  # noqa: E402
 from lightning_async_pp.models.hf_probe import tiny_config  # noqa: E402
+from lightning_async_pp.models.hf_config import TensorParallelRefusal  # noqa: E402
+from lightning_async_pp.models.huggingface import tensor_parallel_plan  # noqa: E402
 
 TOL = 1e-5
 #: A "tiny" copy larger than this was not made tiny by the generic shrink (nested sub-configs, fixed sizes).
@@ -123,6 +125,85 @@ def test_every_family_is_exact_or_refused_at_build_never_different_or_crashing()
         if family in results:
             assert results[family][0] == EXACT, (family, results[family])
     assert results["gpt2"][0] == REFUSED  # another layout
+
+
+def tensor_parallel_outcome(model_type: str) -> tuple[str, str]:
+    """(outcome, reason) of ``tensor_parallel_size=2`` for a family exact on one device: the plan read from its
+    config and checked on a tiny copy split over two simulated ranks (``hf_probe.check_tensor_parallel``)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            tensor_parallel_plan(tiny_config(AutoConfig.for_model(model_type)), 2)
+        except TensorParallelRefusal as err:
+            return REFUSED, err.reason
+        except ValueError as err:  # a size two ranks do not divide
+            return REFUSED, " ".join(str(err).split())
+        except Exception as err:
+            return "CRASH", short(err)
+    return EXACT, ""
+
+
+@lru_cache(maxsize=1)
+def tensor_parallel_sweep() -> dict[str, tuple[str, str]]:
+    """:func:`tensor_parallel_outcome` of every family the sweep finds exact on one device."""
+    exact = [family for family, (kind, _) in sweep().items() if kind == EXACT]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as the sweep (each simulated rank is a thread of its own)
+    try:
+        return {family: tensor_parallel_outcome(family) for family in exact}
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.timeout(1500)  # the sweep, then the tensor-parallel check of each exact family
+def test_every_exact_family_is_tensor_parallel_exact_or_refused_with_its_reason():
+    results = tensor_parallel_sweep()
+    bad = {family: result for family, result in results.items() if result[0] not in (EXACT, REFUSED)}
+    assert not bad, bad
+    for family in ("llama", "qwen2", "qwen3", "mistral"):  # trained on 2 x 2 (tests/test_tensor_parallel_models.py)
+        assert results[family] == (EXACT, ""), (family, results[family])
+    assert all(reason for kind, reason in results.values() if kind == REFUSED)
+
+
+@pytest.mark.timeout(1500)  # the sweep, then the tensor-parallel check of each exact family
+def test_every_tensor_parallel_exact_family_runs_torchs_styles_of_its_plan_forward_and_backward():
+    # The check simulates the ranks; the adapter runs torch's DTensor styles (and the vocabulary split of the
+    # embedding and head, with any work a family does there). Each family the check accepts is parallelized as
+    # under the strategy and run forward and backward under loss_parallel on rank 0 of a fake 2-process group
+    # (torch's test backend: collectives return their input, so the numbers are not checked here, only that
+    # DTensor runs every operation the family's code asks of it).
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import loss_parallel
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from lightning_async_pp.parallel.placement import replace_meta_tensors
+
+    exact = [family for family, (kind, _) in tensor_parallel_sweep().items() if kind == EXACT]
+    failed = {}
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tensor_parallel",))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            for family in exact:
+                config = tiny_config(AutoConfig.for_model(family))
+                model = HuggingFaceCausalLM(config, init_seed=0)
+                model.configure_model()
+                replace_meta_tensors(model, lambda t: torch.zeros_like(t, device="cpu"))
+                try:
+                    model.parallelize(mesh, tensor_parallel_plan(config, 2))
+                    batch = batch_of(config.vocab_size)
+                    x = model.pipeline_input(batch)
+                    for layer in model.pipeline_layers():
+                        x = layer(x)
+                    with loss_parallel():
+                        model.pipeline_loss(x, batch).backward()
+                except Exception as err:
+                    failed[family] = short(err)
+    finally:
+        dist.destroy_process_group()
+    assert len(exact) > 10 and not failed, failed
 
 
 @pytest.mark.timeout(1500)  # the sweep builds every family twice (eval and training mode)
@@ -364,9 +445,12 @@ def test_a_padded_dict_batch_is_refused_before_the_first_update_naming_the_batch
 
 # ---- the table in the docs ----------------------------------------------------------------------------------------
 def table() -> str:
-    lines = ["| family | outcome | why |", "|---|---|---|"]
+    lines = ["| family | outcome | why | tensor-parallel (t = 2) |", "|---|---|---|---|"]
+    tensor_parallel = tensor_parallel_sweep()
     for family, (kind, detail) in sweep().items():
-        lines.append(f"| `{family}` | {kind} | {detail.replace('|', '/')} |")
+        tp_kind, reason = tensor_parallel.get(family, ("", ""))
+        tp = f"{tp_kind}: {reason}" if reason else tp_kind
+        lines.append(f"| `{family}` | {kind} | {detail.replace('|', '/')} | {tp.replace('|', '/')} |")
     return "\n".join(lines)
 
 
@@ -380,14 +464,18 @@ def documented_outcomes(text: str) -> dict[str, str]:
     if start not in text:
         return {}
     body = text[text.index(start):text.index(end)]
-    return {m.group(1): m.group(2).strip() for m in re.finditer(r"^\| `([^`]+)` \| ([^|]+) \|", body, re.M)}
+    return {m.group(1): (m.group(2).strip(), m.group(3).split(":")[0].strip())
+            for m in re.finditer(r"^\| `([^`]+)` \| ([^|]+) \|[^|]*\| ([^|]*) \|$", body, re.M)}
 
 
+@pytest.mark.timeout(1500)  # the sweep, then the tensor-parallel check of each exact family
 def test_the_family_table_in_the_docs_is_current():
     documented = documented_outcomes(DOC.read_text())
     if not documented:
         pytest.skip(f"docs/models.md has no table for transformers {transformers.__version__}")
-    assert documented == {family: kind for family, (kind, _) in sweep().items()}, \
+    tensor_parallel = tensor_parallel_sweep()
+    assert documented == {family: (kind, tensor_parallel.get(family, ("", ""))[0])
+                          for family, (kind, _) in sweep().items()}, \
         "docs/models.md is out of date: python tests/test_hf_families.py rewrites it"
 
 

@@ -61,7 +61,17 @@ CASES = {
     # across processes a delay can only be the schedule's own (PipelineConfig.check): given, it changes nothing
     "2bw_delay_given": {**BASE, "schedule": "2bw", "strategy_kwargs": {"delay": 1}},
     "wrong_shard": {**BASE, "schedule": "1f1b", "steps": 1, "swap_shards": True},
+    # compiled layers over DTensor shards (a backend counting its graphs); the first forward compiles on 4
+    # processes sharing the CPU, past the default pipeline_timeout on a loaded machine
+    "2bw_compiled": {**BASE, "schedule": "2bw", "compile_counted": True, "timeout": 600.0},
+    # layer_cost="measured": stage 0's two ranks time the layers together; rank 1 sees the head 1000 times slower,
+    # rank 0 does not: the split must be the slowest rank's, the head alone on stage 1, on all four ranks
+    "2bw_measured": {**BASE, "schedule": "2bw", "partition": "balanced", "strategy_kwargs": {"layer_cost": "measured"},
+                     "skew_times": {"tp_rank": 1, "layer": -1, "factor": 1000.0}},
 }
+#: What the 2 x 2 runs of a case train on one device, where it differs from the case: the split they agreed on;
+#: compiled layers against eager ones.
+ONE_DEVICE = {"2bw_measured": {**BASE, "schedule": "2bw", "partition": [5, 1]}, "2bw_compiled": CASES["2bw"]}
 
 
 def _whole_model(ranks: list[dict], case: str) -> dict[str, torch.Tensor]:
@@ -74,7 +84,7 @@ _ONE_DEVICE: dict[str, dict] = {}
 def _one_device(name: str) -> dict:
     """The one-device run of ``CASES[name]`` (made once per session)."""
     if name not in _ONE_DEVICE:
-        _ONE_DEVICE[name] = run_here_on_one_device(llama_fit.run, CASES[name])
+        _ONE_DEVICE[name] = run_here_on_one_device(llama_fit.run, ONE_DEVICE.get(name, CASES[name]))
     return _ONE_DEVICE[name]
 
 
@@ -93,12 +103,13 @@ def _check_against_one_device(ranks: list[dict], name: str, case: dict) -> dict[
     weights = _whole_model(ranks, name)
     tolerance = MUON_TOL if "muon" in case.get("optimizer", "") else TOL
     assert max_difference(weights, reference) < tolerance, (name, max_difference(weights, reference))
-    assert max_difference(weights, run_here_on_one_device(llama_fit.run, {**case, "steps": 0})
+    assert max_difference(weights, run_here_on_one_device(llama_fit.run, {**ONE_DEVICE.get(name, case), "steps": 0})
                           ["state_dict"]) > 1e-3, name  # the steps did move the weights
     for r in (0, 2):
         mine, other = ranks[r]["cases"][name]["local_weights"], ranks[r + 1]["cases"][name]["local_weights"]
-        assert mine["blocks.1.attn.q_proj.weight" if r == 0 else "blocks.3.mlp.down_proj.weight"].shape in (
-            (32, 64), (64, 86))
+        sharded = "blocks.1.attn.q_proj.weight" if r == 0 else "blocks.3.mlp.down_proj.weight"
+        if sharded in mine:  # (the measured split's second stage holds the head alone)
+            assert mine[sharded].shape in ((32, 64), (64, 86)), (name, sharded)
         for n, value in mine.items():
             if value.shape == ranks[r]["cases"][name]["stage_weights"][n].shape:
                 assert torch.equal(value, other[n]), (name, n)
@@ -126,6 +137,24 @@ def test_two_stages_of_two_tensor_parallel_ranks_train_llama_as_one_device(two_b
     for r in range(4):
         for name in ("2bw_muon", "1f1b_error_feedback_muon"):
             assert ranks[r]["cases"][name]["muon_step_difference"] == 0.0, (r, name)
+    # layer_cost="measured": stage 0's ranks timed every layer, their times differ (rank 1's head 1000 times
+    # slower), and all four ranks split by the slowest rank's: the head alone on stage 1, a split rank 0's own
+    # times do not give; the weights are one device's on that split (checked above).
+    timed = [ranks[r]["cases"]["2bw_measured"]["own_times"] for r in range(4)]
+    assert [len(t) for t in timed] == [1, 1, 0, 0], timed  # stage 0's ranks time, once; stage 1's wait
+    assert timed[1][0][-1] > 100 * timed[0][0][-1] and len(timed[0][0]) == 6
+    for r in range(4):
+        assert ranks[r]["cases"]["2bw_measured"]["split"] == ("balanced", [5, 1]), r
+        assert ranks[r]["cases"]["2bw_measured"]["split_cost"] == "measured", r
+    from lightning_async_pp.plan.balanced import balanced_split
+
+    assert balanced_split(timed[0][0], 2) != [5, 1]  # rank 0's own times split otherwise
+    # Compiled layers: each rank compiled its layers' graphs in the first batch and nothing after (2bw reads the
+    # stashed version from the second batch on, each batch through 4 microbatches); the weights are eager one
+    # device's (checked above).
+    for r in range(4):
+        counts = ranks[r]["cases"]["2bw_compiled"]["graphs_per_batch"]
+        assert len(counts) == 3 and counts[0] > 0 and counts == [counts[0]] * 3, (r, counts)
     # The control: a rank that starts from its neighbour's shard is far outside the tolerance.
     wrong = _whole_model(ranks, "wrong_shard")
     assert max_difference(wrong, run_here_on_one_device(llama_fit.run, CASES["wrong_shard"])["state_dict"]) > 1e-2
@@ -229,6 +258,9 @@ DP_CASES = {
     "2bw": {**DP_BASE, "schedule": "2bw"},
     "1f1b_clipped": {**DP_BASE, "schedule": "1f1b", "clip": 0.5},
     "2bw_zero": {**DP_BASE, "schedule": "2bw"},  # launched with shard_optimizer=True (ZeRO-1 over the replicas)
+    # packed rows with tensor and data parallelism and ZeRO-1 at once (the loss over every target: a replica's mean
+    # over its kept targets is not the whole batch's where the replicas keep different counts)
+    "2bw_zero_packed": {**DP_BASE, "schedule": "2bw", "packed": True, "skip_ends": False},
 }
 
 
@@ -236,7 +268,8 @@ DP_CASES = {
 @pytest.mark.slow
 def test_two_replicas_of_two_stages_of_two_tensor_parallel_ranks_train_llama_as_one_device_on_both_batches(tmp_path):
     launch = {n: {**c, "tensor_parallel": 2} for n, c in DP_CASES.items()}
-    launch["2bw_zero"]["strategy_kwargs"] = {"shard_optimizer": True}
+    for name in ("2bw_zero", "2bw_zero_packed"):
+        launch[name]["strategy_kwargs"] = {"shard_optimizer": True}
     ranks = script_ranks(SCRIPT, {"devices": 8, "cases": launch}, tmp_path, ranks=8, timeout=600)
     for name, case in DP_CASES.items():
         replicas = [_whole_model(ranks[4 * d : 4 * d + 4], name) for d in range(2)]  # replica d: ranks 4d..4d+3
@@ -250,6 +283,9 @@ def test_two_replicas_of_two_stages_of_two_tensor_parallel_ranks_train_llama_as_
     # The control: what replica 0 trains on its own batches alone (no reduction) is far outside the tolerance.
     alone = run_here_on_one_device(llama_fit.run, {**DP_CASES["2bw"], "only_replica": 0})["state_dict"]
     assert max_difference(_whole_model(ranks, "2bw"), alone) > 1e-2
+    # Packed rows' documents were kept apart: one device on the same tokens, documents not separated, is far off.
+    unseparated = run_here_on_one_device(llama_fit.run, {**DP_CASES["2bw_zero_packed"], "packed": False})
+    assert max_difference(_whole_model(ranks, "2bw_zero_packed"), unseparated["state_dict"]) > 20 * TOL
 
 
 # ---- the engine's local shards ---------------------------------------------------------------------------------
@@ -363,8 +399,6 @@ def test_the_layout_puts_a_stages_tensor_parallel_ranks_side_by_side_and_pipelin
 
 
 @pytest.mark.parametrize("option, match", [
-    ({"compile": True}, "compile=True is not supported"),
-    ({"layer_cost": "measured"}, "layer_cost='measured' is not supported"),
     ({"tensor_parallel_size": 0}, "tensor_parallel_size must be a positive integer, got 0"),
 ])
 def test_options_not_supported_with_tensor_parallelism_are_refused_naming_them(option, match):
@@ -467,7 +501,8 @@ def test_a_two_by_two_checkpoint_resumes_exactly_on_two_by_two_on_two_stages_and
     save after fit (``trainer.save_checkpoint``, the weights gathered into rank 0 meanwhile) is the save at the
     last step inside it and resumes too. The checkpoints then resume on 2 stages x 1 rank (one launch of 2
     processes) and on one device here, each to the uninterrupted weights. First in the launch, a setup refused
-    there (packed rows from a data module) surfaces as itself, the model left on the meta device."""
+    there (packed rows from a data module, of a length the sequence split cannot take) surfaces as itself, the model
+    left on the meta device."""
     sharded, single, one_device = tmp_path / "sharded", tmp_path / "single", tmp_path / "one_device"
     after = tmp_path / "after"
     (tmp_path / "tp").mkdir(), (tmp_path / "two").mkdir()
@@ -475,8 +510,9 @@ def test_a_two_by_two_checkpoint_resumes_exactly_on_two_by_two_on_two_stages_and
     saved_on_one_device = run_here_on_one_device(
         llama_fit.run, {**RESUME, "steps": 2, "val_every": 1, "save_at": 2, "checkpoint_dir": str(one_device)})
     cases = {
-        # refused at setup (packed rows under tensor parallelism, from a data module declaring them), first
-        "refused_at_setup": {**BASE, "packed": True, "refused": True},
+        # refused at setup (packed rows of 15 tokens, which 2 ranks cannot split, from a data module declaring
+        # them), first
+        "refused_at_setup": {**BASE, "packed": True, "seq": 15, "refused": True},
         "full": {**RESUME, "gather": True},
         "saved": {**RESUME, "steps": 2, "save_at": 2, "checkpoint_dir": str(sharded), "val_every": 1},
         "single": {**RESUME, "steps": 2, "save_at": 2, "checkpoint_dir": str(single),
@@ -503,9 +539,9 @@ def test_a_two_by_two_checkpoint_resumes_exactly_on_two_by_two_on_two_stages_and
     # meta device again, as setup found them.
     for r in range(4):
         refused = ranks[r]["cases"]["refused_at_setup"]
-        assert refused["refused"].startswith("ValueError: Llama refuses the rows of RowsDataModule (block_size=16, "
+        assert refused["refused"].startswith("ValueError: Llama refuses the rows of RowsDataModule (block_size=15, "
                                              "document_mask=True)"), refused["refused"]
-        assert "Change data.document_mask: false in the config" in refused["refused"]
+        assert "Change data.block_size (now 15) in the config" in refused["refused"]
         assert refused["batches_started"] == 0 and refused["meta"]
     # The gather: rank 0's module holds the whole model, plain tensors, the one-device run's weights.
     full = ranks[0]["cases"]["full"]["state_dict"]
@@ -612,16 +648,19 @@ def test_the_split_report_names_the_layout():
     assert SplitReport("explicit", (3, 3), (), (), layout=layout).describe().startswith(f"{layout}, partition=")
 
 
-def test_llama_under_sequence_parallelism_refuses_rows_it_cannot_split_and_packed_batches(two_rank_mesh):
+def test_llama_under_sequence_parallelism_refuses_rows_it_cannot_split_packed_or_not(two_rank_mesh):
     model = Llama("tiny", init_seed=0, max_seq_len=64)
     model.configure_model()
     model.parallelize(two_rank_mesh)
     assert model.pipeline_input(torch.zeros(2, 17, dtype=torch.long)).shape == (2, 16)
     with pytest.raises(ValueError, match=r"splits each row's 15 input tokens .* divisible by 2"):
         model.pipeline_input(torch.zeros(2, 16, dtype=torch.long))
-    with pytest.raises(ValueError, match="packed batch .* only with tensor_parallel_size=1"):
-        model.pipeline_input({"input_ids": torch.zeros(2, 17, dtype=torch.long),
-                              "position_ids": torch.zeros(2, 17, dtype=torch.long)})
+    packed = model.pipeline_input({"input_ids": torch.zeros(2, 17, dtype=torch.long),
+                                   "position_ids": torch.zeros(2, 17, dtype=torch.long)})
+    assert packed["input_ids"].shape == packed["position_ids"].shape == (2, 16)
+    with pytest.raises(ValueError, match=r"splits each row's 15 input tokens .* divisible by 2"):
+        model.pipeline_input({"input_ids": torch.zeros(2, 16, dtype=torch.long),
+                              "position_ids": torch.zeros(2, 16, dtype=torch.long)})
 
 
 def test_only_sharded_parameters_count_on_every_tensor_parallel_rank_in_the_clipping_norm(two_rank_mesh):

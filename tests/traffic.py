@@ -374,7 +374,7 @@ class _Recorder:
 
         @functools.wraps(original)
         def wrapper(*args: Any, **kwargs: Any) -> Any:
-            if self._depth() > 0:
+            if self._depth() > 0 or _tracing(args):
                 return original(*args, **kwargs)
             bound = signature.bind(*args, **kwargs)
             a = bound.arguments
@@ -518,6 +518,16 @@ def install_when_imported(directory: str, strict_tags: bool) -> None:
         "torch.distributed.distributed_c10d": lambda module: install(directory, strict_tags),
         "torch.distributed": lambda module: _patch_package(),
     }))
+
+
+def _tracing(args: tuple) -> bool:
+    """Whether a functional collective is being traced by ``torch.compile`` (dynamo, or its fake tensors) rather than
+    run: nothing is sent then. The compiled graph later calls the collective ops directly, past this recorder, so a
+    compiled layer's collectives are not in the record (docs/design/stages.md, "Compiled layers")."""
+    import torch
+    from torch._subclasses.fake_tensor import is_fake
+
+    return torch.compiler.is_compiling() or any(isinstance(a, torch.Tensor) and is_fake(a) for a in args)
 
 
 def install_functional(funcol: Any) -> None:

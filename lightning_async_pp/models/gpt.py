@@ -21,6 +21,7 @@ from lightning_async_pp.models import packing
 from lightning_async_pp.module import PipelineModule
 from lightning_async_pp.optim.groups import decay_matrices_only
 from lightning_async_pp.parallel.mesh import tensor_parallel_mesh
+from lightning_async_pp.parallel.tensor_parallel import layout_hooks_on_entries
 
 
 class CausalSelfAttention(nn.Module):
@@ -82,7 +83,7 @@ class Block(nn.Module):
     def forward(self, x: Any) -> Any:
         if isinstance(x, Mapping):  # a packed microbatch: the hidden state with its positions
             h, pos = x[packing.HIDDEN], x[packing.POSITION_IDS]
-            h = h + self.attn(self.ln_1(h), pos)
+            h = h + self.attn(self.ln_1(h), position_ids=pos)  # a keyword: the plan's input hook takes h alone
             return {packing.HIDDEN: h + self.mlp(self.ln_2(h)), packing.POSITION_IDS: pos}
         x = x + self.attn(self.ln_1(x))
         return x + self.mlp(self.ln_2(x))
@@ -224,6 +225,7 @@ class GPT(PipelineModule):
                            RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()))
         parallelize_module(self.embedding, tp_mesh,
                            PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=Shard(1)))
+        layout_hooks_on_entries(self.embedding, None, packing.HIDDEN)  # a packed microbatch's positions stay whole
         distribute_module(self.embedding.position, tp_mesh, input_fn=replicated_input, output_fn=local_output)
         for block in self.blocks:
             parallelize_module(block, tp_mesh, block_plan)

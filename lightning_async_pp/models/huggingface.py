@@ -30,13 +30,14 @@ from typing import Any, Callable, Optional, Union
 import torch
 from torch import Tensor, nn
 
-from lightning_async_pp.models import hf_outside, hf_probe, packing
+from lightning_async_pp.models import hf_config, hf_outside, hf_probe, packing
 from lightning_async_pp.models.adopted import AdoptedCausalLM
 from lightning_async_pp.models.hf_config import as_pretrained_config, pretrained_config, read_by_the_code
 from lightning_async_pp.models.moe import RouterLoss, adds_router_loss, check_router_loss_supported, split_experts
 from lightning_async_pp.models.pretrained import SafetensorsFolder
 from lightning_async_pp.parallel.expert import expert_parallel_mesh
 from lightning_async_pp.parallel.mesh import replica_processes, tensor_parallel_mesh
+from lightning_async_pp.parallel.tensor_parallel import layout_hooks_on_entries
 
 #: What the adapter takes from the upstream model, as dotted paths of ``AutoModelForCausalLM.from_config(config)``.
 LAYOUT = ("model.embed_tokens", "model.layers", "model.norm", "model.rotary_emb", "lm_head")
@@ -428,13 +429,16 @@ class HuggingFaceCausalLM(AdoptedCausalLM):
         if self._layers is not None:  # Lightning calls this hook on every trainer entry point
             return
         tp_mesh = tensor_parallel_mesh(self.device_mesh)  # set by a strategy with tensor parallelism
-        # First what the plan refuses by name (sizes it does not divide), which the check below would only see fail
-        plan = (tensor_parallel_plan(self.config, tp_mesh.size(), replica_processes(self.device_mesh))
-                if tp_mesh is not None else None)
+        # First what the plan refuses by name (styles, sizes it does not divide, dropout), which the checks below
+        # would only see fail
+        kinds = (hf_config.read_plan(self.config, tp_mesh.size(), replica_processes(self.device_mesh),
+                                              read_by_the_code(type(self.config))) if tp_mesh is not None else None)
         if self.check_exact:
             # Before any layer gets memory: refuses a family whose pipeline layers differ from the upstream forward.
             # The adapter itself, not a subclass: a subclass may take other constructor arguments.
             self._mask_as_upstream(hf_probe.check_exact(HuggingFaceCausalLM, self.config))
+        # Then whether the plan is exact: its layers split over simulated ranks against one device (on a tiny copy)
+        plan = tensor_parallel_plan(self.config, tp_mesh.size(), kinds=kinds) if tp_mesh is not None else None
         ep_mesh = expert_parallel_mesh(self.device_mesh)  # set by a strategy with expert parallelism
         if ep_mesh is not None:  # before the layers get memory: each rank keeps E / e experts (models/moe.py)
             split_experts(list(self.model.layers), self.config, ep_mesh)
@@ -442,19 +446,22 @@ class HuggingFaceCausalLM(AdoptedCausalLM):
         if plan is not None:
             self.parallelize(tp_mesh, plan)
 
-    def parallelize(self, tp_mesh: Any, plan: Mapping[str, Any]) -> None:
+    def parallelize(self, tp_mesh: Any, plan: hf_config.LayerPlan) -> None:
         """Apply the family's tensor-parallel plan (:func:`tensor_parallel_plan`) to every decoder layer over
         ``tp_mesh``, and split the embedding and the head over the vocabulary (docs/design/tensor-parallel.md,
         "Models with a plan"): the embedding's output all-reduced whole (transformers' plan takes and gives whole
         hidden states), the head's logits never gathered (the loss runs under ``loss_parallel``); a tied head keeps
-        the embedding's matrix, both split by rows. The norms stay whole on every rank."""
+        the embedding's matrix, both split by rows. The norms stay whole on every rank (those the plan's shards
+        feed, as Qwen3's q/k norms, with their gradient summed over the ranks)."""
         from torch.distributed.tensor import Replicate, Shard
         from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
         for block in self.model.layers:
-            parallelize_module(block, tp_mesh, dict(plan))
+            hf_config.parallelize_layer(block, tp_mesh, plan, f"model_type {self.config.model_type!r}")
         parallelize_module(self.model.embed_tokens, tp_mesh,
                            RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()))
+        # a packed microbatch: the plan's output hook acts on the hidden state PackedEnds puts beside the positions
+        layout_hooks_on_entries(self.model.embed_tokens, None, packing.HIDDEN)
         parallelize_module(self.lm_head, tp_mesh, ColwiseParallel(output_layouts=Shard(-1), use_local_output=False))
         if self.config.tie_word_embeddings:  # each module got its own DTensor of the one matrix: one again
             self.lm_head.weight = self.model.embed_tokens.weight
@@ -486,10 +493,6 @@ class HuggingFaceCausalLM(AdoptedCausalLM):
 
     # ---- packed batches (models/packing.py) ------------------------------------------------------------------
     def pipeline_input(self, batch: Any) -> Any:
-        if isinstance(batch, Mapping) and self._tensor_parallel_size > 1:  # the embedding's hooks take tensors
-            raise ValueError(f"HuggingFaceCausalLM takes a packed batch (a mapping of {', '.join(sorted(batch))}) only "
-                             f"with tensor_parallel_size=1, got tensor_parallel_size={self._tensor_parallel_size}; "
-                             f"pass rows of token ids (a LongTensor (batch, seq + 1))")
         if not isinstance(batch, Mapping) or not (packing.POSITION_IDS in batch or set(batch) == {packing.INPUT_IDS}):
             x = super().pipeline_input(batch)  # token rows, or a refusal naming the batch form taken (padding)
         else:  # a packed batch, or a refusal naming what it lacks
@@ -539,55 +542,22 @@ class HuggingFaceCausalLM(AdoptedCausalLM):
         return output if self._router_loss is None or output is None else self._router_loss.split(output)[0]
 
 
-#: Families whose plan from transformers is verified exact against one device (tests/test_tensor_parallel_models.py);
-#: their attention reshapes by ``-1`` heads, so each rank runs its ``heads / t`` query and key/value heads.
-TENSOR_PARALLEL_FAMILIES = ("llama", "qwen2")
-#: transformers' plan styles and torch's equivalents (``integrations/tensor_parallel.py`` in transformers): a
-#: column-wise matrix gives its output's shard, a row-wise one all-reduces partial products into the whole output.
-TENSOR_PARALLEL_STYLES = ("colwise", "rowwise")
-#: The plan's prefix of the decoder layers' entries (``config.base_model_tp_plan`` in transformers 4.5x and 5.x).
-LAYERS_PREFIX = "layers.*."
-
-
-def tensor_parallel_plan(config: Any, tensor_parallel_size: int, processes: Optional[int] = None) -> dict[str, Any]:
+def tensor_parallel_plan(config: Any, tensor_parallel_size: int, processes: Optional[int] = None,
+                         kinds: Optional[dict[str, str]] = None) -> hf_config.LayerPlan:
     """The tensor-parallel plan of one decoder layer of ``config``'s family, from transformers' own
-    (``config.base_model_tp_plan``): ``{"self_attn.q_proj": ColwiseParallel(), ..., "mlp.down_proj":
-    RowwiseParallel()}``. Entries outside the decoder layers (the head's ``colwise_rep``) are not applied
-    (``HuggingFaceCausalLM.parallelize`` splits the embedding and the head over the vocabulary itself). Refused,
-    naming it: a family without a plan, one not verified exact (:data:`TENSOR_PARALLEL_FAMILIES`), a style other
-    than column- or row-wise, a ``tensor_parallel_size`` that does not divide the vocabulary, the heads or the
-    MLP's width (the sizes suggested instead also divide ``processes``, a pipeline replica's, where known), and a
-    dropout rate above 0 (``attention_dropout``: each rank would draw one device's mask for its own heads)."""
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
-
-    from lightning_async_pp.parallel.mesh import check_tensor_parallel_divides, check_tensor_parallel_no_dropout
-
-    family, t = config.model_type, tensor_parallel_size
-    upstream = getattr(config, "base_model_tp_plan", None) or {}
-    layers = {k[len(LAYERS_PREFIX):]: v for k, v in upstream.items() if k.startswith(LAYERS_PREFIX)}
-    if not layers:
-        raise ValueError(f"HuggingFaceCausalLM: model_type {family!r} has no tensor-parallel plan in transformers "
-                         f"(its config's base_model_tp_plan is empty), so tensor_parallel_size={t} is not supported "
-                         f"for it; use tensor_parallel_size=1, or a family with a plan: "
-                         f"{', '.join(TENSOR_PARALLEL_FAMILIES)}")
-    if family not in TENSOR_PARALLEL_FAMILIES:
-        raise ValueError(f"HuggingFaceCausalLM: tensor_parallel_size={t} is verified exact for model_type "
-                         f"{', '.join(TENSOR_PARALLEL_FAMILIES)} only, not {family!r} (transformers has a plan for it, "
-                         f"not yet tested against one device here); use tensor_parallel_size=1")
-    other = {k: v for k, v in layers.items() if v not in TENSOR_PARALLEL_STYLES}
-    if other:
-        raise ValueError(f"HuggingFaceCausalLM: model_type {family!r}'s tensor-parallel plan has styles "
-                         f"{other} that are not supported (only {', '.join(TENSOR_PARALLEL_STYLES)}); use "
-                         f"tensor_parallel_size=1")
-    check_tensor_parallel_divides(t, {"vocab_size": config.vocab_size, "num_attention_heads": config.num_attention_heads,
-                                      "num_key_value_heads": getattr(config, "num_key_value_heads", None),
-                                      "intermediate_size": getattr(config, "intermediate_size", None)},
-                                  f"model_type {family!r}", processes)
-    read = read_by_the_code(type(config))  # the dropout rates its layers draw with (attention_dropout)
-    check_tensor_parallel_no_dropout(t, {k: v for k, v in config.to_dict().items()
-                                         if ("dropout" in k or "pdrop" in k) and k in read}, f"model_type {family!r}")
-    styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
-    return {name: styles[style]() for name, style in layers.items()}
+    (``config.base_model_tp_plan``; ``kinds``, when given, is what :func:`hf_config.read_plan` read of
+    it), checked exact on a tiny copy of the config split over simulated ranks
+    (:func:`hf_probe.check_tensor_parallel`, which also finds the parameters whose gradient is
+    summed over the ranks). Entries outside the decoder layers (the head's ``colwise_rep``) are not applied:
+    ``HuggingFaceCausalLM.parallelize`` splits the embedding and the head over the vocabulary itself. Refused,
+    naming the reason (:class:`hf_config.TensorParallelRefusal`): a family without a plan, a style the
+    adapter does not apply, a difference or failure on the tiny copy, a ``tensor_parallel_size`` that does not
+    divide the vocabulary, the heads or the MLP's width (the sizes suggested instead also divide ``processes``, a
+    pipeline replica's, where known), and a dropout rate above 0."""
+    if kinds is None:
+        kinds = hf_config.read_plan(config, tensor_parallel_size, processes, read_by_the_code(type(config)))
+    summed = hf_probe.check_tensor_parallel(HuggingFaceCausalLM, config, kinds)
+    return hf_config.LayerPlan(kinds, summed)
 
 
 def _has_path(root: Any, path: str) -> bool:

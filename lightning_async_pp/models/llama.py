@@ -31,6 +31,7 @@ from lightning_async_pp.module import PipelineModule, layer_seed
 from lightning_async_pp.optim.groups import decay_matrices_only
 from lightning_async_pp.parallel.expert import expert_parallel_mesh
 from lightning_async_pp.parallel.mesh import tensor_parallel_mesh
+from lightning_async_pp.parallel.tensor_parallel import layout_hooks_on_entries
 
 
 @dataclass(frozen=True)
@@ -177,7 +178,7 @@ class Block(nn.Module):
         x, carried = take_statistics(x)
         if isinstance(x, Mapping):  # a packed microbatch: the hidden state with its positions
             h, pos = x[packing.HIDDEN], x[packing.POSITION_IDS]
-            h = h + self.attn(self.attn_norm(h), pos)
+            h = h + self.attn(self.attn_norm(h), position_ids=pos)  # a keyword: the plan's input hook takes h alone
             m, carried = self._mlp(self.mlp_norm(h), carried)
             return with_statistics({packing.HIDDEN: h + m, packing.POSITION_IDS: pos}, carried)
         x = x + self.attn(self.attn_norm(x))
@@ -335,6 +336,8 @@ class Llama(BuiltInInit, PipelineModule):
                 "mlp.gate_proj": ColwiseParallel(), "mlp.up_proj": ColwiseParallel(),
                 "mlp.down_proj": RowwiseParallel(output_layouts=Shard(1))}
         parallelize_module(self.embed, tp_mesh, RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)))
+        # a packed microbatch: its ids in, its hidden state's sequence shard out, the positions whole beside them
+        layout_hooks_on_entries(self.embed, packing.INPUT_IDS, packing.HIDDEN)
         for block in self.blocks:
             parallelize_module(block, tp_mesh, plan)
         parallelize_module(self.head, tp_mesh, {

@@ -304,21 +304,16 @@ def packed_input(batch: Mapping[str, Tensor]) -> dict[str, Tensor]:
 def model_input(batch: Any, who: str, tensor_parallel_size: int = 1) -> Any:
     """What a built-in model's first layer takes: a row of token ids without its last column, or a checked packed
     batch's ids and positions likewise (``who`` names the model in the refusal). With ``tensor_parallel_size > 1``
-    the model's sequence-parallel plan splits each row's tokens over the ranks: a packed batch and a row ``t``
-    does not split are refused."""
+    the model's sequence-parallel plan splits each row's tokens over the ranks: a row ``t`` does not split is
+    refused (a packed batch's too; its positions stay whole on every rank, for the attention, split by heads, to
+    find every document)."""
     t = tensor_parallel_size
-    if t > 1:
-        if not isinstance(batch, Tensor):
-            raise ValueError(f"{who} takes a packed batch ({type(batch).__name__} of input_ids and position_ids) "
-                             f"only with tensor_parallel_size=1, got tensor_parallel_size={t}; pass rows of "
-                             f"token ids (a LongTensor (batch, seq + 1))")
-        if (batch.shape[1] - 1) % t != 0:
-            raise ValueError(f"{who} with tensor_parallel_size={t} splits each row's {batch.shape[1] - 1} input "
-                             f"tokens over the tensor-parallel ranks (sequence parallelism): use a sequence length "
-                             f"divisible by {t}")
-    if isinstance(batch, Tensor):
-        return batch[:, :-1]
-    return packed_input(check_packed(batch, who))
+    x = batch[:, :-1] if isinstance(batch, Tensor) else packed_input(check_packed(batch, who))
+    length = (x if isinstance(x, Tensor) else x[INPUT_IDS]).shape[1]
+    if t > 1 and length % t != 0:
+        raise ValueError(f"{who} with tensor_parallel_size={t} splits each row's {length} input tokens over the "
+                         f"tensor-parallel ranks (sequence parallelism): use a sequence length divisible by {t}")
+    return x
 
 
 def token_row(length: int) -> Tensor:

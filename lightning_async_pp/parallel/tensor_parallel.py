@@ -158,7 +158,9 @@ def whole(values: Mapping[str, Any]) -> dict[str, Any]:
 def is_tensor_parallel_hook(hook: Any) -> bool:
     """A module hook that torch's ``parallelize_module`` registered (``distribute_module``'s input and output
     redistributions): its code lives under ``torch/distributed/tensor/`` (a plain function, a bound method or a
-    ``functools.partial`` of one)."""
+    ``functools.partial`` of one), or one of those made to act inside a mapping (:class:`OnMappingEntry`)."""
+    if isinstance(hook, OnMappingEntry):
+        return True
     func = getattr(hook, "func", hook)  # functools.partial
     code = getattr(getattr(func, "__func__", func), "__code__", None)
     return (getattr(func, "__module__", "") or "").startswith("torch.distributed.tensor") or (
@@ -166,6 +168,43 @@ def is_tensor_parallel_hook(hook: Any) -> bool:
 
 
 _LAYOUT_CODE = os.path.join("torch", "distributed", "tensor", "")
+
+
+class OnMappingEntry:
+    """A layout hook of torch's (a forward pre-hook or forward hook that ``parallelize_module`` registered), made to
+    act on one entry of a mapping where the module takes or gives one: a packed microbatch's token ids going into
+    the embedding, its hidden state coming out, while the positions beside them pass untouched (whole on every
+    rank: each rank attends over the whole sequence, its own heads, and needs every document's bounds). A tensor
+    goes through the hook as before."""
+
+    def __init__(self, hook: Any, key: str, pre: bool) -> None:
+        self.hook, self.key, self.pre = hook, key, pre
+
+    def __call__(self, module: nn.Module, args: tuple, *output: Any) -> Any:
+        if self.pre:
+            if args and isinstance(args[0], Mapping) and self.key in args[0]:
+                made = self.hook(module, (args[0][self.key], *args[1:]))
+                made = made if made is not None else (args[0][self.key],)
+                made = made if isinstance(made, tuple) else (made,)
+                return ({**args[0], self.key: made[0]}, *made[1:])
+            return self.hook(module, args)
+        (out,) = output
+        if isinstance(out, Mapping) and self.key in out:
+            made = self.hook(module, args, out[self.key])
+            return {**out, self.key: out[self.key] if made is None else made}
+        return self.hook(module, args, out)
+
+
+def layout_hooks_on_entries(module: nn.Module, takes: Optional[str], gives: Optional[str]) -> None:
+    """Make the layout hooks ``parallelize_module`` registered on ``module`` itself (not its children) act on entry
+    ``takes`` of a mapping it is called with and entry ``gives`` of a mapping it returns (:class:`OnMappingEntry`;
+    ``None``: that side as it was). Each keeps its place among the module's hooks."""
+    for hooks, key, pre in ((module._forward_pre_hooks, takes, True), (module._forward_hooks, gives, False)):
+        if key is None:
+            continue
+        for name, hook in list(hooks.items()):
+            if is_tensor_parallel_hook(hook) and not isinstance(hook, OnMappingEntry):
+                hooks[name] = OnMappingEntry(hook, key, pre)
 
 
 def undo_tensor_parallelism(modules: Iterable[nn.Module], device: torch.device) -> bool:
@@ -190,6 +229,16 @@ def undo_tensor_parallelism(modules: Iterable[nn.Module], device: torch.device) 
                               sub._forward_hooks_always_called):
                     extra.pop(key, None)
     return bool(replaced)
+
+
+def tensor_parallel_group(modules: Iterable[nn.Module]) -> Any:
+    """The process group of the mesh ``modules``' DTensor parameters are laid out on (this rank's tensor-parallel
+    group), or ``None`` when they have none."""
+    for module in modules:
+        for p in module.parameters():
+            if isinstance(p, DTensor):
+                return p.device_mesh.get_group()
+    return None
 
 
 def loss_context(tensor_parallel: bool) -> AbstractContextManager[Any]:

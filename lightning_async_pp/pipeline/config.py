@@ -146,8 +146,6 @@ class PipelineConfig:
         """The options not supported with ``tensor_parallel_size > 1`` yet (docs/design/tensor-parallel.md, "What
         runs"): refused here, before any process starts."""
         unsupported = [
-            (self.compile is not False, f"compile={self.compile!r}", "use compile=False"),
-            (self.layer_cost != "flops", f"layer_cost={self.layer_cost!r}", "use layer_cost='flops'"),
             (self.num_stages is not None, f"num_stages={self.num_stages!r}", "drop num_stages (the stages are the "
              "processes / tensor_parallel_size)"),
         ]

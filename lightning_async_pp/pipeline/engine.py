@@ -49,7 +49,7 @@ from lightning_async_pp.pipeline.versions import WeightVersions
 from lightning_async_pp.plan.balanced import (MemoryModel, SplitReport, layer_costs, report_for, shared_parameters,
                                               split_and_run_ahead, stage_memory_bytes)
 from lightning_async_pp.plan.partition import partition_layers
-from lightning_async_pp.plan.timing import measure_layer_times
+from lightning_async_pp.plan.timing import agreed_layer_times
 from lightning_async_pp.trace import Span
 
 
@@ -208,22 +208,12 @@ class PipelineEngine:
 
     def _measured_times(self, sample_batch: Any, input_fn: Callable[[Any], Any],
                         loss_fn: Callable[[Any, Any], Tensor]) -> Optional[list[float]]:
-        """``layer_cost="measured"``: rank 0 times each layer on its device (plan/timing.py) and every process
-        takes rank 0's times, so all choose one split (each timing its own would disagree by noise). ``None``
-        (the FLOPs are used) where rank 0 could not time them or has no sample (``sample_batch`` None)."""
-        times: Optional[list[float]] = None
-        if self.rank == 0 and sample_batch is not None:
-            try:
-                times = measure_layer_times(self.layers, sample_batch, input_fn, loss_fn, self.device,
-                                            context=self._compute_context, checkpointed=self.checkpointed_layers)
-            except Exception as err:  # out of memory on the device, a layer that needs real weights
-                warnings.warn(f"layer_cost='measured' could not time the layers on {self.device} "
-                              f"({type(err).__name__}: {err}); using their FLOPs instead", stacklevel=4)
-        if self.is_multiprocess:
-            box = [times]
-            dist.broadcast_object_list(box, src=0)
-            times = box[0]
-        return times
+        """``layer_cost="measured"``: rank 0's layer times (under tensor parallelism its tensor-parallel group's,
+        each layer's slowest) on every process, so all choose one split (plan/timing.py). ``None`` (the FLOPs
+        are used) where they could not be timed or there is no sample (``sample_batch`` None)."""
+        return agreed_layer_times(self.layers, sample_batch, input_fn, loss_fn, self.device, rank=self.rank,
+                                  multiprocess=self.is_multiprocess, context=self._compute_context,
+                                  checkpointed=self.checkpointed_layers)
 
     def own_layer_indices(self) -> list[int]:
         """The global indices of the layers this process runs."""

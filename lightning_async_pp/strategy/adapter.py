@@ -87,8 +87,10 @@ class AsyncPipelineStrategy(PipelineStateHooks, TrainingBatches, FailureReportin
         layer_cost: what the balanced split (and the split's printed report) weighs each layer by: ``"flops"``
             (default: forward and backward FLOPs counted on fake tensors, nothing run) or ``"measured"`` (rank 0
             times each layer's forward and backward on its device, one layer in memory at a time, and every
-            process takes its times; memory-bound work and overheads that FLOPs miss are counted; noise can choose
-            another split in another run: copy the printed one into ``partition`` to reproduce a run). See
+            process takes its times; under tensor parallelism rank 0's stage's ranks time them together, their
+            collectives included, each layer's time the slowest rank's; memory-bound work and overheads that FLOPs
+            miss are counted; noise can choose another split in another run: copy the printed one into
+            ``partition`` to reproduce a run). See
             docs/design/planner.md, 'Balanced split'.
         last_stage_run_ahead: 2bw's last stage runs the next batch's first microbatch before its update (a second
             gradient there); None: on unless ``stage_memory_gib`` leaves room for one gradient only; True; False

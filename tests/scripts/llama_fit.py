@@ -8,11 +8,16 @@ samples, batch, seq,
 val_every + val_batches (validation during fit), text_samples (TextSamples keyword arguments),
 log_dir (a TensorBoardLogger there), timeout, clip (Trainer's gradient_clip_val), strategy_kwargs (more
 AsyncPipelineStrategy arguments),
-packed (rows as packed batches {"input_ids", "position_ids"} of documents 1..7 tokens long, ``skip_document_ends``),
+packed (rows as packed batches {"input_ids", "position_ids"} of documents 1..7 tokens long, ``skip_document_ends``
+unless skip_ends is False),
 eval_batch (the batch size of the non-fit calls of a sequence, last batch ragged), record_state_bytes (each call of
 a sequence records the optimizer state per layer its split counted),
 activation_checkpointing, stage_memory_gib (strategy options as named), pool_buffers (receive buffers pooled as on
 CUDA: ``StageLink.REUSE_BUFFERS_ON_CPU``),
+compile_counted (compiled layers through a backend counting its graphs, aot_eager's: each rank returns the count
+after each training batch as "graphs_per_batch"),
+skew_times ({"tp_rank", "layer", "factor"}: with layer_cost="measured", that tensor-parallel rank's timing of that
+layer multiplied by the factor; each rank returns what it timed as "own_times"),
 cases: {name: config}: several runs in one launch (``run_cases``), each result under its name.
 data_parallel (data_parallel_size r; ``batch`` and ``microbatches`` are a replica's: on one device each batch is the
 r replicas' batches one after another, of ``r x microbatches`` microbatches, the run r replicas make; with
@@ -21,7 +26,8 @@ the replicas' batches of that epoch, as their samplers shuffle it),
 tensor_parallel (tensor_parallel_size; the weights are not gathered: every rank returns its stage's parameters
 whole as "stage_weights", each DTensor's shards gathered over its tensor-parallel group, and its own shards as
 "local_weights", and the shapes it sent or received across the stage boundary as "crossed"), swap_shards (a control: the model takes each sharded matrix's
-neighbouring tensor-parallel rank's slice at initialization), model ("hf": a tiny transformers Llama,
+neighbouring tensor-parallel rank's slice at initialization), unsummed (a control: the transformers plan's summed
+parameters, Qwen3's q/k norms, left plain), model ("hf": a tiny transformers Llama,
 ``HF_LLAMA`` updated by ``hf_config``, or the config and weights of the save_pretrained folder ``pretrained``,
 through models.HuggingFaceCausalLM; "own": ``OwnPlanLM``, a PipelineModule applying its own plan; "gpt":
 a tiny models.GPT, untied; else models.Llama), optimizer ("muon": optim.Muon over the named parameters,
@@ -144,6 +150,16 @@ class HFSwappedShards(HuggingFaceCausalLM):
         swap_shards(layer)
 
 
+class HFUnsummed(HuggingFaceCausalLM):
+    """A control: the plan's summed parameters (Qwen3's q/k norms) left plain, each rank stepping them with its
+    own heads' part of the gradient."""
+
+    def parallelize(self, tp_mesh: Any, plan: Any) -> None:
+        import dataclasses
+
+        super().parallelize(tp_mesh, dataclasses.replace(plan, summed=()))
+
+
 class GPTSwappedShards(GPT):
     """``LlamaSwappedShards`` of ``models.GPT`` (built whole in ``__init__``: its plan lays out the values it has)."""
 
@@ -238,6 +254,22 @@ class OwnPlanLM(PipelineModule):
         return torch.optim.AdamW(self.parameters(), lr=self.hparams.lr)
 
 
+class GraphsPerBatch(L.Callback):
+    """A ``torch.compile`` backend (``backend``) that counts the graphs it compiles and runs them through
+    ``aot_eager`` (AOTAutograd's forward and backward graphs, eager kernels), and the count after each training
+    batch (``after_batch``)."""
+
+    def __init__(self) -> None:
+        self.graphs, self.after_batch = 0, []
+
+    def backend(self, gm: Any, example_inputs: list) -> Any:
+        self.graphs += 1
+        return torch._dynamo.lookup_backend("aot_eager")(gm, example_inputs)
+
+    def on_train_batch_end(self, *args: Any) -> None:
+        self.after_batch.append(self.graphs)
+
+
 class WeightsPerStep(L.Callback):
     """Keeps this rank's stage's parameters whole (a DTensor's shards gathered over its tensor-parallel group) as
     training starts and after every step: ``history[k]`` is ``W_k`` by parameter name."""
@@ -299,13 +331,15 @@ def build(cfg: dict) -> tuple[Llama, DataLoader, L.Trainer]:
         if cfg.get("pretrained"):  # a save_pretrained folder's config and weights
             config = None
         model = (HFSwappedShards if cfg.get("swap_shards") else HFMisroutedExperts if cfg.get("misroute_experts")
+                 else HFUnsummed if cfg.get("unsummed")
                  else HuggingFaceCausalLM)(
             config, lr=cfg.get("lr", 3e-3), init_seed=cfg.get("seed", 0), pretrained=cfg.get("pretrained"))
     else:
         kind = (LlamaGroupedByName if cfg.get("groups_by_name") else LlamaSwappedShards if cfg.get("swap_shards")
                 else LlamaMisroutedExperts if cfg.get("misroute_experts") else Llama)
         model = kind("tiny", vocab_size=cfg.get("vocab", 256), tie_embeddings=tie, max_seq_len=cfg.get("max_seq_len", 64),
-                     lr=cfg.get("lr", 3e-3), skip_document_ends=bool(cfg.get("packed")), **cfg.get("experts", {}),
+                     lr=cfg.get("lr", 3e-3), skip_document_ends=bool(cfg.get("packed")) and cfg.get("skip_ends", True),
+                     **cfg.get("experts", {}),
                      **kwargs)
     if cfg.get("optimizer"):
         model.configure_optimizers = lambda: chosen_optimizer(model, cfg["optimizer"])  # type: ignore[method-assign]
@@ -370,9 +404,13 @@ def make_trainer(cfg: dict) -> L.Trainer:
 
     StageLink.REUSE_BUFFERS_ON_CPU = bool(cfg.get("pool_buffers"))  # what CUDA does; each case sets its own
     kwargs.update(cfg.get("strategy_kwargs", {}))
+    graphs = None
+    if cfg.get("compile_counted"):  # compiled layers through a backend that counts the graphs it is given
+        graphs = GraphsPerBatch()
+        kwargs["compile"] = {"backend": graphs.backend}
     strategy = AsyncPipelineStrategy(schedule=cfg.get("schedule", "2bw"), num_microbatches=microbatches,
                                      pipeline_timeout=cfg.get("timeout", 60.0), **kwargs)
-    callbacks: list[Any] = []
+    callbacks: list[Any] = [graphs] if graphs is not None else []
     if cfg.get("save_at"):
         from lightning.pytorch.callbacks import ModelCheckpoint
 
@@ -406,6 +444,36 @@ def make_trainer(cfg: dict) -> L.Trainer:
         limit_val_batches=cfg.get("val_batches", 1) if val_every or cfg.get("sequence") else 0, val_check_interval=val_every,
     )
     return trainer
+
+
+def skewed_times(skew: dict, tensor_parallel: int) -> Any:
+    """A context in which ``layer_cost="measured"``'s timing on tensor-parallel rank ``skew["tp_rank"]`` multiplies
+    layer ``skew["layer"]``'s time by ``skew["factor"]`` (the ranks' timings then differ); what each call timed, as
+    this rank returns it, is appended to the yielded list."""
+    import contextlib
+
+    import torch.distributed as dist
+
+    from lightning_async_pp.plan import timing
+
+    @contextlib.contextmanager
+    def patched() -> Any:
+        measure, seen = timing.measure_layer_times, []
+
+        def skewed(*args: Any, **kwargs: Any) -> list[float]:
+            times = measure(*args, **kwargs)
+            if dist.get_rank() % tensor_parallel == skew["tp_rank"]:
+                times[skew["layer"]] *= skew["factor"]
+            seen.append(list(times))
+            return times
+
+        timing.measure_layer_times = skewed
+        try:
+            yield seen
+        finally:
+            timing.measure_layer_times = measure
+
+    return patched()
 
 
 @contextmanager
@@ -477,6 +545,11 @@ def refused_setup(cfg: dict, model: Llama, loader: DataLoader, trainer: L.Traine
 def run(cfg: dict, devices: int) -> tuple[dict, Llama, L.Trainer]:
     if cfg.get("sequence"):
         return run_sequence(cfg, devices)
+    if cfg.get("skew_times"):
+        with skewed_times(cfg["skew_times"], cfg.get("tensor_parallel", 1)) as seen:
+            result, model, trainer = run({**cfg, "skew_times": None}, devices)
+        result["own_times"] = seen
+        return result, model, trainer
     model, loader, trainer = build({**cfg, "devices": devices})
     if cfg.get("refused"):
         return refused_setup(cfg, model, loader, trainer), model, trainer
@@ -489,9 +562,15 @@ def run(cfg: dict, devices: int) -> tuple[dict, Llama, L.Trainer]:
         trainer.save_checkpoint(cfg["save_after"])  # after fit, as Lightning users habitually save
     result: dict[str, Any] = {"rank": trainer.global_rank, "global_step": trainer.global_step,
                               "split": (trainer.strategy.engine.stats.split.method,
-                                        list(trainer.strategy.engine.stats.split.counts))}
+                                        list(trainer.strategy.engine.stats.split.counts)),
+                              "split_cost": trainer.strategy.engine.stats.split.cost}
     if "val_loss" in trainer.callback_metrics:
         result["val_loss"] = float(trainer.callback_metrics["val_loss"])
+    counted = [c for c in trainer.callbacks if isinstance(c, GraphsPerBatch)]
+    if counted:
+        result["graphs_per_batch"] = counted[0].after_batch
+
+
     if cfg.get("count_expert_reads"):
         result["expert_reads"] = expert_reads
     if cfg.get("monitors"):  # what the monitors logged (rank 0's logger writes) and the weights they saw
