@@ -10,10 +10,12 @@ is wider: its Newton-Schulz runs in bfloat16).
 """
 from __future__ import annotations
 
+import math
 import sys
 from pathlib import Path
 
 import pytest
+
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent / "scripts"))
@@ -300,13 +302,20 @@ def test_a_sharded_layer_initialized_inside_whole_parameters_holds_its_slice_of_
     try:
         mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tensor_parallel",))
         block = parallelize_module(llama_fit.ResidualMLP(8), mesh, {"fc": ColwiseParallel(), "proj": RowwiseParallel()})
-        torch.manual_seed(0)
+
+        def initialize(module: torch.nn.Module) -> None:  # Linear's own rule, drawn from a private generator: the global
+            g = torch.Generator().manual_seed(0)  # one is shared with any thread a previous test left running
+            for linear in (module.fc, module.proj):
+                torch.nn.init.kaiming_uniform_(linear.weight, a=math.sqrt(5), generator=g)
+                torch.nn.init.uniform_(linear.bias, -linear.in_features ** -0.5, linear.in_features ** -0.5, generator=g)
+
         one_device = llama_fit.ResidualMLP(8)
+        with torch.no_grad():
+            initialize(one_device)
         with whole_parameters(block):
             assert not any(isinstance(p, DTensor) for p in block.parameters())
-            torch.manual_seed(0)
-            for module in (block.norm, block.fc, block.proj):
-                module.reset_parameters()
+            with torch.no_grad():
+                initialize(block)
         fc, proj = block.fc.weight, block.proj.weight
         assert isinstance(fc, DTensor) and fc.to_local().shape == (16, 8) and proj.to_local().shape == (8, 16)
         assert torch.equal(fc.to_local(), one_device.fc.weight.detach()[16:])  # rank 1: the second half of the rows
