@@ -289,6 +289,19 @@ def test_a_parameter_outside_the_plan_is_whole_when_each_rank_has_its_gradient_s
 
 
 def test_a_sharded_layer_initialized_inside_whole_parameters_holds_its_slice_of_the_one_device_values():
+    # In a fresh interpreter, which plays one rank as a real process does: in the suite's process, after other tests
+    # played rank 0 of a fake group, the 1-D bias's shard came back as rank 0's slice (the 2-D weight's was right),
+    # state left by those tests that this check must not see.
+    import subprocess
+
+    code = ("import sys; sys.path[:0] = ['tests', 'tests/scripts']; "
+            "import test_tensor_parallel_models as t; t.sharded_initialization_check()")
+    done = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[1], capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-4000:]
+
+
+def sharded_initialization_check() -> None:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor

@@ -432,7 +432,7 @@ class HuggingFaceCausalLM(AdoptedCausalLM):
         # First what the plan refuses by name (styles, sizes it does not divide, dropout), which the checks below
         # would only see fail
         kinds = (hf_config.read_plan(self.config, tp_mesh.size(), replica_processes(self.device_mesh),
-                                              read_by_the_code(type(self.config))) if tp_mesh is not None else None)
+                                     read_by_the_code(type(self.config))) if tp_mesh is not None else None)
         if self.check_exact:
             # Before any layer gets memory: refuses a family whose pipeline layers differ from the upstream forward.
             # The adapter itself, not a subclass: a subclass may take other constructor arguments.
