@@ -6,12 +6,12 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 
-from lightning_async_pp.callbacks.figures import log_to_loggers, logging_step_due, pipeline_strategy
+from lightning_async_pp.callbacks.figures import (log_to_loggers, logged_pipeline_strategy, logging_step_due,
+                                                   pipeline_strategy)
 
 
 class ExpertMonitor(Callback):
@@ -46,9 +46,7 @@ class ExpertMonitor(Callback):
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         if stage != "fit":
             return
-        pipeline_strategy(trainer, type(self).__name__)
-        if not trainer.loggers:
-            raise MisconfigurationException(f"Cannot use {type(self).__name__} with a Trainer that has no logger")
+        logged_pipeline_strategy(trainer, type(self).__name__)
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         stats = pipeline_strategy(trainer, type(self).__name__).engine.stats

@@ -17,6 +17,7 @@ from typing import Any, Optional
 
 import torch
 from lightning.pytorch import Trainer
+from lightning.fabric.utilities.exceptions import MisconfigurationException
 from torch import Tensor
 from torchmetrics import Metric
 
@@ -123,4 +124,12 @@ def pipeline_strategy(trainer: Trainer, owner: str) -> Any:
             f"{owner} reads the pipeline of AsyncPipelineStrategy; this Trainer uses {type(strategy).__name__}. "
             f"Pass strategy=AsyncPipelineStrategy(...) (or strategy='async_pipeline') to the Trainer"
         )
+    return strategy
+
+
+def logged_pipeline_strategy(trainer: Trainer, owner: str) -> Any:
+    """:func:`pipeline_strategy`, for a monitor that logs: also a clear error when the Trainer has no logger."""
+    strategy = pipeline_strategy(trainer, owner)
+    if not trainer.loggers:
+        raise MisconfigurationException(f"Cannot use {owner} with a Trainer that has no logger")
     return strategy

@@ -12,14 +12,13 @@ from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
-from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 
-from lightning_async_pp.callbacks.figures import (StageFigures, log_to_loggers, logger_step, logging_step_due,
-                                                   pipeline_strategy)
+from lightning_async_pp.callbacks.figures import (StageFigures, log_to_loggers, logged_pipeline_strategy, logger_step,
+                                                   logging_step_due, pipeline_strategy)
 from lightning_async_pp.pipeline.microbatch import batch_size_of
 from lightning_async_pp.trace import ProcessSpans, clock_offset, schedule_figure, spans_of, write_chrome_trace
 
@@ -156,9 +155,7 @@ class PipelineMonitor(Callback):
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         if stage != "fit":
             return
-        pipeline_strategy(trainer, type(self).__name__)
-        if not trainer.loggers:
-            raise MisconfigurationException(f"Cannot use {type(self).__name__} with a Trainer that has no logger")
+        logged_pipeline_strategy(trainer, type(self).__name__)
         self._pictures = self.schedule_image_every_n_steps is not None and bool(_tensorboards(trainer))
         if self.schedule_image_every_n_steps is not None and not self._pictures:
             rank_zero_warn(f"{type(self).__name__}(schedule_image_every_n_steps=...) logs its picture to a "

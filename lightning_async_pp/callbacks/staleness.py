@@ -13,7 +13,6 @@ from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
-from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
@@ -21,6 +20,7 @@ from torch import Tensor
 from lightning_async_pp.callbacks.figures import (
     StageFigures,
     log_to_loggers,
+    logged_pipeline_strategy,
     logging_step_due,
     pipeline_strategy,
 )
@@ -140,9 +140,7 @@ class StalenessMonitor(Callback):
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         if stage != "fit":
             return
-        strategy = pipeline_strategy(trainer, type(self).__name__)
-        if not trainer.loggers:
-            raise MisconfigurationException(f"Cannot use {type(self).__name__} with a Trainer that has no logger")
+        strategy = logged_pipeline_strategy(trainer, type(self).__name__)
         if self.probe_every is not None and strategy.is_multiprocess:
             raise ValueError(
                 f"{type(self).__name__}(probe_every={self.probe_every}) needs the whole model in one process: the "
