@@ -34,7 +34,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository root: the benchmarks package
 from benchmarks.harness import (in_turn, load_line, median_gap, median_ratio, one_thread_env,  # noqa: E402
-                                peak_rss_mib, resident_mib, run_ranks, step_recorder, wall_time_line, write_json)
+                                peak_rss_mib, resident_mib, resident_peak_env, run_ranks, step_recorder,
+                                wall_time_line, write_json)
 
 one_thread_env()
 
@@ -89,10 +90,7 @@ def run(cfg: dict) -> list[dict]:
     """One ``Trainer.fit`` over 4 processes (this script's ``--worker``; Lightning starts the other ranks)."""
     return run_ranks([os.path.abspath(__file__), "--worker", json.dumps(cfg)], "rank*.json", f"run {cfg}",
                      timeout=3600, ranks=STAGES * REPLICAS,
-                     env={"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
-                          # glibc's malloc otherwise raises its mmap threshold as large blocks are freed and keeps
-                          # later ones of that size in its heap: the resident peak would count freed memory
-                          "MALLOC_MMAP_THRESHOLD_": os.environ.get("MALLOC_MMAP_THRESHOLD_", "131072")})
+                     env=resident_peak_env())
 
 
 def main() -> None:

@@ -359,6 +359,14 @@ def run_pairs(target: Callable, cfgs: list[dict], name: str, profile: bool, time
     return [list(pair) for pair in zip(*per_rank)]
 
 
+def resident_peak_env() -> dict[str, str]:
+    """The environment of ranks whose resident peak is measured: one thread each unless set, and glibc's mmap
+    threshold fixed (unless set): glibc otherwise raises it as large blocks are freed and keeps later ones of that size
+    in its heap, so that the resident peak would count freed memory."""
+    return {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
+            "MALLOC_MMAP_THRESHOLD_": os.environ.get("MALLOC_MMAP_THRESHOLD_", "131072")}
+
+
 def run_ranks(argv: list[str], pattern: str, what: str, timeout: float, ranks: int = 2,
               env: Optional[dict[str, str]] = None, capture: bool = True) -> list[dict]:
     """``python argv --out-dir DIR`` in a subprocess of its own session (Lightning re-executes it for the other

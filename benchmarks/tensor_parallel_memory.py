@@ -28,7 +28,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository root: the benchmarks package
 from benchmarks.harness import (median_gap, one_thread_env, peak_rss_mib, resident_mib,  # noqa: E402
-                                run_ranks, step_recorder, write_json)
+                                resident_peak_env, run_ranks, step_recorder, write_json)
 
 one_thread_env()
 
@@ -73,10 +73,7 @@ def run(cfg: dict) -> list[dict]:
     """One ``Trainer.fit`` over ``2 x t`` processes (this script's ``--worker``; Lightning starts the other ranks)."""
     return run_ranks([os.path.abspath(__file__), "--worker", json.dumps(cfg)], "rank*.json", f"run {cfg}",
                      timeout=3600, ranks=2 * cfg["tensor_parallel"],
-                     env={"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
-                          # glibc's malloc otherwise raises its mmap threshold as large blocks are freed and keeps
-                          # later ones of that size in its heap: the resident peak would count freed memory
-                          "MALLOC_MMAP_THRESHOLD_": os.environ.get("MALLOC_MMAP_THRESHOLD_", "131072")})
+                     env=resident_peak_env())
 
 
 def main() -> None:
