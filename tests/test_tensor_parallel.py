@@ -648,10 +648,9 @@ def test_the_split_report_names_the_layout():
     assert SplitReport("explicit", (3, 3), (), (), layout=layout).describe().startswith(f"{layout}, partition=")
 
 
-def test_llama_under_sequence_parallelism_refuses_rows_it_cannot_split_packed_or_not(two_rank_mesh):
-    model = Llama("tiny", init_seed=0, max_seq_len=64)
-    model.configure_model()
-    model.parallelize(two_rank_mesh)
+def check_rows_split_packed_or_not(model) -> None:
+    """On 2 tensor-parallel ranks, a model's rows of 16 input tokens (17 with the shifted target) split alike, token
+    rows and packed ones (whose positions stay whole beside them); rows of 15 are refused naming the count."""
     assert model.pipeline_input(torch.zeros(2, 17, dtype=torch.long)).shape == (2, 16)
     with pytest.raises(ValueError, match=r"splits each row's 15 input tokens .* divisible by 2"):
         model.pipeline_input(torch.zeros(2, 16, dtype=torch.long))
@@ -661,6 +660,13 @@ def test_llama_under_sequence_parallelism_refuses_rows_it_cannot_split_packed_or
     with pytest.raises(ValueError, match=r"splits each row's 15 input tokens .* divisible by 2"):
         model.pipeline_input({"input_ids": torch.zeros(2, 16, dtype=torch.long),
                               "position_ids": torch.zeros(2, 16, dtype=torch.long)})
+
+
+def test_llama_under_sequence_parallelism_refuses_rows_it_cannot_split_packed_or_not(two_rank_mesh):
+    model = Llama("tiny", init_seed=0, max_seq_len=64)
+    model.configure_model()
+    model.parallelize(two_rank_mesh)
+    check_rows_split_packed_or_not(model)
 
 
 def test_only_sharded_parameters_count_on_every_tensor_parallel_rank_in_the_clipping_norm(two_rank_mesh):

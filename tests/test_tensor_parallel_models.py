@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).parent / "scripts"))
 import llama_fit  # noqa: E402
 from pipeline_runs import (  # noqa: E402
     max_difference, run_here_on_one_device, script_ranks, whole_tensor_parallel_model)
-from test_tensor_parallel import MUON_TOL  # noqa: E402
+from test_tensor_parallel import MUON_TOL, check_rows_split_packed_or_not  # noqa: E402
 
 from lightning_async_pp.models.hf_config import as_pretrained_config  # noqa: E402
 from lightning_async_pp.models.huggingface import tensor_parallel_plan  # noqa: E402
@@ -357,16 +357,7 @@ def test_gpts_plan_refuses_dropout_and_rows_it_cannot_split_packed_or_not_and_sp
         model.parallelize(mesh)
         qkv = model.blocks[0].attn.qkv.weight
         assert qkv.placements == (_StridedShard(0, split_factor=3),) and qkv.to_local().shape == (48, 32)
-        assert model.pipeline_input(torch.zeros(2, 17, dtype=torch.long)).shape == (2, 16)
-        with pytest.raises(ValueError, match=r"splits each row's 15 input tokens .* divisible by 2"):
-            model.pipeline_input(torch.zeros(2, 16, dtype=torch.long))
-        # a packed batch: its rows split alike, its positions kept whole (the attention finds every document)
-        packed = model.pipeline_input({"input_ids": torch.zeros(2, 17, dtype=torch.long),
-                                       "position_ids": torch.zeros(2, 17, dtype=torch.long)})
-        assert packed["input_ids"].shape == packed["position_ids"].shape == (2, 16)
-        with pytest.raises(ValueError, match=r"splits each row's 15 input tokens .* divisible by 2"):
-            model.pipeline_input({"input_ids": torch.zeros(2, 16, dtype=torch.long),
-                                  "position_ids": torch.zeros(2, 16, dtype=torch.long)})
+        check_rows_split_packed_or_not(model)  # packed too: positions whole, every document found
     finally:
         dist.destroy_process_group()
 
